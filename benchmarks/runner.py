@@ -1,0 +1,67 @@
+"""``mmcache bench``: run one benchmark with its options, or every registered one in quick mode."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+from . import REGISTRY
+from .table import render
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="run benchmarks and print the comparison table",
+                       description="mmcache bench [NAME] [--json PATH] [--quick] [NAME's options]. Without NAME, "
+                                   "every benchmark runs in quick mode. Benchmarks: " + ", ".join(REGISTRY))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="NAME and its options")
+    p.set_defaults(func=main)
+
+
+def bench_parser(name: str, module) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"mmcache bench {name}", description=module.DESCRIPTION)
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--quick", action="store_true", help="the small configuration `mmcache bench` uses")
+    module.add_arguments(p)
+    return p
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def main(args) -> int:
+    rest = list(args.rest)
+    if rest and rest[0] in REGISTRY:
+        name = rest.pop(0)
+        module = importlib.import_module(REGISTRY[name])
+        opts = bench_parser(name, module).parse_args(rest)
+        result = module.run(opts)
+        _write(opts.json, result)
+        print(render(module.table_rows(result)))
+        return 0
+    if rest and not rest[0].startswith("-"):
+        print(f"unknown benchmark {rest[0]!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
+        return 2
+    allp = argparse.ArgumentParser(prog="mmcache bench")
+    allp.add_argument("--json", metavar="PATH", help="write every result as one JSON object")
+    opts = allp.parse_args(rest)
+    results, rows = {}, []
+    for name, modname in REGISTRY.items():
+        module = importlib.import_module(modname)
+        bopts = bench_parser(name, module).parse_args(["--quick"])
+        t0 = time.perf_counter()
+        print(f"[{name}] running (quick)...", file=sys.stderr, flush=True)
+        results[name] = module.run(bopts)
+        print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        rows += module.table_rows(results[name])
+    _write(opts.json, results)
+    print(render(rows))
+    return 0

@@ -1,0 +1,50 @@
+"""The comparison table printed by ``mmcache bench``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    bench: str
+    metric: str
+    value: float
+    unit: str = ""
+    baseline: float | None = None  # the same metric without mmcache (cache off, or a peer named in `versus`)
+    versus: str = "cache off"
+    target: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline is None or self.value in (0, None):
+            return None
+        return self.baseline / self.value
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if x == 0:
+            return "0"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        if abs(x) >= 1:
+            return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+        return f"{x:.3g}"
+    return str(x)
+
+
+def render(rows: list[Row]) -> str:
+    """Fixed-width table: bench, metric, mmcache, baseline, baseline/mmcache, target."""
+    header = ("bench", "metric", "mmcache", "baseline", "versus", "baseline/mmcache", "target")
+    body = [(r.bench, r.metric, f"{_fmt(r.value)} {r.unit}".strip(),
+             "-" if r.baseline is None else f"{_fmt(r.baseline)} {r.unit}".strip(),
+             r.versus if r.baseline is not None else "-",
+             "-" if r.ratio is None else f"{r.ratio:.2f}x", r.target) for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    out = [line(header), line(["-" * w for w in widths])]
+    out += [line(b) for b in body]
+    return "\n".join(out)

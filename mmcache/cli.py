@@ -1,0 +1,42 @@
+"""The ``mmcache`` command line.
+
+    mmcache bench [NAME ...] [--json PATH] [bench options]   run benchmarks (all, quick, when no NAME is given)
+    mmcache replay TRACE ...                                 replay a trace through metadata-only pools
+    mmcache export-model PRESET DIR                          write an embedded model as a Hugging Face folder
+
+Subcommands live beside what they drive; each module listed in ``SUBCOMMANDS`` has ``register(subparsers)``,
+which adds its parser and sets ``func``. Modules whose optional dependencies are missing are skipped with a
+note on stderr when their subcommand is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmcache", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and (name == e.name or name.startswith(e.name + ".")):
+                continue  # that subcommand is not part of this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The prefix index: page name -> cached page, verified by token ids, extras and parent on every hit.
+
+Entries live in per-page arrays (one entry per page at most: the index owns the page it names) plus an
+open-addressing hash multimap from name to page id. The multimap keeps colliding names side by side, so a
+lookup can try every page carrying a name; the hash only nominates.
+
+Invariants (``check_invariants``):
+
+* ``in_index[p]`` exactly when the multimap holds ``(name[p], p)``; the index is then one of ``p``'s owners.
+* ``parent[p]`` is the index page holding the previous page of the chain, or ``-1 - root_id`` for a chain's
+  first page, where ``root_id`` identifies the exact root material (fingerprint and salt bytes) in
+  ``roots``. Every entry's parent page is itself in the index (eviction removes leaves only).
+* ``children[p]`` counts the entries whose parent is ``p``.
+* ``pool.ids[p]`` are the ids ``p`` was named over; a hit compares them, its extras and its parent.
+* Recency: ``stamp`` grows with time; a touch stamps a run's pages tail first, so along a chain a page is
+  never staler than the page after it when both were touched together, and least-recent order drops tails
+  first.
+
+Verifying ids stay in the pool's single ``(num_pages, page_size)`` int32 array, so a run of k pages is
+checked by one vectorised comparison.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .names import Extras
+from .pool import PagePool
+
+EMPTY = -1
+TOMBSTONE = -2
+
+
+class PrefixIndex:
+    """Not thread-safe: the allocation manager's lock guards it."""
+
+    def __init__(self, pool: PagePool):
+        n = pool.num_pages
+        self.pool = pool
+        self.page_size = pool.page_size
+        self._cap = max(8, 2 * n)  # load factor <= 0.5 since each entry owns a distinct page
+        self._keys = np.zeros(self._cap, dtype=np.uint64)
+        self._vals = np.full(self._cap, EMPTY, dtype=np.int32)
+        self._tombstones = 0
+        self.name = np.zeros(n, dtype=np.uint64)
+        self.parent = np.zeros(n, dtype=np.int32)
+        self.in_index = np.zeros(n, dtype=bool)
+        self.children = np.zeros(n, dtype=np.int32)
+        self.stamp = np.zeros(n, dtype=np.int64)
+        self.has_extras = np.zeros(n, dtype=bool)
+        self._extras: dict[int, Extras] = {}
+        self._clock = 0
+        self.size = 0
+        self.roots: dict[bytes, int] = {}
+
+    # ---- roots -------------------------------------------------------------------------------------
+    def root_parent(self, root_material: bytes) -> int:
+        """The parent value of a chain's first page for this exact root material (registered on first use)."""
+        rid = self.roots.get(root_material)
+        if rid is None:
+            rid = self.roots.setdefault(root_material, len(self.roots))
+        return -1 - rid
+
+    # ---- multimap ----------------------------------------------------------------------------------
+    def _first_candidates(self, names: np.ndarray) -> np.ndarray:
+        """For each name, the page of the first slot in its probe sequence holding that name, or -1."""
+        cap = np.uint64(self._cap)
+        start = (names % cap).astype(np.int64)
+        out = np.full(len(names), -1, dtype=np.int32)
+        pending = np.arange(len(names))
+        step = 0
+        while len(pending):
+            s = (start[pending] + step) % self._cap
+            keys = self._keys[s]
+            vals = self._vals[s]
+            hit = (keys == names[pending]) & (vals >= 0)
+            out[pending[hit]] = vals[hit]
+            pending = pending[~hit & (vals != EMPTY)]
+            step += 1
+        return out
+
+    def _all_candidates(self, name: int) -> list[int]:
+        s = int(np.uint64(name) % np.uint64(self._cap))
+        out = []
+        while True:
+            v = int(self._vals[s])
+            if v == EMPTY:
+                return out
+            if v >= 0 and int(self._keys[s]) == name:
+                out.append(v)
+            s = (s + 1) % self._cap
+
+    def _slot_insert(self, name: int, page: int) -> None:
+        s = int(np.uint64(name) % np.uint64(self._cap))
+        while self._vals[s] >= 0:
+            s = (s + 1) % self._cap
+        if self._vals[s] == TOMBSTONE:
+            self._tombstones -= 1
+        self._keys[s] = name
+        self._vals[s] = page
+
+    def _slot_remove(self, name: int, page: int) -> None:
+        s = int(np.uint64(name) % np.uint64(self._cap))
+        while True:
+            v = int(self._vals[s])
+            if v == EMPTY:
+                raise AssertionError(f"page {page} missing from the multimap")  # an index bug
+            if v == page and int(self._keys[s]) == name:
+                self._vals[s] = TOMBSTONE
+                self._tombstones += 1
+                return
+            s = (s + 1) % self._cap
+
+    def _maybe_rebuild(self) -> None:
+        if self.size + self._tombstones <= (3 * self._cap) // 4:
+            return
+        self._keys[:] = 0
+        self._vals[:] = EMPTY
+        self._tombstones = 0
+        for page in np.flatnonzero(self.in_index):
+            self._slot_insert(int(self.name[page]), int(page))
+
+    # ---- lookup ------------------------------------------------------------------------------------
+    def _entry_matches(self, page: int, i: int, ids: np.ndarray, extras: dict, parent: int) -> bool:
+        p = self.page_size
+        return (
+            bool(self.in_index[page])
+            and int(self.parent[page]) == parent
+            and np.array_equal(self.pool.ids[page], ids[i * p : (i + 1) * p])
+            and self._extras.get(page) == extras.get(i)
+        )
+
+    def match(
+        self,
+        names: np.ndarray,
+        ids: np.ndarray,
+        extras: dict[int, Extras],
+        root_parent: int,
+        limit: int | None = None,
+        first_page: int = 0,
+        parent: int | None = None,
+    ) -> np.ndarray:
+        """Longest verified run of index pages for pages ``first_page ..`` of a sequence, as page ids.
+
+        ``names[j]`` names page ``first_page + j`` of ``ids``; the run starts under ``parent`` (an index page)
+        or at the root when ``first_page == 0``. A nominee is accepted only when its ids, its extras and its
+        parent equal the request's. At most ``limit`` pages are returned. Read-only: counts and recency are
+        the caller's to change.
+        """
+        k = len(names) if limit is None else min(len(names), limit)
+        if k <= 0 or self.size == 0:
+            return np.empty(0, dtype=np.int32)
+        names = names[:k]
+        cand = self._first_candidates(names)
+        accepted: list[np.ndarray] = []
+        expect_parent = root_parent if first_page == 0 else parent
+        j = 0
+        p = self.page_size
+        while j < k:
+            misses = np.flatnonzero(cand[j:] < 0)
+            m = int(misses[0]) if len(misses) else k - j
+            if m:
+                pages = cand[j : j + m]
+                lo = (first_page + j) * p
+                ok = (self.pool.ids[pages] == ids[lo : lo + m * p].reshape(m, p)).all(axis=1)
+                parents = np.empty(m, dtype=np.int32)
+                parents[0] = expect_parent
+                parents[1:] = pages[:-1]
+                ok &= self.parent[pages] == parents
+                ex_rows = np.flatnonzero(self.has_extras[pages])
+                want = [r for r in range(m) if (first_page + j + r) in extras]
+                for r in set(ex_rows.tolist()) | set(want):
+                    if self._extras.get(int(pages[r])) != extras.get(first_page + j + r):
+                        ok[r] = False
+                bad = np.flatnonzero(~ok)
+                good = int(bad[0]) if len(bad) else m
+                if good:
+                    accepted.append(pages[:good])
+                    expect_parent = int(pages[good - 1])
+                    j += good
+                if good < m:
+                    m = good  # fall through to the slow path at page j
+                else:
+                    continue
+            if j >= k:
+                break
+            # Slow path: the first nominee for page j failed (or there was none); try every page carrying
+            # the same name. Only reached on a true 64-bit collision or at the end of the cached run.
+            found = -1
+            if cand[j] >= 0:
+                for page in self._all_candidates(int(names[j])):
+                    if self._entry_matches(page, first_page + j, ids, extras, expect_parent):
+                        found = page
+                        break
+            if found < 0:
+                break
+            accepted.append(np.array([found], dtype=np.int32))
+            expect_parent = found
+            j += 1
+        if not accepted:
+            return np.empty(0, dtype=np.int32)
+        return np.concatenate(accepted).astype(np.int32, copy=False)
+
+    # ---- mutation ----------------------------------------------------------------------------------
+    def insert(self, name: int, page: int, parent: int, extras: Extras | None) -> None:
+        """Add ``page`` under ``name``; the caller transfers or adds the index's ownership of the page."""
+        if self.in_index[page]:
+            raise AssertionError(f"page {page} is already in the index")  # a manager bug
+        self._slot_insert(name, page)
+        self.name[page] = name
+        self.parent[page] = parent
+        self.in_index[page] = True
+        self.children[page] = 0
+        if parent >= 0:
+            self.children[parent] += 1
+        if extras:
+            self._extras[page] = extras
+            self.has_extras[page] = True
+        else:
+            self.has_extras[page] = False
+        self.size += 1
+
+    def remove(self, pages: np.ndarray) -> None:
+        """Drop ``pages`` (each in the index) from the index; the caller releases the index's ownership."""
+        for page in pages.tolist():
+            self._slot_remove(int(self.name[page]), page)
+            par = int(self.parent[page])
+            if par >= 0:
+                self.children[par] -= 1
+            self.in_index[page] = False
+            if self.has_extras[page]:
+                del self._extras[page]
+                self.has_extras[page] = False
+            self.size -= 1
+        self._maybe_rebuild()
+
+    def touch(self, pages: np.ndarray) -> None:
+        """Mark a run (head first in ``pages``) as just used, tail first: the tail gets the oldest stamp."""
+        k = len(pages)
+        if k:
+            self.stamp[pages] = self._clock + np.arange(k - 1, -1, -1, dtype=np.int64)
+            self._clock += k
+
+    def extras_of(self, page: int) -> Extras | None:
+        return self._extras.get(page)
+
+    def metadata_nbytes(self) -> int:
+        arrays = (self._keys, self._vals, self.name, self.parent, self.in_index, self.children, self.stamp,
+                  self.has_extras)
+        return sum(a.nbytes for a in arrays)
+
+    def check_invariants(self) -> None:
+        live = np.flatnonzero(self._vals >= 0)
+        if len(live) != self.size or int(self.in_index.sum()) != self.size:
+            raise AssertionError("index size, multimap and in_index disagree")
+        pages = self._vals[live]
+        if len(np.unique(pages)) != len(pages) or not self.in_index[pages].all():
+            raise AssertionError("multimap holds a page twice or a page not marked in the index")
+        if not np.array_equal(self._keys[live], self.name[pages]):
+            raise AssertionError("multimap key differs from the page's name")
+        entries = np.flatnonzero(self.in_index)
+        par = self.parent[entries]
+        inner = par[par >= 0]
+        if len(inner) and not self.in_index[inner].all():
+            raise AssertionError("an entry's parent page is not in the index")
+        counts = np.bincount(inner, minlength=len(self.children)) if len(inner) else np.zeros_like(self.children)
+        if not np.array_equal(counts[entries], self.children[entries]):
+            raise AssertionError("children counts differ from the entries' parents")
+        if (self.pool.refcount[entries] < 1).any():
+            raise AssertionError("an index page has owner count 0")
+        if set(self._extras) != set(np.flatnonzero(self.has_extras).tolist()):
+            raise AssertionError("extras table and has_extras flags disagree")

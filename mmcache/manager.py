@@ -1,0 +1,577 @@
+"""The allocation manager of one pool: seeding, allocation, storing, suspension, windowing, eviction.
+
+One manager serves one (node, label, rank) pool and holds one lock; every method that touches pages takes
+it. Names are computed outside the lock (``prepare``); the lock covers probe, compare and increment.
+
+Per request it keeps ``page_indices`` (the request's pages in sequence order, ``-1`` where a windowed label
+released a page), ``seq_len`` (tokens whose KV is written) and ``position_id_start`` (0: positions are
+absolute).
+
+Invariants (``check_invariants``):
+
+* Every page's owner count equals the number of live requests holding it plus one if the index holds it.
+* A page is free exactly when its count is 0.
+* Only full pages are shared: a request's tail page (the page holding position ``seq_len`` and every
+  reserved page after it) has owner count 1.
+* Seeding matches whole pages and always leaves at least one prompt token to compute (the first output needs
+  logits), so the write frontier opens a fresh page and nothing is copied.
+* A failed call leaves the manager as it was, except that cached pages may have been evicted; a live request
+  never fails to allocate while the index alone holds a page (``alloc_failures_cache_held`` stays 0).
+
+Modes: ``on`` (seed and store), ``off`` (today's behaviour: every page freed at teardown, no names), and
+``shadow``: pages behave as ``off`` while a metadata-only ``on`` manager (``self.shadow``) mirrors every call
+and counts what would have matched; replay uses that same class directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, RequestStateError,
+                     UnknownRequest)
+from .eviction import evict, evictable_mask
+from .index import PrefixIndex
+from .metrics import CacheMetrics
+from .names import Extras, Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_extras
+from .pool import KVSpec, PagePool
+
+MODES = ("on", "off", "shadow")
+STORE_AT = ("teardown", "prefill")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_pages: int
+    page_size: int = 128
+    mode: str = "on"
+    store_at: str = "teardown"
+
+    def __post_init__(self):
+        if not isinstance(self.num_pages, int) or self.num_pages <= 0:
+            raise InvalidRequest(f"num_pages must be a positive int, got {self.num_pages!r}")
+        if not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise InvalidRequest(f"page_size must be a positive int, got {self.page_size!r}")
+        if self.mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.store_at not in STORE_AT:
+            raise InvalidRequest(f"store_at must be one of {STORE_AT}, got {self.store_at!r}")
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt with its page names, computed outside the lock by ``AllocationManager.prepare``."""
+
+    ids: np.ndarray
+    names: np.ndarray  # names of the prompt's full pages (empty in mode off)
+    extras: dict
+    root: int
+    root_material: bytes
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    matched_tokens: int  # tokens seeded from the index; prefill starts here
+    matched_pages: int
+    forfeit_tokens: int  # tokens after the match that a live request held but had not published
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    restored_tokens: int  # tokens re-seeded from the index; seq_len is now this
+    pending_ids: np.ndarray  # written ids after that, which the host restores or recomputes
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A snapshot of one request's allocation, for the host."""
+
+    request_id: object
+    page_indices: np.ndarray
+    seq_len: int
+    position_id_start: int
+    matched_tokens: int
+    suspended: bool
+
+
+@dataclass
+class _Request:
+    request_id: object
+    prompt: np.ndarray
+    extras: dict
+    root: int
+    root_parent: int
+    names: list  # names of the leading full pages (Python ints), extended as pages fill
+    pages: list = field(default_factory=list)  # page_indices; -1 where a windowed label released a page
+    seq_len: int = 0
+    position_id_start: int = 0
+    matched_tokens: int = 0
+    chain: list = field(default_factory=list)  # index pages this request holds for its leading pages
+    publish_blocked: bool = False  # an equal entry appeared while running: publishing waits for teardown
+    registered: dict = field(default_factory=dict)  # page position -> name, listed in the in-flight table
+    protected_tokens: int | None = None  # set by protect_prefix: the label is windowed
+    released: set = field(default_factory=set)  # page positions released by release_oldest
+    suspended_ids: np.ndarray | None = None  # written ids while suspended
+
+    @property
+    def chain_parent(self) -> int:
+        return self.chain[-1] if self.chain else self.root_parent
+
+
+class AllocationManager:
+    """Seeding, allocation, storing and release for one pool, under one lock. See the module docstring."""
+
+    def __init__(self, config: CacheConfig, fingerprint: Fingerprint, kv_spec: KVSpec | None = None,
+                 hash_fn: HashFn | None = None):
+        if fingerprint.page_size != config.page_size:
+            raise InvalidRequest(
+                f"fingerprint page_size {fingerprint.page_size} differs from config {config.page_size}")
+        self.config = config
+        self.mode = config.mode
+        self.page_size = config.page_size
+        self.namer = Namer(fingerprint, hash_fn)
+        self.pool = PagePool(config.num_pages, config.page_size, kv_spec)
+        self.index = PrefixIndex(self.pool)
+        self.metrics = CacheMetrics()
+        self._lock = threading.Lock()
+        self._requests: dict[object, _Request] = {}
+        self._inflight: dict[int, int] = {}  # page name -> live requests holding it full and unpublished
+        self.shadow: AllocationManager | None = None
+        self._shadow_dropped: set = set()
+        self.shadow_failures = 0
+        if config.mode == "shadow":
+            self.shadow = AllocationManager(replace(config, mode="on"), fingerprint, None, hash_fn)
+
+    # ---- queries -----------------------------------------------------------------------------------
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def state(self, request_id) -> RequestView:
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise UnknownRequest(request_id, "state")
+            return RequestView(request_id, np.asarray(req.pages, dtype=np.int32), req.seq_len,
+                               req.position_id_start, req.matched_tokens, req.suspended_ids is not None)
+
+    def page_table(self, request_id) -> np.ndarray:
+        """The request's page indices (a copy), for building a forward's slot mapping."""
+        return self.state(request_id).page_indices
+
+    # ---- naming (no lock) --------------------------------------------------------------------------
+    def prepare(self, token_ids, media: Sequence[MediaItem] = (), salt: bytes | str | None = b"",
+                request_id: object = None) -> PreparedPrompt:
+        """Validate a prompt and name its full pages. Touches no shared state: call it outside any lock."""
+        ids = as_token_array(token_ids, request_id)
+        if len(ids) == 0:
+            raise InvalidRequest("empty prompt", request_id)
+        for item in media:
+            if not isinstance(item, MediaItem):
+                raise InvalidRequest(f"media items must be MediaItem, got {type(item).__name__}", request_id)
+            if item.position >= len(ids):
+                raise InvalidRequest(f"media position {item.position} outside the prompt ({len(ids)} tokens)",
+                                     request_id)
+        extras = page_extras(media, self.page_size)
+        material = self.namer.root_material(salt)
+        root = self.namer.root(salt)
+        if self.mode == "off":
+            names = np.empty(0, dtype=np.uint64)
+        else:
+            names = self.namer.names(ids, root, extras)
+        return PreparedPrompt(ids, names, extras, root, material)
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def admit(self, request_id, prompt, media: Sequence[MediaItem] = (),
+              salt: bytes | str | None = b"") -> AdmitResult:
+        """Register a request and seed it from the index.
+
+        ``prompt`` is a ``PreparedPrompt`` (names computed outside the lock) or token ids with ``media`` and
+        ``salt``. Matches whole pages, at most ``(len(prompt) - 1) // page_size`` of them, so one prompt
+        token is left to compute. Afterwards ``seq_len == matched_tokens`` and ``position_id_start == 0``.
+        """
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare(prompt, media, salt, request_id)
+        elif self.mode != "off" and len(prompt.names) != len(prompt.ids) // self.page_size:
+            raise InvalidRequest("prepared prompt was named for another page size or mode", request_id)
+        with self._lock:
+            if request_id in self._requests:
+                raise DuplicateRequest(request_id)
+            root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
+            req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
+                           prompt.names.tolist())
+            result = self._seed(req) if self.mode == "on" else AdmitResult(0, 0, 0)
+            self._requests[request_id] = req
+        self._mirror(request_id, lambda s: s.admit(request_id, prompt))
+        return result
+
+    def _seed(self, req: _Request) -> AdmitResult:
+        p = self.page_size
+        cap = (len(req.prompt) - 1) // p
+        pages = self.index.match(np.asarray(req.names[:cap], dtype=np.uint64), req.prompt, req.extras,
+                                 req.root_parent)
+        k = len(pages)
+        forfeit = 0
+        while k + forfeit < cap and self._inflight.get(req.names[k + forfeit], 0) > 0:
+            forfeit += 1
+        if k:
+            self.pool.incref(pages)
+            self.index.touch(pages)
+            req.pages = pages.tolist()
+            req.chain = pages.tolist()
+            req.seq_len = req.matched_tokens = k * p
+        m = self.metrics
+        m.lookups += 1
+        m.lookup_pages += cap
+        m.lookup_tokens += len(req.prompt)
+        m.hit_pages += k
+        m.hit_tokens += k * p
+        m.forfeit_pages += forfeit
+        m.forfeit_tokens += forfeit * p
+        m.record_match(req.request_id, k * p)
+        return AdmitResult(k * p, k, forfeit * p)
+
+    # ---- allocation --------------------------------------------------------------------------------
+    def reserve(self, request_id, num_tokens: int) -> np.ndarray:
+        """Make room for ``num_tokens`` more tokens after ``seq_len``; returns the request's page indices.
+
+        Takes free pages, then evicts cold tails, then raises ``AllocationFailed`` with the request's
+        allocation unchanged.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise InvalidRequest(f"num_tokens must be a non-negative int, got {num_tokens!r}", request_id)
+        num_tokens = int(num_tokens)
+        with self._lock:
+            req = self._live(request_id, "reserve")
+            need = -(-(req.seq_len + num_tokens) // self.page_size) - len(req.pages)
+            if need > 0:
+                self._ensure_free(request_id, need)
+                req.pages.extend(self.pool.take(need).tolist())
+            pages = np.asarray(req.pages, dtype=np.int32)
+            end = req.seq_len + num_tokens
+        self._mirror(request_id, lambda s: s.reserve(request_id, max(0, end - s._requests[request_id].seq_len)))
+        return pages
+
+    def _ensure_free(self, request_id, need: int) -> None:
+        short = need - self.pool.num_free
+        if short <= 0:
+            return
+        if self.mode == "on":
+            freed, batches = evict(self.index, self.pool, short)
+            self.metrics.evicted_pages += freed
+            self.metrics.eviction_batches += batches
+            short = need - self.pool.num_free
+        if short > 0:
+            index_only = self.index.in_index & (self.pool.refcount == 1)
+            if index_only.any():
+                self.metrics.alloc_failures_cache_held += 1
+            else:
+                self.metrics.alloc_failures_uncached += 1
+            raise AllocationFailed(request_id, need, short)
+
+    def commit(self, request_id, token_ids) -> None:
+        """Record that the KV of ``token_ids`` is written at positions ``seq_len ..``; advances ``seq_len``.
+
+        Positions inside the prompt must carry the prompt's ids (its names were computed from them). With
+        ``store_at='prefill'``, prompt pages that became full enter the index now, shared with the request.
+        """
+        ids = as_token_array(token_ids, request_id)
+        with self._lock:
+            req = self._live(request_id, "commit")
+            n, p = len(ids), self.page_size
+            start, end = req.seq_len, req.seq_len + n
+            if end > len(req.pages) * p:
+                raise InvalidRequest(f"commit of {n} tokens at {start} exceeds the reserved {len(req.pages) * p}",
+                                     request_id)
+            overlap = min(end, len(req.prompt)) - start
+            if overlap > 0 and not np.array_equal(ids[:overlap], req.prompt[start:start + overlap]):
+                raise InvalidRequest(f"committed ids differ from the prompt at positions {start}..{start + overlap}",
+                                     request_id)
+            if n:
+                pos = np.arange(start, end)
+                self.pool.ids[np.asarray(req.pages, dtype=np.int32)[pos // p], pos % p] = ids
+                req.seq_len = end
+                if self.mode == "on":
+                    self._on_pages_filled(req)
+
+        def mirror(s: AllocationManager):
+            mirrored = s._requests[request_id].seq_len
+            if end > mirrored:
+                s.commit(request_id, ids[max(0, mirrored - start):])
+        self._mirror(request_id, mirror)
+
+    def _on_pages_filled(self, req: _Request) -> None:
+        full = self._storable_pages(req) if req.protected_tokens is not None else req.seq_len // self.page_size
+        self._name_pages(req, full)
+        for i in range(len(req.chain), full):
+            if i not in req.registered and i not in req.released:
+                name = req.registered[i] = req.names[i]
+                self._inflight[name] = self._inflight.get(name, 0) + 1
+        if self.config.store_at == "prefill" and not req.publish_blocked:
+            self._publish(req, min(full, len(req.prompt) // self.page_size), transfer=False)
+
+    def _storable_pages(self, req: _Request) -> int:
+        """Leading full pages a teardown may store: up to the first released page and the protected prefix."""
+        full = req.seq_len // self.page_size
+        if req.protected_tokens is not None:
+            full = min(full, req.protected_tokens // self.page_size)
+        if req.released:
+            full = min(full, min(req.released))
+        return full
+
+    def _name_pages(self, req: _Request, upto: int) -> None:
+        """Extend ``req.names`` over written full pages up to ``upto``; generated pages chain on."""
+        have = len(req.names)
+        if upto <= have:
+            return
+        ids = self.pool.ids[np.asarray(req.pages[:upto], dtype=np.int32)].reshape(-1)
+        parent = req.names[have - 1] if have else None
+        new = self.namer.names(ids, req.root, req.extras, first_page=have, parent=parent, num_pages=upto - have)
+        req.names.extend(new.tolist())
+
+    def _publish(self, req: _Request, upto: int, transfer: bool) -> list:
+        """Put the request's pages ``len(req.chain) .. upto`` into the index.
+
+        With ``transfer`` (teardown) the request's ownership moves to the index; an equal entry that
+        already exists is kept and the request's copy stays with the request (released after). Without
+        ``transfer`` (publish at prefill) the index becomes a second owner; if an equal entry already
+        exists, publishing stops for this request until teardown, so the chain only ever holds pages the
+        request itself holds. Returns the pages whose ownership was transferred.
+        """
+        lo = len(req.chain)
+        if upto <= lo:
+            return []
+        ids = self.pool.ids[np.asarray(req.pages[:upto], dtype=np.int32)].reshape(-1)
+        existing = self.index.match(np.asarray(req.names[lo:upto], dtype=np.uint64), ids, req.extras,
+                                    req.root_parent, first_page=lo, parent=req.chain_parent)
+        m = len(existing)
+        if m and not transfer:
+            req.publish_blocked = True
+            return []
+        parent = int(existing[-1]) if m else req.chain_parent
+        inserted = []
+        for i in range(lo + m, upto):
+            page = req.pages[i]
+            self.index.insert(req.names[i], page, parent, req.extras.get(i))
+            inserted.append(page)
+            parent = page
+        if inserted and not transfer:
+            self.pool.incref(np.asarray(inserted, dtype=np.int32))
+        # Published pages stop counting as in flight: from now on they are hits, not forfeits.
+        for i in range(lo, upto):
+            if i in req.registered:
+                self._inflight_drop(req.registered.pop(i))
+        self.metrics.stored_pages += len(inserted)
+        self.metrics.duplicate_pages += m
+        if not transfer:
+            req.chain.extend(inserted)
+        return inserted
+
+    def _inflight_drop(self, name: int) -> None:
+        c = self._inflight.get(name, 0)
+        if c <= 1:
+            self._inflight.pop(name, None)
+        else:
+            self._inflight[name] = c - 1
+
+    # ---- release -----------------------------------------------------------------------------------
+    def teardown(self, request_id) -> int:
+        """End a request. In mode ``on`` every full written page moves to the index (an equal entry that
+        already exists is kept and the request's copy released) and the tail is freed; a windowed label
+        stores only its protected-prefix run. Returns how many pages entered the index."""
+        with self._lock:
+            req = self._pop(request_id, "teardown")
+            before = self.metrics.stored_pages
+            transferred: list = []
+            if self.mode == "on" and req.suspended_ids is None:
+                full = self._storable_pages(req)
+                self._name_pages(req, full)
+                lo = len(req.chain)
+                transferred = self._publish(req, full, transfer=True)
+                run = req.chain[:full]
+                if full > lo:
+                    ids = self.pool.ids[np.asarray(req.pages[:full], dtype=np.int32)].reshape(-1)
+                    run = run + self.index.match(np.asarray(req.names[lo:full], dtype=np.uint64), ids, req.extras,
+                                                 req.root_parent, first_page=lo, parent=req.chain_parent).tolist()
+                self.index.touch(np.asarray(run, dtype=np.int32))
+            self._release(req, exclude=set(transferred))
+            stored = self.metrics.stored_pages - before
+        self._mirror(request_id, lambda s: s.teardown(request_id), ending=True)
+        return stored
+
+    def abort(self, request_id) -> None:
+        """End a request without storing what it computed (pages it published at prefill stay indexed)."""
+        with self._lock:
+            self._release(self._pop(request_id, "abort"))
+        self._mirror(request_id, lambda s: s.abort(request_id), ending=True)
+
+    def _pop(self, request_id, op: str) -> _Request:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequest(request_id, op)
+        return req
+
+    def _release(self, req: _Request, exclude: set = frozenset()) -> None:
+        """Drop the request's ownership of every page it holds (except ``exclude``) and its in-flight names."""
+        for name in req.registered.values():
+            self._inflight_drop(name)
+        req.registered = {}
+        held = [pg for pg in req.pages if pg >= 0 and pg not in exclude]
+        self.pool.decref(np.asarray(held, dtype=np.int32))
+        req.pages, req.chain = [], []
+
+    # ---- suspension --------------------------------------------------------------------------------
+    def suspend(self, request_id, offload: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """Offload a request: pages it owns alone are released (after ``offload(pages)`` copied them out,
+        under the lock), pages it shares are decremented and stay resident. Returns the written ids, which
+        ``resume`` re-seeds from."""
+        with self._lock:
+            req = self._live(request_id, "suspend")
+            if req.released:
+                raise RequestStateError("a windowed request with released pages cannot be suspended", request_id)
+            p = self.page_size
+            written_pages = -(-req.seq_len // p)
+            ids = self.pool.ids[np.asarray(req.pages[:written_pages], dtype=np.int32)].reshape(-1)[:req.seq_len].copy()
+            if offload is not None:
+                mine = np.asarray([pg for pg in req.pages if self.pool.refcount[pg] == 1], dtype=np.int32)
+                offload(mine)
+            self._release(req)
+            req.suspended_ids = ids
+            req.seq_len = 0
+            req.publish_blocked = False
+        self._mirror(request_id, lambda s: s.suspend(request_id))
+        return ids
+
+    def resume(self, request_id) -> ResumeResult:
+        """Re-seed a suspended request from the index over all its written full pages."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise UnknownRequest(request_id, "resume")
+            if req.suspended_ids is None:
+                raise RequestStateError("resume of a request that is not suspended", request_id)
+            ids = req.suspended_ids
+            k = 0
+            if self.mode == "on":
+                full = len(ids) // self.page_size
+                pages = self.index.match(np.asarray(req.names[:full], dtype=np.uint64), ids, req.extras,
+                                         req.root_parent)
+                k = len(pages)
+                if k:
+                    self.pool.incref(pages)
+                    self.index.touch(pages)
+                    req.pages = pages.tolist()
+                    req.chain = pages.tolist()
+            req.seq_len = k * self.page_size
+            req.suspended_ids = None
+            pending = ids[req.seq_len:].copy()
+        self._mirror(request_id, lambda s: s.resume(request_id))
+        return ResumeResult(req.seq_len, pending)
+
+    # ---- windowed labels ---------------------------------------------------------------------------
+    def protect_prefix(self, request_id, num_tokens: int) -> None:
+        """Make the label windowed: its first ``num_tokens`` tokens are its stable conditioning, never
+        released by ``release_oldest``, and the only part its teardown stores."""
+        with self._lock:
+            req = self._live(request_id, "protect_prefix")
+            limit = max(len(req.prompt), req.seq_len)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
+                    or not 0 <= num_tokens <= limit:
+                raise InvalidRequest(f"protected prefix must be an int in [0, {limit}], got {num_tokens!r}",
+                                     request_id)
+            req.protected_tokens = int(num_tokens)
+        self._mirror(request_id, lambda s: s.protect_prefix(request_id, num_tokens))
+
+    def release_oldest(self, request_id, num_pages: int) -> np.ndarray:
+        """Release the ``num_pages`` oldest full pages after the protected prefix, through the counted free
+        (a shared page is decremented, not freed). Returns the released page ids."""
+        with self._lock:
+            req = self._live(request_id, "release_oldest")
+            p = self.page_size
+            first = -(-(req.protected_tokens or 0) // p)
+            candidates = [i for i in range(first, req.seq_len // p) if req.pages[i] >= 0]
+            if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+                    or not 0 <= num_pages <= len(candidates):
+                raise InvalidRequest(f"can release 0..{len(candidates)} pages, asked {num_pages!r}", request_id)
+            if req.protected_tokens is None:
+                req.protected_tokens = 0
+            out = []
+            for i in candidates[:num_pages]:
+                if i in req.registered:
+                    self._inflight_drop(req.registered.pop(i))
+                out.append(req.pages[i])
+                req.pages[i] = -1
+                req.released.add(i)
+            released = np.asarray(out, dtype=np.int32)
+            self.pool.decref(released)
+            if req.chain and len(req.chain) > min(req.released):
+                req.chain = req.chain[:min(req.released)]
+        self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
+        return released
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _live(self, request_id, op: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequest(request_id, op)
+        if req.suspended_ids is not None:
+            raise RequestStateError(f"{op} while suspended", request_id)
+        return req
+
+    def _mirror(self, request_id, call: Callable[["AllocationManager"], object], ending: bool = False) -> None:
+        """Replay a successful call on the shadow manager. The shadow never fails the real request: if it
+        runs out of pages it drops that request from its accounting (``shadow_failures``)."""
+        if self.shadow is None:
+            return
+        if request_id in self._shadow_dropped:
+            if ending:
+                self._shadow_dropped.discard(request_id)
+            return
+        try:
+            call(self.shadow)
+        except AllocationFailed:
+            self.shadow_failures += 1
+            self.shadow.abort(request_id)
+            if not ending:
+                self._shadow_dropped.add(request_id)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any invariant of the module docstring is broken."""
+        with self._lock:
+            self.pool.check_invariants()
+            self.index.check_invariants()
+            owners = self.index.in_index.astype(np.int64)
+            p = self.page_size
+            inflight: dict = {}
+            for req in self._requests.values():
+                held = [pg for pg in req.pages if pg >= 0]
+                if len(set(held)) != len(held):
+                    raise AssertionError(f"request {req.request_id!r} holds a page twice")
+                np.add.at(owners, np.asarray(held, dtype=np.int64), 1)
+                tail = [pg for pg in req.pages[req.seq_len // p:] if pg >= 0]
+                if tail and (self.pool.refcount[tail] != 1).any():
+                    raise AssertionError(f"request {req.request_id!r} shares a tail page")
+                if req.seq_len > len(req.pages) * p:
+                    raise AssertionError(f"request {req.request_id!r} wrote past its pages")
+                for i, pg in enumerate(req.chain):
+                    if req.pages[i] != pg or not self.index.in_index[pg]:
+                        raise AssertionError(f"request {req.request_id!r} chain page {pg} not held and indexed")
+                for name in req.registered.values():
+                    inflight[name] = inflight.get(name, 0) + 1
+            if not np.array_equal(owners, self.pool.refcount):
+                bad = np.flatnonzero(owners != self.pool.refcount)
+                raise AssertionError(f"owner counts differ from owners on pages {bad[:10].tolist()}")
+            if inflight != self._inflight:
+                raise AssertionError("in-flight table differs from the live requests' unpublished pages")
+        if self.shadow is not None:
+            self.shadow.check_invariants()
+
+    def metadata_nbytes(self) -> int:
+        """Per-page metadata of pool and index (not the KV tensor)."""
+        return self.pool.metadata_nbytes() + self.index.metadata_nbytes()

@@ -1,0 +1,236 @@
+"""Page names: chained xxHash 64 rooted in a process fingerprint, and 128-bit media digests.
+
+Rules (DESIGN.md, "Names" and "Media digest"):
+
+* The fingerprint (model identity, TP rank/size and head slice, KV dtype, attention backend, page size, namer
+  version) is encoded canonically once; together with a per-request salt it is the *root material* of a chain.
+* Page ``i`` is named ``H(token ids of page i || extras[i])`` with the name of page ``i-1`` (or the root) as
+  the xxHash seed, so a name commits to the whole prefix from position 0: equal names at page ``i`` mean
+  (barring a 64-bit collision) equal token ids, equal extras and equal roots for pages ``0..i``.
+* ``extras[i]`` lists, in position order, ``(media digest, offset in page)`` for each media item whose first
+  placeholder token lies in page ``i``.
+* Token ids are hashed as little-endian int32; ids outside ``[0, 2**31)`` are refused before hashing.
+* Names only nominate. The prefix index verifies ids, extras and parent before it accepts a page, so a
+  collision costs a comparison, never a wrong page. Tests may therefore inject a degenerate ``hash_fn``.
+* Media digests are xxh3_128 over the bytes as sent plus a canonical encoding of the preprocessor
+  parameters; they cannot be verified against stored data, so they are 128-bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import InvalidRequest
+
+NAMER_VERSION = 1
+TOKEN_DTYPE = np.dtype("<i4")
+MAX_TOKEN_ID = 2**31 - 1
+
+HashFn = Callable[[Any, int], int]
+"""``hash_fn(data, seed) -> unsigned 64-bit int``; the default is ``xxhash.xxh64_intdigest``."""
+
+Extras = tuple  # tuple[tuple[bytes, int], ...]: (media digest, offset in page) in position order
+
+
+def canonical_encoding(value: Any) -> bytes:
+    """Deterministic bytes for a JSON-like value: dict order, tuple-vs-list and numpy scalars do not matter.
+
+    Floats are encoded by ``repr`` (exact round-trip); NaN and infinities are refused because they have no
+    single canonical spelling in every producer.
+    """
+    return json.dumps(_plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidRequest(f"parameter names must be strings, got {k!r}")
+            out[k] = _plain(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidRequest(f"parameter value {value!r} has no canonical encoding")
+        return value
+    if isinstance(value, bytes):
+        return {"__bytes__": value.hex()}
+    raise InvalidRequest(f"parameter value of type {type(value).__name__} has no canonical encoding")
+
+
+def media_digest(raw: bytes | bytearray | memoryview, params: Mapping[str, Any] | None = None) -> bytes:
+    """16-byte digest of a media item: xxh3_128 over the bytes as sent, then the canonical parameters.
+
+    ``raw`` is the encoded file (PNG/JPEG/WAV bytes, or a data URL's decoded payload), not decoded pixels.
+    ``params`` holds every preprocessor parameter that changes the embedding (size, resize mode, crop,
+    mean/std, sample rate, patch size, processor version ...). The length of ``raw`` is hashed too, so no
+    byte string can be shifted between the two fields.
+    """
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise InvalidRequest(f"media bytes must be bytes-like, got {type(raw).__name__}")
+    h = xxhash.xxh3_128()
+    h.update(len(raw).to_bytes(8, "little"))
+    h.update(raw)
+    h.update(canonical_encoding(dict(params or {})))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything outside the prompt that a stored page's bytes depend on. Hashed once per process."""
+
+    model_digest: str
+    kv_dtype: str
+    attention_backend: str
+    page_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    head_slice: tuple[int, int] | None = None
+    namer_version: int = NAMER_VERSION
+
+    def __post_init__(self):
+        if self.page_size <= 0:
+            raise InvalidRequest(f"page_size must be positive, got {self.page_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidRequest(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    def encode(self) -> bytes:
+        return canonical_encoding(asdict(self))
+
+    @classmethod
+    def for_tests(cls, page_size: int = 4, model: str = "test-model") -> "Fingerprint":
+        return cls(model_digest=model, kv_dtype="none", attention_backend="none", page_size=page_size)
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """A media item in a prompt: its digest and the absolute position of its first placeholder token."""
+
+    digest: bytes
+    position: int
+
+    def __post_init__(self):
+        if not isinstance(self.digest, (bytes, bytearray)) or len(self.digest) == 0:
+            raise InvalidRequest("media digest must be non-empty bytes")
+        if not isinstance(self.position, (int, np.integer)) or self.position < 0:
+            raise InvalidRequest(f"media position must be a non-negative int, got {self.position!r}")
+
+
+def as_token_array(token_ids: Any, request_id: object = None) -> np.ndarray:
+    """Validate token ids and return them as a contiguous little-endian int32 array (a copy if needed).
+
+    Refuses (``InvalidRequest``) floats, bools, non-1-D input and ids outside ``[0, 2**31)``.
+    """
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    else:
+        try:
+            import torch  # local: names must not pay torch's import for plain lists
+
+            if isinstance(token_ids, torch.Tensor):
+                token_ids = token_ids.detach().cpu().numpy()
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+        arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InvalidRequest(f"token ids must be 1-D, got shape {arr.shape}", request_id)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}", request_id)
+    if arr.dtype == np.bool_:
+        raise InvalidRequest("token ids must be integers, got bool", request_id)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise InvalidRequest(f"token ids must lie in [0, {MAX_TOKEN_ID}]", request_id)
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
+
+
+def page_extras(media: Sequence[MediaItem], page_size: int) -> dict[int, Extras]:
+    """Group media items by the page of their first placeholder: ``{page: ((digest, offset), ...)}``."""
+    out: dict[int, list] = {}
+    for item in sorted(media, key=lambda m: (m.position, m.digest)):
+        page, offset = divmod(int(item.position), page_size)
+        out.setdefault(page, []).append((bytes(item.digest), offset))
+    return {p: tuple(v) for p, v in out.items()}
+
+
+def _encode_extras(extras: Extras) -> bytes:
+    return b"".join(len(d).to_bytes(2, "little") + d + off.to_bytes(4, "little") for d, off in extras)
+
+
+class Namer:
+    """Computes roots and chained page names for one fingerprint. Stateless after construction; thread-safe."""
+
+    def __init__(self, fingerprint: Fingerprint, hash_fn: HashFn | None = None):
+        self.fingerprint = fingerprint
+        self.page_size = fingerprint.page_size
+        self._hash: HashFn = hash_fn or xxhash.xxh64_intdigest
+        self._fp_bytes = fingerprint.encode()
+
+    @staticmethod
+    def salt_bytes(salt: bytes | str | None) -> bytes:
+        if salt is None:
+            return b""
+        if isinstance(salt, str):
+            return salt.encode("utf-8")
+        if isinstance(salt, (bytes, bytearray)):
+            return bytes(salt)
+        raise InvalidRequest(f"salt must be bytes or str, got {type(salt).__name__}")
+
+    def root_material(self, salt: bytes | str | None = b"") -> bytes:
+        """The exact bytes a chain is rooted in; the prefix index compares these, not only their hash."""
+        s = self.salt_bytes(salt)
+        return self._fp_bytes + b"\x00salt\x00" + len(s).to_bytes(4, "little") + s
+
+    def root(self, salt: bytes | str | None = b"") -> int:
+        return self._hash(self.root_material(salt), 0)
+
+    def names(
+        self,
+        token_ids: np.ndarray,
+        root: int,
+        extras: Mapping[int, Extras] | None = None,
+        *,
+        first_page: int = 0,
+        parent: int | None = None,
+        num_pages: int | None = None,
+    ) -> np.ndarray:
+        """Names of the full pages of ``token_ids``, as uint64.
+
+        ``token_ids`` must be the output of ``as_token_array``. Pages ``first_page .. first_page+num_pages-1``
+        are named (all full pages from ``first_page`` by default), chained from ``parent`` (the name of page
+        ``first_page - 1``) or from ``root`` when ``first_page == 0``.
+        """
+        p = self.page_size
+        total_full = len(token_ids) // p
+        if num_pages is None:
+            num_pages = total_full - first_page
+        if first_page < 0 or num_pages < 0 or first_page + num_pages > total_full:
+            raise InvalidRequest(f"pages {first_page}..{first_page + num_pages} outside {total_full} full pages")
+        if first_page > 0 and parent is None:
+            raise InvalidRequest("naming from a page other than 0 needs the parent's name")
+        out = np.empty(num_pages, dtype=np.uint64)
+        buf = memoryview(token_ids).cast("B")
+        step = p * TOKEN_DTYPE.itemsize
+        prev = root if first_page == 0 else parent
+        h = self._hash
+        for j in range(num_pages):
+            i = first_page + j
+            chunk = buf[i * step : (i + 1) * step]
+            ex = extras.get(i) if extras else None
+            data = chunk if not ex else bytes(chunk) + _encode_extras(ex)
+            prev = h(data, prev)
+            out[j] = prev
+        return out

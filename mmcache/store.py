@@ -1,0 +1,252 @@
+"""The encoder-output store: encoder outputs keyed by what produced them, computed once.
+
+``key = xxh3_128(encoder fingerprint || content digest || salt)`` where the content digest is a media digest
+(``names.media_digest``) for vision and audio towers, or a digest of the token ids and max length for text
+encoders. An entry holds the output tensors and what the host needs to place them (``meta``: placeholder
+count, grid sizes, ...).
+
+Invariants (``check_invariants``):
+
+* ``bytes`` equals the sum of the entries' tensor bytes and never exceeds ``budget_bytes``.
+* An entry is held while any lease on it is open; held entries are never evicted. Eviction is least recently
+  used among unheld entries.
+* An entry that cannot fit (larger than the budget, or the budget is pinned by held entries) bypasses the
+  store: the caller still gets its outputs, nothing is stored, ``bypasses`` counts it.
+* A key is computed at most once at a time: concurrent ``get_or_compute`` calls for one key wait for the
+  first; if it fails, the next waiter computes.
+* Different salts give different keys, so tenants share no entries.
+
+Stored tensors are returned as they were stored (no copy): callers must not modify them in place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+import xxhash
+
+from .errors import InvalidRequest, StoreEntryRejected
+from .names import Namer
+
+
+def store_key(encoder_fingerprint: str | bytes, content_digest: bytes, salt: bytes | str | None = b"") -> bytes:
+    """16-byte key of an encoder output; every field is length-prefixed so none can bleed into another."""
+    fp = encoder_fingerprint.encode("utf-8") if isinstance(encoder_fingerprint, str) else bytes(encoder_fingerprint)
+    if not isinstance(content_digest, (bytes, bytearray)) or not content_digest:
+        raise InvalidRequest("content digest must be non-empty bytes")
+    s = Namer.salt_bytes(salt)
+    h = xxhash.xxh3_128()
+    for part in (fp, bytes(content_digest), s):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What an encoder declares it produces: per output name, a shape (``None`` = any size) and a dtype."""
+
+    tensors: Mapping[str, tuple[tuple, torch.dtype]]
+
+    def check(self, key: bytes, outputs: Mapping[str, torch.Tensor]) -> None:
+        if set(outputs) != set(self.tensors):
+            raise StoreEntryRejected(key.hex(), f"outputs {sorted(outputs)} differ from declared {sorted(self.tensors)}")
+        for name, (shape, dtype) in self.tensors.items():
+            t = outputs[name]
+            if not isinstance(t, torch.Tensor):
+                raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
+            if t.dtype != dtype:
+                raise StoreEntryRejected(key.hex(), f"output {name!r} has dtype {t.dtype}, declared {dtype}")
+            if len(t.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, t.shape)):
+                raise StoreEntryRejected(key.hex(), f"output {name!r} has shape {tuple(t.shape)}, declared {shape}")
+
+
+@dataclass
+class StoreMetrics:
+    lookups: int = 0
+    hits: int = 0
+    computes: int = 0  # encoder runs made through get_or_compute
+    inserts: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    bypasses: int = 0
+    bytes: int = 0
+    peak_bytes: int = 0
+    entries: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Entry:
+    outputs: dict
+    meta: dict
+    nbytes: int
+    holds: int = 0
+
+
+@dataclass
+class Lease:
+    """A handle on stored outputs; the entry stays resident until ``release`` (or the ``with`` block ends)."""
+
+    key: bytes
+    outputs: dict
+    meta: dict
+    hit: bool
+    bypassed: bool = False
+    _store: "EncoderOutputStore | None" = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            store._release(self.key)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _nbytes(outputs: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in outputs.values())
+
+
+class EncoderOutputStore:
+    def __init__(self, budget_bytes: int):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise InvalidRequest(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.metrics = StoreMetrics()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self._computing: dict[bytes, threading.Event] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def acquire(self, key: bytes) -> Lease | None:
+        """A held lease on the entry for ``key``, or None on a miss. Counts a lookup."""
+        with self._lock:
+            self.metrics.lookups += 1
+            return self._hold(key)
+
+    def _hold(self, key: bytes) -> Lease | None:
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        e.holds += 1
+        self._entries.move_to_end(key)
+        self.metrics.hits += 1
+        return Lease(key, e.outputs, e.meta, hit=True, _store=self)
+
+    def put(self, key: bytes, outputs: Mapping[str, torch.Tensor], meta: Mapping | None = None,
+            spec: OutputSpec | None = None) -> Lease:
+        """Store outputs under ``key`` (validated against ``spec``) and return a held lease on them.
+
+        If an entry already exists it is kept and returned. If the outputs cannot fit, the lease carries
+        them with ``bypassed=True`` and nothing is stored.
+        """
+        if not isinstance(key, (bytes, bytearray)) or len(key) != 16:
+            raise InvalidRequest("store keys are the 16-byte digests made by store_key")
+        if not isinstance(outputs, Mapping) or not outputs:
+            raise StoreEntryRejected(bytes(key).hex(), "outputs must be a non-empty mapping of name to tensor")
+        if spec is not None:
+            spec.check(key, outputs)
+        for name, t in outputs.items():
+            if not isinstance(t, torch.Tensor):
+                raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
+        outs = {k: v.detach() for k, v in outputs.items()}
+        meta = dict(meta or {})
+        size = _nbytes(outs)
+        with self._lock:
+            lease = self._hold(key)
+            if lease is not None:
+                self.metrics.hits -= 1  # not a lookup hit: a racing insert of the same key
+                return lease
+            if size > self.budget_bytes or not self._make_room(size):
+                self.metrics.bypasses += 1
+                return Lease(key, outs, meta, hit=False, bypassed=True)
+            self._entries[key] = _Entry(outs, meta, size, holds=1)
+            m = self.metrics
+            m.inserts += 1
+            m.bytes += size
+            m.entries = len(self._entries)
+            m.peak_bytes = max(m.peak_bytes, m.bytes)
+            return Lease(key, outs, meta, hit=False, _store=self)
+
+    def _make_room(self, size: int) -> bool:
+        free = self.budget_bytes - self.metrics.bytes
+        if free >= size:
+            return True
+        unheld = sum(e.nbytes for e in self._entries.values() if e.holds == 0)
+        if free + unheld < size:
+            return False
+        for k in [k for k, e in self._entries.items() if e.holds == 0]:
+            if self.budget_bytes - self.metrics.bytes >= size:
+                break
+            e = self._entries.pop(k)
+            self.metrics.bytes -= e.nbytes
+            self.metrics.evictions += 1
+            self.metrics.evicted_bytes += e.nbytes
+        self.metrics.entries = len(self._entries)
+        return True
+
+    def get_or_compute(self, key: bytes, compute: Callable[[], tuple[Mapping[str, torch.Tensor], Mapping]],
+                       spec: OutputSpec | None = None) -> Lease:
+        """The held entry for ``key``, running ``compute() -> (outputs, meta)`` on a miss.
+
+        Concurrent callers with the same key wait for one computation. An exception from ``compute``
+        propagates to its caller and stores nothing.
+        """
+        while True:
+            with self._lock:
+                self.metrics.lookups += 1
+                lease = self._hold(key)
+                if lease is not None:
+                    return lease
+                waiting = self._computing.get(key)
+                if waiting is None:
+                    done = self._computing[key] = threading.Event()
+                    break
+            waiting.wait()
+            with self._lock:
+                self.metrics.lookups -= 1  # the retry counts as one lookup, not two
+        try:
+            outputs, meta = compute()
+            with self._lock:
+                self.metrics.computes += 1
+            return self.put(key, outputs, meta, spec)
+        finally:
+            with self._lock:
+                self._computing.pop(key, None)
+            done.set()
+
+    def _release(self, key: bytes) -> None:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.holds <= 0:
+                raise AssertionError("lease released twice or for a missing entry")  # a store bug
+            e.holds -= 1
+
+    def held(self, key: bytes) -> int:
+        e = self._entries.get(key)
+        return e.holds if e else 0
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            total = sum(e.nbytes for e in self._entries.values())
+            if total != self.metrics.bytes:
+                raise AssertionError(f"bytes counter {self.metrics.bytes} differs from entries {total}")
+            if total > self.budget_bytes:
+                raise AssertionError(f"store holds {total} bytes over its budget {self.budget_bytes}")
+            if any(e.holds < 0 for e in self._entries.values()):
+                raise AssertionError("negative hold count")
