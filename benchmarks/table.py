@@ -14,12 +14,14 @@ class Row:
     baseline: float | None = None  # the same metric without mmcache (cache off, or a peer named in `versus`)
     versus: str = "cache off"
     target: str = ""
+    higher_is_better: bool = False  # throughputs; times and bytes are better lower
 
     @property
     def ratio(self) -> float | None:
-        if self.baseline is None or self.value in (0, None):
+        """How many times better mmcache is than the baseline (above 1: better)."""
+        if self.baseline is None or not self.value or not self.baseline:
             return None
-        return self.baseline / self.value
+        return self.value / self.baseline if self.higher_is_better else self.baseline / self.value
 
 
 def _fmt(x) -> str:
@@ -37,8 +39,8 @@ def _fmt(x) -> str:
 
 
 def render(rows: list[Row]) -> str:
-    """Fixed-width table: bench, metric, mmcache, baseline, baseline/mmcache, target."""
-    header = ("bench", "metric", "mmcache", "baseline", "versus", "baseline/mmcache", "target")
+    """Fixed-width table: bench, metric, mmcache, baseline, how many times better mmcache is, target."""
+    header = ("bench", "metric", "mmcache", "baseline", "versus", "mmcache better by", "target")
     body = [(r.bench, r.metric, f"{_fmt(r.value)} {r.unit}".strip(),
              "-" if r.baseline is None else f"{_fmt(r.baseline)} {r.unit}".strip(),
              r.versus if r.baseline is not None else "-",

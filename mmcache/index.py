@@ -69,7 +69,9 @@ class PrefixIndex:
         out = np.full(len(names), -1, dtype=np.int32)
         pending = np.arange(len(names))
         step = 0
-        while len(pending):
+        # Vectorised steps while many names are unresolved; the few in long probe runs finish one by one,
+        # since a numpy call costs more than a scalar probe once only a handful remain.
+        while len(pending) > 16:
             s = (start[pending] + step) % self._cap
             keys = self._keys[s]
             vals = self._vals[s]
@@ -77,6 +79,18 @@ class PrefixIndex:
             out[pending[hit]] = vals[hit]
             pending = pending[~hit & (vals != EMPTY)]
             step += 1
+        if len(pending):
+            keys, vals, cap = self._keys, self._vals, self._cap
+            for i in pending.tolist():
+                name, s = names[i], (int(start[i]) + step) % cap
+                while True:
+                    v = vals[s]
+                    if v == EMPTY:
+                        break
+                    if v >= 0 and keys[s] == name:
+                        out[i] = v
+                        break
+                    s = (s + 1) % cap
         return out
 
     def _all_candidates(self, name: int) -> list[int]:
@@ -167,10 +181,11 @@ class PrefixIndex:
                 parents[0] = expect_parent
                 parents[1:] = pages[:-1]
                 ok &= self.parent[pages] == parents
-                ex_rows = np.flatnonzero(self.has_extras[pages])
-                want = [r for r in range(m) if (first_page + j + r) in extras]
-                for r in set(ex_rows.tolist()) | set(want):
-                    if self._extras.get(int(pages[r])) != extras.get(first_page + j + r):
+                lo_page = first_page + j
+                rows = set(np.flatnonzero(self.has_extras[pages]).tolist())
+                rows.update(i - lo_page for i in extras if lo_page <= i < lo_page + m)
+                for r in rows:
+                    if self._extras.get(int(pages[r])) != extras.get(lo_page + r):
                         ok[r] = False
                 bad = np.flatnonzero(~ok)
                 good = int(bad[0]) if len(bad) else m

@@ -206,16 +206,15 @@ class AllocationManager:
             root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
             req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
                            prompt.names.tolist())
-            result = self._seed(req) if self.mode == "on" else AdmitResult(0, 0, 0)
+            result = self._seed(req, prompt.names) if self.mode == "on" else AdmitResult(0, 0, 0)
             self._requests[request_id] = req
         self._mirror(request_id, lambda s: s.admit(request_id, prompt))
         return result
 
-    def _seed(self, req: _Request) -> AdmitResult:
+    def _seed(self, req: _Request, names: np.ndarray) -> AdmitResult:
         p = self.page_size
         cap = (len(req.prompt) - 1) // p
-        pages = self.index.match(np.asarray(req.names[:cap], dtype=np.uint64), req.prompt, req.extras,
-                                 req.root_parent)
+        pages = self.index.match(names[:cap], req.prompt, req.extras, req.root_parent)
         k = len(pages)
         forfeit = 0
         while k + forfeit < cap and self._inflight.get(req.names[k + forfeit], 0) > 0:
@@ -514,6 +513,16 @@ class AllocationManager:
                 req.chain = req.chain[:min(req.released)]
         self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
         return released
+
+    def clear_cache(self) -> int:
+        """Evict every cached page no request holds (cold tails, as on shortfall). Returns pages freed."""
+        with self._lock:
+            freed, batches = evict(self.index, self.pool, self.pool.num_pages) if self.mode == "on" else (0, 0)
+            self.metrics.evicted_pages += freed
+            self.metrics.eviction_batches += batches
+        if self.shadow is not None:
+            self.shadow.clear_cache()
+        return freed
 
     # ---- internals ---------------------------------------------------------------------------------
     def _live(self, request_id, op: str) -> _Request:

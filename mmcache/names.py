@@ -221,16 +221,20 @@ class Namer:
             raise InvalidRequest(f"pages {first_page}..{first_page + num_pages} outside {total_full} full pages")
         if first_page > 0 and parent is None:
             raise InvalidRequest("naming from a page other than 0 needs the parent's name")
-        out = np.empty(num_pages, dtype=np.uint64)
         buf = memoryview(token_ids).cast("B")
         step = p * TOKEN_DTYPE.itemsize
         prev = root if first_page == 0 else parent
         h = self._hash
-        for j in range(num_pages):
-            i = first_page + j
-            chunk = buf[i * step : (i + 1) * step]
-            ex = extras.get(i) if extras else None
-            data = chunk if not ex else bytes(chunk) + _encode_extras(ex)
-            prev = h(data, prev)
-            out[j] = prev
-        return out
+        out = []
+        append = out.append
+        if not extras:  # the common, text-only case: one hash call per page, nothing else
+            for off in range(first_page * step, (first_page + num_pages) * step, step):
+                prev = h(buf[off : off + step], prev)
+                append(prev)
+        else:
+            for i in range(first_page, first_page + num_pages):
+                chunk = buf[i * step : (i + 1) * step]
+                ex = extras.get(i)
+                prev = h(chunk if not ex else bytes(chunk) + _encode_extras(ex), prev)
+                append(prev)
+        return np.fromiter(out, dtype=np.uint64, count=num_pages)

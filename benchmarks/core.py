@@ -1,0 +1,179 @@
+"""Core costs: naming throughput against two public schemes, lookup, eviction, metadata per page.
+
+* naming: mmcache's chained xxHash 64 (``AllocationManager.prepare`` on the int32 array the engine keeps per
+  request, validation included; ``mmcache_from_list_mtok_s`` adds the one-time list-to-array conversion)
+  against the two schemes other engines use, re-implemented here from their descriptions, on Python lists,
+  their native form: vLLM's default (SHA-256 over the pickled tuple (parent hash, token tuple, extras)) and
+  transformers' continuous batching (blake2b with an 8-byte digest over the parent hash and the int32 ids).
+  All three name the same pages of the same tokens.
+* lookup: ``admit`` of a prepared prompt whose first k pages are cached: probe, verify, increment (names
+  computed beforehand, as the engine does outside the lock); then the request is aborted, untimed.
+* eviction: a live request takes 1000 pages from a pool full of cached 16-page runs.
+* metadata: bytes of pool and index metadata per page, measured with tracemalloc over a full index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import statistics
+import time
+import tracemalloc
+from array import array
+
+import numpy as np
+
+from mmcache import AllocationManager, CacheConfig, Fingerprint
+
+from .table import Row
+
+DESCRIPTION = "core costs: naming, lookup, eviction, metadata per page"
+PAGE = 128
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (the median is kept)")
+    p.add_argument("--tokens", type=int, default=1 << 20, help="tokens named per naming repeat")
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sha256_pickle(tokens: list, page: int) -> list:
+    parent, out = b"", []
+    for i in range(0, len(tokens) - page + 1, page):
+        parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[i:i + page]), None),
+                                             protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        out.append(parent)
+    return out
+
+
+def _blake2b(tokens: list, page: int) -> list:
+    parent, out = None, []
+    for i in range(0, len(tokens) - page + 1, page):
+        h = hashlib.blake2b(digest_size=8)
+        if parent is not None:
+            h.update(parent.to_bytes(8, "little"))
+        h.update(array("i", tokens[i:i + page]).tobytes())
+        parent = int.from_bytes(h.digest(), "little")
+        out.append(parent)
+    return out
+
+
+def _manager(num_pages: int) -> AllocationManager:
+    fp = Fingerprint(model_digest="bench", kv_dtype="none", attention_backend="none", page_size=PAGE)
+    return AllocationManager(CacheConfig(num_pages=num_pages, page_size=PAGE), fp)
+
+
+def _store(mgr: AllocationManager, rid, tokens: np.ndarray) -> None:
+    res = mgr.admit(rid, tokens)
+    mgr.reserve(rid, len(tokens) - res.matched_tokens)
+    mgr.commit(rid, tokens[res.matched_tokens:])
+    mgr.teardown(rid)
+
+
+def bench_naming(tokens: int, repeats: int) -> dict:
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 151_936, size=tokens).astype(np.int32)
+    ids = arr.tolist()
+    mgr = _manager(8)
+    t_mm = _median_time(lambda: mgr.prepare(arr), repeats)
+    t_list = _median_time(lambda: mgr.prepare(ids), repeats)
+    small = ids[: tokens // 8]  # the slow schemes name an eighth of the tokens per repeat
+    t_sha = _median_time(lambda: _sha256_pickle(small, PAGE), max(3, repeats // 2))
+    t_b2 = _median_time(lambda: _blake2b(small, PAGE), max(3, repeats // 2))
+    return {
+        "mmcache_mtok_s": tokens / t_mm / 1e6,
+        "mmcache_from_list_mtok_s": tokens / t_list / 1e6,
+        "sha256_pickle_mtok_s": len(small) / t_sha / 1e6,
+        "blake2b_mtok_s": len(small) / t_b2 / 1e6,
+        "tokens": tokens,
+        "page_size": PAGE,
+    }
+
+
+def bench_lookup(repeats: int) -> dict:
+    out = {}
+    for k in (1, 100, 1000):
+        mgr = _manager(k + 8)
+        rng = np.random.default_rng(k)
+        tokens = rng.integers(0, 151_936, size=k * PAGE + 1)
+        _store(mgr, "warm", tokens)
+        prep = mgr.prepare(tokens)
+        times = []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            res = mgr.admit(("probe", i), prep)
+            times.append(time.perf_counter() - t0)
+            assert res.matched_pages == k
+            mgr.abort(("probe", i))
+        out[f"pages_{k}"] = statistics.median(times) * 1e3
+    return out
+
+
+def bench_evict(repeats: int) -> float:
+    run_pages, want = 16, 1000
+    times = []
+    for r in range(max(3, repeats // 2)):
+        runs = -(-want // run_pages) + 4
+        mgr = _manager(runs * run_pages)
+        rng = np.random.default_rng(r)
+        for i in range(runs):
+            _store(mgr, i, rng.integers(0, 151_936, size=run_pages * PAGE))
+        assert mgr.pool.num_free == 0
+        mgr.admit("live", [1])
+        t0 = time.perf_counter()
+        mgr.reserve("live", want * PAGE)
+        times.append(time.perf_counter() - t0)
+        assert mgr.metrics.evicted_pages >= want
+    return statistics.median(times) * 1e3 * 1000 / want
+
+
+def bench_metadata() -> dict:
+    pages = 4096
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 151_936, size=16 * PAGE) for _ in range(pages // 16)]  # input, not metadata
+    _store(_manager(16), "warm-up", prompts[0])  # first-use allocations of the code paths are not per page
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    mgr = _manager(pages)
+    for i, tokens in enumerate(prompts):
+        _store(mgr, i, tokens)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert mgr.index.size == pages
+    return {"traced": used / pages, "arrays": mgr.metadata_nbytes() / pages}
+
+
+def run(args) -> dict:
+    repeats = 3 if args.quick else args.repeats
+    tokens = (1 << 18) if args.quick else args.tokens
+    meta = bench_metadata()
+    return {
+        "naming": bench_naming(tokens, repeats),
+        "lookup_ms": bench_lookup(repeats * 3),
+        "evict_ms_per_1000_pages": bench_evict(repeats),
+        "metadata_bytes_per_page": meta["traced"],
+        "metadata_array_bytes_per_page": meta["arrays"],
+        "quick": bool(args.quick),
+    }
+
+
+def table_rows(r: dict) -> list[Row]:
+    n = r["naming"]
+    return [
+        Row("core", "page naming throughput", n["mmcache_mtok_s"], "Mtok/s", n["sha256_pickle_mtok_s"],
+            "vLLM sha256(pickle)", ">= 10x sha256", higher_is_better=True),
+        Row("core", "page naming throughput", n["mmcache_mtok_s"], "Mtok/s", n["blake2b_mtok_s"],
+            "transformers blake2b", higher_is_better=True),
+        Row("core", "hit lookup, 1000 pages", r["lookup_ms"]["pages_1000"], "ms", target="<= 1 ms"),
+        Row("core", "hit lookup, 100 pages", r["lookup_ms"]["pages_100"], "ms"),
+        Row("core", "eviction per 1000 pages", r["evict_ms_per_1000_pages"], "ms"),
+        Row("core", "metadata per 128-token page", r["metadata_bytes_per_page"], "B", target="<= 600 B"),
+    ]

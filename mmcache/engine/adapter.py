@@ -1,0 +1,86 @@
+"""The model-specific seam: where a model's embeddings, decoder and head live and what positions it takes.
+
+The runner only talks to a ``ModelAdapter``: ``embed`` token ids, run ``forward`` on packed embeddings with
+per-token positions and the step's ``PagedBatch``, get logits for the requested rows. ``CausalLMAdapter``
+serves any transformers ``*ForCausalLM`` (and any ``*ForConditionalGeneration`` whose forward accepts
+``inputs_embeds``: LLaVA routes them to its ``language_model``) whose attention goes through
+``AttentionInterface``. ``MRopeAdapter`` is the same with 3-D rotary positions (Qwen2-VL style).
+
+Invariants:
+
+* ``forward`` takes ``inputs_embeds`` of shape (T, hidden) and positions of shape (T,) or (3, T)
+  (``position_dims``) and returns float logits of shape (len(logits_index), vocab) computed only at those rows.
+* Model geometry (layers, KV heads, head size, vocabulary, context limit) comes from the text config, so a
+  VLM's language model is described by the same fields.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
+
+
+class CausalLMAdapter:
+    position_dims = 1
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = model.config
+        self.text_config = model.config.get_text_config()
+        tc = self.text_config
+        for attr in ("attn_logit_softcapping",):
+            if getattr(tc, attr, None):
+                raise UnsupportedModel(f"{type(model).__name__}: {attr} is not supported by {ATTENTION_BACKEND}")
+        self.num_layers = int(tc.num_hidden_layers)
+        self.num_heads = int(tc.num_attention_heads)
+        self.num_kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
+        self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        self.hidden_size = int(tc.hidden_size)
+        self.vocab_size = int(tc.vocab_size)
+        self.max_model_len = int(getattr(tc, "max_position_embeddings", 0) or 1 << 20)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        return self.model.get_decoder()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def attach(self) -> None:
+        """Route the model's attention through the paged backend."""
+        register()
+        self.model.set_attn_implementation(ATTENTION_BACKEND)
+        self.model.eval()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                batch: PagedBatch) -> torch.Tensor:
+        position_ids = positions[None] if positions.dim() == 1 else positions[:, None, :]
+        out = self.model(inputs_embeds=inputs_embeds[None], position_ids=position_ids, logits_to_keep=logits_index,
+                         use_cache=False, **{BATCH_KWARG: batch})
+        return out.logits[0]
+
+
+class MRopeAdapter(CausalLMAdapter):
+    """Models whose rotary positions are 3-D (temporal, height, width), e.g. Qwen2-VL's language model."""
+
+    position_dims = 3
+
+
+def adapter_for(model: torch.nn.Module) -> CausalLMAdapter:
+    """The adapter for a loaded model: 3-D positions when its rotary config has an ``mrope_section``."""
+    tc = model.config.get_text_config()
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("mrope_section"):
+        return MRopeAdapter(model)
+    return CausalLMAdapter(model)

@@ -1,0 +1,74 @@
+"""Engine configuration: one small dataclass whose defaults work for the embedded models.
+
+Invariants (checked at construction, ``EngineConfigError`` otherwise):
+
+* ``prefill_chunk_tokens`` is a positive multiple of ``page_size`` (chunks end on page boundaries);
+  ``None`` picks the largest multiple of ``page_size`` not above 2048.
+* ``max_tokens_per_step >= page_size``, so every prefill chunk fits some step.
+* ``num_pages`` (per label) is explicit or derived from ``kv_cache_bytes``, capped at what ``max_num_seqs``
+  sequences of ``max_model_len`` tokens could hold four times over (the rest is cache headroom).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MmcacheError
+from ..manager import MODES, STORE_AT
+
+SCHEDULES = ("continuous", "serial")
+
+
+class EngineConfigError(MmcacheError, ValueError):
+    """An engine setting is out of range."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 128
+    num_pages: int | None = None  # pages per label pool; None: from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30  # per label pool, when num_pages is None
+    cfg_num_pages: int | None = None  # pages of the CFG branch's pool (default: as the main pool)
+    cache_mode: str = "on"  # "on" | "off" | "shadow"
+    store_at: str = "teardown"  # "teardown" | "prefill"
+    max_num_seqs: int = 64
+    max_tokens_per_step: int = 4096  # token budget of one forward
+    prefill_chunk_tokens: int | None = None
+    schedule: str = "continuous"  # "continuous" | "serial" (one request at a time)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
+
+    def __post_init__(self):
+        def check(ok: bool, msg: str):
+            if not ok:
+                raise EngineConfigError(msg)
+
+        def pos_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+        check(pos_int(self.page_size), f"page_size must be a positive int, got {self.page_size!r}")
+        check(self.num_pages is None or pos_int(self.num_pages), f"bad num_pages {self.num_pages!r}")
+        check(self.cfg_num_pages is None or pos_int(self.cfg_num_pages), f"bad cfg_num_pages {self.cfg_num_pages!r}")
+        check(pos_int(self.kv_cache_bytes), f"bad kv_cache_bytes {self.kv_cache_bytes!r}")
+        check(self.cache_mode in MODES, f"cache_mode must be one of {MODES}, got {self.cache_mode!r}")
+        check(self.store_at in STORE_AT, f"store_at must be one of {STORE_AT}, got {self.store_at!r}")
+        check(pos_int(self.max_num_seqs), f"bad max_num_seqs {self.max_num_seqs!r}")
+        check(pos_int(self.max_tokens_per_step) and self.max_tokens_per_step >= self.page_size,
+              f"max_tokens_per_step must be an int >= page_size, got {self.max_tokens_per_step!r}")
+        if self.prefill_chunk_tokens is None:
+            object.__setattr__(self, "prefill_chunk_tokens", max(1, 2048 // self.page_size) * self.page_size)
+        check(pos_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens % self.page_size == 0,
+              f"prefill_chunk_tokens must be a positive multiple of page_size, got {self.prefill_chunk_tokens!r}")
+        check(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        check(self.max_model_len is None or pos_int(self.max_model_len), f"bad max_model_len {self.max_model_len!r}")
+
+    @classmethod
+    def exact(cls, page_size: int = 16, **kw) -> "EngineConfig":
+        """The exact schedule (see ``scheduler``): one request at a time, prefill one page per forward."""
+        return cls(page_size=page_size, schedule="serial", prefill_chunk_tokens=page_size, **kw)
+
+    def pages_for(self, page_bytes: int, max_model_len: int) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        need = 4 * self.max_num_seqs * -(-max_model_len // self.page_size)
+        return max(1, min(self.kv_cache_bytes // page_bytes, need))

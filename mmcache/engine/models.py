@@ -1,0 +1,96 @@
+"""Building, loading, exporting and fingerprinting models.
+
+Invariants:
+
+* ``model_digest`` is xxh3_128 over the canonical config (minus fields that do not change the computation:
+  private keys, ``architectures``, ``dtype``, ``transformers_version``) and every distinct parameter and
+  persistent buffer (name, dtype, shape, bytes) in name order; equal digests mean equal weights and config.
+* ``export_model`` writes an ordinary Hugging Face folder (config.json, model.safetensors, generation config,
+  tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM load, and that
+  ``load_model`` reads back to the same digest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import xxhash
+
+from ..errors import MmcacheError
+from ..names import canonical_encoding
+from .presets import get_preset, preset_config
+from .tokenizer import hf_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DIGEST_SKIP = {"architectures", "dtype", "torch_dtype", "transformers_version"}
+
+
+class ModelLoadError(MmcacheError, ValueError):
+    """A model folder could not be loaded (missing files, unknown architecture, bad dtype)."""
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype)]
+    except KeyError:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
+
+
+def build_model(preset_name: str, dtype="float32"):
+    """``(model, tokenizer)`` of an embedded preset; weights drawn from the preset's seed in float32, then cast."""
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset(preset_name)
+    config = preset_config(preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(preset.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.to(resolve_dtype(dtype)).eval()
+    return model, hf_tokenizer(preset.tokenizer_vocab)
+
+
+def load_model(path, dtype="bfloat16"):
+    """``(model, tokenizer or None)`` from a local Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load {path}: {e}") from e
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
+    """Write an embedded preset as a Hugging Face folder; returns the folder."""
+    model, tokenizer = build_model(preset_name, dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Hex digest over the model's config and weights (see the module docstring)."""
+    h = xxhash.xxh3_128()
+    cfg = json.loads(model.config.to_json_string(use_diff=False))
+    h.update(canonical_encoding({k: v for k, v in cfg.items() if not k.startswith("_") and k not in _DIGEST_SKIP}))
+    seen = set()
+    for name, t in sorted(model.state_dict().items()):
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key in seen:
+            continue  # a tied weight is hashed once, under its first name
+        seen.add(key)
+        h.update(canonical_encoding([name, str(t.dtype), list(t.shape)]))
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()

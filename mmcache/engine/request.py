@@ -1,0 +1,135 @@
+"""What a caller gives the engine and what it gets back: requests, sampling parameters, outputs, events.
+
+Invariants:
+
+* ``SamplingParams`` and ``Request`` are plain values; constructing one never raises. The engine validates a
+  request when it is added (``validate``) and reports bad input as a typed error in that request's output,
+  so one malformed request never takes a batch down.
+* Times are ``time.perf_counter()`` stamps: ``arrival_time`` when the engine accepted the request,
+  ``first_token_time`` when its first output token was sampled, ``token_times[i]`` when token ``i`` was.
+* ``finish_reason`` is one of ``FINISH_REASONS``; ``error`` is set exactly when it is ``"error"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import InvalidRequest, MmcacheError
+from ..names import MediaItem
+
+FINISH_REASONS = ("length", "eos", "stop", "abort", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one request. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1``
+    disable those filters. ``seed`` makes random sampling reproducible per request (None: drawn from the
+    engine's own seeded generator)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, request_id: object = None) -> None:
+        """Raise ``InvalidRequest`` naming the first out-of-range field."""
+        def bad(msg: str):
+            raise InvalidRequest(f"sampling: {msg}", request_id)
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _real(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            bad(f"top_k must be an int, got {self.top_k!r}")
+        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            bad(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                bad(f"stop_token_ids must be non-negative ints, got {t!r}")
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class MultimodalInput:
+    """The multimodal part of a prompt, filled in by a VLM front end (the engine never decodes media).
+
+    * ``media``: one ``MediaItem`` (digest, absolute position of its first placeholder token) per item; the
+      allocation manager folds them into page names, so equal ids with different images never share pages.
+    * ``embeds``: ``(start_position, tensor[n, hidden])`` pairs; rows replace the token embeddings at prompt
+      positions ``start .. start + n - 1`` in whichever prefill chunk covers them.
+    * ``mrope_positions``: optional ``tensor[3, prompt_len]`` of rotary positions (Qwen2-VL style). A token at
+      sequence position ``p >= prompt_len`` (generated) gets position ``p + mrope_delta`` on all three axes.
+    """
+
+    media: Sequence[MediaItem] = ()
+    embeds: Sequence[tuple[int, torch.Tensor]] = ()
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
+
+
+@dataclass
+class Request:
+    """One generation request. ``prompt`` is token ids or text (text needs the engine's tokenizer).
+
+    ``negative_prompt`` with ``guidance_scale`` adds a classifier-free-guidance branch decoded in lockstep:
+    logits = uncond + scale * (cond - uncond). ``salt`` isolates the request's cached pages (equal salts share).
+    """
+
+    prompt: object
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: object = None
+    salt: bytes | str = b""
+    negative_prompt: object = None
+    guidance_scale: float = 1.0
+    mm: MultimodalInput | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: object
+    prompt_len: int
+    output_ids: list[int]
+    matched_tokens: int  # prompt tokens seeded from the cache at first admission (main label)
+    finish_reason: str
+    error: MmcacheError | None
+    arrival_time: float
+    first_token_time: float | None
+    token_times: list[float]
+    negative_matched_tokens: int = 0  # same for the CFG branch
+    preemptions: int = 0
+    text: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One streamed token (``token_id``), or the end of a request (``finished``, with its ``output``)."""
+
+    request_id: object
+    token_id: int | None
+    time: float
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+    key: object = field(default=None, repr=False, compare=False)  # routes the event to the call that added it

@@ -1,0 +1,216 @@
+"""Continuous batching: which branches compute which tokens in the next forward.
+
+Each step has a token budget (``max_tokens_per_step``). Running requests come first, decodes before prefill
+chunks, then waiting requests are admitted in arrival order while the budget, ``max_num_seqs`` and the pool
+allow. Invariants:
+
+* Admission seeds from the index: names are computed outside any lock (``Branch.prepare``), then
+  ``AllocationManager.admit`` probes, verifies and takes the matched pages; prefill starts at the match.
+* Chunk boundaries fall on page boundaries: a chunk that does not finish its branch ends at a multiple of
+  ``page_size`` and is at most ``prefill_chunk_tokens`` long (a multiple of ``page_size``). Since matches are
+  whole pages, a cache-off run and a cache-on run cut the tokens after the match at the same positions.
+* Before a forward every scheduled branch has reserved its pages. When a reservation fails after eviction
+  (``AllocationFailed``) the newest running request not yet scheduled this step is preempted: its branches
+  are torn down (full pages go to the index) and it waits at the head of the queue, to be re-admitted with
+  prompt + generated-so-far and re-seeded. With no such request the requester itself is preempted, and when
+  it is the only request it fails with the allocation error.
+* ``schedule="serial"`` runs one request at a time (admitted when nothing else runs). With
+  ``prefill_chunk_tokens == page_size`` this is the *exact* schedule: every forward holds one request's
+  one page (or one decode token), so a cache-off run computes each shared page in a forward identical to the
+  one that produced the cached page, and every forward after the match is identical in both runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import AllocationFailed, MmcacheError
+from .sequence import Branch, LiveRequest
+
+
+@dataclass
+class Work:
+    """One segment of the next forward: ``branch`` computes ``tokens[start:end]`` into ``pages``."""
+
+    live: LiveRequest
+    branch: Branch
+    start: int
+    end: int
+    pages: np.ndarray
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.end == len(self.branch.tokens)
+
+
+@dataclass
+class StepPlan:
+    works: list[Work] = field(default_factory=list)
+    preempted: list[LiveRequest] = field(default_factory=list)
+    failed: list[tuple[LiveRequest, MmcacheError]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    page_size: int
+    max_num_seqs: int
+    max_tokens_per_step: int
+    prefill_chunk_tokens: int
+    serial: bool
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits):
+        self.limits = limits
+        self.waiting: deque[LiveRequest] = deque()
+        self.running: list[LiveRequest] = []
+        self.preemptions = 0
+
+    def add(self, live: LiveRequest) -> None:
+        self.waiting.append(live)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def remove(self, live: LiveRequest) -> None:
+        """Forget a request (finished, aborted or failed) without touching its pages."""
+        if live in self.running:
+            self.running.remove(live)
+        elif live in self.waiting:
+            self.waiting.remove(live)
+
+    # ---- planning ----------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.limits.max_tokens_per_step
+        scheduled: set[int] = set()
+        decoding = [r for r in self.running if all(b.remaining <= 1 for b in r.branches.values())]
+        prefilling = [r for r in self.running if r not in decoding]
+        for live in decoding + prefilling:
+            if live not in self.running:
+                continue  # preempted earlier in this step
+            chunks = self._chunks(live, budget)
+            if not chunks:
+                continue
+            works = self._reserve(live, chunks, scheduled, plan)
+            if works:
+                plan.works.extend(works)
+                scheduled.add(id(live))
+                budget -= sum(w.end - w.start for w in works)
+        self._admit(plan, budget, scheduled)
+        return plan
+
+    def _chunks(self, live: LiveRequest, budget: int) -> list[tuple[Branch, int, int]]:
+        p = self.limits.page_size
+        out = []
+        for b in live.branches.values():
+            n = min(b.remaining, self.limits.prefill_chunk_tokens, budget)
+            end = b.computed + n
+            if end < len(b.tokens):
+                end -= end % p
+            if end > b.computed:
+                out.append((b, b.computed, end))
+                budget -= end - b.computed
+        return out
+
+    def _reserve(self, live: LiveRequest, chunks, scheduled: set, plan: StepPlan) -> list[Work] | None:
+        """Reserve pages for every chunk, preempting as the module docstring says. None: nothing scheduled."""
+        works = []
+        for branch, start, end in chunks:
+            while True:
+                try:
+                    pages = branch.manager.reserve(live.request_id, end - start)
+                    break
+                except AllocationFailed as err:
+                    victim = self._victim(live, scheduled)
+                    if victim is None:
+                        plan.failed.append((live, err))
+                        self.running.remove(live)
+                        return None
+                    self.preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is live:
+                        return None
+            works.append(Work(live, branch, start, end, pages))
+        return works
+
+    def _victim(self, live: LiveRequest, scheduled: set) -> LiveRequest | None:
+        for cand in reversed(self.running):
+            if cand is not live and id(cand) not in scheduled:
+                return cand
+        return live if len(self.running) > 1 else None
+
+    def _admit(self, plan: StepPlan, budget: int, scheduled: set) -> None:
+        lim = self.limits
+        while self.waiting and len(self.running) < lim.max_num_seqs and not (lim.serial and self.running):
+            live = self.waiting[0]
+            if budget < lim.page_size and any(budget < len(b.tokens) for b in live.branches.values()):
+                return  # the first chunk might not fit; the next step has a full budget
+            for b in live.branches.values():
+                if b.prepared is None:
+                    b.prepare(live.request_id)
+            first_admission = [b.first_matched is None for b in live.branches.values()]
+            for b in live.branches.values():
+                res = b.manager.admit(live.request_id, b.prepared)
+                b.prepared = None
+                b.admitted = True
+                b.computed = b.matched = res.matched_tokens
+                if b.first_matched is None:
+                    b.first_matched = res.matched_tokens
+            self.waiting.popleft()
+            self.running.append(live)
+            works = self._reserve_admission(live, self._chunks(live, budget), plan)
+            if works is None:
+                for b, first in zip(live.branches.values(), first_admission):
+                    if first:
+                        b.first_matched = None
+                return
+            plan.works.extend(works)
+            scheduled.add(id(live))
+            budget -= sum(w.end - w.start for w in works)
+
+    def _reserve_admission(self, live: LiveRequest, chunks, plan: StepPlan) -> list[Work] | None:
+        """Reserve a newly admitted request's first chunk; never preempts a running request for it.
+
+        On failure the admission is undone (nothing was computed, nothing is stored) and the request waits
+        at the head of the queue, or fails when nothing else runs that could free pages.
+        """
+        works = []
+        for branch, start, end in chunks:
+            try:
+                works.append(Work(live, branch, start, end, branch.manager.reserve(live.request_id, end - start)))
+            except AllocationFailed as err:
+                self.running.remove(live)
+                self.release(live, store=False)
+                if self.running:
+                    self.waiting.appendleft(live)
+                else:
+                    plan.failed.append((live, err))
+                return None
+        return works
+
+    # ---- release -----------------------------------------------------------------------------------
+    def preempt(self, live: LiveRequest) -> None:
+        """Tear the request down (storing its full pages) and queue it first for re-admission."""
+        self.running.remove(live)
+        self.release(live, store=True)
+        live.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(live)
+
+    @staticmethod
+    def release(live: LiveRequest, store: bool) -> None:
+        """Give back every admitted branch's pages (teardown stores full pages; abort stores nothing)."""
+        for b in live.branches.values():
+            if b.admitted:
+                if store:
+                    b.manager.teardown(live.request_id)
+                else:
+                    b.manager.abort(live.request_id)
+            b.admitted = False
+            b.computed = 0
+            b.logits = None

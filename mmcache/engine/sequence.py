@@ -1,0 +1,91 @@
+"""Per-request state while a request lives in the engine.
+
+A live request has one ``Branch`` per label: ``main`` (the prompt) and, for classifier-free guidance,
+``cfg`` (the negative prompt). Invariants:
+
+* ``branch.tokens`` is the branch's prompt followed by every token generated so far; both branches append the
+  same sampled token, so they advance in lockstep.
+* ``branch.computed`` equals the branch manager's ``seq_len`` while the branch is admitted: positions
+  ``0 .. computed - 1`` have KV in the branch's pages. A decoding branch has ``computed == len(tokens) - 1``
+  (the last sampled token is the next input).
+* ``branch.logits`` holds the branch's logits at its last token once it was computed and until the next
+  token is sampled; a token is sampled when every branch holds logits.
+* A preempted request is back in the queue with ``admitted == False`` and ``computed == 0`` on every branch;
+  its next admission re-seeds from the index over prompt + generated-so-far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import MmcacheError
+from ..manager import AllocationManager, PreparedPrompt
+from ..names import MediaItem
+from .request import MultimodalInput, Request, RequestOutput, SamplingParams
+
+MAIN = "main"
+CFG = "cfg"
+
+
+@dataclass
+class Branch:
+    label: str
+    manager: AllocationManager
+    tokens: list[int]
+    prompt_len: int
+    salt: bytes | str = b""
+    media: tuple[MediaItem, ...] = ()
+    mm: MultimodalInput | None = None
+    prepared: PreparedPrompt | None = None  # names of ``tokens`` as of the next admission
+    admitted: bool = False
+    computed: int = 0
+    matched: int = 0  # tokens seeded at the latest admission
+    first_matched: int | None = None  # tokens seeded at the first admission
+    logits: torch.Tensor | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.computed if self.logits is None else 0
+
+    def prepare(self, request_id) -> None:
+        """Name the branch's current tokens (outside any lock; the manager's ``prepare`` takes none)."""
+        self.prepared = self.manager.prepare(np.asarray(self.tokens, dtype=np.int32), self.media, self.salt,
+                                             request_id)
+
+
+@dataclass
+class LiveRequest:
+    request_id: object
+    request: Request
+    sampling: SamplingParams
+    branches: dict[str, Branch]
+    generator: torch.Generator | None
+    arrival_time: float
+    prompt_len: int
+    max_len: int  # the sequence may not grow past this many tokens (model limit)
+    eos_ids: frozenset
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    first_token_time: float | None = None
+    preemptions: int = 0
+    finish_reason: str | None = None
+    error: MmcacheError | None = None
+    sink: list = field(default_factory=list)  # where this request's events go
+    key: object = None  # identifies the request to the call that added it
+
+    @property
+    def admitted(self) -> bool:
+        return any(b.admitted for b in self.branches.values())
+
+    def output(self, text: str | None = None) -> RequestOutput:
+        main = self.branches[MAIN]
+        cfg = self.branches.get(CFG)
+        return RequestOutput(
+            request_id=self.request_id, prompt_len=self.prompt_len, output_ids=list(self.output_ids),
+            matched_tokens=main.first_matched or 0, finish_reason=self.finish_reason, error=self.error,
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time,
+            token_times=list(self.token_times), negative_matched_tokens=(cfg.first_matched or 0) if cfg else 0,
+            preemptions=self.preemptions, text=text)

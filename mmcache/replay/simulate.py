@@ -1,0 +1,205 @@
+"""Discrete-event replay of a workload through the real allocation manager, one metadata-only pool per replica.
+
+This is the shadow mode's code path (DESIGN.md, "Shadow mode"): each replica is an ``AllocationManager`` in
+mode ``on`` with ``kv_spec=None``, exactly the manager ``AllocationManager.shadow`` holds, driven by the
+same calls the shadow mirror replays (``admit`` with a ``PreparedPrompt``, ``reserve``, ``commit``,
+``teardown``, ``abort``). Names, index, seeding, eviction and the would-have-matched accounting
+(``AdmitResult.matched_tokens`` and ``forfeit_tokens``) are the core's; nothing here keeps an index.
+
+A request's life, at simulated times:
+
+* arrival: its prompt is named once (``prepare``), the replica is chosen (rendezvous affinity through
+  ``ReplicaRouter``, or a seeded uniform draw for ``random``), and it joins that replica's FIFO queue. A
+  request whose final sequence (prompt + output) needs more pages than the pool has can never run there:
+  it is rejected and counted, and scores no hit.
+* admission, when it is at the head of the queue: ``admit`` seeds it from the index, ``reserve`` takes pages
+  for the rest of its final sequence at once (a scheduler reserving ``max_tokens``, so nothing is preempted
+  later), and ``commit`` writes its uncached prompt. When ``reserve`` raises ``AllocationFailed`` the pool
+  is full of live requests (the manager evicted every cached page it could first), so the request is
+  aborted, which gives back what seeding took, and waits at the head of the queue until a request of that
+  replica ends. A queue wait is counted apart from stalls caused by cached data
+  (``alloc_failures_cache_held``), which must stay 0.
+* end, ``CostModel`` seconds later: ``commit`` of the output ids, then ``teardown`` stores every full page.
+
+Events at equal times are ordered ends first, then arrivals, then by creation, so a replay is deterministic.
+Prompt pages are committed at admission: the engine writes them in the request's first prefill steps, and
+from then on they count as in flight (a later request missing them in the index records a forfeit) or, with
+``store_at='prefill'``, as published.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import AllocationFailed, InvalidRequest
+from ..manager import STORE_AT, AllocationManager, CacheConfig, PreparedPrompt
+from ..names import Fingerprint
+from ..router import ReplicaRouter, RouterConfig
+from .costmodel import CostModel
+from .workload import RequestSpec, Workload
+
+ROUTINGS = ("random", "affinity")
+_END, _ARRIVE = 0, 1
+
+
+def replay_fingerprint(page_size: int) -> Fingerprint:
+    """The fingerprint every replayed pool shares: names depend only on tokens, media and page size."""
+    return Fingerprint(model_digest="mmcache-replay", kv_dtype="none", attention_backend="none",
+                       page_size=page_size)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    pool_tokens: int = 262_144  # per replica
+    page_size: int = 128
+    replicas: int = 1
+    routing: str = "affinity"
+    store_at: str = "teardown"
+    route_depth_tokens: int = 1024  # the router hashes the name of the page that ends here
+    route_max_load: float = 8  # requests waiting for pages at the preferred replica before it is skipped
+    seed: int = 0  # of the random routing draw
+    cost: CostModel = CostModel()
+    check_invariants: bool = False  # check every manager after every event (tests)
+
+    def __post_init__(self):
+        for name in ("pool_tokens", "page_size", "replicas", "route_depth_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidRequest(f"{name} must be a positive int, got {v!r}")
+        if self.pool_tokens < self.page_size:
+            raise InvalidRequest(f"pool of {self.pool_tokens} tokens holds no {self.page_size}-token page")
+        if self.routing not in ROUTINGS:
+            raise InvalidRequest(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.store_at not in STORE_AT:
+            raise InvalidRequest(f"store_at must be one of {STORE_AT}, got {self.store_at!r}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool_tokens // self.page_size
+
+    def router(self) -> ReplicaRouter:
+        return ReplicaRouter(RouterConfig.numbered(self.replicas,
+                                                   depth_pages=max(1, self.route_depth_tokens // self.page_size),
+                                                   max_load=self.route_max_load))
+
+
+@dataclass
+class RunLog:
+    """What a replay recorded, one entry per arrived request in arrival order."""
+
+    config: ReplayConfig
+    specs: list = field(default_factory=list)
+    replica: list = field(default_factory=list)
+    arrival_s: list = field(default_factory=list)
+    admit_s: list = field(default_factory=list)  # NaN for a rejected request
+    end_s: list = field(default_factory=list)
+    prefill_s: list = field(default_factory=list)
+    matched: list = field(default_factory=list)  # tokens seeded from the index at the admission that ran
+    forfeit: list = field(default_factory=list)  # tokens after the match an in-flight request held
+    waited: list = field(default_factory=list)  # whether the request was held for lack of pages
+    rejected: list = field(default_factory=list)
+    managers: list = field(default_factory=list)
+
+    def array(self, name: str, dtype=None) -> np.ndarray:
+        return np.asarray(getattr(self, name), dtype=dtype)
+
+
+class _Replica:
+    def __init__(self, manager: AllocationManager):
+        self.manager = manager
+        self.queue: deque = deque()  # (arrival index, spec, prepared), head first
+        self.running = 0
+
+
+def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
+    """Replay ``workload`` under ``config`` and return the per-request log (see the module docstring)."""
+    fp = replay_fingerprint(config.page_size)
+    cache = CacheConfig(num_pages=config.num_pages, page_size=config.page_size, mode="on",
+                        store_at=config.store_at)
+    replicas = [_Replica(AllocationManager(cache, fp, None)) for _ in range(config.replicas)]
+    namer = replicas[0].manager  # every replica shares the fingerprint, so one prepare serves all
+    router = config.router()
+    draw = np.random.default_rng(config.seed)
+    log = RunLog(config, managers=[r.manager for r in replicas])
+    events: list = []
+    order = itertools.count()
+    for t, spec in workload.initial():
+        heapq.heappush(events, (t, _ARRIVE, next(order), spec))
+
+    def admit_head(r: int, now: float) -> None:
+        rep = replicas[r]
+        while rep.queue:
+            i, spec, prepared = rep.queue[0]
+            m = rep.manager
+            res = m.admit(spec.request_id, prepared)
+            try:
+                m.reserve(spec.request_id, spec.prompt_len - res.matched_tokens + spec.output_len)
+            except AllocationFailed:
+                m.abort(spec.request_id)
+                log.waited[i] = True
+                return
+            m.commit(spec.request_id, prepared.ids[res.matched_tokens:])
+            rep.queue.popleft()
+            rep.running += 1
+            prefill = config.cost.prefill_s(spec.prompt_len - res.matched_tokens)
+            log.admit_s[i] = now
+            log.prefill_s[i] = prefill
+            log.matched[i] = res.matched_tokens
+            log.forfeit[i] = res.forfeit_tokens
+            end = now + prefill + config.cost.decode_s(spec.output_len)
+            heapq.heappush(events, (end, _END, next(order), (i, r, spec)))
+
+    def arrive(spec: RequestSpec, now: float) -> None:
+        prepared: PreparedPrompt = namer.prepare(spec.prompt_ids(), spec.media(), request_id=spec.request_id)
+        if config.routing == "random":
+            r = int(draw.integers(config.replicas))
+        else:
+            r = router.route(prepared.names, [len(rep.queue) for rep in replicas])
+        i = len(log.specs)
+        log.specs.append(spec)
+        log.replica.append(r)
+        log.arrival_s.append(now)
+        log.admit_s.append(float("nan"))
+        log.end_s.append(float("nan"))
+        log.prefill_s.append(0.0)
+        log.matched.append(0)
+        log.forfeit.append(0)
+        log.waited.append(False)
+        too_big = -(-(spec.prompt_len + spec.output_len) // config.page_size) > config.num_pages
+        log.rejected.append(too_big)
+        if too_big:
+            for item in workload.follow_ups(spec, now, served=False):
+                heapq.heappush(events, (item[0], _ARRIVE, next(order), item[1]))
+            return
+        rep = replicas[r]
+        rep.queue.append((i, spec, prepared))
+        if len(rep.queue) == 1:  # behind a waiting head nothing can be admitted before a request ends
+            admit_head(r, now)
+
+    def end(i: int, r: int, spec: RequestSpec, now: float) -> None:
+        rep = replicas[r]
+        rep.manager.commit(spec.request_id, spec.output_ids())
+        rep.manager.teardown(spec.request_id)
+        rep.running -= 1
+        log.end_s[i] = now
+        for t, nxt in workload.follow_ups(spec, now, served=True):
+            heapq.heappush(events, (t, _ARRIVE, next(order), nxt))
+        admit_head(r, now)
+
+    while events:
+        now, kind, _, item = heapq.heappop(events)
+        if kind == _END:
+            end(*item, now)
+        else:
+            arrive(item, now)
+        if config.check_invariants:
+            for rep in replicas:
+                rep.manager.check_invariants()
+    if any(rep.queue or rep.running for rep in replicas):
+        raise RuntimeError("replay ended with requests still queued or running")  # a simulator bug
+    return log

@@ -1,0 +1,94 @@
+"""Replica choice for data-parallel replicas: rendezvous hashing of an early page name, least-loaded fallback.
+
+Rules (DESIGN.md, "Replica router"; RFC "Replica choice"):
+
+* The preferred replica is a pure function of the request's prefix: the replica whose identity scores
+  highest under ``xxh64(page name, seed = xxh64(replica identity))`` (rendezvous, or highest-random-weight,
+  hashing). The page is the ``depth_pages``-th full page of the prompt, or its last full page when the
+  prompt is shorter, so two prompts that agree on their first ``depth_pages`` pages agree on the replica
+  without communicating.
+* The router keeps no cache state: nothing it holds can go stale. Its only inputs are the page names and
+  the per-replica loads the host reports on each call.
+* A hot prefix must not pin all its load on one replica: when the preferred replica's load is past
+  ``max_load`` and some replica is less loaded, the request goes to the least-loaded replica (ties broken
+  by the same rendezvous ranking, so the overflow of one prefix also lands on a fixed order of replicas).
+* A prompt with no full page has nothing cacheable to route by and goes to the least-loaded replica.
+* Removing one replica moves only the prefixes that preferred it (a property of rendezvous hashing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``replicas``: identities of the replicas (any distinct strings; their order is the index returned).
+    ``depth_pages``: which full page's name routes (1 = the first page). ``max_load``: the preferred
+    replica is skipped once its load (the host's queue length for it) is greater than this."""
+
+    replicas: tuple[str, ...]
+    depth_pages: int = 8
+    max_load: float = 16
+
+    def __post_init__(self):
+        if not self.replicas or len(set(self.replicas)) != len(self.replicas):
+            raise InvalidRequest(f"replicas must be distinct and non-empty, got {self.replicas!r}")
+        if isinstance(self.depth_pages, bool) or not isinstance(self.depth_pages, int) or self.depth_pages < 1:
+            raise InvalidRequest(f"depth_pages must be a positive int, got {self.depth_pages!r}")
+        if not self.max_load >= 0:
+            raise InvalidRequest(f"max_load must be non-negative, got {self.max_load!r}")
+
+    @classmethod
+    def numbered(cls, count: int, **kwargs) -> "RouterConfig":
+        """Replicas named ``"0" .. str(count - 1)``."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidRequest(f"replica count must be a positive int, got {count!r}")
+        return cls(tuple(str(i) for i in range(count)), **kwargs)
+
+
+class ReplicaRouter:
+    """Stateless apart from its configuration; safe to share between threads."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self._seeds = [xxhash.xxh64_intdigest(r.encode("utf-8")) for r in config.replicas]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._seeds)
+
+    def routing_name(self, names: np.ndarray) -> int | None:
+        """The page name a prompt is routed by, or None when the prompt has no full page."""
+        if len(names) == 0:
+            return None
+        return int(names[min(self.config.depth_pages, len(names)) - 1])
+
+    def ranking(self, name: int) -> list[int]:
+        """Replica indices in rendezvous order for ``name``: the preferred replica first."""
+        key = int(name).to_bytes(8, "little")
+        scores = [xxhash.xxh64_intdigest(key, seed) for seed in self._seeds]
+        return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+    def preferred(self, names: np.ndarray) -> int | None:
+        """The replica a prompt with these page names prefers, or None when it has no full page."""
+        name = self.routing_name(names)
+        return None if name is None else self.ranking(name)[0]
+
+    def route(self, names: np.ndarray, loads: Sequence[float]) -> int:
+        """The replica for a prompt with page names ``names`` given each replica's current load."""
+        if len(loads) != self.num_replicas:
+            raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")
+        name = self.routing_name(names)
+        order = list(range(self.num_replicas)) if name is None else self.ranking(name)
+        first = order[0]
+        least = min(loads)
+        if name is not None and (loads[first] <= self.config.max_load or loads[first] <= least):
+            return first
+        return next(i for i in order if loads[i] == least)

@@ -1,0 +1,18 @@
+"""Shared test settings: deterministic torch, a bounded hypothesis profile, the repository's data folder."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def datasets_dir() -> Path:
+    return REPO / "datasets"

@@ -1,0 +1,306 @@
+"""Allocation manager behaviour: salts, extras, eviction order, suspension, windowing, threads, bad input."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from mmcache import (AllocationFailed, AllocationManager, CacheConfig, DuplicateRequest, Fingerprint,
+                     InvalidRequest, MediaItem, RequestStateError, UnknownRequest, media_digest)
+
+P = 4
+
+
+def make(num_pages=32, **kw) -> AllocationManager:
+    return AllocationManager(CacheConfig(num_pages=num_pages, page_size=P, **kw), Fingerprint.for_tests(P))
+
+
+def run(mgr, rid, prompt, gen=(), media=(), salt=b""):
+    """Admit, prefill the rest, decode ``gen``, tear down; returns the matched tokens."""
+    prompt = np.asarray(prompt)
+    res = mgr.admit(rid, prompt, media, salt)
+    mgr.reserve(rid, len(prompt) - res.matched_tokens + len(gen))
+    mgr.commit(rid, prompt[res.matched_tokens:])
+    for t in gen:
+        mgr.commit(rid, [t])
+    mgr.teardown(rid)
+    mgr.check_invariants()
+    return res.matched_tokens
+
+
+def test_hit_reuses_pages_and_leaves_one_token_to_compute():
+    mgr = make()
+    prompt = np.arange(1, 17)  # exactly 4 pages
+    assert run(mgr, "a", prompt) == 0
+    res = mgr.admit("b", prompt)
+    assert res.matched_tokens == 12, "the last page is recomputed so the first output has logits"
+    view = mgr.state("b")
+    assert view.seq_len == 12 and view.position_id_start == 0
+    assert (mgr.pool.refcount[view.page_indices] == 2).all()  # index + request
+    mgr.abort("b")
+    mgr.check_invariants()
+
+
+def test_generated_pages_are_stored_and_extend_the_chain():
+    mgr = make()
+    run(mgr, "turn1", np.arange(1, 7), gen=[50, 51, 52, 53])  # 6 + 4 = 10 written... the last is not fed
+    second = np.concatenate([np.arange(1, 7), [50, 51, 52, 53], [9, 9, 9]])
+    res = mgr.admit("turn2", second)
+    assert res.matched_tokens == 8  # two full pages of the previous turn, one of them generated
+    mgr.abort("turn2")
+
+
+def test_salts_isolate_and_equal_salts_share():
+    mgr = make()
+    prompt = np.arange(1, 14)
+    run(mgr, "a", prompt, salt=b"tenant-a")
+    assert run(mgr, "b", prompt, salt=b"tenant-b") == 0
+    assert run(mgr, "c", prompt) == 0
+    assert run(mgr, "d", prompt, salt=b"tenant-a") == 12
+    assert run(mgr, "e", prompt, salt="tenant-b") == 12
+
+
+def test_media_digest_stops_matching_at_the_first_placeholder_page():
+    mgr = make()
+    placeholder = 7
+    prompt = np.array([1, 2, 3, 4, 5, 6] + [placeholder] * 8 + [8, 9, 10, 11, 12])
+    cat, dog = media_digest(b"cat.png"), media_digest(b"dog.png")
+    run(mgr, "cat", prompt, media=[MediaItem(cat, 6)])
+    # same tokens, another image: page 0 matches, page 1 (first placeholder at 6) does not
+    assert run(mgr, "dog", prompt, media=[MediaItem(dog, 6)]) == 4
+    # same image again: matches through the image
+    assert run(mgr, "cat2", prompt, media=[MediaItem(cat, 6)]) == 16
+    # no media at all behind the same placeholder tokens: no match past page 0
+    assert run(mgr, "none", prompt) == 4
+
+
+def test_live_request_never_fails_because_of_cached_data_and_cold_tails_go_first():
+    mgr = make(num_pages=12)
+    # Three runs of 4 full pages each fill the pool with cached pages.
+    for i, rid in enumerate(["old", "mid", "new"]):
+        run(mgr, rid, np.arange(100 * i, 100 * i + 16))
+    assert mgr.index.size == 12 and mgr.pool.num_free == 0
+    stamps_old = mgr.index.stamp.copy()
+    mgr.admit("hit-mid", np.arange(100, 116))  # touches "mid": now "old" is the least recently used run
+    mgr.abort("hit-mid")
+    big = mgr.admit("big", np.arange(1000, 1004))
+    assert big.matched_tokens == 0
+    mgr.reserve("big", 4 * P)  # 4 pages: exactly one cold run must go, as one batch
+    assert mgr.metrics.evicted_pages == 4 and mgr.metrics.eviction_batches == 1
+    survivors = {int(p) for p in np.flatnonzero(mgr.index.in_index)}
+    old_pages = set(np.argsort(stamps_old)[:4].tolist())  # the first run's pages were stamped first
+    assert not old_pages & survivors and len(survivors) == 8
+    # now take the whole pool for the live request: everything cached goes, nothing fails
+    mgr.reserve("big", 12 * P)
+    assert mgr.index.size == 0 and mgr.pool.num_free == 0
+    assert mgr.metrics.alloc_failures_cache_held == 0
+    with pytest.raises(AllocationFailed) as e:
+        mgr.reserve("big", 13 * P)
+    assert e.value.pages_short == 1 and mgr.metrics.alloc_failures_uncached == 1
+    assert len(mgr.state("big").page_indices) == 12
+    mgr.abort("big")
+    mgr.check_invariants()
+    assert mgr.pool.num_free == 12
+
+
+def test_eviction_stops_at_a_page_another_owner_holds():
+    mgr = make(num_pages=10)
+    shared = np.arange(1, 9)  # two pages
+    run(mgr, "a", np.concatenate([shared, [20, 21, 22, 23, 24, 25, 26, 27, 28]]))  # pages s0 s1 a2 a3
+    mgr.admit("holder", np.concatenate([shared, [5]]))  # holds s0, s1
+    before = mgr.index.size
+    mgr.admit("x", [7])
+    mgr.reserve("x", (mgr.pool.num_free + 1) * P)  # one page short: the cold tail a3, a2 goes as one batch
+    assert mgr.metrics.eviction_batches == 1 and mgr.metrics.evicted_pages == 2
+    assert mgr.index.size == before - 2
+    assert mgr.state("holder").matched_tokens == 8
+    held = mgr.state("holder").page_indices
+    assert mgr.index.in_index[held].all()
+    for rid in ("holder", "x"):
+        mgr.abort(rid)
+    mgr.check_invariants()
+
+
+def test_suspension_keeps_shared_pages_and_resume_restores():
+    mgr = make()
+    prompt = np.arange(1, 18)
+    run(mgr, "a", prompt)  # 4 pages cached
+    mgr.admit("b", prompt)
+    mgr.reserve("b", 5 + 6)
+    mgr.commit("b", prompt[16:])
+    mgr.commit("b", [40, 41, 42, 43, 44])
+    shared = mgr.state("b").page_indices[:4]
+    own = mgr.state("b").page_indices[4:]
+    rc = mgr.pool.refcount.copy()
+    offloaded = []
+    ids = mgr.suspend("b", offload=lambda pages: offloaded.append(pages.copy()))
+    assert ids.tolist() == prompt.tolist() + [40, 41, 42, 43, 44]
+    assert sorted(offloaded[0].tolist()) == sorted(own.tolist())
+    assert (mgr.pool.refcount[shared] == rc[shared] - 1).all() and (mgr.pool.refcount[shared] >= 1).all()
+    assert (mgr.pool.refcount[own] == 0).all()
+    with pytest.raises(RequestStateError):
+        mgr.reserve("b", 1)
+    mgr.check_invariants()
+    res = mgr.resume("b")
+    assert res.restored_tokens == 16 and res.pending_ids.tolist() == [17, 40, 41, 42, 43, 44]
+    mgr.reserve("b", 6)
+    mgr.commit("b", res.pending_ids)
+    assert mgr.state("b").seq_len == 22
+    mgr.teardown("b")
+    mgr.check_invariants()
+
+
+def test_windowed_label_stores_only_its_protected_prefix():
+    mgr = make()
+    prompt = np.arange(1, 26)  # 6 full pages + 1
+    mgr.admit("w", prompt)
+    mgr.protect_prefix("w", 8)
+    mgr.reserve("w", len(prompt))
+    mgr.commit("w", prompt)
+    released = mgr.release_oldest("w", 2)  # pages 2 and 3
+    assert released.tolist() == mgr.pool.free_pages()[-2:][::-1].tolist() or (mgr.pool.refcount[released] == 0).all()
+    with pytest.raises(InvalidRequest):
+        mgr.release_oldest("w", 3)  # pages 4, 5 are left; the tail page is never released
+    assert mgr.teardown("w") == 2
+    mgr.check_invariants()
+    assert mgr.admit("again", prompt).matched_tokens == 8
+    mgr.abort("again")
+
+
+def test_release_oldest_decrements_shared_pages():
+    mgr = make()
+    prompt = np.arange(1, 18)
+    run(mgr, "a", prompt)
+    mgr.admit("w", prompt)  # 4 seeded pages
+    mgr.protect_prefix("w", 4)
+    pages = mgr.state("w").page_indices
+    mgr.release_oldest("w", 1)  # page 1: shared with the index -> decremented, stays cached
+    assert mgr.pool.refcount[pages[1]] == 1 and mgr.index.in_index[pages[1]]
+    mgr.teardown("w")
+    mgr.check_invariants()
+
+
+def test_store_at_prefill_shares_pages_with_a_running_request():
+    for store_at, expect_hit, expect_forfeit in (("teardown", 0, 16), ("prefill", 16, 0)):
+        mgr = make(store_at=store_at)
+        prompt = np.arange(1, 18)
+        mgr.admit("first", prompt)
+        mgr.reserve("first", len(prompt))
+        mgr.commit("first", prompt)  # still running
+        res = mgr.admit("second", prompt)
+        assert (res.matched_tokens, res.forfeit_tokens) == (expect_hit, expect_forfeit), store_at
+        mgr.check_invariants()
+        for rid in ("first", "second"):
+            mgr.teardown(rid)
+        mgr.check_invariants()
+
+
+def test_shadow_mode_counts_without_retaining():
+    mgr = make(mode="shadow")
+    prompt = np.arange(1, 18)
+    assert run(mgr, "a", prompt) == 0
+    assert run(mgr, "b", prompt) == 0
+    assert mgr.index.size == 0 and mgr.pool.num_free == 32
+    assert mgr.shadow.metrics.hit_tokens == 16 and mgr.metrics.hit_tokens == 0
+
+
+def test_off_mode_frees_everything():
+    mgr = make(mode="off")
+    prompt = np.arange(1, 18)
+    run(mgr, "a", prompt)
+    assert run(mgr, "b", prompt) == 0 and mgr.pool.num_free == 32 and mgr.metrics.lookups == 0
+
+
+def _state(mgr):
+    return (mgr.pool.refcount.copy(), mgr.pool.free_pages().tolist(), mgr.index.in_index.copy(),
+            {rid: (mgr.state(rid).page_indices.tolist(), mgr.state(rid).seq_len) for rid in list(mgr._requests)})
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda m: m.reserve("nobody", 1), UnknownRequest),
+    (lambda m: m.commit("nobody", [1]), UnknownRequest),
+    (lambda m: m.teardown("nobody"), UnknownRequest),
+    (lambda m: m.abort("nobody"), UnknownRequest),
+    (lambda m: m.suspend("nobody"), UnknownRequest),
+    (lambda m: m.resume("live"), RequestStateError),
+    (lambda m: m.admit("live", [1, 2]), DuplicateRequest),
+    (lambda m: m.admit("new", []), InvalidRequest),
+    (lambda m: m.admit("new", [1.5, 2.5]), InvalidRequest),
+    (lambda m: m.admit("new", [[1, 2]]), InvalidRequest),
+    (lambda m: m.admit("new", [-3]), InvalidRequest),
+    (lambda m: m.admit("new", [1, 2], media=[MediaItem(b"d" * 16, 5)]), InvalidRequest),
+    (lambda m: m.reserve("live", -1), InvalidRequest),
+    (lambda m: m.reserve("live", 2.0), InvalidRequest),
+    (lambda m: m.commit("live", np.arange(1, 40)), InvalidRequest),  # beyond the reserved pages
+    (lambda m: m.commit("live", [5, 5]), InvalidRequest),  # differs from the prompt
+    (lambda m: m.commit("live", np.array([1.0, 2.0])), InvalidRequest),
+    (lambda m: m.protect_prefix("live", 999), InvalidRequest),
+    (lambda m: m.release_oldest("live", 5), InvalidRequest),
+])
+def test_bad_input_raises_typed_error_and_changes_nothing(call, error):
+    mgr = make()
+    run(mgr, "cached", np.arange(1, 14))
+    mgr.admit("live", np.arange(1, 10))
+    mgr.reserve("live", 2)
+    before = _state(mgr)
+    with pytest.raises(error):
+        call(mgr)
+    assert _same(before, _state(mgr))
+    mgr.check_invariants()
+
+
+def test_double_teardown_is_an_error():
+    mgr = make()
+    run(mgr, "a", [1, 2, 3])
+    with pytest.raises(UnknownRequest):
+        mgr.teardown("a")
+
+
+def test_config_validation():
+    for bad in (dict(num_pages=0), dict(num_pages=4, mode="sometimes"), dict(num_pages=4, store_at="never"),
+                dict(num_pages=4, page_size=-1)):
+        with pytest.raises(InvalidRequest):
+            CacheConfig(**bad)
+    with pytest.raises(InvalidRequest):
+        AllocationManager(CacheConfig(num_pages=4, page_size=8), Fingerprint.for_tests(4))
+
+
+def test_threads_admitting_and_tearing_down_keep_invariants():
+    mgr = make(num_pages=64)
+    shared = np.arange(1, 13)
+    errors = []
+
+    def worker(w):
+        rng = np.random.default_rng(w)
+        try:
+            for i in range(150):
+                rid = (w, i)
+                prompt = np.concatenate([shared[: rng.integers(0, 13)], rng.integers(20, 23, size=rng.integers(1, 6))])
+                prep = mgr.prepare(prompt)  # names outside the lock
+                res = mgr.admit(rid, prep)
+                try:
+                    mgr.reserve(rid, len(prompt) - res.matched_tokens + 2)
+                except AllocationFailed:
+                    mgr.abort(rid)
+                    continue
+                mgr.commit(rid, prompt[res.matched_tokens:])
+                mgr.commit(rid, [int(rng.integers(0, 3))])
+                (mgr.teardown if i % 3 else mgr.abort)(rid)
+        except Exception as e:  # surfaced below with its thread
+            errors.append((w, e))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    mgr.check_invariants()
+    assert mgr.num_requests == 0
+    assert mgr.metrics.hit_tokens > 0
+    mgr.clear_cache()
+    assert mgr.pool.num_free == 64

@@ -1,0 +1,229 @@
+"""Random operation sequences against the allocation manager, with every invariant checked after each step.
+
+The checks here are independent of the manager's own bookkeeping: owners are recounted from the public
+page tables and the index flags, written ids are compared with what this test wrote, and every index entry's
+chain (walked through parents to the root) must spell a prefix of a sequence some request actually wrote.
+"""
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mmcache import AllocationFailed, AllocationManager, CacheConfig, Fingerprint
+
+P = 4
+NUM_PAGES = 20
+_rng = np.random.default_rng(7)
+BASES = [_rng.integers(0, 6, size=24) for _ in range(3)]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    mode = "on"
+    store_at = "teardown"
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = AllocationManager(CacheConfig(num_pages=NUM_PAGES, page_size=P, mode=self.mode,
+                                                 store_at=self.store_at), Fingerprint.for_tests(P))
+        self.live: dict[int, dict] = {}
+        self.sequences: list[tuple] = []  # every sequence a request wrote (live ones are read on the fly)
+        self.next_id = 0
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _running(self, predicate=lambda r: True):
+        return sorted(rid for rid, r in self.live.items() if not r["suspended"] and predicate(r))
+
+    def _snapshot(self, rid):
+        st_ = self.mgr.state(rid)
+        return st_.page_indices.tolist(), st_.seq_len
+
+    # ---- rules -------------------------------------------------------------------------------------
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(0, 24),
+          suffix=st.lists(st.integers(0, 5), max_size=7))
+    def admit(self, base, cut, suffix):
+        prompt = np.concatenate([BASES[base][:cut], np.asarray(suffix, dtype=np.int64)]).astype(np.int64)
+        if len(prompt) == 0:
+            prompt = np.asarray([1])
+        rid = self.next_id
+        self.next_id += 1
+        res = self.mgr.admit(rid, prompt)
+        view = self.mgr.state(rid)
+        k = res.matched_tokens
+        assert view.seq_len == k and k % P == 0 and k <= len(prompt) - 1
+        if self.mode != "on":
+            assert k == 0
+        if k:
+            got = self.mgr.pool.ids[view.page_indices[: k // P]].reshape(-1)
+            assert np.array_equal(got, prompt[:k]), "a seeded page holds other ids than the prompt"
+        self.live[rid] = {"prompt": prompt, "target": prompt, "written": list(prompt[:k]), "suspended": False}
+
+    @precondition(lambda self: self._running(lambda r: len(r["written"]) < len(r["target"])))
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def prefill_chunk(self, data, n):
+        rid = data.draw(st.sampled_from(self._running(lambda r: len(r["written"]) < len(r["target"]))))
+        r = self.live[rid]
+        w = len(r["written"])
+        chunk = r["target"][w:w + n]
+        before = self._snapshot(rid)
+        try:
+            self.mgr.reserve(rid, len(chunk))
+        except AllocationFailed as e:
+            assert e.pages_short > 0
+            assert self._snapshot(rid) == before, "a failed reserve changed the request"
+            return
+        self.mgr.commit(rid, chunk)
+        r["written"].extend(chunk.tolist())
+
+    @precondition(lambda self: self._running(lambda r: len(r["written"]) >= len(r["target"])))
+    @rule(data=st.data(), token=st.integers(0, 5))
+    def decode_append(self, data, token):
+        rid = data.draw(st.sampled_from(self._running(lambda r: len(r["written"]) >= len(r["target"]))))
+        try:
+            self.mgr.reserve(rid, 1)
+        except AllocationFailed:
+            return
+        self.mgr.commit(rid, [token])
+        self.live[rid]["written"].append(token)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def end_request(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        self.sequences.append(tuple(r["written"]))
+        self.mgr.teardown(rid)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        self.sequences.append(tuple(r["written"]))  # published-at-prefill pages may stay indexed
+        self.mgr.abort(rid)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def suspend(self, data):
+        rid = data.draw(st.sampled_from(self._running()))
+        pages, _ = self._snapshot(rid)
+        rc_before = self.mgr.pool.refcount.copy()
+        ids = self.mgr.suspend(rid)
+        r = self.live[rid]
+        assert ids.tolist() == r["written"]
+        rc = self.mgr.pool.refcount
+        for pg in pages:
+            if pg < 0:
+                continue
+            assert rc[pg] == rc_before[pg] - 1
+            if rc_before[pg] > 1:
+                assert rc[pg] >= 1, "a shared page was freed by suspension"
+        r["suspended"] = True
+        self.sequences.append(tuple(r["written"]))
+
+    @precondition(lambda self: any(r["suspended"] for r in self.live.values()))
+    @rule(data=st.data())
+    def resume(self, data):
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.live.items() if r["suspended"])))
+        r = self.live[rid]
+        res = self.mgr.resume(rid)
+        k = res.restored_tokens
+        assert k % P == 0 and k <= len(r["written"])
+        assert res.pending_ids.tolist() == r["written"][k:]
+        # Continue by re-writing the pending ids, then decoding on.
+        longer = r["written"] if len(r["written"]) > len(r["prompt"]) else r["prompt"]
+        r["target"] = np.asarray(longer, dtype=np.int64)
+        r["written"] = r["written"][:k]
+        r["suspended"] = False
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), extra=st.integers(1, 3))
+    def shortfall(self, data, extra):
+        """Ask for more than is free: eviction must cover it, or the call fails with nothing changed."""
+        rid = data.draw(st.sampled_from(self._running()))
+        before = self._snapshot(rid)
+        want = (self.mgr.pool.num_free + extra) * P
+        cached_only = int((self.mgr.index.in_index & (self.mgr.pool.refcount == 1)).sum())
+        failures = self.mgr.metrics.alloc_failures_uncached
+        try:
+            self.mgr.reserve(rid, want)
+        except AllocationFailed:
+            assert self._snapshot(rid) == before
+            assert self.mgr.metrics.alloc_failures_uncached == failures + 1
+            assert int((self.mgr.index.in_index & (self.mgr.pool.refcount == 1)).sum()) == 0
+            return
+        assert cached_only > 0 or before[1] % P or len(before[0]) * P > before[1]
+
+    # ---- invariants --------------------------------------------------------------------------------
+    @invariant()
+    def invariants_hold(self):
+        mgr = self.mgr
+        mgr.check_invariants()
+        rc = mgr.pool.refcount
+        owners = mgr.index.in_index.astype(np.int64)
+        tails: dict[int, int] = {}
+        for rid, r in self.live.items():
+            pages, seq_len = self._snapshot(rid)
+            if r["suspended"]:
+                assert pages == [] and seq_len == 0
+                continue
+            assert seq_len == len(r["written"])
+            held = [p for p in pages if p >= 0]
+            np.add.at(owners, np.asarray(held, dtype=np.int64), 1)
+            if seq_len:
+                got = mgr.pool.ids[np.asarray(pages[: -(-seq_len // P)])].reshape(-1)[:seq_len]
+                assert got.tolist() == r["written"], "a live request's pages lost what it wrote"
+            for p in pages[seq_len // P:]:
+                assert p not in tails, "a page is two requests' tail"
+                tails[p] = rid
+                assert rc[p] == 1
+        assert np.array_equal(owners, rc), "owner counts differ from the owners"
+        assert set(np.flatnonzero(rc == 0).tolist()) == set(mgr.pool.free_pages().tolist())
+        assert mgr.metrics.alloc_failures_cache_held == 0
+        written = self.sequences + [tuple(r["written"]) for r in self.live.values()]
+        idx = mgr.index
+        for page in np.flatnonzero(idx.in_index):
+            chain, p = [], int(page)
+            while p >= 0:
+                chain.append(mgr.pool.ids[p].tolist())
+                p = int(idx.parent[p])
+            spelled = tuple(t for ids in reversed(chain) for t in ids)
+            assert any(seq[:len(spelled)] == spelled for seq in written), "an index chain spells unwritten ids"
+
+    def teardown(self):
+        """End of a run: tear every request down and drop the index; then every page is free."""
+        for rid in list(self.live):
+            self.mgr.teardown(rid)
+        self.live.clear()
+        self.mgr.clear_cache()
+        self.mgr.check_invariants()
+        assert self.mgr.pool.num_free == NUM_PAGES, "pages leaked after every request ended"
+        assert self.mgr.index.size == 0
+        if self.mgr.shadow is not None:
+            assert self.mgr.shadow.pool.num_free == NUM_PAGES
+
+
+class TeardownMachine(ManagerMachine):
+    pass
+
+
+class PrefillMachine(ManagerMachine):
+    store_at = "prefill"
+
+
+class ShadowMachine(ManagerMachine):
+    mode = "shadow"
+
+
+class OffMachine(ManagerMachine):
+    mode = "off"
+
+
+_SETTINGS = settings(max_examples=120, stateful_step_count=50, deadline=None)
+for _cls in (TeardownMachine, PrefillMachine, ShadowMachine, OffMachine):
+    _cls.TestCase.settings = _SETTINGS
+
+TestTeardown = TeardownMachine.TestCase
+TestPrefill = PrefillMachine.TestCase
+TestShadow = ShadowMachine.TestCase
+TestOff = OffMachine.TestCase

@@ -1,0 +1,96 @@
+"""Names: fingerprint roots, salts, chained page names, extras placement, media digests, id validation."""
+
+import numpy as np
+import pytest
+
+from mmcache import Fingerprint, InvalidRequest, MediaItem, Namer, as_token_array, canonical_encoding, media_digest
+from mmcache.names import page_extras
+
+FP = Fingerprint(model_digest="m", kv_dtype="bfloat16", attention_backend="paged-sdpa", page_size=4)
+
+
+def test_canonical_encoding_ignores_dict_order_and_sequence_kind():
+    a = {"size": 336, "mode": "bicubic", "mean": (0.5, 0.5, 0.5)}
+    b = {"mean": [0.5, 0.5, 0.5], "mode": "bicubic", "size": np.int64(336)}
+    assert canonical_encoding(a) == canonical_encoding(b)
+    assert media_digest(b"img", a) == media_digest(b"img", b)
+
+
+def test_media_digest_depends_on_bytes_and_every_parameter():
+    base = media_digest(b"abc", {"size": 336, "mode": "bicubic"})
+    assert len(base) == 16
+    assert media_digest(b"abd", {"size": 336, "mode": "bicubic"}) != base
+    assert media_digest(b"abc", {"size": 224, "mode": "bicubic"}) != base
+    assert media_digest(b"abc", {"size": 336, "mode": "bilinear"}) != base
+    assert media_digest(b"abc", {"size": 336}) != base
+    # the length prefix keeps bytes from sliding into the parameters
+    assert media_digest(b"ab", {"c": 1}) != media_digest(b"abc", {"": 1})
+
+
+@pytest.mark.parametrize("bad", [{"x": float("nan")}, {"x": object()}, {1: 2}])
+def test_media_digest_refuses_parameters_without_canonical_form(bad):
+    with pytest.raises(InvalidRequest):
+        media_digest(b"x", bad)
+
+
+def test_fingerprint_fields_change_the_root():
+    roots = {Namer(FP).root()}
+    for change in [dict(model_digest="m2"), dict(kv_dtype="float32"), dict(attention_backend="other"),
+                   dict(page_size=8), dict(tp_size=2), dict(tp_size=2, tp_rank=1), dict(head_slice=(0, 1)),
+                   dict(namer_version=99)]:
+        fields = {**FP.__dict__, **change}
+        roots.add(Namer(Fingerprint(**fields)).root())
+    assert len(roots) == 9
+
+
+def test_salt_is_folded_into_the_root():
+    n = Namer(FP)
+    assert n.root() == n.root(b"") == n.root(None)
+    assert n.root("tenant-a") == n.root(b"tenant-a") != n.root("tenant-b") != n.root()
+    ids = as_token_array(np.arange(8))
+    assert not set(n.names(ids, n.root("a")).tolist()) & set(n.names(ids, n.root("b")).tolist())
+
+
+def test_names_chain_over_the_whole_prefix():
+    n = Namer(FP)
+    a = as_token_array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
+    b = a.copy()
+    b[1] = 99  # differs in page 0 only
+    na, nb = n.names(a, n.root()), n.names(b, n.root())
+    assert len(na) == 3  # full pages only
+    assert (na != nb).all(), "a change in page 0 must change every later name"
+    c = a.copy()
+    c[9] = 0  # page 2
+    nc = n.names(c, n.root())
+    assert na[0] == nc[0] and na[1] == nc[1] and na[2] != nc[2]
+    # naming from the middle continues the same chain
+    tail = n.names(a, n.root(), first_page=1, parent=int(na[0]))
+    assert tail.tolist() == na[1:].tolist()
+
+
+def test_extras_change_the_page_of_the_first_placeholder_and_everything_after():
+    n = Namer(FP)
+    ids = as_token_array([5] * 16)
+    d1, d2 = media_digest(b"one"), media_digest(b"two")
+    e1 = page_extras([MediaItem(d1, 6)], 4)
+    e2 = page_extras([MediaItem(d2, 6)], 4)
+    assert e1 == {1: ((d1, 2),)}
+    plain, n1, n2 = (n.names(ids, n.root(), e) for e in (None, e1, e2))
+    assert plain[0] == n1[0] == n2[0]
+    assert len({plain[1], n1[1], n2[1]}) == 3 and (n1[1:] != n2[1:]).all()
+    # the offset inside the page matters too
+    n3 = n.names(ids, n.root(), page_extras([MediaItem(d1, 7)], 4))
+    assert n3[1] != n1[1]
+
+
+@pytest.mark.parametrize("bad", [[1.5, 2.0], [[1, 2]], [-1], [2**31], np.array([True, False])])
+def test_token_ids_are_validated(bad):
+    with pytest.raises(InvalidRequest):
+        as_token_array(bad)
+
+
+def test_fingerprint_validation():
+    with pytest.raises(InvalidRequest):
+        Fingerprint(model_digest="m", kv_dtype="x", attention_backend="y", page_size=0)
+    with pytest.raises(InvalidRequest):
+        Fingerprint(model_digest="m", kv_dtype="x", attention_backend="y", page_size=4, tp_rank=2, tp_size=2)
