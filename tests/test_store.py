@@ -1,0 +1,125 @@
+"""Encoder-output store: keys, budget, holding, bypass, single computation under concurrency, validation."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mmcache import EncoderOutputStore, InvalidRequest, OutputSpec, StoreEntryRejected, media_digest, store_key
+
+
+def key(i, salt=b"", enc="enc"):
+    return store_key(enc, media_digest(str(i).encode()), salt)
+
+
+def entry(n_floats):
+    return {"features": torch.zeros(n_floats)}, {"placeholders": n_floats}
+
+
+def test_keys_separate_encoders_contents_and_salts():
+    keys = {key(1), key(2), key(1, b"tenant"), key(1, enc="other")}
+    assert len(keys) == 4 and all(len(k) == 16 for k in keys)
+    assert key(1, "tenant") == key(1, b"tenant")
+
+
+def test_hit_after_compute_and_lease_holds_until_released():
+    store = EncoderOutputStore(1000)
+    calls = []
+    compute = lambda: (calls.append(1), entry(10))[1]
+    with store.get_or_compute(key(1), compute) as first:
+        assert not first.hit and store.held(key(1)) == 1
+        with store.get_or_compute(key(1), compute) as second:
+            assert second.hit and second.outputs["features"] is first.outputs["features"]
+            assert store.held(key(1)) == 2
+    assert store.held(key(1)) == 0 and len(calls) == 1
+    m = store.metrics
+    assert (m.lookups, m.hits, m.computes, m.inserts, m.bytes) == (2, 1, 1, 1, 40)
+
+
+def test_budget_lru_held_entries_and_bypass_under_churn():
+    store = EncoderOutputStore(400)  # ten entries of 40 bytes
+    pinned = store.get_or_compute(key("pinned"), lambda: entry(10))
+    for i in range(200):
+        with store.get_or_compute(key(i % 23), lambda: entry(10)):
+            store.check_invariants()
+            assert store.metrics.bytes <= 400
+        assert key("pinned") in store, "a held entry was evicted"
+    assert store.metrics.evictions > 0
+    pinned.release()
+    # an entry larger than the budget bypasses, and the caller still gets its outputs
+    with store.get_or_compute(key("huge"), lambda: entry(1000)) as big:
+        assert big.bypassed and big.outputs["features"].numel() == 1000
+    assert key("huge") not in store and store.metrics.bypasses == 1
+    store.check_invariants()
+
+
+def test_bypass_when_held_entries_pin_the_budget():
+    store = EncoderOutputStore(80)
+    a = store.get_or_compute(key(1), lambda: entry(10))
+    b = store.get_or_compute(key(2), lambda: entry(10))
+    with store.get_or_compute(key(3), lambda: entry(10)) as c:
+        assert c.bypassed and key(1) in store and key(2) in store
+    a.release(), b.release()
+    with store.get_or_compute(key(3), lambda: entry(10)) as c:
+        assert not c.bypassed and key(3) in store
+    assert store.metrics.evictions == 1 and key(2) in store  # key(1) was least recently used
+
+
+def test_lru_order():
+    store = EncoderOutputStore(120)
+    for i in range(3):
+        store.get_or_compute(key(i), lambda: entry(10)).release()
+    store.acquire(key(0)).release()  # 0 is now the most recent
+    store.get_or_compute(key(3), lambda: entry(10)).release()
+    assert key(1) not in store and all(key(i) in store for i in (0, 2, 3))
+
+
+def test_concurrent_callers_compute_once():
+    store = EncoderOutputStore(1000)
+    calls, leases = [], []
+    gate = threading.Event()
+
+    def slow():
+        calls.append(1)
+        gate.wait(5)
+        return entry(10)
+
+    threads = [threading.Thread(target=lambda: leases.append(store.get_or_compute(key(9), slow))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and sum(l.hit for l in leases) == 3
+    for l in leases:
+        l.release()
+    assert store.held(key(9)) == 0
+
+
+def test_failed_compute_stores_nothing_and_the_next_caller_computes():
+    store = EncoderOutputStore(1000)
+    with pytest.raises(ZeroDivisionError):
+        store.get_or_compute(key(1), lambda: 1 / 0)
+    assert key(1) not in store and len(store) == 0
+    with store.get_or_compute(key(1), lambda: entry(5)) as lease:
+        assert not lease.hit
+
+
+def test_spec_refuses_wrong_shape_dtype_and_names():
+    spec = OutputSpec({"features": ((None, 8), torch.float32)})
+    store = EncoderOutputStore(10_000)
+    store.put(key(1), {"features": torch.zeros(3, 8)}, spec=spec).release()
+    for bad in ({"features": torch.zeros(3, 9)}, {"features": torch.zeros(3, 8, dtype=torch.bfloat16)},
+                {"features": torch.zeros(8)}, {"other": torch.zeros(3, 8)}, {"features": [1.0]}):
+        with pytest.raises(StoreEntryRejected):
+            store.put(key(2), bad, spec=spec)
+    assert key(2) not in store
+    with pytest.raises(StoreEntryRejected):
+        store.put(key(3), {})
+    with pytest.raises(InvalidRequest):
+        store.put(b"short", {"features": torch.zeros(1)})
+    with pytest.raises(InvalidRequest):
+        EncoderOutputStore(-1)
+    store.check_invariants()
