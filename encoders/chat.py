@@ -1,0 +1,231 @@
+"""OpenAI-style chat messages (or token ids) plus images -> a ``MultimodalPrompt`` ready for a VLM engine.
+
+``PromptBuilder`` pairs a chat template with a vision adapter. For each request it encodes the images through
+the encoder-output store (the tower runs only for images the store does not hold), renders the token ids with
+each image's placeholder run expanded, and returns what an engine needs: ``media`` (one ``MediaItem`` per
+image for page names), ``embeds`` (features to substitute at the placeholders) and, for Qwen2-VL, the 3-D rotary
+positions and their delta.
+
+Message format (a list of ``{"role", "content"}`` dicts, roles ``system`` / ``user`` / ``assistant``):
+
+* ``content`` is a string or a list of parts: ``{"type": "text", "text": str}``,
+  ``{"type": "image_url", "image_url": {"url": data URL, file:// URL or path}}`` (``image_url`` may also be the
+  URL string itself), or ``{"type": "image", "image": bytes | path | data URL}``. Images only in user messages.
+* An assistant message may carry ``"token_ids"``: the answer exactly as generated. With them, each turn's
+  prompt begins with the previous turn's prompt plus its answer (``chat_template``), so KV pages carry over.
+
+Invariants:
+
+* A prompt holds one store lease per distinct image until ``release`` (or the ``with`` block ends); a request
+  that fails while being built (``MediaDecodeError``, ``InvalidRequest``) holds nothing afterwards.
+* ``media[i].position == embeds[i][0]`` is the position of image ``i``'s first placeholder, and
+  ``embeds[i][1].shape[0]`` equals its run length; media are in position order.
+* Image indices in errors are the images' order in the request (0-based), counting every message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmcache.errors import InvalidRequest
+from mmcache.names import MediaItem, as_token_array
+
+from .chat_template import ROLES, ChatTemplate, ImagePart, ImageRun, Message, TextPart
+from .mrope import continuation_positions, mrope_positions
+from .vision import EncodedImage, Qwen2VLVisionAdapter, VisionAdapter
+
+
+@dataclass
+class MultimodalPrompt:
+    """A prompt's token ids with its images' placeholder runs expanded, and what to substitute at them.
+
+    ``embeds`` tensors are the store's own (no copy): read them, never modify them in place.
+    ``mrope_positions`` is ``LongTensor[3, len(token_ids)]`` for Qwen2-VL and None otherwise; a token at
+    sequence position ``p >= len(token_ids)`` gets rotary position ``p + mrope_delta`` on all three axes.
+    """
+
+    token_ids: list[int]
+    media: list[MediaItem]
+    embeds: list[tuple[int, torch.Tensor]]
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
+    images: list[EncodedImage] = field(default_factory=list)  # per media item; repeated bytes share one
+
+    def release(self) -> None:
+        """Release the prompt's store leases (idempotent); the features stay valid as tensors."""
+        for image in self.images:
+            image.release()
+
+    def __enter__(self) -> "MultimodalPrompt":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def embed(self, embedding: nn.Module, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """``Tensor[end-start, hidden]``: token embeddings of positions ``start..end-1`` with every feature row
+        that falls in that range substituted (a prefill chunk may cut through an image run)."""
+        end = len(self.token_ids) if end is None else end
+        if not 0 <= start <= end <= len(self.token_ids):
+            raise InvalidRequest(f"embedding range {start}..{end} outside the prompt of {len(self.token_ids)}")
+        weight = embedding.weight
+        ids = torch.tensor(self.token_ids[start:end], dtype=torch.long, device=weight.device)
+        out = embedding(ids)
+        for pos, features in self.embeds:
+            lo, hi = max(start, pos), min(end, pos + features.shape[0])
+            if lo < hi:
+                out[lo - start:hi - start] = features[lo - pos:hi - pos].to(out.device, out.dtype)
+        return out
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Rotary positions ``LongTensor[3, end-start]`` of sequence positions ``start..end-1`` (prompt or
+        generated); for a model without 3-D positions, the plain positions on all three rows."""
+        n = len(self.token_ids)
+        if not 0 <= start <= end:
+            raise InvalidRequest(f"position range {start}..{end} is not a range of sequence positions")
+        if self.mrope_positions is None:
+            return continuation_positions(start, end - start, 0)
+        head = self.mrope_positions[:, start:min(end, n)]
+        tail = continuation_positions(max(start, n), end - max(start, n), self.mrope_delta)
+        return torch.cat([head, tail], dim=1) if tail.shape[1] else head.clone()
+
+
+def parse_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message], list[object]]:
+    """Normalised messages and the image sources in request order; ``InvalidRequest`` for malformed input."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {'role', 'content'} objects")
+    parsed: list[Message] = []
+    images: list[object] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequest(f"message {i} is {type(message).__name__}, not an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"message {i} has role {role!r}; expected one of {ROLES}")
+        content = message.get("content")
+        content = "" if content is None else content  # an assistant turn may carry only token_ids
+        raw_parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(raw_parts, Sequence) or isinstance(raw_parts, (bytes, str)):
+            raise InvalidRequest(f"message {i}: content must be a string or a list of parts")
+        parts: list[TextPart | ImagePart] = []
+        for j, part in enumerate(raw_parts):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(TextPart(part["text"]))
+            elif kind in ("image_url", "image"):
+                if role != "user":
+                    raise InvalidRequest(f"message {i}: images are accepted in user messages only, not {role}")
+                parts.append(ImagePart(len(images)))
+                images.append(_image_source(part, kind, i, j))
+            else:
+                raise InvalidRequest(f"message {i} part {j}: expected a text, image_url or image part")
+        token_ids = message.get("token_ids")
+        if token_ids is not None:
+            if role != "assistant":
+                raise InvalidRequest(f"message {i}: token_ids are accepted on assistant messages only")
+            token_ids = tuple(int(t) for t in as_token_array(token_ids))
+        parsed.append(Message(role, tuple(parts), token_ids))
+    return parsed, images
+
+
+def _image_source(part: Mapping[str, Any], kind: str, i: int, j: int) -> object:
+    value = part.get(kind)
+    if kind == "image_url" and isinstance(value, Mapping):
+        value = value.get("url")
+    if value is None:
+        raise InvalidRequest(f"message {i} part {j}: {kind} part has no {'url' if kind == 'image_url' else 'image'}")
+    return value
+
+
+class PromptBuilder:
+    """Builds ``MultimodalPrompt``s for one VLM: its chat template and its vision adapter (and store)."""
+
+    def __init__(self, template: ChatTemplate, adapter: VisionAdapter):
+        image_token_id = adapter.model.config.image_token_id
+        if template.image_token_id != image_token_id:
+            raise InvalidRequest(f"template image token {template.image_token_id} differs from the model's "
+                                 f"{image_token_id}")
+        self.template = template
+        self.adapter = adapter
+
+    def from_messages(self, messages: Sequence[Mapping[str, Any]], *, salt: bytes | str | None = b"",
+                      add_generation_prompt: bool = True) -> MultimodalPrompt:
+        """The prompt for ``messages`` (see the module docstring), its images held in the store."""
+        parsed, sources = parse_messages(messages)
+        self._check_answers(parsed)
+        images = self.adapter.encode_all(sources, salt=salt)
+        try:
+            ids, runs = self.template.render(parsed, [im.num_placeholders for im in images], add_generation_prompt)
+            return self._assemble(ids, runs, images)
+        except BaseException:
+            _release(images)
+            raise
+
+    def from_token_ids(self, token_ids: Sequence[int], images: Sequence[object], *,
+                       salt: bytes | str | None = b"") -> MultimodalPrompt:
+        """The prompt for token ids in which each image is one image token (expanded here to its run) or its
+        already expanded run; runs match ``images`` in order."""
+        ids = [int(t) for t in as_token_array(token_ids)]
+        self._check_vocab(ids, "token_ids")
+        spans = _runs_of(ids, self.template.image_token_id)
+        if len(spans) != len(images):
+            raise InvalidRequest(f"token ids hold {len(spans)} image placeholder run(s) for {len(images)} image(s)")
+        encoded = self.adapter.encode_all(images, salt=salt)
+        try:
+            out: list[int] = []
+            runs: list[ImageRun] = []
+            cursor = 0
+            for index, ((start, length), image) in enumerate(zip(spans, encoded)):
+                n = image.num_placeholders
+                if length not in (1, n):
+                    raise InvalidRequest(f"image {index}: a run of {length} image tokens; expected 1 or {n}")
+                out += ids[cursor:start]
+                runs.append(ImageRun(index, len(out), n))
+                out += [self.template.image_token_id] * n
+                cursor = start + length
+            out += ids[cursor:]
+            return self._assemble(out, runs, encoded)
+        except BaseException:
+            _release(encoded)
+            raise
+
+    def _check_answers(self, messages: Sequence[Message]) -> None:
+        for message in messages:
+            if message.token_ids is not None:
+                self._check_vocab(message.token_ids, "assistant token_ids")
+
+    def _check_vocab(self, ids: Sequence[int], what: str) -> None:
+        if ids and max(ids) >= self.template.vocab_size:
+            raise InvalidRequest(f"{what} hold id {max(ids)} outside the vocabulary of {self.template.vocab_size}")
+
+    def _assemble(self, ids: list[int], runs: list[ImageRun], images: list[EncodedImage]) -> MultimodalPrompt:
+        runs = sorted(runs, key=lambda r: r.start)
+        media = [MediaItem(images[r.index].digest, r.start) for r in runs]
+        embeds = [(r.start, images[r.index].features) for r in runs]
+        prompt = MultimodalPrompt(ids, media, embeds, images=[images[r.index] for r in runs])
+        if isinstance(self.adapter, Qwen2VLVisionAdapter):
+            m = self.adapter.spatial_merge_size
+            grids = []
+            for r in runs:
+                t, h, w = images[r.index].grid_thw
+                grids.append((r.start, (t, h // m, w // m)))
+            prompt.mrope_positions, prompt.mrope_delta = mrope_positions(len(ids), grids)
+        return prompt
+
+
+def _runs_of(ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """Maximal runs ``(start, length)`` of ``token_id`` in ``ids``."""
+    mask = np.concatenate(([0], np.asarray(ids) == token_id, [0])).astype(np.int8)
+    edges = np.diff(mask)
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def _release(images: Sequence[EncodedImage]) -> None:
+    for image in images:
+        image.release()

@@ -1,0 +1,188 @@
+"""Images as a request sends them: the bytes as sent, and a guarded decode of those bytes into RGB pixels.
+
+A request names an image by raw bytes, a file path (or ``file://`` URL) or a data URL
+(``data:image/png;base64,...``). ``read_image`` turns any of them into a ``RawImage``: the encoded file exactly
+as the user sent it (for a data URL, its decoded payload), which is what the media digest is taken over
+(DESIGN.md, "Media digest"). ``decode_image`` turns a ``RawImage`` into pixels.
+
+Invariants:
+
+* ``RawImage.data`` is never re-encoded: equal bytes give equal digests whatever the source kind was.
+* Every failure to read or decode an item raises ``MediaDecodeError`` whose ``item`` is the ``MediaRef`` (index
+  in the request, source kind); nothing else escapes for bad input, and nothing is cached or held by a failure.
+* The pixel count (width * height from the header) is checked against ``ImageLimits.max_pixels`` before any
+  pixel is decoded, and byte sizes against ``max_bytes`` before a payload is read or base64-decoded, so a
+  decompression bomb or an oversized upload costs no memory.
+* A decoded image is fully loaded RGB: the first frame, EXIF orientation applied, transparency composited on
+  white (the rule of transformers' ``convert_to_rgb``). ``DECODE_PARAMS`` names this rule; it is part of every
+  media digest, so changing the rule changes the digests.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import struct
+import urllib.parse
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import PIL
+from PIL import Image, ImageOps
+
+from mmcache.errors import MediaDecodeError
+
+SOURCE_BYTES = "bytes"
+SOURCE_PATH = "path"
+SOURCE_DATA_URL = "data_url"
+
+DECODE_PARAMS = {"decoder": f"pillow-{PIL.__version__}", "decode": "first-frame,exif-transpose,alpha-on-white,rgb"}
+"""What the decode step contributes to a media digest: the decoder and its version, and the conversion rule."""
+
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# Pillow's format plugins report malformed input with any of these, not only OSError.
+_DECODE_FAILURES = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, IndexError, TypeError,
+                    Image.DecompressionBombError)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What an image may cost before it is refused. The defaults accept any photo up to 50 megapixels."""
+
+    max_pixels: int = 50_000_000
+    max_bytes: int = 32 * 2**20
+    formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+    allow_paths: bool = True
+    path_root: Path | None = None  # when set, file paths must resolve inside this folder
+
+    def __post_init__(self):
+        if self.max_pixels <= 0 or self.max_bytes <= 0:
+            raise ValueError("image limits must be positive")
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """Which item of a request an error is about: its index among the request's images and its source kind."""
+
+    index: int
+    kind: str
+
+    def __repr__(self) -> str:
+        return f"image #{self.index} ({self.kind})"
+
+
+@dataclass(frozen=True)
+class RawImage:
+    """An image's encoded bytes exactly as sent, and where in the request it came from."""
+
+    data: bytes
+    ref: MediaRef
+
+
+def read_image(source: object, index: int = 0, limits: ImageLimits = ImageLimits()) -> RawImage:
+    """The bytes as sent of ``source`` (bytes-like, path, ``file://`` URL or data URL), without decoding them."""
+    if isinstance(source, RawImage):
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        ref = MediaRef(index, SOURCE_BYTES)
+        data = bytes(source)
+        if len(data) > limits.max_bytes:
+            raise MediaDecodeError(ref, f"{len(data)} bytes exceed the limit of {limits.max_bytes}")
+        return RawImage(data, ref)
+    if isinstance(source, str) and source[:5].lower() == "data:":
+        ref = MediaRef(index, SOURCE_DATA_URL)
+        return RawImage(_data_url_payload(source, ref, limits), ref)
+    if isinstance(source, (str, Path)):
+        ref = MediaRef(index, SOURCE_PATH)
+        return RawImage(_read_path(source, ref, limits), ref)
+    raise MediaDecodeError(MediaRef(index, type(source).__name__),
+                           "an image must be bytes, a file path or a data URL")
+
+
+def _data_url_payload(url: str, ref: MediaRef, limits: ImageLimits) -> bytes:
+    """The payload of an RFC 2397 data URL; base64 or percent-encoded; the media type, if given, must be image/*."""
+    comma = url.find(",")
+    if comma < 0:
+        raise MediaDecodeError(ref, "data URL has no ',' before its payload")
+    params = [p.strip() for p in url[5:comma].split(";")]
+    mime = params[0].lower() if params and "/" in params[0] else ""
+    if mime and not mime.startswith("image/"):
+        raise MediaDecodeError(ref, f"data URL media type {mime!r} is not an image")
+    payload = url[comma + 1:]
+    if params[-1].lower() == "base64":
+        payload = re.sub(r"\s+", "", payload)
+        if len(payload) // 4 * 3 > limits.max_bytes:
+            raise MediaDecodeError(ref, f"data URL payload exceeds the limit of {limits.max_bytes} bytes")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise MediaDecodeError(ref, f"data URL payload is not valid base64: {e}") from None
+    else:
+        data = urllib.parse.unquote_to_bytes(payload)
+        if len(data) > limits.max_bytes:
+            raise MediaDecodeError(ref, f"data URL payload exceeds the limit of {limits.max_bytes} bytes")
+    if not data:
+        raise MediaDecodeError(ref, "data URL payload is empty")
+    return data
+
+
+def _read_path(source: str | Path, ref: MediaRef, limits: ImageLimits) -> bytes:
+    text = str(source)
+    if text.lower().startswith("file://"):
+        text = urllib.parse.unquote(urllib.parse.urlparse(text).path)
+    elif _URL_SCHEME.match(text):
+        raise MediaDecodeError(ref, "remote URLs are not fetched; send the image bytes or a data URL")
+    if not limits.allow_paths:
+        raise MediaDecodeError(ref, "file paths are not accepted by this server")
+    path = Path(text)
+    try:
+        if limits.path_root is not None:
+            resolved = path.resolve()
+            if not resolved.is_relative_to(Path(limits.path_root).resolve()):
+                raise MediaDecodeError(ref, "file path lies outside the folder images may be read from")
+            path = resolved
+        size = path.stat().st_size
+        if size > limits.max_bytes:
+            raise MediaDecodeError(ref, f"file of {size} bytes exceeds the limit of {limits.max_bytes}")
+        return path.read_bytes()
+    except OSError as e:
+        raise MediaDecodeError(ref, f"cannot read file {path.name!r}: {e.strerror or e}") from None
+
+
+def decode_image(raw: RawImage, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """Fully decoded RGB pixels of ``raw``, or ``MediaDecodeError`` naming ``raw.ref``."""
+    if not raw.data:
+        raise MediaDecodeError(raw.ref, "image bytes are empty")
+    try:
+        image = Image.open(io.BytesIO(raw.data), formats=list(limits.formats))  # reads the header only
+    except Image.UnidentifiedImageError:
+        raise MediaDecodeError(raw.ref, f"not an image in an accepted format ({', '.join(limits.formats)})") from None
+    except Image.DecompressionBombError as e:
+        raise MediaDecodeError(raw.ref, f"too many pixels (refused before decoding): {e}") from None
+    except _DECODE_FAILURES as e:
+        raise MediaDecodeError(raw.ref, f"unreadable image header: {e}") from None
+    with image:
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise MediaDecodeError(raw.ref, f"image has an empty size {width}x{height}")
+        if width * height > limits.max_pixels:
+            raise MediaDecodeError(raw.ref, f"{width}x{height} = {width * height} pixels exceed the limit of "
+                                            f"{limits.max_pixels} (refused before decoding)")
+        fmt = image.format
+        try:
+            image.load()
+            upright = ImageOps.exif_transpose(image)
+            return _to_rgb(upright)
+        except _DECODE_FAILURES as e:
+            raise MediaDecodeError(raw.ref, f"corrupt or truncated {fmt} data: {e}") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")

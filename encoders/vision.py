@@ -1,0 +1,262 @@
+"""Vision-tower adapters for transformers VLMs: image -> features at the placeholder tokens, through the store.
+
+``LlavaVisionAdapter`` serves ``LlavaForConditionalGeneration`` (a CLIP or SigLIP tower and the projector);
+``Qwen2VLVisionAdapter`` serves ``Qwen2VLForConditionalGeneration`` (its tower with the patch merger). Both call
+the model's own ``get_image_features``, the code its forward runs for ``pixel_values``, so the features are
+the rows the model itself would substitute.
+
+Invariants:
+
+* ``preprocess_params`` holds every parameter that changes an image's embedding: the image processor's full
+  configuration, its class and the transformers version, and the decode rule (``media.DECODE_PARAMS``). The
+  media digest is ``names.media_digest(bytes as sent, preprocess_params)``.
+* ``fingerprint`` is a digest of the adapter kind, the tower and projector configuration, their weights
+  (every tensor's name, dtype, shape and bytes), the device type and ``preprocess_params``. It is computed once;
+  changing weights in place afterwards is not detected (build a new adapter).
+* Store key = ``store_key(fingerprint, media digest, salt)``. The tower runs only on a store miss, once per key
+  at a time; a hit decodes nothing. Decode or encode failures store nothing.
+* Every ``EncodedImage`` holds a lease on its entry until ``release``; ``encode_all`` either returns one held
+  image per item or, on any failure, releases every lease it took before re-raising.
+* Output: ``features`` is ``Tensor[num_placeholders, text_hidden]`` in the tower's dtype; ``meta`` holds
+  ``num_placeholders`` and, for Qwen2-VL, ``grid_thw`` (patch units, the processor's convention).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+import torch
+import transformers
+import xxhash
+from torch import nn
+
+from mmcache.names import canonical_encoding, media_digest
+from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
+
+from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
+
+ADAPTER_VERSION = 1
+
+
+@dataclass
+class EncodedImage:
+    """One image's encoder output as used by one request; its store entry stays held until ``release``."""
+
+    digest: bytes
+    key: bytes
+    lease: Lease
+
+    @property
+    def features(self) -> torch.Tensor:
+        """``Tensor[num_placeholders, text_hidden]``; shared with the store, never modify it in place."""
+        return self.lease.outputs["features"]
+
+    @property
+    def num_placeholders(self) -> int:
+        return int(self.lease.meta["num_placeholders"])
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int] | None:
+        grid = self.lease.meta.get("grid_thw")
+        return None if grid is None else tuple(int(x) for x in grid)
+
+    @property
+    def hit(self) -> bool:
+        return self.lease.hit
+
+    def release(self) -> None:
+        self.lease.release()
+
+
+def preprocessor_params(image_processor: Any) -> dict:
+    """Everything about ``image_processor`` that changes its output, as a canonical-encodable dict."""
+    params = {k: _plain(v) for k, v in image_processor.to_dict().items()}
+    params["processor_class"] = f"{type(image_processor).__module__}.{type(image_processor).__qualname__}"
+    params["processor_version"] = transformers.__version__
+    params.update(DECODE_PARAMS)
+    return params
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return _plain(value.value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def weights_digest(modules: Sequence[nn.Module]) -> str:
+    """xxh3_128 hex over every tensor (name, dtype, shape, bytes) of ``modules``' state dicts, in order."""
+    h = xxhash.xxh3_128()
+    for i, module in enumerate(modules):
+        for name, tensor in module.state_dict().items():
+            t = tensor.detach().to("cpu").contiguous()
+            h.update(canonical_encoding([i, name, str(t.dtype), list(t.shape)]))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def config_dict(config: transformers.PretrainedConfig) -> dict:
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+class VisionAdapter(ABC):
+    """Base of the tower adapters: digests, store keys and the store round trip. Subclasses run the tower."""
+
+    kind = ""
+
+    def __init__(self, model: nn.Module, image_processor: Any, store: EncoderOutputStore,
+                 limits: ImageLimits = ImageLimits()):
+        self.model = model
+        self.image_processor = image_processor
+        self.store = store
+        self.limits = limits
+        self.preprocess_params = preprocessor_params(image_processor)
+        description = {
+            "adapter": self.kind,
+            "adapter_version": ADAPTER_VERSION,
+            "config": self._tower_config(),
+            "weights": weights_digest(self._tower_modules()),
+            "device": next(model.parameters()).device.type,
+            "preprocess": self.preprocess_params,
+        }
+        self.fingerprint = xxhash.xxh3_128_hexdigest(canonical_encoding(description))
+        self.spec = OutputSpec({"features": ((None, self.text_hidden), self.tower_dtype)})
+
+    @property
+    @abstractmethod
+    def tower(self) -> nn.Module:
+        """The vision tower module (its forward runs once per encoded miss)."""
+
+    @property
+    def text_hidden(self) -> int:
+        return self.model.config.text_config.hidden_size
+
+    @property
+    def tower_dtype(self) -> torch.dtype:
+        return next(self.tower.parameters()).dtype
+
+    @abstractmethod
+    def _tower_modules(self) -> list[nn.Module]:
+        """The modules whose weights the features depend on (tower and projector)."""
+
+    @abstractmethod
+    def _tower_config(self) -> dict:
+        """The configuration the features depend on, as plain JSON values."""
+
+    @abstractmethod
+    def _features(self, pixels) -> tuple[torch.Tensor, dict]:
+        """Run the tower on one decoded RGB image: ``(Tensor[n, text_hidden], meta)``."""
+
+    def digest(self, raw: RawImage | bytes) -> bytes:
+        data = raw.data if isinstance(raw, RawImage) else bytes(raw)
+        return media_digest(data, self.preprocess_params)
+
+    def key(self, raw: RawImage | bytes, salt: bytes | str | None = b"") -> bytes:
+        return store_key(self.fingerprint, self.digest(raw), salt)
+
+    def encode(self, image: object, *, salt: bytes | str | None = b"", index: int = 0) -> EncodedImage:
+        """Held features of ``image`` (bytes, path, data URL or ``RawImage``); the tower runs on a store miss.
+
+        Raises ``MediaDecodeError`` (naming item ``index``) for unreadable input; nothing is stored or held then.
+        """
+        raw = read_image(image, index, self.limits)
+        digest = self.digest(raw)
+        return self._acquire(raw, digest, store_key(self.fingerprint, digest, salt))
+
+    def encode_all(self, images: Sequence[object], *, salt: bytes | str | None = b"") -> list[EncodedImage]:
+        """``encode`` for each item in request order (index = position in ``images``); repeated bytes share one
+        ``EncodedImage``. On any failure every lease taken so far is released before the error propagates."""
+        out: list[EncodedImage] = []
+        by_key: dict[bytes, EncodedImage] = {}
+        try:
+            for index, image in enumerate(images):
+                raw = read_image(image, index, self.limits)
+                digest = self.digest(raw)
+                key = store_key(self.fingerprint, digest, salt)
+                if key not in by_key:
+                    by_key[key] = self._acquire(raw, digest, key)
+                out.append(by_key[key])
+        except BaseException:
+            for encoded in by_key.values():
+                encoded.release()
+            raise
+        return out
+
+    def _acquire(self, raw: RawImage, digest: bytes, key: bytes) -> EncodedImage:
+        lease = self.store.get_or_compute(key, lambda: self._compute(raw), self.spec)
+        return EncodedImage(digest, key, lease)
+
+    def _compute(self, raw: RawImage) -> tuple[dict, dict]:
+        pixels = decode_image(raw, self.limits)
+        with torch.no_grad():
+            features, meta = self._features(pixels)
+        return {"features": features}, meta
+
+
+class LlavaVisionAdapter(VisionAdapter):
+    """``LlavaForConditionalGeneration``: tower hidden states at ``vision_feature_layer`` (CLS dropped under the
+    ``default`` strategy) through the projector; a fixed number of placeholders per image."""
+
+    kind = "llava"
+
+    @property
+    def tower(self) -> nn.Module:
+        return self.model.model.vision_tower
+
+    def _tower_modules(self) -> list[nn.Module]:
+        return [self.model.model.vision_tower, self.model.model.multi_modal_projector]
+
+    def _tower_config(self) -> dict:
+        c = self.model.config
+        return {
+            "vision": config_dict(c.vision_config),
+            "vision_feature_layer": c.vision_feature_layer,
+            "vision_feature_select_strategy": c.vision_feature_select_strategy,
+            "projector_hidden_act": c.projector_hidden_act,
+            "multimodal_projector_bias": c.multimodal_projector_bias,
+            "text_hidden": c.text_config.hidden_size,
+        }
+
+    def _features(self, pixels) -> tuple[torch.Tensor, dict]:
+        batch = self.image_processor(images=[pixels], return_tensors="pt")
+        pixel_values = batch["pixel_values"].to(next(self.tower.parameters()).device, self.tower_dtype)
+        out = self.model.model.get_image_features(pixel_values=pixel_values, return_dict=True)
+        features = out.pooler_output[0]
+        return features, {"num_placeholders": int(features.shape[0])}
+
+
+class Qwen2VLVisionAdapter(VisionAdapter):
+    """``Qwen2VLForConditionalGeneration``: the tower over the image's patches, merged ``merge x merge``; an image
+    of grid (t, h, w) patches gets ``t*h*w / merge**2`` placeholders."""
+
+    kind = "qwen2_vl"
+
+    @property
+    def tower(self) -> nn.Module:
+        return self.model.model.visual
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return int(self.model.config.vision_config.spatial_merge_size)
+
+    def _tower_modules(self) -> list[nn.Module]:
+        return [self.model.model.visual]
+
+    def _tower_config(self) -> dict:
+        return {"vision": config_dict(self.model.config.vision_config),
+                "text_hidden": self.model.config.text_config.hidden_size}
+
+    def _features(self, pixels) -> tuple[torch.Tensor, dict]:
+        batch = self.image_processor(images=[pixels], return_tensors="pt")
+        device = next(self.tower.parameters()).device
+        grid = batch["image_grid_thw"].to(device)
+        out = self.model.model.get_image_features(batch["pixel_values"].to(device), grid, return_dict=True)
+        features = out.pooler_output[0]
+        return features, {"num_placeholders": int(features.shape[0]), "grid_thw": [int(x) for x in grid[0]]}

@@ -1,0 +1,267 @@
+"""Vision-tower adapters (encoders/vision.py) on the tiny VLM presets: equality with the models' own forward,
+one tower run per unique image, fingerprints, the store budget under churn, and nothing held after a failure."""
+
+import itertools
+
+import pytest
+import torch
+
+from encoders.media import decode_image, read_image
+from encoders.vlm_presets import PRESET_NAMES, build_preset
+from mmcache.errors import InvalidRequest, MediaDecodeError
+from mmcache.store import EncoderOutputStore
+
+# Logits computed from the adapter's features are compared with the model's own pixel_values forward within
+# ATOL (measured: bit-identical on CPU); a swapped image must move them by far more.
+ATOL = 1e-5
+IMAGES = ("chelsea.png", "extreme_ironing.jpg", "astronaut.png", "coffee.png")
+
+
+@pytest.fixture(scope="module")
+def images(datasets_dir) -> list[bytes]:
+    return [(datasets_dir / "images" / name).read_bytes() for name in IMAGES]
+
+
+@pytest.fixture(scope="module")
+def presets() -> dict:
+    return {name: build_preset(name) for name in PRESET_NAMES}
+
+
+def count_tower_calls(adapter) -> list:
+    calls = []
+    adapter.tower.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def hf_logits(preset, token_ids: list[int], images: list[bytes]) -> torch.Tensor:
+    """The model's own forward from pixel_values (its processor, its placeholder scatter, its positions)."""
+    model = preset.model
+    ids = torch.tensor([token_ids])
+    batch = preset.image_processor(images=[decode_image(read_image(b)) for b in images], return_tensors="pt")
+    with torch.no_grad():
+        if preset.name == "tiny-qwen2-vl":
+            types = (ids == model.config.image_token_id).int()
+            return model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                         mm_token_type_ids=types).logits[0]
+        return model(input_ids=ids, pixel_values=batch["pixel_values"]).logits[0]
+
+
+def adapter_logits(preset, prompt) -> torch.Tensor:
+    model = preset.model
+    with torch.no_grad():
+        embeds = prompt.embed(model.get_input_embeddings())[None]
+        if prompt.mrope_positions is None:
+            return model(inputs_embeds=embeds).logits[0]
+        return model(inputs_embeds=embeds, position_ids=prompt.mrope_positions[:, None, :]).logits[0]
+
+
+def two_image_chat(images):
+    return [
+        {"role": "user", "content": [{"type": "image", "image": images[0]},
+                                     {"type": "text", "text": "What is the color of the cat?"}]},
+        {"role": "assistant", "content": "It is brown."},
+        {"role": "user", "content": [{"type": "text", "text": "And in this one?"},
+                                     {"type": "image_url", "image_url": {"url": images[1]}}]},
+    ]
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_substituted_features_give_the_models_own_logits(name, presets, images):
+    preset = presets[name]
+    store = EncoderOutputStore(1 << 24)
+    with preset.prompt_builder(store).from_messages(two_image_chat(images)) as prompt:
+        ours = adapter_logits(preset, prompt)
+        theirs = hf_logits(preset, prompt.token_ids, images[:2])
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+        if name == "tiny-qwen2-vl":
+            ids = torch.tensor([prompt.token_ids])
+            grid = torch.tensor([im.grid_thw for im in prompt.images])
+            positions, delta = preset.model.model.get_rope_index(
+                ids, (ids == preset.model.config.image_token_id).int(), grid)
+            assert torch.equal(prompt.mrope_positions, positions[:, 0]) and prompt.mrope_delta == int(delta)
+        (a, fa), (b, fb) = prompt.embeds
+        prompt.embeds = [(a, fb), (b, fa)]  # same shapes (equal grids), swapped images
+        assert (adapter_logits(preset, prompt) - theirs).abs().max() > 1000 * ATOL
+
+
+def test_generated_tokens_continue_at_position_plus_delta(presets, images):
+    """Greedy decoding with our positions (p + mrope_delta for generated tokens, no KV cache) reproduces the
+    logits of the model's own cached ``generate``; dropping the delta does not."""
+    preset = presets["tiny-qwen2-vl"]
+    model = preset.model
+    store = EncoderOutputStore(1 << 24)
+    content = [{"type": "image", "image": images[0]}, {"type": "text", "text": "Describe"},
+               {"type": "image", "image": images[2]}]
+    with preset.prompt_builder(store).from_messages([{"role": "user", "content": content}]) as prompt:
+        ids = torch.tensor([prompt.token_ids])
+        n = ids.shape[1]
+        batch = preset.image_processor(images=[decode_image(read_image(images[i])) for i in (0, 2)],
+                                       return_tensors="pt")
+        with torch.no_grad():
+            ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **batch,
+                                 mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=4,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 eos_token_id=None, pad_token_id=0)
+            new = ref.sequences[0, n:].tolist()
+            table = model.get_input_embeddings()
+            assert prompt.mrope_delta < 0
+            for step in range(4):
+                embeds = torch.cat([prompt.embed(table), table(torch.tensor(new[:step], dtype=torch.long))])[None]
+                positions = prompt.positions(0, n + step)
+                logits = model(inputs_embeds=embeds, position_ids=positions[:, None]).logits[0, -1]
+                torch.testing.assert_close(logits, ref.logits[step][0], atol=1e-4, rtol=0)
+                if step:
+                    positions[:, n:] -= prompt.mrope_delta
+                    wrong = model(inputs_embeds=embeds, position_ids=positions[:, None]).logits[0, -1]
+                    assert (wrong - ref.logits[step][0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_tower_runs_once_per_unique_image(name, presets, images):
+    preset = presets[name]
+    store = EncoderOutputStore(1 << 24)
+    adapter = preset.adapter(store)
+    calls = count_tower_calls(adapter)
+    same_twice = adapter.encode_all([images[0], images[0]])
+    assert len(calls) == 1 and same_twice[0] is same_twice[1] and not same_twice[0].hit
+    again = adapter.encode(images[0])
+    assert len(calls) == 1 and again.hit and again.key == same_twice[0].key
+    assert store.held(again.key) == 2
+    torch.testing.assert_close(again.features, same_twice[0].features, atol=0, rtol=0)
+    again.release()
+    same_twice[0].release()
+    assert store.held(again.key) == 0 and again.key in store
+
+    other_params = type(preset.image_processor)(**{**preset.image_processor.to_dict(), "resample": 2})
+    resized = preset.adapter_class(preset.model, other_params, store)  # same model: the hook sees its runs
+    assert resized.digest(images[0]) != adapter.digest(images[0])
+    assert resized.fingerprint != adapter.fingerprint
+    resized.encode(images[0]).release()
+    assert len(calls) == 2
+    assert len(store) == 2
+
+
+def test_different_salts_share_no_entries(presets, images):
+    store = EncoderOutputStore(1 << 24)
+    adapter = presets["tiny-llava"].adapter(store)
+    calls = count_tower_calls(adapter)
+    a = adapter.encode(images[1], salt="tenant-a")
+    b = adapter.encode(images[1], salt=b"tenant-b")
+    plain = adapter.encode(images[1])
+    assert len(calls) == 3 and len({a.key, b.key, plain.key}) == 3 and len(store) == 3
+    assert a.digest == b.digest == plain.digest  # the media digest is salt-free; the store key is not
+    assert not (a.hit or b.hit or plain.hit)
+    assert adapter.encode(images[1], salt="tenant-a").hit and len(calls) == 3
+
+
+def test_fingerprint_follows_weights_config_and_seed(presets):
+    store = EncoderOutputStore(1 << 20)
+    base = presets["tiny-llava"].adapter(store).fingerprint
+    assert build_preset("tiny-llava").adapter(store).fingerprint == base
+    assert build_preset("tiny-llava", seed=1).adapter(store).fingerprint != base
+    changed = build_preset("tiny-llava")
+    with torch.no_grad():
+        changed.model.model.multi_modal_projector.linear_2.bias[0] += 1e-3
+    assert changed.adapter(store).fingerprint != base
+    changed = build_preset("tiny-llava")
+    changed.model.config.vision_feature_layer = -1
+    assert changed.adapter(store).fingerprint != base
+    changed = build_preset("tiny-llava")
+    with torch.no_grad():
+        changed.model.model.language_model.layers[0].mlp.up_proj.weight[0, 0] += 1.0  # text side: irrelevant
+    assert changed.adapter(store).fingerprint == base
+
+
+def test_store_budget_under_churn(presets, images):
+    preset = presets["tiny-qwen2-vl"]
+    reference = {}
+    probe = preset.adapter(EncoderOutputStore(1 << 24))
+    for i, image in enumerate(images):
+        encoded = probe.encode(image)
+        reference[i] = encoded.features.clone()
+        encoded.release()
+    sizes = {i: f.numel() * f.element_size() for i, f in reference.items()}
+    budget = sizes[0] + sizes[1] + sizes[2] // 2  # two entries fit, never three
+    store = EncoderOutputStore(budget)
+    adapter = preset.adapter(store)
+    calls = count_tower_calls(adapter)
+    held = {}
+    pattern = itertools.islice(itertools.cycle([0, 1, 2, 3, 0, 0, 2, 1, 3, 3]), 24)
+    for step, i in enumerate(pattern):
+        encoded = adapter.encode(images[i])
+        torch.testing.assert_close(encoded.features, reference[i], atol=0, rtol=0)
+        if step % 3 == 0 and i not in held:
+            held[i] = encoded  # keep this one for a while
+        else:
+            encoded.release()
+        if step % 7 == 6 and held:
+            held.pop(min(held)).release()
+        store.check_invariants()
+        assert store.metrics.bytes <= budget
+        for kept in held.values():
+            if not kept.lease.bypassed:
+                assert kept.key in store and store.held(kept.key) >= 1
+    for kept in held.values():
+        kept.release()
+    m = store.metrics
+    assert m.evictions > 0 and m.hits > 0 and m.computes == len(calls)
+    assert m.peak_bytes <= budget
+
+
+def test_oversize_entries_bypass_but_return_features(presets, images):
+    preset = presets["tiny-llava"]
+    full = preset.adapter(EncoderOutputStore(1 << 24)).encode(images[2])
+    tiny = EncoderOutputStore(full.features.numel() * full.features.element_size() - 1)
+    adapter = preset.adapter(tiny)
+    calls = count_tower_calls(adapter)
+    for _ in range(2):
+        encoded = adapter.encode(images[2])
+        assert encoded.lease.bypassed and not encoded.hit
+        torch.testing.assert_close(encoded.features, full.features, atol=0, rtol=0)
+        encoded.release()
+    assert len(calls) == 2 and len(tiny) == 0 and tiny.metrics.bypasses == 2
+    tiny.check_invariants()
+
+
+def test_budget_pinned_by_held_entries_bypasses_new_ones(presets, images):
+    preset = presets["tiny-llava"]
+    one = preset.adapter(EncoderOutputStore(1 << 24)).encode(images[0]).features
+    store = EncoderOutputStore(one.numel() * one.element_size())
+    adapter = preset.adapter(store)
+    pinned = adapter.encode(images[0])
+    other = adapter.encode(images[1])
+    assert not pinned.lease.bypassed and other.lease.bypassed
+    assert pinned.key in store and other.key not in store and other.features.shape == one.shape
+    pinned.release()
+    assert not adapter.encode(images[1]).lease.bypassed  # now the unheld entry is evicted for it
+    assert pinned.key not in store
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_corrupt_image_in_a_request_leaks_nothing(name, presets, images):
+    preset = presets[name]
+    store = EncoderOutputStore(1 << 24)
+    builder = preset.prompt_builder(store)
+    calls = count_tower_calls(builder.adapter)
+    truncated = images[0][: len(images[0]) // 3]
+    messages = [{"role": "user", "content": [{"type": "image", "image": images[1]},
+                                             {"type": "text", "text": "Compare them."},
+                                             {"type": "image", "image": truncated}]}]
+    with pytest.raises(MediaDecodeError) as e:
+        builder.from_messages(messages)
+    assert e.value.item.index == 1 and e.value.item.kind == "bytes"
+    good = builder.adapter.key(images[1])
+    assert good in store and store.held(good) == 0 and len(store) == 1 and len(calls) == 1
+
+    ids = builder.template.text("look") + [builder.template.image_token_id] * 3
+    with pytest.raises(InvalidRequest, match="a run of 3 image tokens"):
+        builder.from_token_ids(ids, [images[1]])  # fails after encoding: the lease must be returned
+    assert store.held(good) == 0 and len(calls) == 1
+
+    with pytest.raises(MediaDecodeError) as e:
+        image = builder.template.image_token_id
+        builder.from_token_ids([image] + ids[:1] + [image], [images[1], "data:image/png;base64,AAAA"])
+    assert e.value.item.index == 1 and e.value.item.kind == "data_url"
+    assert store.held(good) == 0
+    store.check_invariants()
