@@ -1,0 +1,272 @@
+"""Image and video generation with one negative prompt on every request: text-encoder calls and time, store
+off versus on, through unmodified diffusers pipelines (WanPipeline for text-to-video, StableDiffusion3Pipeline
+for text-to-image).
+
+The stream: prompts drawn from PartiPrompts (1,632 prompts, shuffled by the seed) with Zipf popularity,
+P(rank r) proportional to r^-s (``--zipf``, default s = 1.1), the shape of DiffusionDB traffic where popular
+prompts recur (DiffusionDB 2M: 2M images from 1.5M unique prompts; Large: 14M from 1.8M), and Wan's default
+negative prompt on every request. Store off and store on run the same wrapper code (``store=None`` encodes
+every prompt) side by side in one process, request by request, alternating which goes first; each run starts
+with a fresh store; figures are medians over ``--runs``. Every request's decoded output is compared bit for
+bit between the two.
+
+``text_encoder_s`` is the time from the request's start to its embeddings being ready (tokenizing, store
+lookups, encoder forwards on misses, assembling the pipeline's tensors), summed over the stream;
+``text_encoder_cpu_s`` is the same span in this thread's CPU time (with one torch thread all compute runs in
+it), which a busy shared machine disturbs far less than wall time; ``text_encoder_forward_s`` is the wall time
+inside the encoders' forwards alone, without the per-request work the store cannot remove (tokenizing every
+prompt, the pipeline's device lookup); ``text_encoder_calls`` counts real encoder forwards, all encoders
+together (forward hooks).
+
+The models are the tiny presets with a larger text encoder, so that the encoder's share is visible; the share
+a real deployment would see is estimated on paper (``estimate``) by counting FLOPs of the real configurations
+(umT5-XXL, Wan2.1-1.3B DiT, Wan VAE) on the meta device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
+from encoders.diffusion_presets import SD3Preset, UMT5Shape, WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
+from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+from encoders.text_encoders import ForwardCounter
+from mmcache.store import EncoderOutputStore
+
+from .table import Row
+
+DESCRIPTION = "generation with a fixed negative prompt: text-encoder calls/time and latency, store off vs on"
+
+# Bench text encoders, larger than the tests' (d_model 32-64, 2 layers): same families, same text lengths.
+BENCH_UMT5 = UMT5Shape(d_model=256, num_layers=4, d_ff=1024, num_heads=4, d_kv=64)
+BENCH_WAN = WanPreset(text_encoder=BENCH_UMT5, dit_heads=4, dit_head_dim=16, dit_layers=2, dit_ffn=128)
+BENCH_SD3 = SD3Preset(clip_hidden=(64, 96), clip_layers=4, t5=BENCH_UMT5, dit_heads=4, dit_head_dim=16,
+                      dit_layers=2)
+T2V_CALL = dict(height=32, width=32, num_frames=9, output_type="np")  # text length: Wan's 512
+T2I_CALL = dict(height=32, width=32, output_type="np")  # text lengths: CLIP 77, T5 256 (SD3's defaults)
+
+# Real configurations (Wan-Video/Wan2.1 @ 9737cba9: wan/modules/t5.py umt5_xxl, wan/configs/wan_t2v_1_3B.py,
+# shared_config.py text_len, generate.py defaults; the VAE is diffusers' AutoencoderKLWan default = Wan2.1 VAE).
+REAL_UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+REAL_WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30)
+REAL_TEXT_LEN, REAL_STEPS, REAL_LATENT = 512, 50, (16, 21, 60, 104)  # 81 frames, 480x832, VAE stride 4x8x8
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--requests", type=int, default=64, help="requests per stream (quick: 24)")
+    p.add_argument("--runs", type=int, default=3, help="runs per mode; figures are medians (quick: 1)")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent s of prompt popularity")
+    p.add_argument("--steps", type=int, default=4, help="sampling steps per request")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads while measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", nargs="+", choices=("t2v", "t2i"), default=["t2v", "t2i"])
+    p.add_argument("--no-estimate", action="store_true", help="skip the FLOP count of the real configurations")
+
+
+def zipf_stream(prompts: list[str], n: int, s: float, seed: int) -> list[str]:
+    """``n`` prompts drawn with P(rank r) proportional to r^-s over a seeded shuffle of ``prompts``."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(prompts))
+    weights = np.arange(1, len(prompts) + 1, dtype=np.float64) ** -s
+    ranks = rng.choice(len(prompts), size=n, p=weights / weights.sum())
+    return [prompts[order[r]] for r in ranks]
+
+
+class _Tally:
+    """One mode's per-request figures over one run of the stream."""
+
+    def __init__(self, encoders):
+        self.counter = ForwardCounter(*encoders)
+        self.latency, self.latency_cpu, self.encode, self.encode_cpu, self.outputs = [], [], [], [], []
+
+    def serve(self, wrapper, prompt: str, negative: str, call: dict, seed: int) -> None:
+        with self.counter:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            with wrapper.prepare(prompt, negative, generator=torch.Generator().manual_seed(seed), **call) as prepared:
+                t1, c1 = time.perf_counter(), time.thread_time()
+                out = wrapper.pipe(**prepared.kwargs)
+            self.latency.append(time.perf_counter() - t0)
+            self.latency_cpu.append(time.thread_time() - c0)
+        self.encode.append(t1 - t0)
+        self.encode_cpu.append(c1 - c0)
+        self.outputs.append(torch.as_tensor(out[0]))
+
+    def summary(self) -> dict:
+        fc = self.counter
+        return {"latency_p50_s": statistics.median(self.latency), "latency_mean_s": statistics.fmean(self.latency),
+                "latency_cpu_p50_s": statistics.median(self.latency_cpu), "latency_total_s": sum(self.latency),
+                "text_encoder_s": sum(self.encode), "text_encoder_cpu_s": sum(self.encode_cpu),
+                "text_encoder_forward_s": sum(fc.seconds), "text_encoder_forward_cpu_s": sum(fc.cpu_seconds),
+                "encode_overhead_per_request_s": (sum(self.encode) - sum(fc.seconds)) / len(self.encode),
+                "text_encoder_calls": fc.total, "text_encoder_calls_per_encoder": list(fc.calls)}
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], float)}
+    for k in ("text_encoder_calls", "text_encoder_calls_per_encoder"):
+        values = [r[k] for r in runs]
+        out[k] = values[0] if all(v == values[0] for v in values) else values
+    out["text_encoder_share"] = out["text_encoder_s"] / out["latency_total_s"]
+    out["runs"] = len(runs)
+    return out
+
+
+def _cut(result: dict, key: str) -> float:
+    return 1 - result["on"][key] / result["off"][key]
+
+
+def _targets(result: dict, unique: int, requests: int, encoders: int) -> dict:
+    """Calls: unique positives + 1 per encoder. Time: cut by at least the share of encoder calls saved, the
+    repeat share of positives plus the whole negative branch, 1 - (unique + 1) / (2 * requests)."""
+    calls = [unique + 1] * encoders
+    target = 1 - (unique + 1) / (2 * requests)
+    out = {"text_encoder_calls_per_encoder": calls, "text_encoder_time_cut_target": target,
+           "calls_met": result["on"]["text_encoder_calls_per_encoder"] == calls}
+    for kind in ("", "cpu_", "forward_", "forward_cpu_"):
+        out[f"text_encoder_{kind}time_cut"] = cut = _cut(result, f"text_encoder_{kind}s")
+        out[f"{kind}time_met"] = cut >= target
+    return out
+
+
+def _bench_mode(pipe, wrapper_cls, encoders, call: dict, args) -> dict:
+    pipe.set_progress_bar_config(disable=True)
+    negative = wan_negative_prompt()
+    stream = zipf_stream(parti_prompts(), args.requests, args.zipf, args.seed)
+    unique = len(set(stream))
+    off = wrapper_cls(pipe, None)
+    runs = {"off": [], "on": []}
+    identical = True
+    off(stream[0], negative, **dict(call, num_inference_steps=1))  # warm-up: first-call allocations
+    for r in range(args.runs):
+        wrappers = {"off": off, "on": wrapper_cls(pipe, EncoderOutputStore(1 << 30))}  # a fresh store per run
+        tallies = {mode: _Tally(encoders) for mode in wrappers}
+        for i, prompt in enumerate(stream):
+            # Side by side per request, alternating which mode goes first, so both see the same machine load.
+            for mode in (("off", "on") if (i + r) % 2 == 0 else ("on", "off")):
+                tallies[mode].serve(wrappers[mode], prompt, negative, call, args.seed + i)
+        for mode, tally in tallies.items():
+            runs[mode].append(tally.summary())
+        identical &= all(torch.equal(a, b) for a, b in zip(tallies["off"].outputs, tallies["on"].outputs))
+    # The unmodified pipeline encoding the text itself, for the first requests of the stream.
+    native = [torch.as_tensor(pipe(p, negative_prompt=negative, generator=torch.Generator().manual_seed(args.seed + i),
+                                   **call)[0]) for i, p in enumerate(stream[:2])]
+    result = {mode: dict(_median_runs(runs[mode]), bit_identical=identical) for mode in runs}
+    result["on"]["store"] = wrappers["on"].store.metrics.as_dict()
+    result["stream"] = {"requests": args.requests, "unique_prompts": unique,
+                        "repeat_share": 1 - unique / args.requests, "zipf_s": args.zipf,
+                        "prompt_pool": len(parti_prompts()), "seed": args.seed, "negative_prompt_chars": len(negative)}
+    result["targets"] = dict(_targets(result, unique, args.requests, len(encoders)), bit_identical_met=identical,
+                             store_off_matches_pipeline_encode=all(torch.equal(a, b)
+                                                                   for a, b in zip(native, tallies["off"].outputs)))
+    result["shape"] = {"call": {k: v for k, v in call.items() if k != "output_type"},
+                       "text_encoders": [_describe(m) for m in encoders]}
+    return result
+
+
+def _describe(module) -> dict:
+    cfg = module.config
+    keys = ("d_model", "num_layers", "d_ff", "num_heads", "d_kv", "hidden_size", "num_hidden_layers",
+            "intermediate_size", "num_attention_heads", "projection_dim", "vocab_size")
+    return {"class": type(module).__name__, **{k: getattr(cfg, k) for k in keys if hasattr(cfg, k)},
+            "params_m": round(sum(p.numel() for p in module.parameters()) / 1e6, 2)}
+
+
+def paper_estimate() -> dict:
+    """FLOPs of one Wan2.1-1.3B text-to-video request (81 frames at 480x832, 50 steps, CFG), counted with
+    torch's FlopCounterMode over the real architectures instantiated on the meta device (no weights, no
+    compute). An estimate: FLOPs, not measured time."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    def count(fn) -> float:
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            fn()
+        return float(fc.get_total_flops())
+
+    with torch.device("meta"):
+        umt5 = UMT5EncoderModel(UMT5Config(feed_forward_proj="gated-gelu", **REAL_UMT5_XXL))
+        dit = WanTransformer3DModel(cross_attn_norm=True, qk_norm="rms_norm_across_heads", **REAL_WAN_1_3B)
+        vae = AutoencoderKLWan()
+        ids = torch.zeros(1, REAL_TEXT_LEN, dtype=torch.long)
+        latent = torch.zeros(1, *REAL_LATENT)
+        context = torch.zeros(1, REAL_TEXT_LEN, REAL_UMT5_XXL["d_model"])
+        timestep = torch.zeros(1)
+    # An all-ones mask costs the same FLOPs as none; passing none avoids a data-dependent check on meta.
+    encode = count(lambda: umt5(ids))
+    dit_pass = count(lambda: dit(hidden_states=latent, timestep=timestep, encoder_hidden_states=context,
+                                 return_dict=False))
+    decode = count(lambda: vae.decode(latent, return_dict=False))
+    passes = 2 * REAL_STEPS  # CFG: a conditional and an unconditional DiT pass per step
+    total = 2 * encode + passes * dit_pass + decode
+    return {"label": "estimate from FLOP counts of the real configurations, not a measurement",
+            "umt5_xxl_params_b": sum(p.numel() for p in umt5.parameters()) / 1e9,
+            "dit_params_b": sum(p.numel() for p in dit.parameters()) / 1e9,
+            "umt5_encode_tflops": encode / 1e12, "dit_pass_tflops": dit_pass / 1e12, "dit_passes": passes,
+            "vae_decode_tflops": decode / 1e12, "request_tflops": total / 1e12,
+            "umt5_share_of_request": 2 * encode / total, "negative_branch_share_of_request": encode / total}
+
+
+def run(args) -> dict:
+    if args.quick:
+        args.requests, args.runs, args.no_estimate = min(args.requests, 24), 1, True
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
+
+        diffusers_logging.set_verbosity_error()  # CLIP-truncation notices for the 137-character negative
+        transformers_logging.set_verbosity_error()
+        result = {"config": {"threads": args.threads, "steps": args.steps, "quick": args.quick}}
+        if "t2v" in args.modes:
+            pipe = tiny_wan_pipeline(BENCH_WAN)
+            result["t2v"] = _bench_mode(pipe, CachedWanPipeline, [pipe.text_encoder],
+                                        dict(T2V_CALL, num_inference_steps=args.steps), args)
+        if "t2i" in args.modes:
+            pipe = tiny_sd3_pipeline(BENCH_SD3)
+            result["t2i"] = _bench_mode(pipe, CachedSD3Pipeline,
+                                        [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3],
+                                        dict(T2I_CALL, num_inference_steps=args.steps), args)
+        if not args.no_estimate:
+            result["estimate"] = paper_estimate()
+        return result
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cut_target(t: dict, kind: str) -> str:
+    wall, cpu = t[f"text_encoder_{kind}time_cut"], t[f"text_encoder_{kind}cpu_time_cut"]
+    verdict = "ok" if wall >= t["text_encoder_time_cut_target"] else "MISSED"
+    return f"{verdict}: cut {wall:.0%} (cpu {cpu:.0%}) >= {t['text_encoder_time_cut_target']:.0%}"
+
+
+def table_rows(result: dict) -> list[Row]:
+    rows = []
+    for mode in ("t2v", "t2i"):
+        if mode not in result:
+            continue
+        r, t, s = result[mode], result[mode]["targets"], result[mode]["stream"]
+        on, off = r["on"], r["off"]
+        calls = f"{'ok' if t['calls_met'] else 'MISSED'}: unique+1 = {s['unique_prompts'] + 1} per encoder"
+        rows += [
+            Row("diffusion", f"{mode} text-encoder calls", float(on["text_encoder_calls"]), "",
+                float(off["text_encoder_calls"]), target=calls),
+            Row("diffusion", f"{mode} text-encoder time", on["text_encoder_s"], "s", off["text_encoder_s"],
+                target=_cut_target(t, "")),
+            Row("diffusion", f"{mode} text-encoder forward time", on["text_encoder_forward_s"], "s",
+                off["text_encoder_forward_s"], target=_cut_target(t, "forward_")),
+            Row("diffusion", f"{mode} latency p50", on["latency_p50_s"], "s", off["latency_p50_s"]),
+            Row("diffusion", f"{mode} outputs bit-identical", float(on["bit_identical"]), "",
+                target="1 (store on == off)"),
+        ]
+    if "estimate" in result:
+        e = result["estimate"]
+        rows.append(Row("diffusion", "umT5-XXL share of a Wan2.1-1.3B request (FLOP estimate)",
+                        100 * e["umt5_share_of_request"], "%"))
+    return rows

@@ -1,0 +1,241 @@
+"""diffusers integration: call an unmodified pipeline with prompt embeddings computed through the store.
+
+``CachedWanPipeline`` (text-to-video, umT5) and ``CachedSD3Pipeline`` (text-to-image, CLIP-L + CLIP-G + T5)
+wrap a pipeline object. ``prepare`` encodes every prompt through the text-encoder adapters and returns the
+pipeline's keyword arguments with ``prompt_embeds`` / ``negative_prompt_embeds`` (and SD3's pooled embeddings)
+filled in; ``__call__`` prepares, calls the pipeline and releases.
+
+Invariants:
+
+* The embeddings equal, bit for bit, what the pipeline's own ``encode_prompt`` builds for a single prompt: the
+  same text cleaning, tokenizer call, encoder call, dtype casts, Wan's trim-and-zero-pad to
+  ``max_sequence_length``, SD3's CLIP concat / pad / T5 concat, SD3's rule that negatives ignore ``clip_skip``,
+  and the repeat for several outputs per prompt (read from diffusers 0.42's ``pipeline_wan.py`` and
+  ``pipeline_stable_diffusion_3.py``).
+* Every prompt is encoded on its own (batch 1) and keyed on its own: the negative prompt's entry never depends
+  on the positive prompt. A list of B prompts is B batch-1 forwards, where the pipeline itself runs one batch-B
+  forward; tests/test_diffusion_pipelines.py records whether that changes any bit.
+* A request holds a lease on every entry it uses from ``prepare`` until its ``PreparedCall`` is released (the
+  end of ``__call__``), also when encoding or the pipeline fails, so entries in use are never evicted and a
+  failed request holds nothing afterwards.
+* ``store=None`` runs the same code with every prompt encoded (the store-off baseline).
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from mmcache.errors import InvalidRequest
+from mmcache.store import EncoderOutputStore, Lease
+
+from .text_encoders import CLIPEncoderAdapter, T5EncoderAdapter, T5Recipe
+
+SD3_MAX_SEQUENCE_LENGTH = 512  # StableDiffusion3Pipeline.check_inputs refuses longer T5 sequences
+_EMBEDDING_ARGS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                   "negative_pooled_prompt_embeds")
+
+
+@dataclass
+class PreparedCall:
+    """A pipeline call's keyword arguments plus the leases that keep its store entries resident."""
+
+    kwargs: dict
+    leases: list[Lease] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        return sum(lease.hit for lease in self.leases)
+
+    def release(self) -> None:
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            lease.release()
+
+    def __enter__(self) -> "PreparedCall":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _prompt_list(prompt: object, what: str) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    raise InvalidRequest(f"{what} must be a str or a non-empty list of str, got {type(prompt).__name__}")
+
+
+def _negatives(negative: object, batch: int, what: str = "negative_prompt") -> list[str]:
+    """The pipeline's rule: a missing negative is "", a str is repeated for every prompt."""
+    texts = _prompt_list(negative or "", what)
+    if isinstance(negative, str) or not negative:
+        texts = texts * batch
+    if len(texts) != batch:
+        raise InvalidRequest(f"{what} has {len(texts)} entries for {batch} prompt(s)")
+    return texts
+
+
+def _int_at_least(value: object, low: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidRequest(f"{what} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _repeat(embeds: torch.Tensor, n: int) -> torch.Tensor:
+    """The pipelines' "mps friendly" repeat: each prompt's rows n times in a row."""
+    if embeds.dim() == 2:
+        return embeds.repeat(1, n).view(embeds.shape[0] * n, -1)
+    return embeds.repeat(1, n, 1).view(embeds.shape[0] * n, embeds.shape[1], -1)
+
+
+class _CachedPipeline(abc.ABC):
+    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
+        self.pipe = pipe
+        self.store = store
+        self.salt = salt
+        self._defaults = {name: p.default for name, p in inspect.signature(type(pipe).__call__).parameters.items()}
+
+    @abc.abstractmethod
+    def _text_encoders(self) -> list[torch.nn.Module]:
+        """The pipeline's text encoders, checked before every request."""
+
+    @abc.abstractmethod
+    def _build(self, leases: list[Lease], prompt, negative_prompt, kwargs: dict) -> dict:
+        """The pipeline's keyword arguments with the embeddings filled in; appends each lease it takes."""
+
+    def prepare(self, prompt, negative_prompt=None, **kwargs) -> PreparedCall:
+        """Encode through the store; the returned call holds its leases until released."""
+        for name in _EMBEDDING_ARGS:
+            if name in kwargs:
+                raise InvalidRequest(f"{name} is computed by the store wrapper; pass the prompt text instead")
+        for module in self._text_encoders():
+            if getattr(module, "_hf_peft_config_loaded", False):
+                raise InvalidRequest("a text encoder carries LoRA layers, whose scale is not part of the store "
+                                     "key; the store wrapper refuses such pipelines")
+        leases: list[Lease] = []
+        try:
+            return PreparedCall(self._build(leases, prompt, negative_prompt, dict(kwargs)), leases)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+
+    def __call__(self, prompt, negative_prompt=None, **kwargs):
+        with self.prepare(prompt, negative_prompt, **kwargs) as call:
+            return self.pipe(**call.kwargs)
+
+    def _arg(self, kwargs: dict, name: str):
+        return kwargs.pop(name, self._defaults[name])
+
+    def _encode(self, leases: list[Lease], adapter, text: str, max_length: int, **selector) -> dict:
+        lease = adapter.encode(text, max_length, self.store, self.salt, **selector)
+        leases.append(lease)
+        return lease.outputs
+
+
+class CachedWanPipeline(_CachedPipeline):
+    """``WanPipeline`` with its umT5 prompt embeddings (positive and negative) served by the store."""
+
+    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
+        super().__init__(pipe, store, salt)
+        self.text = T5EncoderAdapter(pipe.tokenizer, pipe.text_encoder,
+                                     T5Recipe(attention_mask=True, trim_to_length=True))
+
+    def _text_encoders(self):
+        return [self.pipe.text_encoder]
+
+    def _embeds(self, leases, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        rows = []
+        for text in texts:
+            u = self._encode(leases, self.text, prompt_clean(text), max_length)["hidden"].to(**place)
+            rows.append(torch.cat([u, u.new_zeros(max_length - u.size(0), u.size(1))]))
+        return _repeat(torch.stack(rows), n)
+
+    def _build(self, leases, prompt, negative_prompt, kwargs):
+        prompts = _prompt_list(prompt, "prompt")
+        max_length = _int_at_least(self._arg(kwargs, "max_sequence_length"), 1, "max_sequence_length")
+        n = _int_at_least(self._arg(kwargs, "num_videos_per_prompt"), 1, "num_videos_per_prompt")
+        guidance = self._arg(kwargs, "guidance_scale")
+        # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.
+        negatives = _negatives(negative_prompt, len(prompts)) if guidance > 1.0 else None
+        # Looked up once per request: both walk every module of the pipeline.
+        place = {"dtype": self.pipe.text_encoder.dtype, "device": self.pipe._execution_device}
+        kwargs.update(prompt_embeds=self._embeds(leases, prompts, max_length, n, place), guidance_scale=guidance,
+                      max_sequence_length=max_length, num_videos_per_prompt=1)  # rows are already repeated
+        if negatives is not None:
+            kwargs["negative_prompt_embeds"] = self._embeds(leases, negatives, max_length, n, place)
+        return kwargs
+
+
+class CachedSD3Pipeline(_CachedPipeline):
+    """``StableDiffusion3Pipeline`` with CLIP-L, CLIP-G and T5 outputs (positive and negative) from the store."""
+
+    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
+        super().__init__(pipe, store, salt)
+        self.clip = [CLIPEncoderAdapter(pipe.tokenizer, pipe.text_encoder),
+                     CLIPEncoderAdapter(pipe.tokenizer_2, pipe.text_encoder_2)]
+        self.t5 = None if pipe.text_encoder_3 is None else T5EncoderAdapter(
+            pipe.tokenizer_3, pipe.text_encoder_3, T5Recipe(attention_mask=False, trim_to_length=False))
+
+    def _text_encoders(self):
+        return [m for m in (self.pipe.text_encoder, self.pipe.text_encoder_2, self.pipe.text_encoder_3) if m]
+
+    def _clip(self, leases, index: int, texts: list[str], hidden_layer: int, n: int, place: dict):
+        outs = [self._encode(leases, self.clip[index], t, self.pipe.tokenizer_max_length, hidden_layer=hidden_layer)
+                for t in texts]
+        hidden = torch.stack([o["hidden"] for o in outs]).to(dtype=place["clip_dtype"], device=place["device"])
+        return _repeat(hidden, n), _repeat(torch.stack([o["pooled"] for o in outs]), n)
+
+    def _t5(self, leases, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
+        if self.t5 is None:  # the pipeline's stand-in when the T5 encoder is dropped
+            return torch.zeros((len(texts) * n, max_length, self.pipe.transformer.config.joint_attention_dim),
+                               device=place["device"], dtype=place["clip_dtype"])
+        rows = [self._encode(leases, self.t5, t, max_length)["hidden"] for t in texts]
+        return _repeat(torch.stack(rows).to(dtype=place["t5_dtype"], device=place["device"]), n)
+
+    def _embeds(self, leases, texts, texts_2, texts_3, hidden_layer, max_length, n, place):
+        hidden_l, pooled_l = self._clip(leases, 0, texts, hidden_layer, n, place)
+        hidden_g, pooled_g = self._clip(leases, 1, texts_2, hidden_layer, n, place)
+        clip = torch.cat([hidden_l, hidden_g], dim=-1)
+        t5 = self._t5(leases, texts_3, max_length, n, place)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
+
+    def _build(self, leases, prompt, negative_prompt, kwargs):
+        prompts = _prompt_list(prompt, "prompt")
+        batch = len(prompts)
+        prompts_2 = _prompt_list(kwargs.pop("prompt_2", None) or prompt, "prompt_2")
+        prompts_3 = _prompt_list(kwargs.pop("prompt_3", None) or prompt, "prompt_3")
+        if not len(prompts_2) == len(prompts_3) == batch:
+            raise InvalidRequest(f"prompt_2 and prompt_3 must have {batch} entries like prompt")
+        max_length = _int_at_least(self._arg(kwargs, "max_sequence_length"), 1, "max_sequence_length")
+        if max_length > SD3_MAX_SEQUENCE_LENGTH:
+            raise InvalidRequest(f"max_sequence_length {max_length} exceeds SD3's {SD3_MAX_SEQUENCE_LENGTH}")
+        n = _int_at_least(self._arg(kwargs, "num_images_per_prompt"), 1, "num_images_per_prompt")
+        clip_skip = self._arg(kwargs, "clip_skip")
+        hidden_layer = -2 if clip_skip is None else -(_int_at_least(clip_skip, 0, "clip_skip") + 2)
+        guidance = self._arg(kwargs, "guidance_scale")
+        negatives = None
+        if guidance > 1:  # StableDiffusion3Pipeline.do_classifier_free_guidance
+            neg_2 = kwargs.pop("negative_prompt_2", None) or negative_prompt
+            neg_3 = kwargs.pop("negative_prompt_3", None) or negative_prompt
+            negatives = (_negatives(negative_prompt, batch), _negatives(neg_2, batch, "negative_prompt_2"),
+                         _negatives(neg_3, batch, "negative_prompt_3"))
+        # Looked up once per request: each walks every module of the pipeline.
+        place = {"device": self.pipe._execution_device, "clip_dtype": self.pipe.text_encoder.dtype,
+                 "t5_dtype": self.t5.model.dtype if self.t5 else None}
+        embeds, pooled = self._embeds(leases, prompts, prompts_2, prompts_3, hidden_layer, max_length, n, place)
+        kwargs.update(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance,
+                      max_sequence_length=max_length, num_images_per_prompt=1)  # rows are already repeated
+        if negatives is not None:
+            # The pipeline encodes negatives with clip_skip=None whatever the request's clip_skip.
+            neg, neg_pooled = self._embeds(leases, *negatives, -2, max_length, n, place)
+            kwargs.update(negative_prompt_embeds=neg, negative_pooled_prompt_embeds=neg_pooled)
+        return kwargs

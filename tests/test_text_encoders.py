@@ -1,0 +1,222 @@
+"""Text-encoder adapters: keys, fingerprints, one forward per unique (text, max length, encoder), bad input.
+
+Embeddings are compared with the pipelines' own ``encode_prompt`` (diffusers unmodified), so "exactly as the
+pipeline tokenizes and truncates" is checked against the real code, not a copy of it.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
+from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
+from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
+from encoders.text_encoders import ForwardCounter, T5EncoderAdapter, T5Recipe, module_fingerprint
+from mmcache.errors import InvalidRequest, StoreEntryRejected
+from mmcache.store import EncoderOutputStore
+
+NEG = wan_negative_prompt()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny ops on a shared 2-core machine run far slower with 2 OpenMP threads than with 1.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return tiny_wan_pipeline()
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    return tiny_sd3_pipeline()
+
+
+def wan_adapter(pipe):
+    return T5EncoderAdapter(pipe.tokenizer, pipe.text_encoder, T5Recipe(attention_mask=True, trim_to_length=True))
+
+
+def test_local_tokenizers_are_deterministic_and_cover_the_negative_prompt():
+    a, b = t5_tokenizer(), t5_tokenizer()
+    assert a.get_vocab() == b.get_vocab()
+    assert clip_tokenizer().get_vocab() == clip_tokenizer().get_vocab()
+    ids = a(NEG).input_ids
+    assert a.unk_token_id not in ids and ids[-1] == a.eos_token_id
+    assert len(NEG) == 137
+
+
+def test_fingerprint_follows_weights_recipe_and_seed(wan):
+    recipe = {"kind": "t5"}
+    fp = module_fingerprint(wan.text_encoder, recipe)
+    assert fp == module_fingerprint(tiny_wan_pipeline().text_encoder, recipe)  # same seed, same weights
+    assert fp != module_fingerprint(wan.text_encoder, {"kind": "t5", "trim_to_length": True})
+    with torch.no_grad():
+        w = wan.text_encoder.encoder.final_layer_norm.weight
+        w[0] += 1.0
+        try:
+            assert module_fingerprint(wan.text_encoder, recipe) != fp
+        finally:
+            w[0] -= 1.0
+    assert module_fingerprint(wan.text_encoder, recipe) == fp
+
+
+def test_equal_text_at_different_max_lengths_never_collides(wan):
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    with ForwardCounter(wan.text_encoder) as fc:
+        leases = [adapter.encode("a red fox", n, store) for n in (16, 32, 16, 32, 64)]
+    assert fc.total == 3 and len(store) == 3
+    assert len({lease.key for lease in leases}) == 3
+    assert [lease.hit for lease in leases] == [False, False, True, True, False]
+    for lease in leases:
+        lease.release()
+
+
+def test_salt_and_clip_layer_are_part_of_the_key(sd3):
+    store = EncoderOutputStore(1 << 24)
+    clip = CachedSD3Pipeline(sd3, store).clip[0]
+    keys = {clip.encode("a red fox", 77, store, salt=s, hidden_layer=layer).key
+            for s in (b"", b"tenant-a") for layer in (-2, -3)}
+    assert len(keys) == 4 and len(store) == 4
+
+
+def test_negative_prompt_key_is_independent_of_the_positive(wan):
+    store = EncoderOutputStore(1 << 24)
+    wrapper = CachedWanPipeline(wan, store)
+    keys = []
+    for positive in ("a red fox", "a blue whale", "a green parrot"):
+        with wrapper.prepare(positive, NEG, max_sequence_length=64) as call:
+            keys.append(call.leases[-1].key)
+            assert [lease.hit for lease in call.leases] == [False, len(keys) > 1]
+    assert len(set(keys)) == 1
+
+
+def test_empty_prompt_is_encoded_as_the_pipeline_encodes_it(wan):
+    store = EncoderOutputStore(1 << 24)
+    wrapper = CachedWanPipeline(wan, store)
+    with ForwardCounter(wan.text_encoder) as fc:
+        calls = [wrapper.prepare(text, "", max_sequence_length=32) for text in ("", "   ", "\n\t")]
+    assert fc.total == 1  # whitespace cleans to "", the same token ids, the same entry: positive and negative
+    with torch.no_grad():  # as inside the pipeline's __call__ (autograd mode can pick other kernels)
+        expected, expected_neg = wan.encode_prompt("", "", max_sequence_length=32)
+    for call in calls:
+        assert torch.equal(call.kwargs["prompt_embeds"], expected)
+        assert torch.equal(call.kwargs["negative_prompt_embeds"], expected_neg)
+        assert int((call.kwargs["prompt_embeds"][0].abs().sum(-1) > 0).sum()) == 1  # only </s>, then zeros
+        call.release()
+
+
+@pytest.mark.parametrize("max_length", [8, 16])
+def test_long_prompt_is_truncated_exactly_as_the_pipeline_truncates(wan, max_length):
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    long_a = "a lighthouse on a cliff above a stormy sea at dusk, oil painting, " * 4
+    long_b = long_a + "with a tiny red boat far below"  # differs only after the cut
+    tokens = adapter.tokenize(long_a, max_length)
+    assert tokens.length == max_length and int(tokens.input_ids[-1]) == wan.tokenizer.eos_token_id
+    with ForwardCounter(wan.text_encoder) as fc:
+        with CachedWanPipeline(wan, store).prepare([long_a, long_b], max_sequence_length=max_length) as call:
+            got = call.kwargs["prompt_embeds"]
+    assert fc.total == 2  # long_a and long_b share one entry; the "" negative is the other
+    with torch.no_grad():
+        expected = torch.cat([wan.encode_prompt(t, max_sequence_length=max_length)[0] for t in (long_a, long_b)])
+    assert torch.equal(got, expected)
+
+
+def test_clip_truncates_the_negative_prompt_as_sd3_does(sd3):
+    clip = CachedSD3Pipeline(sd3, None).clip[0]
+    tokens = clip.tokenize(NEG, sd3.tokenizer_max_length)
+    assert len(sd3.tokenizer(NEG).input_ids) > 77 and tokens.length == 77
+    with torch.no_grad():
+        expected = sd3._get_clip_prompt_embeds(NEG, clip_model_index=0)
+    got = clip.encode(NEG, 77)
+    assert torch.equal(got.outputs["hidden"][None], expected[0])
+    assert torch.equal(got.outputs["pooled"][None], expected[1])
+
+
+@pytest.mark.parametrize("bad", [
+    lambda n, d: {"hidden": torch.zeros(n, d - 1)},                       # wrong width
+    lambda n, d: {"hidden": torch.zeros(n + 1, d)},                       # not the prompt's length
+    lambda n, d: {"hidden": torch.zeros(n, d, dtype=torch.float16)},      # wrong dtype
+    lambda n, d: {"hidden": torch.zeros(1, n, d)},                        # wrong rank
+    lambda n, d: {"hidden": torch.zeros(n, d), "extra": torch.zeros(1)},  # undeclared output
+    lambda n, d: {"hidden": [[0.0] * d] * n},                             # not a tensor
+])
+def test_store_refuses_tensors_of_the_wrong_shape_or_dtype(wan, bad):
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    tokens = adapter.tokenize("a red fox", 16)
+    key, spec = adapter.key(tokens), adapter.spec(tokens, {})
+    store.put(key, {"hidden": torch.zeros(tokens.length, wan.text_encoder.config.d_model)}, spec=spec).release()
+    store = EncoderOutputStore(1 << 24)
+    with pytest.raises(StoreEntryRejected):
+        store.put(key, bad(tokens.length, wan.text_encoder.config.d_model), spec=spec)
+    assert len(store) == 0 and store.metrics.bytes == 0
+    store.check_invariants()
+
+
+def test_an_encoder_returning_the_wrong_dtype_is_refused_and_stores_nothing(wan, monkeypatch):
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    real = adapter.forward
+    monkeypatch.setattr(adapter, "forward", lambda t, s: {"hidden": real(t, s)["hidden"].double()})
+    for target in (store, None):
+        with pytest.raises(StoreEntryRejected):
+            adapter.encode("a red fox", 16, target)
+    assert len(store) == 0 and store.metrics.inserts == 0
+    monkeypatch.setattr(adapter, "forward", real)
+    with adapter.encode("a red fox", 16, store) as lease:  # the next caller computes afresh
+        assert not lease.hit and store.held(lease.key) == 1
+    assert store.held(lease.key) == 0
+
+
+@pytest.mark.parametrize("text,max_length", [(None, 16), (b"bytes", 16), (["a"], 16), ("ok", 0), ("ok", -3),
+                                             ("ok", True), ("ok", 2.5)])
+def test_bad_text_input_is_refused(wan, text, max_length):
+    with pytest.raises(InvalidRequest):
+        wan_adapter(wan).encode(text, max_length)
+
+
+def test_clip_hidden_layer_out_of_range_is_refused(sd3):
+    clip = CachedSD3Pipeline(sd3, None).clip[0]
+    layers = sd3.text_encoder.config.num_hidden_layers
+    for layer in (0, 1, -(layers + 2)):
+        with pytest.raises(InvalidRequest):
+            clip.encode("a fox", 77, hidden_layer=layer)
+    clip.encode("a fox", 77, hidden_layer=-(layers + 1))  # the embedding output is a valid choice
+
+
+def test_concurrent_requests_for_one_prompt_run_the_encoder_once(wan):
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    barrier, leases = threading.Barrier(4), []
+
+    def worker():
+        barrier.wait()
+        leases.append(adapter.encode(NEG, 64, store))
+
+    with ForwardCounter(wan.text_encoder) as fc:
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert fc.total == 1 and len(leases) == 4 and sum(lease.hit for lease in leases) == 3
+    assert store.held(leases[0].key) == 4
+    for lease in leases:
+        lease.release()
+    assert store.held(leases[0].key) == 0
+
+
+def test_an_entry_whose_tokens_differ_is_never_used(wan):
+    """Forge a collision: another prompt's outputs under this prompt's key. The adapter must not use them."""
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    tokens = adapter.tokenize("a red fox", 16)
+    other = adapter.tokenize("a blue whale", 16)
+    forged = adapter.forward(other, {})
+    store.put(adapter.key(tokens), forged, {"tokens": other.token_bytes()}).release()
+    with adapter.encode("a red fox", 16, store) as lease:
+        assert lease.bypassed and not lease.hit
+        assert torch.equal(lease.outputs["hidden"], adapter.forward(tokens, {})["hidden"])
+    assert store.held(adapter.key(tokens)) == 0
