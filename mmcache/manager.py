@@ -515,13 +515,14 @@ class AllocationManager:
         return released
 
     def clear_cache(self) -> int:
-        """Evict every cached page no request holds (cold tails, as on shortfall). Returns pages freed."""
+        """Evict every cached page no request holds (cold tails, as on shortfall). Returns the pages freed,
+        the shadow manager's included."""
         with self._lock:
             freed, batches = evict(self.index, self.pool, self.pool.num_pages) if self.mode == "on" else (0, 0)
             self.metrics.evicted_pages += freed
             self.metrics.eviction_batches += batches
         if self.shadow is not None:
-            self.shadow.clear_cache()
+            freed += self.shadow.clear_cache()
         return freed
 
     # ---- internals ---------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The reference host engine: continuous batching for transformers decoder models over mmcache's page pools.
 
 Modules, one concept each: ``request`` (what callers pass and get back), ``config`` (EngineConfig),
-``attention`` (the paged attention function registered with transformers), ``adapter`` (where a model's
-embeddings, decoder and head live), ``runner`` (one packed forward), ``sequence`` (per-request state),
+``intake`` (request validation and naming), ``attention`` (the paged attention function registered with
+transformers), ``adapter`` (where a model's embeddings, decoder and head live), ``kernels`` (CPU fast paths:
+packed linears, allocator setting), ``runner`` (one packed forward), ``sequence`` (per-request state),
 ``scheduler`` (continuous batching, chunked prefill, preemption), ``sampling``, ``presets`` / ``models`` /
 ``tokenizer`` (embedded models, loading, export, digests), ``engine`` (the glue), ``cli``.
 """
@@ -10,14 +11,14 @@ embeddings, decoder and head live), ``runner`` (one packed forward), ``sequence`
 from .adapter import CausalLMAdapter, MRopeAdapter, adapter_for
 from .attention import ATTENTION_BACKEND, UnsupportedModel
 from .config import EngineConfig, EngineConfigError
-from .engine import Engine, ForwardError
+from .engine import Engine, ForwardError, SamplingError
 from .models import ModelLoadError, build_model, export_model, load_model, model_digest
 from .presets import PRESETS, UnknownPreset
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 
 __all__ = [
     "ATTENTION_BACKEND", "CausalLMAdapter", "Engine", "EngineConfig", "EngineConfigError", "ForwardError",
-    "MRopeAdapter", "ModelLoadError", "MultimodalInput", "PRESETS", "Request", "RequestOutput", "SamplingParams",
-    "StreamEvent", "UnknownPreset", "UnsupportedModel", "adapter_for", "build_model", "export_model", "load_model",
+    "MRopeAdapter", "ModelLoadError", "MultimodalInput", "PRESETS", "Request", "RequestOutput", "SamplingError",
+    "SamplingParams", "StreamEvent", "UnknownPreset", "UnsupportedModel", "adapter_for", "build_model", "export_model", "load_model",
     "model_digest",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
 
 
@@ -59,6 +60,22 @@ class CausalLMAdapter:
         register()
         self.model.set_attn_implementation(ATTENTION_BACKEND)
         self.model.eval()
+
+    def pack_linears(self) -> None:
+        """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``)."""
+        if not kernels.available(self.device, self.dtype):
+            return
+        decoder = self.decoder
+        kernels.pack_linears(getattr(decoder, "layers", decoder))
+        head = self.lm_head
+        if type(head) is torch.nn.Linear:
+            # The packed module keeps the head's Parameter, so a head tied to the embeddings stays tied.
+            self.model.set_output_embeddings(kernels.PackedLinear(head))
+
+    @property
+    def num_packed_linears(self) -> int:
+        """Linears of the decoder and head computed from packed weights (also when packed by another engine)."""
+        return kernels.count_packed(self.decoder) + isinstance(self.lm_head, kernels.PackedLinear)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)

@@ -12,9 +12,12 @@ its own sequence only. Invariants:
 
 * Every new key/value row is written into its pool slot (``slots``: page * page_size + offset) before any
   segment reads, so a segment sees its own new tokens through the pool like any earlier token.
-* A segment that starts at position 0 attends over its fresh keys directly (plain causal); any other reads
-  its pages with one ``index_select`` per pool tensor and layer and applies a bottom-right causal mask
-  (query ``i`` sees keys ``0 .. start + i``), or no mask for a single query.
+* A prefill segment that starts at position 0 attends over its fresh keys directly (plain causal); any
+  other reads its pages with one ``index_select`` per layer and applies a bottom-right causal mask (query
+  ``i`` sees keys ``0 .. start + i``).
+* Single-token segments (decodes) of one pool are attended together: their page tables are padded to a
+  common length, gathered with one ``index_select`` per layer, and an additive mask hides each sequence's
+  padding, so a step with many decodes costs one call per layer, not one per sequence.
 * The result of a segment depends only on its own queries and the contents of its pages, never on which
   other segments share the forward (beyond the GEMM row-count effects of the projections around it).
 """
@@ -38,6 +41,8 @@ class UnsupportedModel(MmcacheError, ValueError):
 
 @dataclass
 class Segment:
+    """A run of rows of one sequence (a prefill chunk), attended on its own."""
+
     rows: slice  # rows of the packed batch
     start: int  # sequence position of the first row
     ctx_len: int  # tokens attended after this step's write: start + number of rows
@@ -46,6 +51,20 @@ class Segment:
 
     @property
     def q_len(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token segments of one pool (decodes), attended in one call over their padded page tables."""
+
+    rows: slice  # contiguous rows, one per sequence
+    kv: torch.Tensor
+    table: torch.Tensor  # (sequences, max pages) page ids, padded with a valid page that the mask hides
+    ctx_lens: torch.Tensor  # (sequences,) tokens attended by each
+
+    @property
+    def size(self) -> int:
         return self.rows.stop - self.rows.start
 
 
@@ -63,33 +82,52 @@ class PagedBatch:
     """Everything the attention function needs for one forward; built once, read by every layer."""
 
     segments: list[Segment]
+    decodes: list[DecodeGroup]
     writes: list[WriteGroup]
     page_size: int
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, index: int, window: int | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
+    def mask(self, index: int, window: int | None, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor | None, bool]:
         """``(attn_mask, is_causal)`` for segment ``index`` under an optional sliding window, cached per forward."""
-        key = (index, window, dtype)
+        key = ("segment", index, window, dtype)
         hit = self._masks.get(key)
         if hit is None:
-            hit = self._masks[key] = _mask(self.segments[index], window, dtype)
+            hit = self._masks[key] = _segment_mask(self.segments[index], window, dtype, device)
+        return hit
+
+    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """(sequences, 1, 1, padded length) additive mask of decode group ``index``, cached per forward."""
+        key = ("decode", index, window, dtype)
+        hit = self._masks.get(key)
+        if hit is None:
+            g = self.decodes[index]
+            kpos = torch.arange(g.table.shape[1] * self.page_size, device=g.ctx_lens.device).unsqueeze(0)
+            ctx = g.ctx_lens.unsqueeze(1)
+            allowed = kpos < ctx
+            if window is not None:
+                allowed &= kpos >= ctx - window
+            hit = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            hit = hit.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
+            self._masks[key] = hit
         return hit
 
 
-def _mask(seg: Segment, window: int | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
+def _segment_mask(seg: Segment, window: int | None, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor | None, bool]:
     q, ctx, start = seg.q_len, seg.ctx_len, seg.start
     windowed = window is not None and ctx > window
     if not windowed and start == 0:
         return None, q > 1
     if not windowed and q == 1:
         return None, False
-    qpos = torch.arange(start, ctx).unsqueeze(1)
-    kpos = torch.arange(ctx).unsqueeze(0)
+    qpos = torch.arange(start, ctx, device=device).unsqueeze(1)
+    kpos = torch.arange(ctx, device=device).unsqueeze(0)
     allowed = kpos <= qpos
     if windowed:
         allowed &= kpos > qpos - window
     # An additive float mask takes the fused CPU kernel; a boolean one is slower there.
-    return torch.zeros(q, ctx, dtype=dtype).masked_fill_(~allowed, float("-inf")), False
+    return torch.zeros(q, ctx, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")), False
 
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -110,6 +148,17 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         cache[0].view(kv_heads, -1, dim).index_copy_(1, w.slots, k[:, w.rows])
         cache[1].view(kv_heads, -1, dim).index_copy_(1, w.slots, v[:, w.rows])
     out = q.new_empty(total, heads, dim)
+    for i, g in enumerate(batch.decodes):
+        cache = g.kv[layer]
+        n, length = g.size, g.table.shape[1] * batch.page_size
+        ks = cache[0].index_select(1, g.table.view(-1)).view(kv_heads, n, length, dim).transpose(0, 1)
+        vs = cache[1].index_select(1, g.table.view(-1)).view(kv_heads, n, length, dim).transpose(0, 1)
+        # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
+        # per KV head: one call for every sequence and no repeated keys.
+        qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=batch.decode_mask(i, sliding_window, q.dtype),
+                                           scale=scaling)
+        out[g.rows] = o.reshape(n, heads, dim)
     gqa = heads != kv_heads
     for i, seg in enumerate(batch.segments):
         if seg.pages is None:
@@ -118,7 +167,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             cache = seg.kv[layer]
             ks = cache[0].index_select(1, seg.pages).view(kv_heads, -1, dim)[:, :seg.ctx_len]
             vs = cache[1].index_select(1, seg.pages).view(kv_heads, -1, dim)[:, :seg.ctx_len]
-        mask, causal = batch.mask(i, sliding_window, q.dtype)
+        mask, causal = batch.mask(i, sliding_window, q.dtype, q.device)
         o = F.scaled_dot_product_attention(q[None, :, seg.rows], ks[None], vs[None], attn_mask=mask,
                                            is_causal=causal, scale=scaling, enable_gqa=gqa)
         out[seg.rows] = o[0].transpose(0, 1)

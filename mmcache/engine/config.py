@@ -5,8 +5,12 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
 * ``prefill_chunk_tokens`` is a positive multiple of ``page_size`` (chunks end on page boundaries);
   ``None`` picks the largest multiple of ``page_size`` not above 2048.
 * ``max_tokens_per_step >= page_size``, so every prefill chunk fits some step.
-* ``num_pages`` (per label) is explicit or derived from ``kv_cache_bytes``, capped at what ``max_num_seqs``
-  sequences of ``max_model_len`` tokens could hold four times over (the rest is cache headroom).
+* ``num_pages`` (per label) is explicit or derived from ``kv_cache_bytes``, capped at four times what
+  ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
+* ``schedule="serial"`` with ``prefill_chunk_tokens == page_size`` (``EngineConfig.exact``) is the schedule
+  under which cache-on logits equal cache-off logits bit for bit (see ``scheduler``).
+* ``packed_linears`` and ``tune_malloc`` only change speed (see ``kernels``); packed linears change the last
+  bits of results, so they are part of the fingerprint's backend name.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class EngineConfig:
     schedule: str = "continuous"  # "continuous" | "serial" (one request at a time)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
+    packed_linears: bool = True  # pack the decoder's linear weights once for oneDNN (CPU; see kernels)
+    tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
 
     def __post_init__(self):
         def check(ok: bool, msg: str):

@@ -18,38 +18,53 @@ requests. Invariants:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import DuplicateRequest, InvalidRequest, MmcacheError
-from ..eviction import evict
 from ..manager import AllocationManager, CacheConfig
-from ..names import Fingerprint, MediaItem, as_token_array
+from ..names import Fingerprint
 from ..pool import KVSpec
+from . import kernels
 from .adapter import adapter_for
 from .attention import ATTENTION_BACKEND
 from .config import EngineConfig
 from .models import build_model, load_model, model_digest
-from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
+from .request import Request, RequestOutput, SamplingParams, StreamEvent
+from .intake import Intake
 from .runner import ModelRunner
 from .sampling import guided, sample
 from .scheduler import Scheduler, SchedulerLimits
-from .sequence import CFG, MAIN, Branch, LiveRequest
+from .sequence import CFG, MAIN, LiveRequest
 
 
 class ForwardError(MmcacheError, RuntimeError):
     """The model's forward raised; every request of that forward ends with this error (cause attached)."""
 
 
+class SamplingError(MmcacheError, RuntimeError):
+    """A token could not be drawn from a request's logits (for example non-finite values); that request ends."""
+
+    def __init__(self, message: str, request_id: object = None):
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+
+
 class Engine:
+    """Serve a transformers decoder model (``model`` is taken over: its attention is routed to the paged
+    backend and, on CPU, its linears are packed). ``digest`` overrides the model digest of the fingerprint.
+
+    ``generate`` / ``stream`` run a list of prompts to completion; ``add_request`` / ``step`` drive the engine
+    one step at a time; ``abort``, ``metrics``, ``clear_cache`` and ``check_invariants`` complete the API.
+    """
+
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None,
                  digest: str | None = None):
         self.config = config = config or EngineConfig()
+        self._lock = threading.RLock()
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = adapter_for(model)
@@ -57,9 +72,15 @@ class Engine:
         a = self.adapter
         self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
         self.kv_dtype = a.dtype
-        self.fingerprint = Fingerprint(model_digest=digest or model_digest(model),
-                                       kv_dtype=str(a.dtype).removeprefix("torch."),
-                                       attention_backend=ATTENTION_BACKEND, page_size=config.page_size)
+        digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
+        if config.packed_linears:
+            a.pack_linears()
+        if config.tune_malloc:
+            kernels.tune_malloc()
+        # Packed and plain linears differ in the last bits, so the compute path is part of the backend's name.
+        self.backend = ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
+        self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
+                                       attention_backend=self.backend, page_size=config.page_size)
         elem = torch.empty(0, dtype=a.dtype).element_size()
         self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
         self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
@@ -68,12 +89,12 @@ class Engine:
                                                    config.prefill_chunk_tokens, config.schedule == "serial"))
         self.runner = ModelRunner(a, config.page_size)
         self.eos_ids = self._eos_ids()
+        self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
+                             self._manager, config.seed)
         self._live: dict[object, LiveRequest] = {}
         self._events: list[StreamEvent] = []  # events of requests added with add_request
-        self._seeds = np.random.default_rng(config.seed)
         self._next_id = 0
-        self._lock = threading.RLock()
-        self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "failed_forwards": 0, "preemptions": 0}
+        self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "failed_forwards": 0}
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
@@ -94,9 +115,11 @@ class Engine:
         return AllocationManager(cache, self.fingerprint, kv_spec=spec)
 
     def _manager(self, label: str) -> AllocationManager:
-        if label not in self.managers:
-            self.managers[label] = self._new_manager(self.config.cfg_num_pages or self.num_pages)
-        return self.managers[label]
+        """The label's manager; the CFG pool is allocated on its first request."""
+        with self._lock:
+            if label not in self.managers:
+                self.managers[label] = self._new_manager(self.config.cfg_num_pages or self.num_pages)
+            return self.managers[label]
 
     def _eos_ids(self) -> frozenset:
         ids: set[int] = set()
@@ -133,7 +156,8 @@ class Engine:
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
         self._step()
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()  # cleared in place: live requests hold this list as their sink
         return events
 
     def has_unfinished(self) -> bool:
@@ -165,16 +189,8 @@ class Engine:
 
     def clear_cache(self) -> int:
         """Drop every cached page no live request holds (for cold measurements); returns how many."""
-        freed = 0
         with self._lock:
-            for m in self.managers.values():
-                for mgr in (m, m.shadow):
-                    if mgr is not None:
-                        # The manager has no public "drop the cache" call; eviction of every evictable run under
-                        # its lock is exactly that.
-                        with mgr._lock:
-                            freed += evict(mgr.index, mgr.pool, mgr.pool.num_pages)[0]
-        return freed
+            return sum(m.clear_cache() for m in self.managers.values())
 
     def check_invariants(self) -> None:
         """The managers' invariants, and agreement between them and the engine's live requests."""
@@ -198,23 +214,28 @@ class Engine:
         if len(sampling) != len(prompts):
             raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
         sink: list[StreamEvent] = []
-        pending = set()
-        for prompt, sp in zip(prompts, sampling):
-            req = prompt if isinstance(prompt, Request) else Request(prompt, sp or SamplingParams())
-            key = object()
-            order.append(key)
-            live = self._add(req, sink, key)
-            if live is not None:
-                pending.add(key)
-        while True:
-            while sink:
-                ev = sink.pop(0)
-                if ev.finished:
-                    pending.discard(ev.key)
-                yield ev
-            if not pending:
-                return
-            self._step()
+        pending: dict[object, object] = {}  # key -> request id of this call's unfinished requests
+        try:
+            for prompt, sp in zip(prompts, sampling):
+                req = prompt if isinstance(prompt, Request) else Request(prompt, sp or SamplingParams())
+                key = object()
+                order.append(key)
+                live = self._add(req, sink, key)
+                if live is not None:
+                    pending[key] = live.request_id
+            while True:
+                while sink:
+                    ev = sink.pop(0)
+                    if ev.finished:
+                        pending.pop(ev.key, None)
+                    yield ev
+                if not pending:
+                    return
+                self._step()
+        finally:
+            # A consumer that stops iterating early (or an exception) must not leave requests holding pages.
+            for rid in pending.values():
+                self.abort(rid)
 
     def _add(self, req: Request, sink: list, key: object = None) -> LiveRequest | None:
         arrival = time.perf_counter()
@@ -224,7 +245,7 @@ class Engine:
                 rid = f"req-{self._next_id}"
                 self._next_id += 1
         try:
-            live = self._validate(req, rid, arrival)
+            live = self.intake.live(req, rid, arrival)
         except MmcacheError as err:
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
             sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
@@ -239,69 +260,6 @@ class Engine:
             self._live[rid] = live
             self.scheduler.add(live)
         return live
-
-    def _validate(self, req: Request, rid, arrival: float) -> LiveRequest:
-        if not isinstance(req.sampling, SamplingParams):
-            raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
-        req.sampling.validate(rid)
-        ids = self._token_ids(req.prompt, rid, "prompt")
-        mm = req.mm
-        media: tuple[MediaItem, ...] = ()
-        if mm is not None:
-            media = self._check_mm(mm, len(ids), rid)
-        branches = {MAIN: Branch(MAIN, self.managers[MAIN], ids.tolist(), len(ids), req.salt, media, mm)}
-        if req.negative_prompt is not None:
-            scale = req.guidance_scale
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-                raise InvalidRequest(f"guidance_scale must be a finite number, got {scale!r}", rid)
-            neg = self._token_ids(req.negative_prompt, rid, "negative prompt")
-            branches[CFG] = Branch(CFG, self._manager(CFG), neg.tolist(), len(neg), req.salt)
-        for b in branches.values():
-            b.prepare(rid)  # page names, computed before any lock is taken
-        seed = req.sampling.seed
-        generator = None
-        if not req.sampling.greedy:
-            if seed is None:
-                seed = int(self._seeds.integers(0, 2**63 - 1))
-            generator = torch.Generator().manual_seed(seed)
-        return LiveRequest(rid, req, req.sampling, branches, generator, arrival, len(ids), self.max_model_len,
-                           frozenset() if req.sampling.ignore_eos else self.eos_ids)
-
-    def _token_ids(self, prompt, rid, what: str) -> np.ndarray:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest(f"{what} is text but the engine has no tokenizer", rid)
-            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        ids = as_token_array(prompt, rid)
-        if len(ids) == 0:
-            raise InvalidRequest(f"empty {what}", rid)
-        if int(ids.max()) >= self.adapter.vocab_size:
-            raise InvalidRequest(f"{what} has ids outside the vocabulary (size {self.adapter.vocab_size})", rid)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"{what} of {len(ids)} tokens leaves no room under max_model_len "
-                                 f"{self.max_model_len}", rid)
-        pages = -(-(len(ids) + 1) // self.config.page_size)
-        if pages > self.num_pages:
-            raise InvalidRequest(f"{what} needs {pages} pages, the pool has {self.num_pages}", rid)
-        return ids
-
-    def _check_mm(self, mm: MultimodalInput, prompt_len: int, rid) -> tuple[MediaItem, ...]:
-        if not isinstance(mm, MultimodalInput):
-            raise InvalidRequest(f"mm must be MultimodalInput, got {type(mm).__name__}", rid)
-        for item in mm.media:
-            if not isinstance(item, MediaItem) or item.position >= prompt_len:
-                raise InvalidRequest(f"media item {item!r} is not a MediaItem inside the prompt", rid)
-        for start, t in mm.embeds:
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != self.adapter.hidden_size:
-                raise InvalidRequest(f"embeds must be tensors [n, {self.adapter.hidden_size}]", rid)
-            if not isinstance(start, int) or start < 0 or start + t.shape[0] > prompt_len:
-                raise InvalidRequest(f"embeds at {start} (+{t.shape[0]}) outside the prompt", rid)
-        if mm.mrope_positions is not None:
-            if self.adapter.position_dims != 3:
-                raise InvalidRequest("mrope_positions given for a model with 1-D positions", rid)
-            if tuple(mm.mrope_positions.shape) != (3, prompt_len):
-                raise InvalidRequest(f"mrope_positions must have shape (3, {prompt_len})", rid)
-        return tuple(mm.media)
 
     # ---- stepping ----------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -348,7 +306,13 @@ class Engine:
         row = main.logits
         if CFG in live.branches:
             row = guided(row, live.branches[CFG].logits, live.request.guidance_scale)
-        token = sample(row, live.sampling, live.generator)
+        try:
+            token = sample(row, live.sampling, live.generator)
+        except RuntimeError as cause:  # e.g. non-finite logits under random sampling
+            err = SamplingError(f"sampling failed: {cause}", live.request_id)
+            err.__cause__ = cause
+            self._finish(live, "error", err, store=False)
+            return
         now = time.perf_counter()
         for b in live.branches.values():
             b.tokens.append(token)

@@ -77,6 +77,11 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    # transformers 5 records its own backend class; the generic fast class also loads in transformers 4 (vLLM).
+    tok_cfg = out / "tokenizer_config.json"
+    cfg = json.loads(tok_cfg.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
 

@@ -2,8 +2,8 @@
 
 Invariants:
 
-* Works are packed grouped by pool (label), in the order given within a group, so each pool's rows are
-  contiguous and are written with one ``index_copy_`` per layer.
+* Works are packed grouped by pool (label), decodes first within a pool, so each pool's rows are contiguous
+  (written with one ``index_copy_`` per layer) and its decodes form one contiguous ``DecodeGroup``.
 * Positions are absolute sequence positions (names are rooted at position 0); a 3-D (M-RoPE) model gets the
   request's ``mrope_positions`` inside the prompt and ``p + mrope_delta`` on every axis after it.
 * Multimodal embeddings replace the token embeddings at exactly the prompt positions they cover, in
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .adapter import CausalLMAdapter
-from .attention import PagedBatch, Segment, WriteGroup
+from .attention import DecodeGroup, PagedBatch, Segment, WriteGroup
 from .scheduler import Work
 
 
@@ -28,50 +28,61 @@ class ModelRunner:
         self.page_size = page_size
 
     def order(self, works: list[Work]) -> list[Work]:
-        """Works grouped by pool, stable within a group (the packing order of ``run``)."""
+        """The packing order of ``run``: grouped by pool (label, in order of first appearance), decodes
+        before prefill chunks within a pool, stable otherwise."""
         labels: dict[str, int] = {}
         for w in works:
             labels.setdefault(w.branch.label, len(labels))
-        return sorted(works, key=lambda w: labels[w.branch.label])
+        return sorted(works, key=lambda w: (labels[w.branch.label], not _is_decode(w)))
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> torch.Tensor:
         """Run one forward over ``works`` (already in ``order``); returns float32 logits, one row per work
         that wants them."""
         p = self.page_size
-        ids, pos, slots, segments, writes, logit_rows = [], [], [], [], [], []
+        ids, pos, segments, decodes, writes, logit_rows = [], [], [], [], [], []
         row = 0
-        group_start, group_pool = 0, None
-        for w in works:
-            b = w.branch
-            n = w.end - w.start
-            positions = np.arange(w.start, w.end, dtype=np.int64)
-            ids.append(np.asarray(b.tokens[w.start:w.end], dtype=np.int64))
-            pos.append(positions)
-            pages = w.pages.astype(np.int64, copy=False)
-            kv = b.manager.pool.kv
-            if group_pool is not kv:
-                if group_pool is not None:
-                    writes.append(self._write_group(group_pool, group_start, row, slots))
-                group_pool, group_start, slots = kv, row, []
-            slots.append(pages[positions // p] * p + positions % p)
-            table = None if w.start == 0 else torch.from_numpy(pages[: -(-w.end // p)])
-            segments.append(Segment(slice(row, row + n), w.start, w.end, kv, table))
-            row += n
-            if w.wants_logits:
-                logit_rows.append(row - 1)
-        writes.append(self._write_group(group_pool, group_start, row, slots))
-        input_ids = torch.from_numpy(np.concatenate(ids))
-        embeds = self.adapter.embed(input_ids)
+        for kv, group in _by_pool(works):
+            group_start, slots, tables, ctx_lens = row, [], [], []
+            for w in group:
+                n = w.end - w.start
+                positions = np.arange(w.start, w.end, dtype=np.int64)
+                ids.append(np.asarray(w.branch.tokens[w.start:w.end], dtype=np.int64))
+                pos.append(positions)
+                pages = w.pages.astype(np.int64, copy=False)
+                slots.append(pages[positions // p] * p + positions % p)
+                if _is_decode(w):
+                    tables.append(pages[: -(-w.end // p)])
+                    ctx_lens.append(w.end)
+                else:
+                    table = None if w.start == 0 else self._tensor(pages[: -(-w.end // p)])
+                    segments.append(Segment(slice(row, row + n), w.start, w.end, kv, table))
+                row += n
+                if w.wants_logits:
+                    logit_rows.append(row - 1)
+            if tables:
+                decodes.append(self._decode_group(kv, group_start, tables, ctx_lens, self.adapter.device))
+            writes.append(WriteGroup(kv, slice(group_start, row), self._tensor(np.concatenate(slots))))
+        embeds = self.adapter.embed(self._tensor(np.concatenate(ids)))
         self._substitute(embeds, works)
-        positions = self._positions(works, torch.from_numpy(np.concatenate(pos)))
-        batch = PagedBatch(segments, writes, p)
-        logits = self.adapter.forward(embeds, positions, torch.tensor(logit_rows, dtype=torch.long), batch)
+        positions = self._positions(works, self._tensor(np.concatenate(pos)))
+        batch = PagedBatch(segments, decodes, writes, p)
+        logits = self.adapter.forward(embeds, positions, self._tensor(np.asarray(logit_rows, dtype=np.int64)), batch)
         return logits.float()
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.adapter.device)
+
     @staticmethod
-    def _write_group(kv: torch.Tensor, start: int, stop: int, slots: list) -> WriteGroup:
-        return WriteGroup(kv, slice(start, stop), torch.from_numpy(np.concatenate(slots)))
+    def _decode_group(kv: torch.Tensor, start: int, tables: list, ctx_lens: list, device) -> DecodeGroup:
+        """The pool's decodes, which ``order`` placed first in its rows: rows ``start .. start + len(tables)``."""
+        width = max(len(t) for t in tables)
+        table = np.empty((len(tables), width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+            table[i, len(t):] = t[-1]  # padding re-reads the sequence's own last page; the mask hides it
+        return DecodeGroup(slice(start, start + len(tables)), kv, torch.from_numpy(table).to(device),
+                           torch.tensor(ctx_lens, dtype=torch.long, device=device))
 
     def _substitute(self, embeds: torch.Tensor, works: list[Work]) -> None:
         row = 0
@@ -81,7 +92,8 @@ class ModelRunner:
                 for start, tensor in mm.embeds:
                     lo, hi = max(start, w.start), min(start + len(tensor), w.end)
                     if lo < hi:
-                        embeds[row + lo - w.start: row + hi - w.start] = tensor[lo - start: hi - start].to(embeds.dtype)
+                        rows = tensor[lo - start: hi - start].to(embeds.device, embeds.dtype)
+                        embeds[row + lo - w.start: row + hi - w.start] = rows
             row += w.end - w.start
 
     def _positions(self, works: list[Work], flat: torch.Tensor) -> torch.Tensor:
@@ -96,7 +108,23 @@ class ModelRunner:
             if mm is not None and mm.mrope_positions is not None:
                 cut = min(max(b.prompt_len, w.start), w.end)
                 if cut > w.start:
-                    out[:, row: row + cut - w.start] = mm.mrope_positions[:, w.start:cut]
+                    out[:, row: row + cut - w.start] = mm.mrope_positions[:, w.start:cut].to(out.device)
                 out[:, row + cut - w.start: row + n] += mm.mrope_delta
             row += n
         return out
+
+
+def _is_decode(w: Work) -> bool:
+    return w.end - w.start == 1 and w.start > 0
+
+
+def _by_pool(works: list[Work]) -> list[tuple[torch.Tensor, list[Work]]]:
+    """Consecutive works sharing a pool tensor (``order`` makes each pool's works consecutive)."""
+    out: list = []
+    for w in works:
+        kv = w.branch.manager.pool.kv
+        if out and out[-1][0] is kv:
+            out[-1][1].append(w)
+        else:
+            out.append((kv, [w]))
+    return out

@@ -39,7 +39,3 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
-
-def greedy_batch(logits: torch.Tensor) -> list[int]:
-    """Argmax of every row at once (the common all-greedy step)."""
-    return torch.argmax(logits.float(), dim=-1).tolist()

@@ -1,0 +1,62 @@
+"""``mmcache export-model`` and ``mmcache generate``.
+
+    mmcache export-model PRESET DIR [--dtype bfloat16]     write an embedded preset as a Hugging Face folder
+    mmcache generate (--preset NAME | --model DIR) PROMPT ... [--max-tokens N] [--cache-mode on|off|shadow]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .models import DTYPES
+from .presets import PRESETS
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export-model", help="write an embedded model preset as a Hugging Face folder",
+                       description="Write PRESET (" + ", ".join(PRESETS) + ") to DIR: config.json, "
+                                   "model.safetensors and tokenizer files, loadable by transformers and vLLM.")
+    p.add_argument("preset", choices=list(PRESETS))
+    p.add_argument("dir")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.set_defaults(func=export_main)
+
+    g = sub.add_parser("generate", help="generate from text prompts with the reference engine")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=list(PRESETS))
+    src.add_argument("--model", metavar="DIR", help="a local Hugging Face model folder")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: float32 for presets, bfloat16 for --model")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--cache-mode", default="on", choices=["on", "off", "shadow"])
+    g.set_defaults(func=generate_main)
+
+
+def export_main(args: argparse.Namespace) -> int:
+    from .models import export_model
+
+    out = export_model(args.preset, args.dir, args.dtype)
+    print(f"wrote {args.preset} ({args.dtype}) to {out}")
+    return 0
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
+    from .engine import Engine
+    from .request import SamplingParams
+
+    config = EngineConfig(page_size=args.page_size, cache_mode=args.cache_mode)
+    if args.preset:
+        eng = Engine.from_preset(args.preset, dtype=args.dtype or "float32", config=config)
+    else:
+        eng = Engine.from_pretrained(args.model, dtype=args.dtype or "bfloat16", config=config)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for out in eng.generate(args.prompts, sampling):
+        print(json.dumps({"request_id": out.request_id, "text": out.text, "output_ids": out.output_ids,
+                          "finish_reason": out.finish_reason, "matched_tokens": out.matched_tokens,
+                          "error": str(out.error) if out.error else None}))
+    return 0

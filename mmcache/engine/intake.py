@@ -1,0 +1,107 @@
+"""Intake: a ``Request`` becomes a ``LiveRequest`` (its branches named) or a typed error.
+
+Invariants:
+
+* Every check runs before any pool is touched, so a refused request leaves nothing behind; the error is an
+  ``InvalidRequest`` naming the request and the first thing wrong (sampling values, empty prompt, ids outside
+  the vocabulary, a prompt with no room under the model's length or larger than the pool, malformed
+  multimodal input, a non-finite guidance scale, text without a tokenizer).
+* Page names are computed here (``Branch.prepare``), before the engine takes any lock.
+* A random-sampling request without a seed gets one from the intake's own generator (seeded by the engine
+  config), so an engine's outputs are reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import InvalidRequest
+from ..manager import AllocationManager
+from ..names import MediaItem, as_token_array
+from .adapter import CausalLMAdapter
+from .request import MultimodalInput, Request, SamplingParams
+from .sequence import CFG, MAIN, Branch, LiveRequest
+
+
+class Intake:
+    def __init__(self, adapter: CausalLMAdapter, tokenizer, max_model_len: int, page_size: int, num_pages: int,
+                 eos_ids: frozenset, manager: Callable[[str], AllocationManager], seed: int):
+        self.adapter = adapter
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.eos_ids = eos_ids
+        self.manager = manager
+        self._seeds = np.random.default_rng(seed)
+        self._seeds_lock = threading.Lock()
+
+    def live(self, req: Request, rid, arrival: float) -> LiveRequest:
+        """The request's live state, or ``InvalidRequest``."""
+        if not isinstance(req.sampling, SamplingParams):
+            raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
+        req.sampling.validate(rid)
+        ids = self._token_ids(req.prompt, rid, "prompt")
+        mm = req.mm
+        media: tuple[MediaItem, ...] = ()
+        if mm is not None:
+            media = self._check_mm(mm, len(ids), rid)
+        branches = {MAIN: Branch(MAIN, self.manager(MAIN), ids.tolist(), len(ids), req.salt, media, mm)}
+        if req.negative_prompt is not None:
+            scale = req.guidance_scale
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+                raise InvalidRequest(f"guidance_scale must be a finite number, got {scale!r}", rid)
+            neg = self._token_ids(req.negative_prompt, rid, "negative prompt")
+            branches[CFG] = Branch(CFG, self.manager(CFG), neg.tolist(), len(neg), req.salt)
+        for b in branches.values():
+            b.prepare(rid)  # page names, computed before any lock is taken
+        seed = req.sampling.seed
+        generator = None
+        if not req.sampling.greedy:
+            if seed is None:
+                with self._seeds_lock:
+                    seed = int(self._seeds.integers(0, 2**63 - 1))
+            generator = torch.Generator().manual_seed(seed)
+        return LiveRequest(rid, req, req.sampling, branches, generator, arrival, len(ids), self.max_model_len,
+                           frozenset() if req.sampling.ignore_eos else self.eos_ids)
+
+    def _token_ids(self, prompt, rid, what: str) -> np.ndarray:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest(f"{what} is text but the engine has no tokenizer", rid)
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = as_token_array(prompt, rid)
+        if len(ids) == 0:
+            raise InvalidRequest(f"empty {what}", rid)
+        if int(ids.max()) >= self.adapter.vocab_size:
+            raise InvalidRequest(f"{what} has ids outside the vocabulary (size {self.adapter.vocab_size})", rid)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"{what} of {len(ids)} tokens leaves no room under max_model_len "
+                                 f"{self.max_model_len}", rid)
+        pages = -(-(len(ids) + 1) // self.page_size)
+        if pages > self.num_pages:
+            raise InvalidRequest(f"{what} needs {pages} pages, the pool has {self.num_pages}", rid)
+        return ids
+
+    def _check_mm(self, mm: MultimodalInput, prompt_len: int, rid) -> tuple[MediaItem, ...]:
+        if not isinstance(mm, MultimodalInput):
+            raise InvalidRequest(f"mm must be MultimodalInput, got {type(mm).__name__}", rid)
+        for item in mm.media:
+            if not isinstance(item, MediaItem) or item.position >= prompt_len:
+                raise InvalidRequest(f"media item {item!r} is not a MediaItem inside the prompt", rid)
+        for start, t in mm.embeds:
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != self.adapter.hidden_size:
+                raise InvalidRequest(f"embeds must be tensors [n, {self.adapter.hidden_size}]", rid)
+            if not isinstance(start, int) or start < 0 or start + t.shape[0] > prompt_len:
+                raise InvalidRequest(f"embeds at {start} (+{t.shape[0]}) outside the prompt", rid)
+        if mm.mrope_positions is not None:
+            if self.adapter.position_dims != 3:
+                raise InvalidRequest("mrope_positions given for a model with 1-D positions", rid)
+            if tuple(mm.mrope_positions.shape) != (3, prompt_len):
+                raise InvalidRequest(f"mrope_positions must have shape (3, {prompt_len})", rid)
+        return tuple(mm.media)

@@ -1,0 +1,383 @@
+"""Request lifecycle: abort, preemption, failures, bad input, cache modes, CFG, sampling, streaming.
+
+After every scenario the pools are whole: ``check_invariants`` passes and, once nothing runs, every page is
+either free or owned by the prefix index alone.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest
+from mmcache.engine import (Engine, EngineConfig, EngineConfigError, ForwardError, Request, SamplingError,
+                            SamplingParams)
+from mmcache.engine.models import build_model
+from mmcache.engine.sequence import CFG, MAIN
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny", "float32")
+
+
+def greedy(n=12, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def prompts(n, seed=0, lo=20, hi=60):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 512, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def engine(tiny, **kw):
+    kw.setdefault("page_size", 16)
+    kw.setdefault("num_pages", 128)
+    return Engine(tiny[0], tiny[1], EngineConfig(**kw))
+
+
+def assert_pools_whole(eng: Engine):
+    eng.check_invariants()
+    assert not eng.has_unfinished()
+    for label, m in eng.managers.items():
+        assert m.num_requests == 0, label
+        # Every page is free or owned by the index alone.
+        np.testing.assert_array_equal(m.pool.refcount, m.index.in_index.astype(np.int32))
+
+
+# ---- abort -----------------------------------------------------------------------------------------
+def test_abort_running_and_waiting_requests(tiny):
+    eng = engine(tiny, max_num_seqs=2)
+    ps = prompts(3)
+    reqs = [Request(p, greedy(20), request_id=r) for p, r in zip(ps, "abc")]
+    finished = {}
+    seen_b = 0
+    for ev in eng.stream(reqs):
+        if ev.finished:
+            finished[ev.request_id] = ev.output
+        elif ev.request_id == "b":
+            seen_b += 1
+            if seen_b == 3:
+                assert eng.abort("b")
+                assert eng.abort("c")  # still waiting: max_num_seqs is 2
+                eng.check_invariants()
+    assert not eng.abort("b")
+    assert finished["b"].finish_reason == "abort" and len(finished["b"].output_ids) == 3
+    assert finished["c"].finish_reason == "abort" and finished["c"].output_ids == []
+    assert finished["a"].finish_reason == "length"
+    assert finished["a"].output_ids == eng.generate([ps[0]], greedy(20))[0].output_ids
+    assert eng.metrics()["main"]["stored_pages"] > 0  # the aborted request's computed pages were kept
+    assert_pools_whole(eng)
+
+
+# ---- preemption ------------------------------------------------------------------------------------
+def test_preemption_when_pages_run_out_recomputes_from_the_cache(tiny):
+    ps = prompts(4, seed=1, lo=40, hi=50)
+    sp = greedy(40)
+    want = [o.output_ids for o in engine(tiny, num_pages=64).generate(ps, sp)]
+    eng = engine(tiny, num_pages=14)  # 4 requests need up to 6 pages each
+    outs = eng.generate(ps, sp)
+    m = eng.metrics()
+    assert m["engine"]["preemptions"] > 0
+    assert sum(o.preemptions for o in outs) == m["engine"]["preemptions"]
+    assert m["main"]["hit_pages"] > 0  # re-admission re-seeded from the pages teardown stored
+    assert m["main"]["alloc_failures_cache_held"] == 0
+    assert [o.output_ids for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
+    assert_pools_whole(eng)
+
+
+def test_a_request_that_cannot_fit_alone_fails_with_allocation_error(tiny):
+    eng = engine(tiny, num_pages=4)
+    out, other = eng.generate([prompts(1, seed=2, lo=30, hi=31)[0], [5, 6, 7]], [greedy(100), greedy(4)])
+    assert out.finish_reason == "error" and isinstance(out.error, AllocationFailed)
+    assert 0 < len(out.output_ids) < 100
+    assert other.finish_reason == "length" and len(other.output_ids) == 4
+    assert_pools_whole(eng)
+
+
+# ---- failures inside the forward -------------------------------------------------------------------
+def test_exception_inside_forward_fails_only_that_forwards_requests(tiny):
+    ps = prompts(4, seed=3)
+    want = [o.output_ids for o in engine(tiny).generate(ps, greedy())]
+    model = build_model("tiny", "float32")[0]
+    eng = Engine(model, tiny[1], EngineConfig(page_size=16, num_pages=128, max_num_seqs=2))
+    mlp = model.model.layers[1].mlp
+    calls = {"n": 0}
+    original = mlp.forward
+
+    def flaky(x):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return original(x)
+
+    mlp.forward = flaky
+    outs = eng.generate(ps, greedy())
+    assert [o.finish_reason for o in outs] == ["error", "error", "length", "length"]
+    for o in outs[:2]:
+        assert isinstance(o.error, ForwardError) and isinstance(o.error.__cause__, RuntimeError)
+    assert [o.output_ids for o in outs[2:]] == want[2:]
+    assert eng.metrics()["engine"]["failed_forwards"] == 1
+    assert_pools_whole(eng)
+    assert [o.output_ids for o in eng.generate(ps[:2], greedy())] == want[:2]  # the engine goes on
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+def test_bad_input_gets_a_typed_error_and_leaves_the_others_alone(tiny):
+    good = prompts(1, seed=4)[0]
+    want = engine(tiny).generate([good], greedy())[0].output_ids
+    eng = Engine(tiny[0], None, EngineConfig(page_size=16, num_pages=128))  # no tokenizer
+    bad = [
+        Request([], greedy()),
+        Request([3, 512, 4], greedy()),  # outside the vocabulary of 512
+        Request([3, -1, 4], greedy()),
+        Request([1.5, 2.0], greedy()),
+        Request(list(range(2, 2 + 1024)), greedy()),  # max_model_len is 1024
+        Request("text without a tokenizer", greedy()),
+        Request(good, SamplingParams(max_tokens=0)),
+        Request(good, SamplingParams(temperature=-1.0)),
+        Request(good, SamplingParams(top_p=0.0)),
+        Request(good, SamplingParams(temperature=float("nan"))),
+        Request(good, greedy(), negative_prompt=[]),
+        Request(good, greedy(), negative_prompt=[5, 6], guidance_scale=float("inf")),
+    ]
+    outs = eng.generate([Request(good, greedy(), request_id="good")] + bad
+                        + [Request([5, 6], greedy(), request_id="good")])
+    assert outs[0].finish_reason == "length" and outs[0].output_ids == want
+    for o in outs[1:-1]:
+        assert o.finish_reason == "error" and isinstance(o.error, InvalidRequest), o
+        assert o.output_ids == [] and o.first_token_time is None
+    assert isinstance(outs[-1].error, DuplicateRequest)
+    assert eng.metrics()["main"]["lookups"] == 1
+    assert CFG not in eng.managers  # a refused CFG request created no pool
+    assert_pools_whole(eng)
+
+
+def test_engine_config_errors_are_typed():
+    with pytest.raises(EngineConfigError):
+        EngineConfig(page_size=16, prefill_chunk_tokens=20)
+    with pytest.raises(EngineConfigError):
+        EngineConfig(cache_mode="sometimes")
+    with pytest.raises(EngineConfigError):
+        EngineConfig(page_size=16, max_tokens_per_step=8)
+    assert EngineConfig(page_size=48).prefill_chunk_tokens == 2016
+
+
+# ---- cache modes -----------------------------------------------------------------------------------
+def _second_admitted_while_first_runs(eng, shared):
+    a = eng.add_request(shared + [7, 8, 9], greedy(30), request_id="a")
+    events = []
+    while not any(e.request_id == a and e.token_id is not None for e in events):
+        events += eng.step()
+    eng.add_request(shared + [10, 11], greedy(3), request_id="b")
+    outs = {}
+    while eng.has_unfinished():
+        for e in eng.step():
+            if e.finished:
+                outs[e.request_id] = e.output
+    return outs
+
+
+def test_store_at_prefill_shares_pages_with_a_request_still_running(tiny):
+    shared = prompts(1, seed=5, lo=64, hi=65)[0]
+    outs = _second_admitted_while_first_runs(engine(tiny, store_at="prefill"), shared)
+    assert outs["b"].matched_tokens == 64
+    eng = engine(tiny, store_at="teardown")
+    outs_td = _second_admitted_while_first_runs(eng, shared)
+    assert outs_td["b"].matched_tokens == 0
+    assert eng.metrics()["main"]["forfeit_tokens"] == 64  # held in flight by "a", not yet published
+    assert outs_td["b"].output_ids == outs["b"].output_ids
+    assert_pools_whole(eng)
+
+
+def test_shadow_mode_outputs_equal_cache_off_and_counts_would_have_matched_pages(tiny):
+    base = prompts(1, seed=6, lo=50, hi=51)[0]
+    waves = [[base + [3, 4]], [base + [5], base[:40] + [9]]]
+    results = {}
+    for mode in ("off", "shadow", "on"):
+        eng = engine(tiny, cache_mode=mode)
+        results[mode] = ([o.output_ids for w in waves for o in eng.generate(w, greedy())], eng.metrics()["main"])
+        assert_pools_whole(eng)
+    assert results["shadow"][0] == results["off"][0] == results["on"][0]
+    real, shadow = results["shadow"][1], results["shadow"][1]["shadow"]
+    assert real["hit_pages"] == 0 and real["stored_pages"] == 0
+    assert shadow["hit_pages"] == results["on"][1]["hit_pages"] == 3 + 2
+
+
+# ---- classifier-free guidance ----------------------------------------------------------------------
+def test_cfg_scale_one_gives_the_unguided_output(tiny):
+    p, neg = prompts(2, seed=7)
+    eng = engine(tiny)
+    plain = eng.generate([p], greedy(16))[0]
+    guided = eng.generate([Request(p, greedy(16), negative_prompt=neg, guidance_scale=1.0)])[0]
+    assert guided.output_ids == plain.output_ids
+    assert_pools_whole(eng)
+
+
+def test_cfg_matches_a_reference_guidance_loop_and_reuses_negative_prompt_pages(tiny):
+    ref = build_model("tiny", "float32")[0]
+    p1, p2, neg = prompts(3, seed=8, lo=35, hi=45)
+    neg = neg[:40]
+    eng = engine(tiny)
+    forwards = []
+    run = eng.runner.run
+    eng.runner.run = lambda works: forwards.append({w.branch.label for w in works}) or run(works)
+    scale = 3.0
+    out1 = eng.generate([Request(p1, greedy(10), negative_prompt=neg, guidance_scale=scale)])[0]
+    out2 = eng.generate([Request(p2, greedy(10), negative_prompt=neg, guidance_scale=scale)])[0]
+    assert {MAIN, CFG} in forwards  # both labels' segments shared a forward
+    for p, out in ((p1, out1), (p2, out2)):
+        toks = []
+        with torch.no_grad():
+            for _ in range(10):
+                cond = ref(torch.tensor([p + toks])).logits[0, -1]
+                uncond = ref(torch.tensor([neg + toks])).logits[0, -1]
+                toks.append(int(torch.argmax(uncond + scale * (cond - uncond))))
+        assert out.output_ids == toks
+    unguided = eng.generate([p1], greedy(10))[0].output_ids
+    assert unguided != out1.output_ids  # guidance changed the output
+    assert out2.negative_matched_tokens == 32 and out2.matched_tokens == 0
+    assert eng.metrics()[CFG]["hit_pages"] == 2
+    assert_pools_whole(eng)
+
+
+# ---- sampling, stopping, streaming ------------------------------------------------------------------
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(tiny):
+    ps = prompts(3, seed=9)
+    eng = engine(tiny, cache_mode="off")
+    sp = [SamplingParams(max_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=s, ignore_eos=True)
+          for s in (1, 2, 3)]
+    together = [o.output_ids for o in eng.generate(ps, sp)]
+    alone = [eng.generate([p], [s])[0].output_ids for p, s in zip(ps, sp)]
+    assert together == alone
+    other_seed = eng.generate([ps[0]], SamplingParams(max_tokens=10, temperature=0.8, seed=99, ignore_eos=True))
+    assert other_seed[0].output_ids != together[0]
+    top1 = eng.generate([ps[0]], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=5, ignore_eos=True))
+    assert top1[0].output_ids == eng.generate([ps[0]], greedy(10))[0].output_ids
+
+
+def test_stop_ids_eos_and_model_length(tiny):
+    p = prompts(1, seed=10)[0]
+    eng = engine(tiny, max_model_len=len(p) + 5)
+    full = eng.generate([p], greedy(5))[0].output_ids
+    assert len(full) == 5
+    stop = eng.generate([p], greedy(5, stop_token_ids=(full[2],)))[0]
+    assert stop.finish_reason == "stop" and stop.output_ids == full[:full.index(full[2]) + 1]
+    capped = eng.generate([p], greedy(50))[0]
+    assert capped.finish_reason == "length" and capped.output_ids == full  # prompt + output == max_model_len
+    model = build_model("tiny", "float32")[0]
+    model.generation_config.eos_token_id = full[1]
+    eos_eng = Engine(model, None, EngineConfig(page_size=16, num_pages=64))
+    eos = eos_eng.generate([p], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert eos.finish_reason == "eos" and eos.output_ids == full[:full.index(full[1]) + 1]
+    assert eos_eng.generate([p], greedy(5))[0].output_ids == full  # ignore_eos
+
+
+def test_stream_events_and_timings(tiny):
+    ps = prompts(2, seed=11)
+    eng = engine(tiny)
+    events = list(eng.stream(ps, greedy(6)))
+    outs = [e.output for e in events if e.finished]
+    assert len(outs) == 2
+    for o in outs:
+        toks = [e for e in events if e.request_id == o.request_id and not e.finished]
+        assert [e.token_id for e in toks] == o.output_ids
+        assert [e.time for e in toks] == o.token_times
+        assert o.arrival_time <= o.first_token_time == o.token_times[0]
+        assert o.token_times == sorted(o.token_times)
+        last = max(i for i, e in enumerate(events) if e.request_id == o.request_id)
+        assert events[last].finished
+    assert [o.output_ids for o in eng.generate(ps, greedy(6))] == [o.output_ids for o in sorted(
+        outs, key=lambda o: int(o.request_id.split("-")[1]))]
+
+
+def test_a_stream_left_early_releases_its_requests(tiny):
+    eng = engine(tiny)
+    stream = eng.stream(prompts(3, seed=12), greedy(20))
+    assert next(stream).token_id is not None
+    stream.close()
+    assert not eng.has_unfinished()
+    assert_pools_whole(eng)
+
+
+def test_non_finite_logits_fail_only_that_request_with_a_sampling_error(tiny):
+    eng = engine(tiny)
+    run = eng.runner.run
+
+    def poisoned(works):
+        logits = run(works).clone()  # the engine's rows are inference tensors
+        for i, w in enumerate([w for w in works if w.wants_logits]):
+            if w.live.request_id == "bad":
+                logits[i] = float("nan")
+        return logits
+
+    eng.runner.run = poisoned
+    p = prompts(1, seed=13)[0]
+    random = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
+    bad, good = eng.generate([Request(p, random, request_id="bad"), Request(p, greedy(4), request_id="good")])
+    assert bad.finish_reason == "error" and isinstance(bad.error, SamplingError)
+    assert good.finish_reason == "length" and len(good.output_ids) == 4
+    assert_pools_whole(eng)
+
+
+def test_top_k_and_top_p_restrict_the_sampled_support():
+    from mmcache.engine.sampling import guided, sample
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    gen = torch.Generator().manual_seed(0)
+
+    def support(**kw):
+        sp = SamplingParams(temperature=1.0, **kw)
+        return {sample(logits, sp, gen) for _ in range(300)}
+
+    assert support() == {0, 1, 2, 3}
+    assert support(top_p=0.6) == {0, 1}  # 0.5 < 0.6, so the second token is kept; 0.8 covers it
+    assert support(top_p=0.4) == {0}
+    assert support(top_k=3) == {0, 1, 2}
+    assert sample(logits, SamplingParams(temperature=0.0), None) == 0
+    cond, uncond = torch.tensor([1.0, 3.0]), torch.tensor([2.0, 1.0])
+    assert torch.equal(guided(cond, uncond, 2.0), torch.tensor([0.0, 5.0]))
+
+
+def test_cfg_requests_survive_preemption_and_abort(tiny):
+    ps = prompts(3, seed=14, lo=30, hi=40)
+    negs = prompts(3, seed=15, lo=20, hi=30)
+    reqs = [Request(p, greedy(24), negative_prompt=n, guidance_scale=2.0) for p, n in zip(ps, negs)]
+    want = [o.output_ids for o in engine(tiny, num_pages=64).generate(reqs)]
+    eng = engine(tiny, num_pages=9, cfg_num_pages=7)
+    outs = eng.generate(reqs)
+    assert eng.metrics()["engine"]["preemptions"] > 0
+    assert [o.output_ids for o in outs] == want
+    assert_pools_whole(eng)
+    stream = eng.stream(reqs[:2])
+    first = next(stream)
+    assert eng.abort(first.request_id)
+    rest = list(stream)
+    aborted = [e.output for e in rest if e.finished and e.request_id == first.request_id]
+    assert aborted[0].finish_reason == "abort"
+    assert_pools_whole(eng)
+
+
+def test_clear_cache_drops_every_cached_page_but_none_a_live_request_holds(tiny):
+    p = prompts(1, seed=16, lo=50, hi=51)[0]
+    eng = engine(tiny, cache_mode="shadow")
+    eng.generate([p], greedy(4))
+    assert eng.clear_cache() == 3  # the shadow's three stored pages
+    eng = engine(tiny)
+    eng.generate([p], greedy(4))
+    cached = eng.metrics()["main"]["cached_pages"]
+    eng.add_request(p, greedy(20), request_id="live")
+    eng.step()  # "live" is admitted and holds the cached pages it matched
+    assert eng.clear_cache() == cached - 3
+    eng.abort("live")
+    assert eng.clear_cache() > 0 and eng.metrics()["main"]["cached_pages"] == 0
+    assert eng.generate([p], greedy(4))[0].matched_tokens == 0
+    assert_pools_whole(eng)

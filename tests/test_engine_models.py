@@ -1,0 +1,231 @@
+"""Embedded models, tokenizer, export and loading, fingerprints, and the multimodal seam of the runner."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache.cli import main as cli_main
+from mmcache.engine import (ATTENTION_BACKEND, Engine, EngineConfig, ModelLoadError, MRopeAdapter, MultimodalInput,
+                            Request, SamplingParams, UnknownPreset, UnsupportedModel)
+from mmcache.engine import kernels
+from mmcache.engine.models import build_model, model_digest
+from mmcache.engine.presets import PRESETS, get_preset, preset_config
+from mmcache.engine.tokenizer import train_tokenizer
+from mmcache.names import MediaItem, media_digest
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_presets_are_deterministic_and_their_tokenizers_fit():
+    digests = {}
+    for name in ("tiny", "tiny-llama", "tiny-mistral", "tiny-gemma"):
+        model, tok = build_model(name, "float32")
+        digests[name] = model_digest(model)
+        assert model_digest(build_model(name, "float32")[0]) == digests[name]
+        assert model_digest(model.to(torch.bfloat16)) != digests[name]
+        assert len(tok) <= model.config.vocab_size
+        assert tok.eos_token_id == model.config.eos_token_id == 0 and tok.pad_token_id == model.config.pad_token_id
+    assert len(set(digests.values())) == 4
+    assert {preset_config(get_preset(n)).model_type for n in digests} == {"qwen2", "llama", "mistral", "gemma"}
+    with pytest.raises(UnknownPreset):
+        get_preset("gpt-5")
+
+
+def test_qwen25_presets_have_the_published_shape():
+    real = preset_config(PRESETS["qwen2.5-0.5b"])
+    assert (real.hidden_size, real.num_hidden_layers, real.num_attention_heads, real.num_key_value_heads,
+            real.intermediate_size, real.vocab_size) == (896, 24, 14, 2, 4864, 151936)
+    assert real.tie_word_embeddings and real.rope_parameters["rope_theta"] == 1e6
+    small = preset_config(PRESETS["small"])
+    assert small.num_hidden_layers < 24 and small.hidden_size == 896 and small.vocab_size == 151936
+
+
+def test_tokenizer_training_is_deterministic_and_lossless():
+    a, b = train_tokenizer(600), train_tokenizer(600)
+    assert a.to_str() == b.to_str() and a.get_vocab_size() <= 600
+    text = "A photo of an astronaut riding a horse, 2024 — naïve café 東京"
+    assert a.decode(a.encode(text).ids) == text
+
+
+def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert cli_main(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).is_file(), f
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    assert AutoTokenizer.from_pretrained(out)("a cat")["input_ids"]
+
+    preset = Engine.from_preset("tiny", dtype="float32", config=EngineConfig(page_size=16, num_pages=64))
+    loaded = Engine.from_pretrained(out, dtype="float32", config=EngineConfig(page_size=16, num_pages=64))
+    assert loaded.fingerprint == preset.fingerprint
+    prompts = ["a photo of a cat on a mat", [5, 6, 7, 8, 9]]
+    a, b = preset.generate(prompts, GREEDY), loaded.generate(prompts, GREEDY)
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    assert isinstance(b[0].text, str) and b[0].prompt_len == len(loaded.tokenizer("a photo of a cat on a mat")["input_ids"])
+
+    capsys.readouterr()
+    assert cli_main(["generate", "--model", str(out), "--dtype", "float32", "--max-tokens", "3", "a cat"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(line["output_ids"]) == 3 and line["error"] is None
+
+    with pytest.raises(ModelLoadError):
+        Engine.from_pretrained(tmp_path / "missing")
+
+
+def test_fingerprint_names_model_weights_dtype_backend_and_page_size():
+    model, tok = build_model("tiny", "bfloat16")
+    eng = Engine(model, tok, EngineConfig(page_size=32, num_pages=16))
+    fp = eng.fingerprint
+    assert (fp.kv_dtype, fp.attention_backend, fp.page_size) == ("bfloat16", eng.backend, 32)
+    assert eng.backend.startswith(ATTENTION_BACKEND)
+    assert fp.model_digest == model_digest(model)
+    assert eng.managers["main"].pool.kv.dtype == torch.bfloat16
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1
+    assert model_digest(model) != fp.model_digest
+
+
+def test_models_needing_unsupported_attention_features_are_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedModel):
+        Engine(Gemma2ForCausalLM(cfg), None, EngineConfig(page_size=16, num_pages=8))
+
+
+def test_multimodal_embeddings_replace_placeholders_and_media_digests_name_pages():
+    model, tok = build_model("tiny", "float32")
+    eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=128, prefill_chunk_tokens=16))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(10, 512, size=60).tolist()
+    placeholder = list(prompt)
+    placeholder[20:40] = [5] * 20
+    image_a, image_b = rng.integers(10, 512, size=20).tolist(), rng.integers(10, 512, size=20).tolist()
+
+    def embeds(ids):
+        with torch.no_grad():
+            return model.get_input_embeddings()(torch.tensor(ids))
+
+    def mm_request(ids, digest):
+        return Request(placeholder, GREEDY, mm=MultimodalInput(media=[MediaItem(digest, 20)], embeds=[(20, embeds(ids))]))
+
+    da, db = media_digest(b"image a"), media_digest(b"image b")
+    # The item spans three one-page chunks; substituted rows must equal the real tokens' embeddings.
+    want_a = eng.generate([prompt[:20] + image_a + prompt[40:]], GREEDY)[0].output_ids
+    want_b = eng.generate([prompt[:20] + image_b + prompt[40:]], GREEDY)[0].output_ids
+    first = eng.generate([mm_request(image_a, da)], GREEDY)[0]
+    same = eng.generate([mm_request(image_a, da)], GREEDY)[0]
+    other = eng.generate([mm_request(image_b, db)], GREEDY)[0]
+    assert first.output_ids == same.output_ids == want_a and other.output_ids == want_b != want_a
+    assert first.matched_tokens == 16  # page 0 (before the item) is shared with the plain prompts above
+    assert same.matched_tokens == 48  # the same image: pages 0-2 are reused
+    assert other.matched_tokens == 16  # another image behind the same placeholder ids: only page 0
+    bad = Request(placeholder, GREEDY, mm=MultimodalInput(embeds=[(50, embeds(image_a))]))
+    assert eng.generate([bad])[0].finish_reason == "error"
+    eng.check_invariants()
+
+
+def test_qwen2_vl_language_model_with_3d_positions_matches_its_own_forward():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.15, bos_token_id=0,
+                eos_token_id=0, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)
+    def config():
+        return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=500, video_token_id=501,
+                             vision_start_token_id=502)
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2VLForConditionalGeneration(config()).eval()
+        ref = Qwen2VLForConditionalGeneration(config()).eval()  # its own config: attach() sets the model's
+    ref.load_state_dict(model.state_dict())
+    eng = Engine(model, None, EngineConfig(page_size=16, num_pages=64, prefill_chunk_tokens=16))
+    assert isinstance(eng.adapter, MRopeAdapter)
+    prompt = list(range(2, 42))
+    pos = torch.arange(40).repeat(3, 1)
+    pos[1, 10:26] = 10 + torch.arange(16) // 4  # a 4x4 "image" grid at positions 10..25
+    pos[2, 10:26] = 10 + torch.arange(16) % 4
+    pos[:, 26:] -= 12
+    delta = int(pos.max()) + 1 - 40
+    out = eng.generate([Request(prompt, GREEDY, mm=MultimodalInput(mrope_positions=pos, mrope_delta=delta))])[0]
+    seq = prompt + out.output_ids
+    full = torch.cat([pos, (torch.arange(40, len(seq)) + delta).repeat(3, 1)], dim=1)
+    toks = []
+    with torch.no_grad():
+        for i in range(len(out.output_ids)):
+            n = 40 + i
+            logits = ref(input_ids=torch.tensor([seq[:n]]), position_ids=full[:, None, :n]).logits[0, -1]
+            toks.append(int(torch.argmax(logits)))
+    assert out.output_ids == toks
+    plain = eng.generate([prompt], GREEDY)[0].output_ids
+    assert plain != out.output_ids  # the 3-D positions were used
+
+
+def record_logits(eng: Engine) -> list:
+    """Every logits tensor the engine's runner returns, in order."""
+    out = []
+    run = eng.runner.run
+
+    def recording(works):
+        out.append(run(works))
+        return out[-1]
+
+    eng.runner.run = recording
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma"])
+def test_packed_linears_compute_what_plain_linears_compute(name, monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "tune_malloc", lambda: calls.append(1) or True)
+    plain_model, tok = build_model(name, "float32")
+    plain = Engine(plain_model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False,
+                                                  tune_malloc=False))
+    assert plain.adapter.num_packed_linears == 0 and plain.backend == ATTENTION_BACKEND and calls == []
+    model, _ = build_model(name, "float32")
+    fresh = build_model(name, "float32")[0].state_dict()
+    packed = Engine(model, tok, EngineConfig(page_size=16, num_pages=64))
+    assert calls == [1]
+    assert packed.adapter.num_packed_linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    assert isinstance(model.model.layers[0].mlp, kernels.PackedGatedMLP)  # SiLU (llama), tanh-GELU (gemma)
+    assert packed.backend != plain.backend and packed.fingerprint.model_digest == plain.fingerprint.model_digest
+    state = model.state_dict()
+    assert state.keys() == fresh.keys() and all(torch.equal(state[k], fresh[k]) for k in fresh)
+    rows = {id(plain): record_logits(plain), id(packed): record_logits(packed)}
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 512, size=n).tolist() for n in (7, 40)]
+    a, b = plain.generate(prompts, GREEDY), packed.generate(prompts, GREEDY)
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    for x, y in zip(rows[id(plain)], rows[id(packed)]):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5 * float(x.abs().max()))
+    kernels.pack_linears(model.model.layers)  # idempotent: nothing is packed twice
+    assert packed.adapter.num_packed_linears == 2 * 7 + 1
+
+
+def test_transformers_builds_no_mask_for_the_paged_backend():
+    from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
+
+    model, tok = build_model("tiny", "float32")
+    Engine(model, tok, EngineConfig(page_size=16, num_pages=8))
+    embeds = torch.zeros(1, 12, model.config.hidden_size)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])  # two packed sequences
+    assert create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                              position_ids=positions) is None
+    # Registered, so code that looks the mask function up by backend name (VLM token-type masks) finds one.
+    assert AttentionMaskInterface()[ATTENTION_BACKEND](batch_size=1, q_length=12, kv_length=12) is None
