@@ -13,4 +13,5 @@ REGISTRY = {
     "prefix": "benchmarks.prefix",
     "vlm": "benchmarks.vlm",
     "diffusion": "benchmarks.diffusion",
+    "cfg": "benchmarks.cfg",
 }
