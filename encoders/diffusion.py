@@ -19,6 +19,12 @@ Invariants:
   end of ``__call__``), also when encoding or the pipeline fails, so entries in use are never evicted and a
   failed request holds nothing afterwards.
 * ``store=None`` runs the same code with every prompt encoded (the store-off baseline).
+* The embeddings are placed on the pipeline's ``_execution_device``, which diffusers finds by walking every
+  module of every component (milliseconds). The wrapper reads it once and again only when the placement
+  may have moved (``_placement_state``): a component replaced, its first parameter on another device
+  (``.to``, sequential offload), or an offload hook added to or removed from the component or the module owning
+  its first parameter (accelerate's model and sequential offload, diffusers' block- and leaf-level group
+  offloading). Hooks attached by hand to other submodules are not seen: build a new wrapper after that.
 """
 
 from __future__ import annotations
@@ -87,10 +93,29 @@ def _int_at_least(value: object, low: int, what: str) -> int:
 
 
 def _repeat(embeds: torch.Tensor, n: int) -> torch.Tensor:
-    """The pipelines' "mps friendly" repeat: each prompt's rows n times in a row."""
+    """The pipelines' "mps friendly" repeat: each prompt's rows n times in a row. ``embeds`` is always a fresh
+    tensor (stacked here), so n = 1 returns it without the pipelines' copy; the values are the same."""
+    if n == 1:
+        return embeds
     if embeds.dim() == 2:
         return embeds.repeat(1, n).view(embeds.shape[0] * n, -1)
     return embeds.repeat(1, n, 1).view(embeds.shape[0] * n, embeds.shape[1], -1)
+
+
+def _hooks(module: torch.nn.Module) -> tuple:
+    """The offload hooks on ``module`` itself: accelerate's and those in diffusers' hook registry."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return getattr(module, "_hf_hook", None), () if registry is None else tuple(registry.hooks.values())
+
+
+def _placement_state(module: torch.nn.Module) -> tuple:
+    """What changes when a component is moved or offloaded; microseconds, where ``_execution_device`` walks
+    every module. Leaf-level group offloading hooks every module that owns parameters, block-level hooks the
+    component itself, accelerate's offloading hooks the component itself (and moves parameters to meta for
+    sequential offload), so the component and the owner of its first parameter cover them all."""
+    name, first = next(module.named_parameters(), ("", None))
+    owner = module.get_submodule(name.rpartition(".")[0])
+    return module, _hooks(module), _hooks(owner), None if first is None else first.device
 
 
 class _CachedPipeline(abc.ABC):
@@ -99,10 +124,28 @@ class _CachedPipeline(abc.ABC):
         self.store = store
         self.salt = salt
         self._defaults = {name: p.default for name, p in inspect.signature(type(pipe).__call__).parameters.items()}
+        self._component_names = tuple(pipe.components)  # fixed by the pipeline class's signature
+        self._placement: tuple = ((), None)  # (placement state, execution device), replaced as one
+
+    def execution_device(self) -> torch.device:
+        """``pipe._execution_device``, read again only when ``_placement_state`` of a component has changed."""
+        state = (tuple(getattr(self.pipe, "_exclude_from_cpu_offload", ())),
+                 *(_placement_state(m) if isinstance(m, torch.nn.Module) else None
+                   for m in (getattr(self.pipe, name, None) for name in self._component_names)))
+        known, device = self._placement
+        if state != known:
+            device = self.pipe._execution_device
+            self._placement = (state, device)
+        return device
 
     @abc.abstractmethod
     def _text_encoders(self) -> list[torch.nn.Module]:
         """The pipeline's text encoders, checked before every request."""
+
+    @property
+    @abc.abstractmethod
+    def adapters(self) -> list:
+        """The text-encoder adapters, one per text encoder (their tokenization memos carry hit counts)."""
 
     @abc.abstractmethod
     def _build(self, leases: list[Lease], prompt, negative_prompt, kwargs: dict) -> dict:
@@ -149,14 +192,20 @@ class CachedWanPipeline(_CachedPipeline):
     def _text_encoders(self):
         return [self.pipe.text_encoder]
 
+    @property
+    def adapters(self):
+        return [self.text]
+
     def _embeds(self, leases, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        rows = []
-        for text in texts:
-            u = self._encode(leases, self.text, prompt_clean(text), max_length)["hidden"].to(**place)
-            rows.append(torch.cat([u, u.new_zeros(max_length - u.size(0), u.size(1))]))
-        return _repeat(torch.stack(rows), n)
+        rows = [self._encode(leases, self.text, prompt_clean(text), max_length)["hidden"].to(**place)
+                for text in texts]
+        # The pipeline's trim-and-zero-pad, written into one zeroed tensor instead of a cat and a stack.
+        embeds = rows[0].new_zeros((len(rows), max_length, rows[0].size(1)))
+        for i, u in enumerate(rows):
+            embeds[i, : u.size(0)] = u
+        return _repeat(embeds, n)
 
     def _build(self, leases, prompt, negative_prompt, kwargs):
         prompts = _prompt_list(prompt, "prompt")
@@ -165,8 +214,7 @@ class CachedWanPipeline(_CachedPipeline):
         guidance = self._arg(kwargs, "guidance_scale")
         # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.
         negatives = _negatives(negative_prompt, len(prompts)) if guidance > 1.0 else None
-        # Looked up once per request: both walk every module of the pipeline.
-        place = {"dtype": self.pipe.text_encoder.dtype, "device": self.pipe._execution_device}
+        place = {"dtype": self.pipe.text_encoder.dtype, "device": self.execution_device()}
         kwargs.update(prompt_embeds=self._embeds(leases, prompts, max_length, n, place), guidance_scale=guidance,
                       max_sequence_length=max_length, num_videos_per_prompt=1)  # rows are already repeated
         if negatives is not None:
@@ -186,6 +234,10 @@ class CachedSD3Pipeline(_CachedPipeline):
 
     def _text_encoders(self):
         return [m for m in (self.pipe.text_encoder, self.pipe.text_encoder_2, self.pipe.text_encoder_3) if m]
+
+    @property
+    def adapters(self):
+        return [a for a in (*self.clip, self.t5) if a is not None]
 
     def _clip(self, leases, index: int, texts: list[str], hidden_layer: int, n: int, place: dict):
         outs = [self._encode(leases, self.clip[index], t, self.pipe.tokenizer_max_length, hidden_layer=hidden_layer)
@@ -228,8 +280,7 @@ class CachedSD3Pipeline(_CachedPipeline):
             neg_3 = kwargs.pop("negative_prompt_3", None) or negative_prompt
             negatives = (_negatives(negative_prompt, batch), _negatives(neg_2, batch, "negative_prompt_2"),
                          _negatives(neg_3, batch, "negative_prompt_3"))
-        # Looked up once per request: each walks every module of the pipeline.
-        place = {"device": self.pipe._execution_device, "clip_dtype": self.pipe.text_encoder.dtype,
+        place = {"device": self.execution_device(), "clip_dtype": self.pipe.text_encoder.dtype,
                  "t5_dtype": self.t5.model.dtype if self.t5 else None}
         embeds, pooled = self._embeds(leases, prompts, prompts_2, prompts_3, hidden_layer, max_length, n, place)
         kwargs.update(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance,

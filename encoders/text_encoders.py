@@ -20,14 +20,28 @@ Invariants:
   "hashes nominate, ids confirm"); on a mismatch the adapter encodes without the store.
 * The model's weights must not change while an adapter holds its fingerprint: after loading or fusing adapter
   weights, build a new adapter.
+
+Tokenizing is memoized on the store path, so a hit costs dictionary lookups, not a tokenization
+(``TokenizationMemo``): a bounded LRU from (tokenizer fingerprint, tokenizer settings, call arguments, max
+length, exact text) to the ``TokenizedPrompt`` the tokenizer returned for it. The tokenizer fingerprint digests
+the tokenizer's serialized pipeline (vocabulary, normalizer, pre-tokenizer, model, post-processor, added
+tokens); it is recomputed whenever the tokenizer's size, special tokens, bos/eos flags or backend object change
+(``add_tokens`` for textual inversion, ``add_eos_token = False`` ...), and the settings that shape ids (padding
+and truncation side, pad token, ``split_special_tokens``) are read on every call. Editing the backend's
+components in place (``backend_tokenizer.normalizer = ...``) is not seen: build a new adapter after it, as after
+changing weights. Memoized tensors are shared, never modified. With ``store=None`` every prompt is tokenized,
+as the pipeline tokenizes it.
 """
 
 from __future__ import annotations
 
 import abc
 import json
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 import numpy as np
@@ -40,6 +54,10 @@ from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 ADAPTER_VERSION = 1
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
+# The tokenizer call every adapter makes (the pipelines' own); part of every memo key.
+_TOKENIZER_CALL = (("padding", "max_length"), ("truncation", True), ("add_special_tokens", True))
+# Parts of a fast tokenizer's serialized form that each call rewrites (set_truncation_and_padding), not content.
+_PER_CALL_BACKEND_KEYS = ("padding", "truncation")
 
 
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
@@ -66,13 +84,17 @@ class TokenizedPrompt:
     attention_mask: torch.Tensor
     max_length: int
 
-    @property
+    @cached_property
     def length(self) -> int:
         """Real tokens (special tokens included, padding excluded)."""
         return int(self.attention_mask.sum())
 
     def token_bytes(self) -> bytes:
         """The ids (little-endian int32) then the mask (uint8): what an entry's hit is verified against."""
+        return self._token_bytes
+
+    @cached_property
+    def _token_bytes(self) -> bytes:  # computed once: a memoized prompt is verified on every hit
         return (self.input_ids.numpy().astype(TOKEN_DTYPE).tobytes()
                 + self.attention_mask.numpy().astype(np.uint8).tobytes())
 
@@ -90,6 +112,100 @@ def _check_text(text: object, max_length: object) -> None:
         raise InvalidRequest(f"max_length must be a positive int, got {max_length!r}")
 
 
+def tokenize(tokenizer, text: str, max_length: int) -> TokenizedPrompt:
+    """``text`` as the pipelines tokenize one prompt: padded to ``max_length``, truncated to it, special tokens
+    added."""
+    _check_text(text, max_length)
+    enc = tokenizer(text, max_length=max_length, return_attention_mask=True, return_tensors="pt",
+                    **dict(_TOKENIZER_CALL))
+    return TokenizedPrompt(enc.input_ids[0], enc.attention_mask[0], max_length)
+
+
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    """Hex xxh3_128 over the tokenizer's class and its fast backend's serialized pipeline (vocabulary,
+    normalizer, pre-tokenizer, model, post-processor, added tokens), less the padding and truncation each call
+    sets; ``None`` for a tokenizer without a fast backend, which is then never memoized."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    content = {k: v for k, v in json.loads(backend.to_str()).items() if k not in _PER_CALL_BACKEND_KEYS}
+    h = xxhash.xxh3_128()
+    h.update(canonical_encoding({"class": type(tokenizer).__qualname__, "version": ADAPTER_VERSION}))
+    h.update(json.dumps(content, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+    return h.hexdigest()
+
+
+def _content_state(tokenizer) -> tuple:
+    """What changes the tokenizer's content through its own API; a change re-fingerprints it (tens of us)."""
+    return (tokenizer.backend_tokenizer, len(tokenizer), getattr(tokenizer, "add_bos_token", None),
+            getattr(tokenizer, "add_eos_token", None), tokenizer.bos_token, tokenizer.eos_token)
+
+
+def _call_state(tokenizer) -> tuple:
+    """Attributes the tokenizer reads on every call that shape the ids; part of every memo key."""
+    return (tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token_id, tokenizer.pad_token,
+            tokenizer.split_special_tokens)
+
+
+class TokenizationMemo:
+    """Bounded LRU of tokenizations: ``memo(text, max_length)`` returns exactly what ``tokenize`` returns.
+
+    The key is (tokenizer fingerprint, ``_call_state``, ``_TOKENIZER_CALL``, max length, exact text); the text
+    itself, not a digest of it, so two prompts never share an entry. At most ``entries`` prompts are kept, and
+    none longer than ``max_text_chars`` characters (those are tokenized every time), so the memo holds at most
+    ``entries * (max_text_chars + 21 * max_length)`` bytes or so. Safe to call from several threads.
+    """
+
+    def __init__(self, tokenizer, entries: int = 1024, max_text_chars: int = 8192):
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
+            raise InvalidRequest(f"entries must be an int >= 0, got {entries!r}")
+        if isinstance(max_text_chars, bool) or not isinstance(max_text_chars, int) or max_text_chars < 0:
+            raise InvalidRequest(f"max_text_chars must be an int >= 0, got {max_text_chars!r}")
+        self.tokenizer = tokenizer
+        self.entries = entries
+        self.max_text_chars = max_text_chars
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+        self._memo: OrderedDict[tuple, TokenizedPrompt] = OrderedDict()
+        self._content: tuple = ()
+        self._fingerprint: str | None = None
+        self.fingerprint()  # now, so that the first request does not pay for it
+
+    def fingerprint(self) -> str | None:
+        """The tokenizer's fingerprint, recomputed when its ``_content_state`` has changed since the last call."""
+        if getattr(self.tokenizer, "backend_tokenizer", None) is None:
+            return None
+        state = _content_state(self.tokenizer)
+        with self._lock:
+            if state != self._content:
+                self._content, self._fingerprint = state, tokenizer_fingerprint(self.tokenizer)
+            return self._fingerprint
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def __call__(self, text: str, max_length: int) -> TokenizedPrompt:
+        _check_text(text, max_length)
+        fingerprint = self.fingerprint()
+        if fingerprint is None or self.entries == 0 or len(text) > self.max_text_chars:
+            return tokenize(self.tokenizer, text, max_length)
+        key = (fingerprint, _call_state(self.tokenizer), _TOKENIZER_CALL, max_length, text)
+        with self._lock:
+            tokens = self._memo.get(key)
+            if tokens is not None:
+                self._memo.move_to_end(key)
+                self.hits += 1
+                return tokens
+        tokens = tokenize(self.tokenizer, text, max_length)  # outside the lock: other prompts' hits go on
+        with self._lock:
+            self.misses += 1
+            self._memo[key] = tokens
+            self._memo.move_to_end(key)
+            while len(self._memo) > self.entries:
+                self._memo.popitem(last=False)
+        return tokens
+
+
 class TextEncoderAdapter(abc.ABC):
     """Shared tokenizing, keying and store path; subclasses say what runs and what comes out."""
 
@@ -97,12 +213,12 @@ class TextEncoderAdapter(abc.ABC):
         self.tokenizer = tokenizer
         self.model = model
         self.fingerprint = module_fingerprint(model, recipe)
+        self.dtype = model.dtype  # the dtype the fingerprint saw: what every output is declared as
+        self.memo = TokenizationMemo(tokenizer)
 
     def tokenize(self, text: str, max_length: int) -> TokenizedPrompt:
-        _check_text(text, max_length)
-        enc = self.tokenizer(text, padding="max_length", max_length=max_length, truncation=True,
-                             add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-        return TokenizedPrompt(enc.input_ids[0], enc.attention_mask[0], max_length)
+        """A fresh tokenization (the store-off path, as the pipeline tokenizes)."""
+        return tokenize(self.tokenizer, text, max_length)
 
     def key(self, tokens: TokenizedPrompt, selector: Mapping | None = None, salt: bytes | str | None = b"") -> bytes:
         return store_key(self.fingerprint, tokens.digest(selector or {}), salt)
@@ -119,9 +235,10 @@ class TextEncoderAdapter(abc.ABC):
                salt: bytes | str | None = b"", **selector) -> Lease:
         """A held lease on the encoder outputs for ``text``; release it when the request is done with them.
 
-        With ``store=None`` the encoder runs and the lease holds nothing (the store-off path is this same code).
+        With ``store=None`` the prompt is tokenized afresh, the encoder runs and the lease holds nothing (the
+        store-off path is this same code).
         """
-        tokens = self.tokenize(text, max_length)
+        tokens = self.tokenize(text, max_length) if store is None else self.memo(text, max_length)
         key = self.key(tokens, selector, salt)
         spec = self.spec(tokens, selector)
 
@@ -164,7 +281,7 @@ class T5EncoderAdapter(TextEncoderAdapter):
 
     def spec(self, tokens, selector) -> OutputSpec:
         rows = tokens.length if self.recipe.trim_to_length else tokens.max_length
-        return OutputSpec({"hidden": ((rows, self.model.config.d_model), self.model.dtype)})
+        return OutputSpec({"hidden": ((rows, self.model.config.d_model), self.dtype)})
 
     def forward(self, tokens, selector):
         ids = tokens.input_ids[None].to(self.device)
@@ -174,7 +291,8 @@ class T5EncoderAdapter(TextEncoderAdapter):
             else:
                 out = self.model(ids)[0]
         hidden = out.to(dtype=self.model.dtype)[0]
-        return {"hidden": hidden[: tokens.length] if self.recipe.trim_to_length else hidden}
+        # A trimmed row slice would keep all max_length rows alive while the store counts only its own bytes.
+        return {"hidden": hidden[: tokens.length].clone() if self.recipe.trim_to_length else hidden}
 
 
 class CLIPEncoderAdapter(TextEncoderAdapter):
@@ -193,8 +311,8 @@ class CLIPEncoderAdapter(TextEncoderAdapter):
 
     def spec(self, tokens, selector) -> OutputSpec:
         cfg = self.model.config
-        return OutputSpec({"hidden": ((tokens.max_length, cfg.hidden_size), self.model.dtype),
-                           "pooled": ((cfg.projection_dim,), self.model.dtype)})
+        return OutputSpec({"hidden": ((tokens.max_length, cfg.hidden_size), self.dtype),
+                           "pooled": ((cfg.projection_dim,), self.dtype)})
 
     def forward(self, tokens, selector):
         with torch.no_grad():

@@ -16,7 +16,9 @@ Invariants (``check_invariants``):
   first; if it fails, the next waiter computes.
 * Different salts give different keys, so tenants share no entries.
 
-Stored tensors are returned as they were stored (no copy): callers must not modify them in place.
+Stored tensors are returned as they were stored (no copy): callers must not modify them in place. A tensor
+that is a view into a larger storage is copied on ``put``, so the budget counts every byte an entry keeps
+alive.
 """
 
 from __future__ import annotations
@@ -113,6 +115,13 @@ class Lease:
         self.release()
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a copy when it is a view into a larger storage: the budget counts what stays alive."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _nbytes(outputs: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in outputs.values())
 
@@ -164,7 +173,7 @@ class EncoderOutputStore:
         for name, t in outputs.items():
             if not isinstance(t, torch.Tensor):
                 raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
-        outs = {k: v.detach() for k, v in outputs.items()}
+        outs = {k: _compact(v.detach()) for k, v in outputs.items()}
         meta = dict(meta or {})
         size = _nbytes(outs)
         with self._lock:

@@ -33,4 +33,7 @@ def test_a_tiny_run_reports_exact_calls_and_identical_outputs():
         assert r["on"]["bit_identical"] and r["targets"]["calls_met"]
         assert r["targets"]["store_off_matches_pipeline_encode"]
         assert r["on"]["store"]["computes"] == (unique + 1) * encoders
+        assert r["on"]["tokenizations"] == (unique + 1) * encoders  # each text once per adapter
+        assert r["on"]["tokenization_memo_hits"] == (2 * 5 - unique - 1) * encoders
+        assert r["targets"]["text_encoder_time_cut_runs"] == [r["targets"]["text_encoder_time_cut"]]  # one run
     assert {row.metric for row in diffusion.table_rows(result)} >= {"t2v text-encoder calls", "t2i latency p50"}

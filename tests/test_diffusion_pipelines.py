@@ -13,6 +13,7 @@ from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 NEG = wan_negative_prompt()
 PROMPTS = parti_prompts()[100:104]
@@ -222,3 +223,50 @@ def test_text_encoders_with_lora_layers_are_refused(wan, monkeypatch):
     monkeypatch.setattr(wan.text_encoder, "_hf_peft_config_loaded", True, raising=False)
     with pytest.raises(InvalidRequest):
         CachedWanPipeline(wan, EncoderOutputStore(1 << 24)).prepare("a red fox", NEG)
+
+
+def test_repeated_requests_tokenize_each_text_once_per_tokenizer_only_with_the_store(sd3, monkeypatch):
+    calls = []
+    real = PreTrainedTokenizerBase.__call__
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    on, off = CachedSD3Pipeline(sd3, EncoderOutputStore(1 << 24)), CachedSD3Pipeline(sd3, None)
+    for wrapper, expected in ((on, 3 * (len(set(STREAM)) + 1)), (off, 6 * len(STREAM))):
+        del calls[:]
+        for prompt in STREAM:
+            with wrapper.prepare(prompt, NEG, **SD3_ARGS):
+                pass
+        assert len(calls) == expected  # CLIP-L, CLIP-G and T5 each tokenize every unique text once when on
+
+
+def test_the_execution_device_is_read_once_and_again_when_the_placement_changes(monkeypatch):
+    from diffusers.hooks import apply_group_offloading
+
+    pipe = tiny_wan_pipeline()  # its own: the test offloads and moves components
+    reads = []
+    real = type(pipe)._execution_device
+    monkeypatch.setattr(type(pipe), "_execution_device", property(lambda self: reads.append(1) or real.fget(self)))
+    wrapper = CachedWanPipeline(pipe, EncoderOutputStore(1 << 24))
+
+    def embeds():
+        with wrapper.prepare(PROMPTS[0], NEG, **WAN_ARGS) as call:
+            assert call.kwargs["prompt_embeds"].device == real.fget(pipe)
+            return call.kwargs["prompt_embeds"], call.kwargs["negative_prompt_embeds"]
+
+    first = embeds()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(embeds(), first))
+    assert len(reads) == 1
+    # Leaf-level group offloading hooks the modules that own parameters, not the component itself.
+    apply_group_offloading(pipe.text_encoder, onload_device=torch.device("cpu"), offload_type="leaf_level")
+    assert all(torch.equal(a, b) for a, b in zip(embeds(), first))
+    assert len(reads) == 2
+    embeds()
+    assert len(reads) == 2
+    pipe.vae.to("meta")  # a component moved
+    embeds()
+    assert len(reads) == 3
+    pipe.register_modules(vae=None)  # a component replaced
+    embeds()
+    embeds()
+    assert len(reads) == 4

@@ -123,3 +123,15 @@ def test_spec_refuses_wrong_shape_dtype_and_names():
     with pytest.raises(InvalidRequest):
         EncoderOutputStore(-1)
     store.check_invariants()
+
+
+def test_views_into_larger_storage_are_compacted_so_the_budget_is_honest():
+    store = EncoderOutputStore(100_000)
+    big = torch.arange(512 * 256, dtype=torch.float32).view(512, 256)
+    with store.put(key(1), {"features": big[:10]}) as lease:
+        kept = lease.outputs["features"]
+        assert torch.equal(kept, big[:10])
+        assert kept.untyped_storage().nbytes() == 10 * 256 * 4 == store.metrics.bytes
+    whole = torch.zeros(4, 4)
+    with store.put(key(2), {"features": whole}) as lease:
+        assert lease.outputs["features"].data_ptr() == whole.data_ptr()  # compact tensors are not copied

@@ -1,4 +1,5 @@
-"""Text-encoder adapters: keys, fingerprints, one forward per unique (text, max length, encoder), bad input.
+"""Text-encoder adapters: keys, fingerprints, one forward per unique (text, max length, encoder), bad input, and
+the tokenization memo (exactly the tokenizer's output, bounded, following tokenizer changes, no tokenizing on a hit).
 
 Embeddings are compared with the pipelines' own ``encode_prompt`` (diffusers unmodified), so "exactly as the
 pipeline tokenizes and truncates" is checked against the real code, not a copy of it.
@@ -12,9 +13,11 @@ import torch
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
-from encoders.text_encoders import ForwardCounter, T5EncoderAdapter, T5Recipe, module_fingerprint
+from encoders.text_encoders import (ForwardCounter, T5EncoderAdapter, T5Recipe, TokenizationMemo, module_fingerprint,
+                                    tokenizer_fingerprint)
 from mmcache.errors import InvalidRequest, StoreEntryRejected
-from mmcache.store import EncoderOutputStore
+from mmcache.store import EncoderOutputStore, store_key
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 NEG = wan_negative_prompt()
 
@@ -72,6 +75,11 @@ def test_equal_text_at_different_max_lengths_never_collides(wan):
         leases = [adapter.encode("a red fox", n, store) for n in (16, 32, 16, 32, 64)]
     assert fc.total == 3 and len(store) == 3
     assert len({lease.key for lease in leases}) == 3
+    for lease in leases:  # trimmed outputs own exactly their bytes, which is what the store's budget counts
+        hidden = lease.outputs["hidden"]
+        assert hidden.untyped_storage().nbytes() == hidden.numel() * hidden.element_size()
+    row_bytes = wan.text_encoder.config.d_model * 4
+    assert store.metrics.bytes == sum(adapter.tokenize("a red fox", n).length for n in (16, 32, 64)) * row_bytes
     assert [lease.hit for lease in leases] == [False, False, True, True, False]
     for lease in leases:
         lease.release()
@@ -220,3 +228,132 @@ def test_an_entry_whose_tokens_differ_is_never_used(wan):
         assert lease.bypassed and not lease.hit
         assert torch.equal(lease.outputs["hidden"], adapter.forward(tokens, {})["hidden"])
     assert store.held(adapter.key(tokens)) == 0
+
+
+def direct(tokenizer, text, max_length):
+    """The pipelines' own tokenizer call, written out here so the memo is checked against the tokenizer itself."""
+    enc = tokenizer(text, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
+                    return_attention_mask=True, return_tensors="pt")
+    return enc.input_ids[0], enc.attention_mask[0]
+
+
+def same_as_tokenizer(memo, text, max_length):
+    tokens = memo(text, max_length)
+    ids, mask = direct(memo.tokenizer, text, max_length)
+    return (torch.equal(tokens.input_ids, ids) and torch.equal(tokens.attention_mask, mask)
+            and tokens.input_ids.dtype == ids.dtype and tokens.attention_mask.dtype == mask.dtype
+            and tokens.max_length == max_length)
+
+
+LONG = "a lighthouse on a cliff above a stormy sea at dusk, oil painting, " * 6
+
+
+@pytest.mark.parametrize("make", [t5_tokenizer, clip_tokenizer])
+def test_memo_returns_exactly_what_the_tokenizer_returns(make):
+    memo = TokenizationMemo(make())
+    cases = [("a red fox", 16), ("a red fox", 77), ("", 16), ("   ", 8), (LONG, 16), (LONG, 77), (NEG, 77),
+             (NEG, 512)]
+    for text, max_length in cases:
+        assert same_as_tokenizer(memo, text, max_length)  # a miss
+    assert memo.misses == len(cases) and memo.hits == 0 and len(memo) == len(cases)
+    for text, max_length in cases:
+        assert memo(text, max_length) is memo(text, max_length)
+        assert same_as_tokenizer(memo, text, max_length)  # a hit
+    assert memo.misses == len(cases) and memo.hits == 3 * len(cases)
+    truncated = memo(LONG, 16)
+    assert truncated.length == 16 and int(truncated.input_ids[-1]) == memo.tokenizer.eos_token_id
+    assert memo("", 16).length == (1 if make is t5_tokenizer else 2)  # only the special tokens
+
+
+def test_memo_is_a_bounded_lru():
+    memo = TokenizationMemo(t5_tokenizer(), entries=3, max_text_chars=40)
+    for text in ("a", "b", "c"):
+        memo(text, 8)
+    memo("a", 8)  # "a" is now the most recent; "b" the least
+    memo("d", 8)
+    assert len(memo) == 3 and (memo.hits, memo.misses) == (1, 4)
+    memo("b", 8)  # evicted: tokenized again
+    assert (memo.hits, memo.misses) == (1, 5) and len(memo) == 3
+    memo("a", 8)
+    assert memo.hits == 2
+    memo("x" * 41, 8)  # too long to keep: tokenized, not stored
+    assert len(memo) == 3 and memo.misses == 5 and same_as_tokenizer(memo, "x" * 41, 8)
+    off = TokenizationMemo(t5_tokenizer(), entries=0)
+    assert same_as_tokenizer(off, "a red fox", 8) and len(off) == 0
+
+    class NoFastBackend:  # a tokenizer whose content cannot be fingerprinted is never memoized
+        def __call__(self, *args, **kwargs):
+            return off.tokenizer(*args, **kwargs)
+
+    slow = TokenizationMemo(NoFastBackend())
+    assert slow.fingerprint() is None
+    assert same_as_tokenizer(slow, "a red fox", 8) and same_as_tokenizer(slow, "a red fox", 8) and len(slow) == 0
+    for bad in (-1, 2.0, True, None):
+        with pytest.raises(InvalidRequest):
+            TokenizationMemo(off.tokenizer, entries=bad)
+        with pytest.raises(InvalidRequest):
+            TokenizationMemo(off.tokenizer, max_text_chars=bad)
+
+
+def test_memo_keys_max_length_and_refuses_bad_input():
+    memo = TokenizationMemo(t5_tokenizer())
+    assert not torch.equal(memo("a red fox", 8).input_ids[:4], memo("a red fox", 4).input_ids)
+    assert len(memo) == 2
+    for text, max_length in [(None, 8), (b"a", 8), (["a"], 8), ("a", 0), ("a", True), ("a", 2.5)]:
+        with pytest.raises(InvalidRequest):
+            memo(text, max_length)
+    assert len(memo) == 2
+
+
+def test_memo_follows_the_tokenizer_when_its_api_changes_it():
+    tokenizer = t5_tokenizer()
+    memo = TokenizationMemo(tokenizer)
+    text = "a <cat-toy> on a hill"
+    before = memo(text, 16)
+    fingerprint = memo.fingerprint()
+    tokenizer.add_tokens(["<cat-toy>"])  # textual inversion adds a token: the ids change
+    assert same_as_tokenizer(memo, text, 16)
+    assert not torch.equal(memo(text, 16).input_ids, before.input_ids)
+    assert memo.fingerprint() != fingerprint
+    tokenizer.padding_side = "left"
+    assert same_as_tokenizer(memo, text, 16) and int(memo(text, 16).attention_mask[0]) == 0
+    tokenizer.truncation_side = "left"
+    assert same_as_tokenizer(memo, LONG, 16) and int(memo(LONG, 16).input_ids[-1]) == tokenizer.eos_token_id
+    tokenizer.add_eos_token = False
+    assert same_as_tokenizer(memo, text, 16)
+    assert tokenizer.eos_token_id not in memo(text, 16).input_ids.tolist()
+    assert tokenizer_fingerprint(t5_tokenizer()) == tokenizer_fingerprint(t5_tokenizer())
+    assert tokenizer_fingerprint(t5_tokenizer()) != tokenizer_fingerprint(clip_tokenizer())
+
+
+@pytest.fixture
+def tokenizer_calls(monkeypatch):
+    """Counts every tokenizer call (all tokenizer classes share ``PreTrainedTokenizerBase.__call__``)."""
+    calls = []
+    real = PreTrainedTokenizerBase.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[0] if args else kwargs.get("text"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", counting)
+    return calls
+
+
+def test_a_store_hit_does_not_tokenize_and_keeps_the_key(wan, tokenizer_calls):
+    adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
+    texts = ["a red fox", NEG, "a red fox", NEG, "", "a red fox", ""]
+    with ForwardCounter(wan.text_encoder) as fc:
+        leases = [adapter.encode(text, 64, store) for text in texts]
+    assert fc.total == 3 and tokenizer_calls == ["a red fox", NEG, ""]
+    assert [lease.hit for lease in leases] == [False, False, True, True, False, True, True]
+    del tokenizer_calls[:]
+    for text, lease in zip(texts, leases):
+        assert lease.key == store_key(adapter.fingerprint, adapter.tokenize(text, 64).digest({}), b"")
+        assert lease.meta["tokens"] == adapter.tokenize(text, 64).token_bytes()
+        lease.release()
+    with ForwardCounter(wan.text_encoder) as fc:  # store off: every prompt tokenized and encoded
+        del tokenizer_calls[:]
+        for text in texts:
+            adapter.encode(text, 64).release()
+    assert fc.total == len(texts) and len(tokenizer_calls) == len(texts)
