@@ -9,9 +9,13 @@ Rules (DESIGN.md, "Replica router"; RFC "Replica choice"):
   without communicating.
 * The router keeps no cache state: nothing it holds can go stale. Its only inputs are the page names and
   the per-replica loads the host reports on each call.
-* A hot prefix must not pin all its load on one replica: when the preferred replica's load is past
-  ``max_load`` and some replica is less loaded, the request goes to the least-loaded replica (ties broken
-  by the same rendezvous ranking, so the overflow of one prefix also lands on a fixed order of replicas).
+* A hot prefix must not pin all its load on one replica: when the preferred replica's load is past the
+  threshold ``max(min_load, load_factor * mean load)`` and some replica is less loaded, the request goes to
+  the least-loaded replica (ties broken by the same rendezvous ranking, so the overflow of one prefix also
+  lands on a fixed order of replicas). The threshold follows the mean, as in consistent hashing with
+  bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so a deployment that is busy everywhere
+  keeps its affinity and only a replica loaded well above its share sheds requests; ``min_load`` keeps a
+  nearly idle deployment from shedding at its first queued request.
 * A prompt with no full page has nothing cacheable to route by and goes to the least-loaded replica.
 * Removing one replica moves only the prefixes that preferred it (a property of rendezvous hashing).
 """
@@ -30,20 +34,24 @@ from .errors import InvalidRequest
 @dataclass(frozen=True)
 class RouterConfig:
     """``replicas``: identities of the replicas (any distinct strings; their order is the index returned).
-    ``depth_pages``: which full page's name routes (1 = the first page). ``max_load``: the preferred
-    replica is skipped once its load (the host's queue length for it) is greater than this."""
+    ``depth_pages``: which full page's name routes (1 = the first page). The preferred replica is skipped
+    once its load (what the host counts as its queue, e.g. requests routed to it and not finished) is
+    greater than ``max(min_load, load_factor * mean load)``."""
 
     replicas: tuple[str, ...]
-    depth_pages: int = 8
-    max_load: float = 16
+    depth_pages: int = 16
+    load_factor: float = 2.0
+    min_load: float = 4
 
     def __post_init__(self):
         if not self.replicas or len(set(self.replicas)) != len(self.replicas):
             raise InvalidRequest(f"replicas must be distinct and non-empty, got {self.replicas!r}")
         if isinstance(self.depth_pages, bool) or not isinstance(self.depth_pages, int) or self.depth_pages < 1:
             raise InvalidRequest(f"depth_pages must be a positive int, got {self.depth_pages!r}")
-        if not self.max_load >= 0:
-            raise InvalidRequest(f"max_load must be non-negative, got {self.max_load!r}")
+        if not 1 <= self.load_factor < float("inf"):
+            raise InvalidRequest(f"load_factor must be a finite number >= 1, got {self.load_factor!r}")
+        if not 0 <= self.min_load < float("inf"):
+            raise InvalidRequest(f"min_load must be a finite number >= 0, got {self.min_load!r}")
 
     @classmethod
     def numbered(cls, count: int, **kwargs) -> "RouterConfig":
@@ -81,6 +89,10 @@ class ReplicaRouter:
         name = self.routing_name(names)
         return None if name is None else self.ranking(name)[0]
 
+    def threshold(self, loads: Sequence[float]) -> float:
+        """The load past which a preferred replica is skipped."""
+        return max(self.config.min_load, self.config.load_factor * sum(loads) / len(loads))
+
     def route(self, names: np.ndarray, loads: Sequence[float]) -> int:
         """The replica for a prompt with page names ``names`` given each replica's current load."""
         if len(loads) != self.num_replicas:
@@ -89,6 +101,6 @@ class ReplicaRouter:
         order = list(range(self.num_replicas)) if name is None else self.ranking(name)
         first = order[0]
         least = min(loads)
-        if name is not None and (loads[first] <= self.config.max_load or loads[first] <= least):
+        if name is not None and (loads[first] <= self.threshold(loads) or loads[first] <= least):
             return first
         return next(i for i in order if loads[i] == least)

@@ -24,26 +24,37 @@ from .simulate import replay_fingerprint
 from .workload import RequestSpec
 
 
-def ceiling_matches(specs: Sequence[RequestSpec], page_size: int,
-                    groups: Sequence[int] | None = None) -> np.ndarray:
-    """Matched prompt tokens per request (int64, in the order of ``specs``) under an unlimited pool.
+def final_names(specs: Sequence[RequestSpec], page_size: int) -> list[np.ndarray]:
+    """Page names of each request's final sequence (prompt, then output), as the manager names them."""
+    namer = AllocationManager(CacheConfig(num_pages=1, page_size=page_size, mode="on"),
+                              replay_fingerprint(page_size), None)
+    return [namer.prepare(np.concatenate([s.prompt_ids(), s.output_ids()]), s.media(), request_id=s.request_id).names
+            for s in specs]
+
+
+def ceiling_from_names(names: Sequence[np.ndarray], prompt_lens: Sequence[int], page_size: int,
+                       groups: Sequence | None = None) -> np.ndarray:
+    """Matched prompt tokens per request (int64) under an unlimited pool, from each request's final-sequence
+    page names (``final_names``) in arrival order. A prompt's page names are the leading ones of its final
+    sequence: a chained name depends only on the pages before it.
 
     With ``groups`` (one label per request, e.g. its replica), each group has its own unlimited pool: a
     request matches only what earlier requests of its group stored.
     """
-    namer = AllocationManager(CacheConfig(num_pages=1, page_size=page_size, mode="on"),
-                              replay_fingerprint(page_size), None)
     stored: dict = {}
-    out = np.zeros(len(specs), dtype=np.int64)
-    for i, spec in enumerate(specs):
-        final = namer.prepare(np.concatenate([spec.prompt_ids(), spec.output_ids()]), spec.media(),
-                              request_id=spec.request_id)
-        names = final.names.tolist()  # the prompt's page names are the leading ones: a chain depends on its past
+    out = np.zeros(len(names), dtype=np.int64)
+    for i, (chain, length) in enumerate(zip(names, prompt_lens)):
+        chain = chain.tolist()
         seen = stored.setdefault(None if groups is None else groups[i], set())
-        cap = (spec.prompt_len - 1) // page_size
+        cap = (int(length) - 1) // page_size
         k = 0
-        while k < cap and names[k] in seen:
+        while k < cap and chain[k] in seen:
             k += 1
         out[i] = k * page_size
-        seen.update(names)
+        seen.update(chain)
     return out
+
+
+def ceiling_matches(specs: Sequence[RequestSpec], page_size: int, groups: Sequence | None = None) -> np.ndarray:
+    """``ceiling_from_names`` for request specs in arrival order."""
+    return ceiling_from_names(final_names(specs, page_size), [s.prompt_len for s in specs], page_size, groups)

@@ -96,8 +96,6 @@ class MooncakeTrace:
         hash_ids = np.asarray(ids[:offsets[count]], dtype=np.uint64)
         # One stream key per block; splitmix64 is a bijection, so distinct ids keep distinct keys.
         self.block_keys = splitmix64(hash_ids + np.uint64(stream_key("mooncake-block")))
-        self.hash_ids = hash_ids
-        self._output_domain = stream_key("mooncake-output")
         self.description = f"mooncake:{Path(path).name}"
 
     def __len__(self) -> int:

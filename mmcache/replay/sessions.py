@@ -117,8 +117,6 @@ class SessionParams:
             raise ValueError(f"start_spacing_s must be a finite number >= 0, got {self.start_spacing_s!r}")
         for name in ("task_tokens", "turns", "output_tokens", "tool_output_tokens", "tool_latency_s"):
             getattr(self, name).check(name)
-        if self.turns.low < 1:
-            raise ValueError("turns.low must be >= 1")
         if self.media is not None:
             m = self.media
             if isinstance(m.probability, bool) or not isinstance(m.probability, (int, float)) \
@@ -279,9 +277,11 @@ class AgentSessions:
             parts = [stream(stream_key("sessions-system", p.seed), p.system_prompt_tokens, p.vocab),
                      stream(stream_key("sessions-task", p.seed, session), s.task, p.vocab)]
             for k in range(len(s.outputs)):
-                parts.append(stream(stream_key("sessions-output", p.seed, session, k), int(s.outputs[k]), p.vocab))
+                key = stream_key("sessions-output", p.seed, session, k)
+                parts.append(stream(key, int(s.outputs[k]), p.vocab))
                 if k + 1 < len(s.outputs):
-                    parts.append(stream(stream_key("sessions-tool", p.seed, session, k), int(s.tools[k]), p.vocab))
+                    key = stream_key("sessions-tool", p.seed, session, k)
+                    parts.append(stream(key, int(s.tools[k]), p.vocab))
                     if s.images[k] >= 0:
                         parts.append(np.full(self.image_tokens, self._placeholder, dtype=np.int32))
             seq = np.concatenate(parts)
@@ -309,4 +309,6 @@ class AgentSessions:
         return tuple(out)
 
     def image_digest(self, image: int) -> bytes:
-        return media_digest(f"mmcache-sessions-image-{self.params.seed}-{image}".encode(), {"tokens": self.image_tokens})
+        """The digest of synthetic image ``image``: as if its encoded bytes were this name."""
+        raw = f"mmcache-sessions-image-{self.params.seed}-{image}".encode()
+        return media_digest(raw, {"tokens": self.image_tokens})

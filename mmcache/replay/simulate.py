@@ -8,17 +8,20 @@ same calls the shadow mirror replays (``admit`` with a ``PreparedPrompt``, ``res
 
 A request's life, at simulated times:
 
-* arrival: its prompt is named once (``prepare``), the replica is chosen (rendezvous affinity through
-  ``ReplicaRouter``, or a seeded uniform draw for ``random``), and it joins that replica's FIFO queue. A
-  request whose final sequence (prompt + output) needs more pages than the pool has can never run there:
-  it is rejected and counted, and scores no hit.
+* arrival: its final sequence (prompt and output) is materialised and named once (``prepare``); the
+  prompt's ``PreparedPrompt`` takes the leading names, since a chained name depends only on the pages
+  before it, and the names are kept for the ceiling. The replica is chosen (rendezvous affinity through
+  ``ReplicaRouter``, whose load per replica is its requests running or waiting; or a seeded uniform draw
+  for ``random``), and it joins that replica's FIFO queue. A request whose final sequence needs more pages
+  than the pool has can never run there: it is rejected and counted, and scores no hit.
 * admission, when it is at the head of the queue: ``admit`` seeds it from the index, ``reserve`` takes pages
   for the rest of its final sequence at once (a scheduler reserving ``max_tokens``, so nothing is preempted
   later), and ``commit`` writes its uncached prompt. When ``reserve`` raises ``AllocationFailed`` the pool
   is full of live requests (the manager evicted every cached page it could first), so the request is
   aborted, which gives back what seeding took, and waits at the head of the queue until a request of that
   replica ends. A queue wait is counted apart from stalls caused by cached data
-  (``alloc_failures_cache_held``), which must stay 0.
+  (``alloc_failures_cache_held``), which must stay 0; if a replica with nothing running cannot admit its
+  head, only cached data can be in the way and ``ReplayStalled`` is raised rather than waiting forever.
 * end, ``CostModel`` seconds later: ``commit`` of the output ids, then ``teardown`` stores every full page.
 
 Events at equal times are ordered ends first, then arrivals, then by creation, so a replay is deterministic.
@@ -32,12 +35,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..errors import AllocationFailed, InvalidRequest
-from ..manager import STORE_AT, AllocationManager, CacheConfig, PreparedPrompt
+from ..errors import AllocationFailed, InvalidRequest, MmcacheError
+from ..manager import STORE_AT, AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..router import ReplicaRouter, RouterConfig
 from .costmodel import CostModel
@@ -53,6 +56,19 @@ def replay_fingerprint(page_size: int) -> Fingerprint:
                        page_size=page_size)
 
 
+class ReplayStalled(MmcacheError, RuntimeError):
+    """A replica cannot admit the head of its queue although none of its requests is running, so nothing
+    will ever free a page: only a stall caused by cached data (or a request larger than the pool, which
+    the replay rejects beforehand) can do that. ``stalls`` is the replica's ``alloc_failures_cache_held``."""
+
+    def __init__(self, replica: int, request_id: object, stalls: int):
+        super().__init__(f"replica {replica}: request {request_id!r} cannot be admitted with nothing running "
+                         f"({stalls} allocation failure(s) while cached data held pages)")
+        self.replica = replica
+        self.request_id = request_id
+        self.stalls = stalls
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
     pool_tokens: int = 262_144  # per replica
@@ -60,8 +76,9 @@ class ReplayConfig:
     replicas: int = 1
     routing: str = "affinity"
     store_at: str = "teardown"
-    route_depth_tokens: int = 1024  # the router hashes the name of the page that ends here
-    route_max_load: float = 8  # requests waiting for pages at the preferred replica before it is skipped
+    route_depth_tokens: int = 2048  # the router hashes the name of the page that ends here
+    route_load_factor: float = 2.0  # load: requests routed to a replica and not ended (running or waiting)
+    route_min_load: float = 4
     seed: int = 0  # of the random routing draw
     cost: CostModel = CostModel()
     check_invariants: bool = False  # check every manager after every event (tests)
@@ -73,10 +90,13 @@ class ReplayConfig:
                 raise InvalidRequest(f"{name} must be a positive int, got {v!r}")
         if self.pool_tokens < self.page_size:
             raise InvalidRequest(f"pool of {self.pool_tokens} tokens holds no {self.page_size}-token page")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidRequest(f"seed must be a non-negative int, got {self.seed!r}")
         if self.routing not in ROUTINGS:
             raise InvalidRequest(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.store_at not in STORE_AT:
             raise InvalidRequest(f"store_at must be one of {STORE_AT}, got {self.store_at!r}")
+        self.router()  # the router's own checks
 
     @property
     def num_pages(self) -> int:
@@ -85,7 +105,8 @@ class ReplayConfig:
     def router(self) -> ReplicaRouter:
         return ReplicaRouter(RouterConfig.numbered(self.replicas,
                                                    depth_pages=max(1, self.route_depth_tokens // self.page_size),
-                                                   max_load=self.route_max_load))
+                                                   load_factor=self.route_load_factor,
+                                                   min_load=self.route_min_load))
 
 
 @dataclass
@@ -94,6 +115,7 @@ class RunLog:
 
     config: ReplayConfig
     specs: list = field(default_factory=list)
+    final_names: list = field(default_factory=list)  # page names of each final sequence (prompt and output)
     replica: list = field(default_factory=list)
     arrival_s: list = field(default_factory=list)
     admit_s: list = field(default_factory=list)  # NaN for a rejected request
@@ -112,7 +134,7 @@ class RunLog:
 class _Replica:
     def __init__(self, manager: AllocationManager):
         self.manager = manager
-        self.queue: deque = deque()  # (arrival index, spec, prepared), head first
+        self.queue: deque = deque()  # (arrival index, spec, prepared prompt, output ids), head first
         self.running = 0
 
 
@@ -134,7 +156,7 @@ def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
     def admit_head(r: int, now: float) -> None:
         rep = replicas[r]
         while rep.queue:
-            i, spec, prepared = rep.queue[0]
+            i, spec, prepared, output = rep.queue[0]
             m = rep.manager
             res = m.admit(spec.request_id, prepared)
             try:
@@ -142,6 +164,8 @@ def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
             except AllocationFailed:
                 m.abort(spec.request_id)
                 log.waited[i] = True
+                if rep.running == 0:
+                    raise ReplayStalled(r, spec.request_id, m.metrics.alloc_failures_cache_held) from None
                 return
             m.commit(spec.request_id, prepared.ids[res.matched_tokens:])
             rep.queue.popleft()
@@ -152,16 +176,20 @@ def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
             log.matched[i] = res.matched_tokens
             log.forfeit[i] = res.forfeit_tokens
             end = now + prefill + config.cost.decode_s(spec.output_len)
-            heapq.heappush(events, (end, _END, next(order), (i, r, spec)))
+            heapq.heappush(events, (end, _END, next(order), (i, r, spec, output)))
 
     def arrive(spec: RequestSpec, now: float) -> None:
-        prepared: PreparedPrompt = namer.prepare(spec.prompt_ids(), spec.media(), request_id=spec.request_id)
+        prompt, output = spec.prompt_ids(), spec.output_ids()
+        final = namer.prepare(np.concatenate([prompt, output]), spec.media(), request_id=spec.request_id)
+        prepared = replace(final, ids=final.ids[: len(prompt)],
+                           names=final.names[: len(prompt) // config.page_size])
         if config.routing == "random":
             r = int(draw.integers(config.replicas))
         else:
-            r = router.route(prepared.names, [len(rep.queue) for rep in replicas])
+            r = router.route(prepared.names, [rep.running + len(rep.queue) for rep in replicas])
         i = len(log.specs)
         log.specs.append(spec)
+        log.final_names.append(final.names)
         log.replica.append(r)
         log.arrival_s.append(now)
         log.admit_s.append(float("nan"))
@@ -177,13 +205,13 @@ def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
                 heapq.heappush(events, (item[0], _ARRIVE, next(order), item[1]))
             return
         rep = replicas[r]
-        rep.queue.append((i, spec, prepared))
+        rep.queue.append((i, spec, prepared, output))
         if len(rep.queue) == 1:  # behind a waiting head nothing can be admitted before a request ends
             admit_head(r, now)
 
-    def end(i: int, r: int, spec: RequestSpec, now: float) -> None:
+    def end(i: int, r: int, spec: RequestSpec, output: np.ndarray, now: float) -> None:
         rep = replicas[r]
-        rep.manager.commit(spec.request_id, spec.output_ids())
+        rep.manager.commit(spec.request_id, output)
         rep.manager.teardown(spec.request_id)
         rep.running -= 1
         log.end_s[i] = now

@@ -1,10 +1,10 @@
 """Deterministic synthetic token streams: equal keys give equal tokens, distinct keys give unrelated tokens.
 
 A stream is addressed by a 64-bit key; token ``j`` of stream ``key`` is ``splitmix64(splitmix64(key) + j)``
-mapped onto the vocabulary (``vocab`` must be below 2**31). Keys are derived from a domain string (``"mooncake-block"``,
-``"mooncake-output"``, ``"sessions-tool"`` ...) and one or more integers, so streams of different domains
-never coincide by construction of the key (barring a 64-bit collision). Everything is vectorised over
-numpy uint64 arrays, whose arithmetic wraps modulo 2**64 as splitmix64 requires.
+mapped onto ``[0, vocab)`` (``vocab`` below 2**31). Keys come from a domain string (``"mooncake-output"``,
+``"sessions-tool"`` ...) and integers (``stream_key``), so streams of different domains coincide only on a
+64-bit collision. Everything is vectorised over numpy uint64 arrays, whose arithmetic wraps modulo 2**64 as
+splitmix64 requires.
 """
 
 from __future__ import annotations

@@ -1,0 +1,165 @@
+"""``mmcache replay``: replay a trace through metadata-only pools and report what the cache would save.
+
+    mmcache replay TRACE [--format mooncake|sessions] [--pool-tokens N] [--page-size P] [--replicas R]
+                         [--routing random|affinity] [--store-at teardown|prefill|both]
+                         [--sweep [--sweep-pools N,N,...]] [--json PATH] [--plot PNG] [cost/router options]
+
+TRACE is a Mooncake JSONL trace, or for ``--format sessions`` the sessions generator's parameter file (the
+word ``default`` names the repository's ``datasets/sessions/agent_sessions.json``). Without ``--format``
+the format follows the extension: ``.jsonl`` is Mooncake, ``.json`` (or ``default``) is sessions.
+
+The JSON holds the record of the run the options name (with ``--store-at both``, the teardown record, and
+both under ``by_store_at``) and, with ``--sweep``, a ``sweep`` list of records for every pool size, for
+one replica and for ``--replicas`` replicas routed randomly and by affinity, each storing at teardown and
+at prefill; the plot shows realized share against pool size, one line per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import MmcacheError
+from ..manager import STORE_AT
+from .costmodel import CostModel
+from .mooncake import MooncakeTrace
+from .plot import plot_sweep, policy_label
+from .report import run_sweep, sweep_configs
+from .sessions import DEFAULT_PARAMS, AgentSessions, load_params
+from .simulate import ROUTINGS, ReplayConfig
+
+DEFAULT_POOLS = (65_536, 131_072, 262_144, 524_288)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the epilog's layout and shows each option's default."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _pools(text: str) -> list[int]:
+    return [_positive_int(p) for p in text.split(",") if p.strip()]
+
+
+def register(sub) -> None:
+    d = ReplayConfig()
+    c = CostModel()
+    p = sub.add_parser("replay", help="replay a trace through metadata-only pools",
+                       description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                       formatter_class=_Formatter)
+    p.add_argument("trace", metavar="TRACE")
+    p.add_argument("--format", choices=("mooncake", "sessions"), help="from TRACE's extension when not given")
+    p.add_argument("--pool-tokens", type=_positive_int, default=d.pool_tokens, help="pool per replica")
+    p.add_argument("--page-size", type=_positive_int, default=d.page_size, help="tokens per page")
+    p.add_argument("--replicas", type=_positive_int, default=d.replicas, help="data-parallel replicas")
+    p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="replica choice when R > 1")
+    p.add_argument("--store-at", choices=STORE_AT + ("both",), default="both",
+                   help="when pages enter the index; both replays each setting")
+    p.add_argument("--sweep", action="store_true", help="also run every pool of --sweep-pools and policy")
+    p.add_argument("--sweep-pools", type=_pools, default=list(DEFAULT_POOLS), metavar="N,N,...",
+                   help="pool sizes of the sweep, tokens per replica")
+    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    p.add_argument("--plot", metavar="PNG",
+                   help="the sweep plot (with --sweep; without this option it goes beside --json)")
+    p.add_argument("--prefill-tps", type=float, default=c.prefill_tps,
+                   help="uncached prompt tokens per second per request (the default is a nominal GPU figure)")
+    p.add_argument("--decode-tps", type=float, default=c.decode_tps,
+                   help="output tokens per second per request (the default is a nominal GPU figure)")
+    p.add_argument("--route-depth-tokens", type=_positive_int, default=d.route_depth_tokens,
+                   help="affinity routes by the name of the page ending at this depth")
+    p.add_argument("--route-load-factor", type=float, default=d.route_load_factor,
+                   help="affinity skips the preferred replica when its requests (running or waiting) exceed "
+                        "max(--route-min-load, this x the mean over replicas)")
+    p.add_argument("--route-min-load", type=float, default=d.route_min_load,
+                   help="load below which the preferred replica is always used")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing")
+    p.add_argument("--limit", type=_positive_int, help="Mooncake: replay only the first N requests")
+    p.set_defaults(func=main)
+
+
+def _is_sessions(trace: str) -> bool:
+    return trace == "default" or trace.endswith(".json")
+
+
+def load_workload(trace: str, fmt: str | None, limit: int | None = None):
+    if fmt is None:
+        fmt = "sessions" if _is_sessions(trace) else "mooncake"
+    if fmt == "mooncake":
+        return MooncakeTrace(trace, limit=limit)
+    path = DEFAULT_PARAMS if trace == "default" else Path(trace)
+    return AgentSessions(load_params(path), source=path.name)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def format_table(records: list[dict]) -> str:
+    head = ("pool", "policy", "store", "ceiling%", "realized%", "forfeit%", "residual%", "dilution%",
+            "evicted", "stalls", "waited", "rejected", "spread%", "wall_s")
+    rows = [head]
+    for r in records:
+        rows.append((str(r["pool_tokens"]), policy_label(r), r["store_at"], _pct(r["ceiling_share"]),
+                     _pct(r["realized_share"]), _pct(r["forfeit_share"]), _pct(r["residual_share"]),
+                     _pct(r["dilution_share"]), str(r["evictions"]), str(r["stalls"]),
+                     str(r["queue"]["waited_requests"]), str(r["rejected"]), _pct(r["spread"]),
+                     f"{r['wall_s']:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def main(args) -> int:
+    if args.plot and not args.sweep:
+        print("mmcache replay: --plot needs --sweep", file=sys.stderr)
+        return 2
+    if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
+        print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
+              file=sys.stderr)
+        return 2
+    try:
+        workload = load_workload(args.trace, args.format, args.limit)
+        base = ReplayConfig(pool_tokens=args.pool_tokens, page_size=args.page_size, replicas=args.replicas,
+                            routing=args.routing, route_depth_tokens=args.route_depth_tokens,
+                            route_load_factor=args.route_load_factor, route_min_load=args.route_min_load,
+                            seed=args.seed,
+                            cost=CostModel(args.prefill_tps, args.decode_tps))
+        store_ats = list(STORE_AT) if args.store_at == "both" else [args.store_at]
+        mains = [replace(base, store_at=s) for s in store_ats]
+        configs = list(mains)
+        if args.sweep:
+            configs += [c for c in sweep_configs(base, args.sweep_pools, store_ats) if c not in mains]
+        records = run_sweep(workload, configs,
+                            progress=lambda r: print(format_table([r]).split("\n")[1], file=sys.stderr, flush=True))
+    except MmcacheError as e:
+        print(f"mmcache replay: {e}", file=sys.stderr)
+        return 1
+    by_config = dict(zip(configs, records))
+    out = dict(by_config[mains[0]])
+    if len(mains) > 1:
+        out["by_store_at"] = {c.store_at: by_config[c] for c in mains}
+    if args.sweep:
+        out["sweep"] = [by_config[c] for c in sweep_configs(base, args.sweep_pools, store_ats)]
+    print(format_table(records))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.sweep and args.json else None)
+    if plot:
+        plot_sweep(out["sweep"], plot, title=f"{workload.description}, page {args.page_size}, "
+                                             f"prefill {args.prefill_tps:g} tok/s, decode {args.decode_tps:g} tok/s")
+        print(f"wrote {plot}", file=sys.stderr)
+    return 0

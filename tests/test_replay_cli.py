@@ -1,0 +1,89 @@
+"""``mmcache replay`` end to end: JSON keys, the sweep and its plot, refusing a malformed trace."""
+
+import json
+
+import pytest
+
+from mmcache.cli import main
+from test_replay_ceiling import random_trace, write_trace
+
+KEYS = {"ceiling_share", "realized_share", "forfeit_share", "evictions", "stalls", "requests", "replicas",
+        "spread"}
+
+
+def records(n=30):
+    # Mooncake's block is 512 tokens; shrink the lengths so the run stays tiny.
+    return random_trace(21, n=n, block=512)
+
+
+def test_single_run_writes_the_record_for_both_storing_settings(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl", records())
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--pool-tokens", "16384", "--page-size", "64", "--replicas", "2",
+                 "--routing", "random", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert KEYS <= set(result)
+    assert result["store_at"] == "teardown" and set(result["by_store_at"]) == {"teardown", "prefill"}
+    assert result["by_store_at"]["prefill"]["forfeit_share"] == 0
+    assert result["requests"] == 30 and result["num_replicas"] == 2
+    assert [r["replica"] for r in result["replicas"]] == [0, 1]
+    assert sum(r["requests"] for r in result["replicas"]) == 30
+    assert result["duplicate_media_rate"] is None
+    assert "realized%" in capsys.readouterr().out
+
+
+def test_sweep_writes_records_and_plot(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", records())
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert main(["replay", str(trace), "--format", "mooncake", "--page-size", "64", "--replicas", "2",
+                 "--store-at", "teardown", "--sweep", "--sweep-pools", "8192,32768", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    sweep = result["sweep"]
+    assert [(r["pool_tokens"], r["num_replicas"], r["routing"]) for r in sweep] == [
+        (8192, 1, "single"), (8192, 2, "random"), (8192, 2, "affinity"),
+        (32768, 1, "single"), (32768, 2, "random"), (32768, 2, "affinity")]
+    assert all(KEYS <= set(r) and r["stalls"] == 0 for r in sweep)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sessions_format_from_a_parameter_file(tmp_path):
+    params = tmp_path / "p.json"
+    params.write_text(json.dumps({"sessions": 3, "concurrency": 2, "turns": {"kind": "constant", "mean": 3}}))
+    out = tmp_path / "r.json"
+    assert main(["replay", str(params), "--pool-tokens", "262144", "--store-at", "prefill", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 9 and result["workload"] == "sessions:p.json"
+    assert result["realized_share"] == pytest.approx(result["ceiling_share"])
+
+
+def test_malformed_trace_fails_before_anything_is_replayed(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    lines = [json.dumps(r) for r in records(5)]
+    lines[3] = lines[3].replace('"hash_ids"', '"hashes"')
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--json", str(out)]) == 1
+    assert "t.jsonl:4: missing key(s) hash_ids" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_plot_without_sweep_is_refused(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", records(3))
+    assert main(["replay", str(trace), "--plot", str(tmp_path / "p.png")]) == 2
+
+
+def test_limit_replays_the_first_requests_and_is_refused_for_sessions(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", records(10))
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--limit", "4", "--store-at", "teardown", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["requests"] == 4
+    assert main(["replay", "default", "--limit", "4"]) == 2
+
+
+@pytest.mark.parametrize("option", [["--seed", "-1"], ["--prefill-tps", "0"], ["--route-load-factor", "0.5"],
+                                    ["--pool-tokens", "64"]])
+def test_bad_option_values_fail_with_a_message(tmp_path, capsys, option):
+    trace = write_trace(tmp_path / "t.jsonl", records(3))
+    assert main(["replay", str(trace), *option]) == 1
+    assert capsys.readouterr().err.startswith("mmcache replay: ")

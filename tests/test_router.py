@@ -1,0 +1,124 @@
+"""The replica router: rendezvous affinity on an early page name, least-loaded fallback past the threshold."""
+
+import numpy as np
+import pytest
+
+from mmcache import Fingerprint, InvalidRequest, Namer
+from mmcache.router import ReplicaRouter, RouterConfig
+
+PAGE = 4
+
+
+def names_of(ids) -> np.ndarray:
+    namer = Namer(Fingerprint.for_tests(PAGE))
+    arr = np.asarray(ids, dtype=np.int32)
+    return namer.names(arr, namer.root())
+
+
+def random_prompts(n, length, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1000, length) for _ in range(n)]
+
+
+def test_equal_prefixes_go_to_one_replica():
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=3))
+    idle = [0, 0, 0, 0]
+    for prefix in random_prompts(20, 3 * PAGE, seed=1):
+        tails = random_prompts(10, 5 * PAGE, seed=int(prefix[0]))
+        chosen = {router.route(names_of(np.concatenate([prefix, t])), idle) for t in tails}
+        assert chosen == {router.preferred(names_of(prefix))}
+
+
+def test_route_depth_decides_what_counts_as_the_prefix():
+    shallow = ReplicaRouter(RouterConfig.numbered(8, depth_pages=1))
+    deep = ReplicaRouter(RouterConfig.numbered(8, depth_pages=2))
+    first_page = np.arange(PAGE)
+    prompts = [np.concatenate([first_page, p]) for p in random_prompts(40, 2 * PAGE, seed=2)]
+    assert len({shallow.preferred(names_of(p)) for p in prompts}) == 1
+    assert len({deep.preferred(names_of(p)) for p in prompts}) > 1
+    # A prompt shorter than the depth routes by its last full page.
+    assert deep.routing_name(names_of(first_page)) == int(names_of(first_page)[0])
+
+
+def test_preference_spreads_distinct_prefixes_over_replicas():
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1))
+    counts = np.bincount([router.preferred(names_of(p)) for p in random_prompts(2000, PAGE, seed=3)], minlength=4)
+    assert counts.min() > 400 and counts.max() < 600
+
+
+def test_removing_a_replica_moves_only_its_prefixes():
+    four = ReplicaRouter(RouterConfig(("a", "b", "c", "d"), depth_pages=1))
+    three = ReplicaRouter(RouterConfig(("a", "b", "d"), depth_pages=1))
+    moved = 0
+    for p in random_prompts(500, PAGE, seed=4):
+        before = four.config.replicas[four.preferred(names_of(p))]
+        after = three.config.replicas[three.preferred(names_of(p))]
+        if before != "c":
+            assert after == before
+        else:
+            moved += 1
+    assert moved > 0
+
+
+def test_hot_prefix_past_threshold_goes_to_least_loaded():
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3))
+    names = names_of(np.arange(2 * PAGE))
+    ranking = router.ranking(router.routing_name(names))
+    hot = ranking[0]
+    loads = [1, 1, 1, 1]
+    loads[hot] = 3  # at the floor (the mean-based bound is 1.5 x 1.5 = 2.25): still preferred
+    assert router.threshold(loads) == 3
+    assert router.route(names, loads) == hot
+    loads[hot] = 4  # past it: the least-loaded replica
+    loads[ranking[3]] = 0
+    assert router.threshold(loads) == 3
+    assert router.route(names, loads) == ranking[3]
+    loads[ranking[3]] = 1  # a tie among the least loaded is broken by the rendezvous ranking
+    assert router.route(names, loads) == ranking[1]
+
+
+def test_threshold_follows_the_mean_load():
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3))
+    names = names_of(np.arange(PAGE))
+    ranking = router.ranking(router.routing_name(names))
+    busy = [20, 20, 20, 20]
+    busy[ranking[0]] = 29  # mean 22.25, bound 33.4: a busy deployment keeps its affinity
+    assert router.route(names, busy) == ranking[0]
+    busy[ranking[0]] = 60  # mean 30, bound 45: this replica is far above its share
+    assert router.route(names, busy) == ranking[1]
+
+
+def test_overloaded_replica_that_is_also_least_loaded_keeps_its_prefix():
+    router = ReplicaRouter(RouterConfig.numbered(3, depth_pages=1, load_factor=1, min_load=0))
+    names = names_of(np.arange(PAGE))
+    assert router.route(names, [5, 5, 5]) == router.preferred(names)
+
+
+def test_prompt_without_a_full_page_goes_to_least_loaded():
+    router = ReplicaRouter(RouterConfig.numbered(3))
+    empty = names_of(np.arange(PAGE - 1))
+    assert len(empty) == 0 and router.preferred(empty) is None
+    assert router.route(empty, [2, 0, 1]) == 1
+
+
+def test_routing_is_a_pure_function_of_names_and_loads():
+    router = ReplicaRouter(RouterConfig.numbered(5, depth_pages=2))
+    prompts = [names_of(p) for p in random_prompts(50, 3 * PAGE, seed=5)]
+    first = [router.route(n, [0] * 5) for n in prompts]
+    again = [router.route(n, [0] * 5) for n in reversed(prompts)][::-1]
+    fresh = ReplicaRouter(RouterConfig.numbered(5, depth_pages=2))
+    assert first == again == [fresh.route(n, [0] * 5) for n in prompts]
+
+
+@pytest.mark.parametrize("kwargs", [dict(replicas=()), dict(replicas=("a", "a")),
+                                    dict(replicas=("a",), depth_pages=0), dict(replicas=("a",), min_load=-1),
+                                    dict(replicas=("a",), load_factor=0.5),
+                                    dict(replicas=("a",), load_factor=float("nan"))])
+def test_bad_config_is_refused(kwargs):
+    with pytest.raises(InvalidRequest):
+        RouterConfig(**kwargs)
+
+
+def test_wrong_number_of_loads_is_refused():
+    with pytest.raises(InvalidRequest):
+        ReplicaRouter(RouterConfig.numbered(2)).route(names_of(np.arange(PAGE)), [0, 0, 0])
