@@ -115,6 +115,7 @@ class _Request:
     protected_tokens: int | None = None  # set by protect_prefix: the label is windowed
     released: set = field(default_factory=set)  # page positions released by release_oldest
     suspended_ids: np.ndarray | None = None  # written ids while suspended
+    lookup: tuple = (0, 0, 0, 0)  # what admission added to the metrics: (cap pages, hit pages, forfeit pages, recorded)
 
     @property
     def chain_parent(self) -> int:
@@ -234,6 +235,7 @@ class AllocationManager:
         m.forfeit_pages += forfeit
         m.forfeit_tokens += forfeit * p
         m.record_match(req.request_id, k * p)
+        req.lookup = (cap, k, forfeit, 1)
         return AdmitResult(k * p, k, forfeit * p)
 
     # ---- allocation --------------------------------------------------------------------------------
@@ -404,11 +406,39 @@ class AllocationManager:
         self._mirror(request_id, lambda s: s.teardown(request_id), ending=True)
         return stored
 
-    def abort(self, request_id) -> None:
-        """End a request without storing what it computed (pages it published at prefill stay indexed)."""
+    def abort(self, request_id, requeue: bool = False) -> None:
+        """End a request without storing what it computed (pages it published at prefill stay indexed).
+
+        ``requeue=True`` says the host will admit the request again (for example its first allocation failed
+        and it waits for pages): its admission's lookup is taken back out of the metrics, so a retried request
+        is counted once."""
         with self._lock:
-            self._release(self._pop(request_id, "abort"))
-        self._mirror(request_id, lambda s: s.abort(request_id), ending=True)
+            req = self._pop(request_id, "abort")
+            if requeue:
+                self._uncount_lookup(req)
+            self._release(req)
+        self._mirror(request_id, lambda s: s.abort(request_id, requeue), ending=True)
+
+    def _uncount_lookup(self, req: _Request) -> None:
+        cap, k, forfeit, recorded = req.lookup
+        if not recorded:
+            return
+        p, m = self.page_size, self.metrics
+        m.lookups -= 1
+        m.lookup_pages -= cap
+        m.lookup_tokens -= len(req.prompt)
+        m.hit_pages -= k
+        m.hit_tokens -= k * p
+        m.forfeit_pages -= forfeit
+        m.forfeit_tokens -= forfeit * p
+        if m.per_request_matched and m.per_request_matched[-1][0] == req.request_id:
+            m.per_request_matched.pop()
+        else:
+            for i, (rid, _) in enumerate(m.per_request_matched):
+                if rid == req.request_id:
+                    del m.per_request_matched[i]
+                    break
+        req.lookup = (0, 0, 0, 0)
 
     def _pop(self, request_id, op: str) -> _Request:
         req = self._requests.pop(request_id, None)

@@ -87,10 +87,23 @@ def test_preemption_when_pages_run_out_recomputes_from_the_cache(tiny):
     m = eng.metrics()
     assert m["engine"]["preemptions"] > 0
     assert sum(o.preemptions for o in outs) == m["engine"]["preemptions"]
-    assert m["main"]["hit_pages"] > 0  # re-admission re-seeded from the pages teardown stored
     assert m["main"]["alloc_failures_cache_held"] == 0
     assert [o.output_ids for o in outs] == want
     assert all(o.finish_reason == "length" for o in outs)
+    assert_pools_whole(eng)
+
+
+def test_a_preempted_request_is_reseeded_from_the_pages_its_teardown_stored(tiny):
+    # Two requests in 10 pages: the second is preempted once; the first finishes before needing the
+    # victim's stored pages, so re-admission seeds from them instead of recomputing.
+    ps = prompts(2, seed=0, lo=40, hi=70)
+    want = [o.output_ids for o in engine(tiny, num_pages=64).generate(ps, greedy(20))]
+    eng = engine(tiny, num_pages=10)
+    outs = eng.generate(ps, greedy(20))
+    m = eng.metrics()
+    assert m["engine"]["preemptions"] == 1 and m["main"]["lookups"] == 3
+    assert m["main"]["hit_pages"] >= 3  # only the re-admission can hit: the two first admissions are cold
+    assert [o.output_ids for o in outs] == want
     assert_pools_whole(eng)
 
 

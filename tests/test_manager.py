@@ -304,3 +304,19 @@ def test_threads_admitting_and_tearing_down_keep_invariants():
     assert mgr.metrics.hit_tokens > 0
     mgr.clear_cache()
     assert mgr.pool.num_free == 64
+
+
+def test_requeued_abort_takes_the_lookup_back_so_a_retry_counts_once():
+    mgr = make(mode="shadow")
+    prompt = np.arange(1, 18)
+    run(mgr, "a", prompt)
+    before = (mgr.metrics.as_dict(), mgr.shadow.metrics.as_dict(), list(mgr.shadow.metrics.per_request_matched))
+    mgr.admit("retry", prompt)
+    mgr.abort("retry", requeue=True)
+    assert (mgr.metrics.as_dict(), mgr.shadow.metrics.as_dict(),
+            list(mgr.shadow.metrics.per_request_matched)) == before
+    assert run(mgr, "retry", prompt) == 0  # real pages: mode shadow seeds nothing
+    assert mgr.shadow.metrics.lookups == 2 and mgr.shadow.metrics.hit_tokens == 16
+    mgr.admit("gone", prompt)
+    mgr.abort("gone")  # a plain abort keeps its lookup
+    assert mgr.shadow.metrics.lookups == 3

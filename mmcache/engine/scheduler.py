@@ -188,8 +188,9 @@ class Scheduler:
                 works.append(Work(live, branch, start, end, branch.manager.reserve(live.request_id, end - start)))
             except AllocationFailed as err:
                 self.running.remove(live)
-                self.release(live, store=False)
-                if self.running:
+                retry = bool(self.running)
+                self.release(live, store=False, requeue=retry)
+                if retry:
                     self.waiting.appendleft(live)
                 else:
                     plan.failed.append((live, err))
@@ -206,14 +207,15 @@ class Scheduler:
         self.waiting.appendleft(live)
 
     @staticmethod
-    def release(live: LiveRequest, store: bool) -> None:
-        """Give back every admitted branch's pages (teardown stores full pages; abort stores nothing)."""
+    def release(live: LiveRequest, store: bool, requeue: bool = False) -> None:
+        """Give back every admitted branch's pages (teardown stores full pages; abort stores nothing).
+        ``requeue``: the request is admitted again later, so its lookups are not counted twice."""
         for b in live.branches.values():
             if b.admitted:
                 if store:
                     b.manager.teardown(live.request_id)
                 else:
-                    b.manager.abort(live.request_id)
+                    b.manager.abort(live.request_id, requeue=requeue)
             b.admitted = False
             b.computed = 0
             b.logits = None
