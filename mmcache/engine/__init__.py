@@ -5,7 +5,9 @@ Modules, one concept each: ``request`` (what callers pass and get back), ``confi
 transformers), ``adapter`` (where a model's embeddings, decoder and head live), ``kernels`` (CPU fast paths:
 packed linears, allocator setting), ``runner`` (one packed forward), ``sequence`` (per-request state),
 ``scheduler`` (continuous batching, chunked prefill, preemption), ``sampling``, ``presets`` / ``models`` /
-``tokenizer`` (embedded models, loading, export, digests), ``engine`` (the glue), ``cli``.
+``tokenizer`` (embedded models, loading, export, digests), ``engine`` (the glue), ``cli``; ``vlm`` and
+``vlm_presets`` (the VLM front end: chat messages with images through ``encoders`` and the store; ``encoders`` is
+imported only when a VLM is built).
 """
 
 from .adapter import CausalLMAdapter, MRopeAdapter, adapter_for
@@ -15,10 +17,13 @@ from .engine import Engine, ForwardError, SamplingError
 from .models import ModelLoadError, build_model, export_model, load_model, model_digest
 from .presets import PRESETS, UnknownPreset
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
+from .vlm import VLMEngine, VLMRequest, answer_message
+from .vlm_presets import VLM_PRESETS, build_vlm
 
 __all__ = [
     "ATTENTION_BACKEND", "CausalLMAdapter", "Engine", "EngineConfig", "EngineConfigError", "ForwardError",
     "MRopeAdapter", "ModelLoadError", "MultimodalInput", "PRESETS", "Request", "RequestOutput", "SamplingError",
-    "SamplingParams", "StreamEvent", "UnknownPreset", "UnsupportedModel", "adapter_for", "build_model", "export_model", "load_model",
+    "SamplingParams", "StreamEvent", "UnknownPreset", "VLMEngine", "VLMRequest", "VLM_PRESETS", "answer_message",
+    "build_vlm", "UnsupportedModel", "adapter_for", "build_model", "export_model", "load_model",
     "model_digest",
 ]

@@ -56,10 +56,23 @@ class CausalLMAdapter:
         return self.model.get_output_embeddings()
 
     def attach(self) -> None:
-        """Route the model's attention through the paged backend."""
+        """Route the language model's attention through the paged backend."""
         register()
-        self.model.set_attn_implementation(ATTENTION_BACKEND)
+        self.model.set_attn_implementation(self._attention_plan())
         self.model.eval()
+
+    def _attention_plan(self) -> str | dict:
+        """The paged backend for the text model; a VLM's other sub-models (its vision tower) keep their own
+        attention, because they run outside the engine's forwards, where no ``PagedBatch`` is given."""
+        cfg = self.config
+        if self.text_config is cfg:
+            return ATTENTION_BACKEND
+        plan = {"": ATTENTION_BACKEND}
+        for key in cfg.sub_configs:
+            sub = getattr(cfg, key, None)
+            if sub is not None:
+                plan[key] = ATTENTION_BACKEND if sub is self.text_config else sub._attn_implementation
+        return plan
 
     def pack_linears(self) -> None:
         """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``)."""

@@ -8,8 +8,9 @@ requests. Invariants:
 * Every request added ends with exactly one finished event carrying its ``RequestOutput``; bad input ends it
   at once with a typed error (``finish_reason == "error"``) and touches no pool.
 * A finished request's pages go back through ``teardown`` (mode ``on`` stores its full pages); a failed one
-  through ``abort``. After any sequence of steps, aborts and failures, ``check_invariants`` holds: every
-  page is free, owned by the index, or held by a live admitted request.
+  through ``abort``. Its ``MultimodalInput.release`` runs once when it ends (also when refused at intake);
+  preemption does not end a request. After any sequence of steps, aborts and failures, ``check_invariants``
+  holds: every page is free, owned by the index, or held by a live admitted request.
 * An exception raised inside a forward fails exactly the requests of that forward (``ForwardError``, cause
   attached); their pages return and the other requests go on.
 * The engine is single-threaded by design; ``step`` and ``abort`` serialise on one lock, so ``abort`` may
@@ -33,7 +34,7 @@ from .adapter import adapter_for
 from .attention import ATTENTION_BACKEND
 from .config import EngineConfig
 from .models import build_model, load_model, model_digest
-from .request import Request, RequestOutput, SamplingParams, StreamEvent
+from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 from .intake import Intake
 from .runner import ModelRunner
 from .sampling import guided, sample
@@ -151,7 +152,8 @@ class Engine:
     def add_request(self, prompt, sampling: SamplingParams | None = None, request_id=None) -> object:
         """Queue one request for ``step``; its events (including a bad-input error) come out of ``step``."""
         req = prompt if isinstance(prompt, Request) else Request(prompt, sampling or SamplingParams(), request_id)
-        return self._add(req, self._events).request_id
+        live = self._add(req, self._events)
+        return live.request_id if live is not None else self._events[-1].request_id  # refused: its error event
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
@@ -247,6 +249,7 @@ class Engine:
         try:
             live = self.intake.live(req, rid, arrival)
         except MmcacheError as err:
+            _release_media(req)
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
             sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
             return None
@@ -254,6 +257,7 @@ class Engine:
         with self._lock:
             if rid in self._live:
                 err = DuplicateRequest(rid)
+                _release_media(req)
                 out = RequestOutput(rid, live.prompt_len, [], 0, "error", err, arrival, None, [])
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
                 return None
@@ -337,6 +341,7 @@ class Engine:
     def _finish(self, live: LiveRequest, reason: str, error: MmcacheError | None, store: bool) -> None:
         self.scheduler.remove(live)
         Scheduler.release(live, store)
+        _release_media(live.request)
         live.finish_reason, live.error = reason, error
         self._live.pop(live.request_id, None)
         text = None
@@ -348,6 +353,13 @@ class Engine:
     @staticmethod
     def _emit(live: LiveRequest, event: StreamEvent) -> None:
         live.sink.append(event)
+
+
+def _release_media(req: Request) -> None:
+    """End-of-request callback of the request's multimodal input (store leases); the caller calls it once."""
+    mm = req.mm
+    if isinstance(mm, MultimodalInput) and mm.release is not None:
+        mm.release()
 
 
 def _unique(items) -> list:

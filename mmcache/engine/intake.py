@@ -5,7 +5,7 @@ Invariants:
 * Every check runs before any pool is touched, so a refused request leaves nothing behind; the error is an
   ``InvalidRequest`` naming the request and the first thing wrong (sampling values, empty prompt, ids outside
   the vocabulary, a prompt with no room under the model's length or larger than the pool, malformed
-  multimodal input, a non-finite guidance scale, text without a tokenizer).
+  multimodal input, a non-finite guidance scale, text without a tokenizer, an arrival time in the future).
 * Page names are computed here (``Branch.prepare``), before the engine takes any lock.
 * A random-sampling request without a seed gets one from the intake's own generator (seeded by the engine
   config), so an engine's outputs are reproducible run to run.
@@ -46,6 +46,11 @@ class Intake:
         if not isinstance(req.sampling, SamplingParams):
             raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
         req.sampling.validate(rid)
+        if req.arrival_time is not None:
+            if not _real(req.arrival_time) or req.arrival_time > arrival:
+                raise InvalidRequest(f"arrival_time must be a perf_counter stamp not after now, got "
+                                     f"{req.arrival_time!r}", rid)
+            arrival = float(req.arrival_time)
         ids = self._token_ids(req.prompt, rid, "prompt")
         mm = req.mm
         media: tuple[MediaItem, ...] = ()
@@ -105,3 +110,7 @@ class Intake:
             if tuple(mm.mrope_positions.shape) != (3, prompt_len):
                 raise InvalidRequest(f"mrope_positions must have shape (3, {prompt_len})", rid)
         return tuple(mm.media)
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

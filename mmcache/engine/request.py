@@ -5,8 +5,12 @@ Invariants:
 * ``SamplingParams`` and ``Request`` are plain values; constructing one never raises. The engine validates a
   request when it is added (``validate``) and reports bad input as a typed error in that request's output,
   so one malformed request never takes a batch down.
-* Times are ``time.perf_counter()`` stamps: ``arrival_time`` when the engine accepted the request,
-  ``first_token_time`` when its first output token was sampled, ``token_times[i]`` when token ``i`` was.
+* Times are ``time.perf_counter()`` stamps: ``arrival_time`` when the engine accepted the request (or the
+  earlier ``Request.arrival_time`` a front end that prepared it gave), ``first_token_time`` when its first
+  output token was sampled, ``token_times[i]`` when token ``i`` was.
+* ``MultimodalInput.release``, when set, is called exactly once per request the engine was given, when that
+  request ends, however it ends (finished, aborted, refused at intake, failed in a forward); a preempted
+  request is not ended, so it keeps what ``release`` frees.
 * ``finish_reason`` is one of ``FINISH_REASONS``; ``error`` is set exactly when it is ``"error"``.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -77,12 +81,15 @@ class MultimodalInput:
       positions ``start .. start + n - 1`` in whichever prefill chunk covers them.
     * ``mrope_positions``: optional ``tensor[3, prompt_len]`` of rotary positions (Qwen2-VL style). A token at
       sequence position ``p >= prompt_len`` (generated) gets position ``p + mrope_delta`` on all three axes.
+    * ``release``: optional callback that frees what backs ``embeds`` (encoder-output store leases); the
+      engine calls it once when the request ends (see the module docstring). It must not raise.
     """
 
     media: Sequence[MediaItem] = ()
     embeds: Sequence[tuple[int, torch.Tensor]] = ()
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -91,6 +98,8 @@ class Request:
 
     ``negative_prompt`` with ``guidance_scale`` adds a classifier-free-guidance branch decoded in lockstep:
     logits = uncond + scale * (cond - uncond). ``salt`` isolates the request's cached pages (equal salts share).
+    ``arrival_time`` (a ``perf_counter`` stamp, not in the future) is when a front end received the request
+    before preparing it (encoding its images), so that ``ttft`` counts that work; None: when the engine got it.
     """
 
     prompt: object
@@ -100,6 +109,7 @@ class Request:
     negative_prompt: object = None
     guidance_scale: float = 1.0
     mm: MultimodalInput | None = None
+    arrival_time: float | None = None
 
 
 @dataclass

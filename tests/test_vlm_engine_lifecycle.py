@@ -1,0 +1,275 @@
+"""Store leases and pages of VLM requests over their whole life in the engine (mmcache/engine/vlm.py).
+
+After every step ``VLMEngine.check_invariants`` holds: the engine's page owner counts, the store's budget, and
+exact hold counts (each store entry is held exactly as many times as live requests hold it, so an entry held
+by a running request cannot have been evicted and nothing leaks). Once nothing runs, every page is free or
+owned by the prefix index alone and no entry is held.
+
+* Budget under churn: the store never exceeds its bytes, held entries stay, a full pinned store and an
+  oversize entry bypass, and every request still gets the output it gets with an ample store.
+* Different salts share neither pages nor store entries.
+* Corrupt image bytes fail that request with ``MediaDecodeError``; the other requests of the batch complete
+  with the outputs they have alone.
+* Abort, an abandoned stream, a failed forward, refusal at intake, a duplicate id, and preemption (which keeps
+  the leases) release each request's leases once.
+* The engine takes a front end's earlier arrival time (so TTFT counts image encoding), refuses one in the
+  future, and ``add_request`` reports a refusal through ``step``.
+"""
+
+import io
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmcache.engine import Engine, EngineConfig, ForwardError, Request, SamplingParams
+from mmcache.engine.vlm import VLMEngine, VLMRequest
+from mmcache.engine.vlm_presets import build_vlm
+from mmcache.errors import DuplicateRequest, InvalidRequest, MediaDecodeError
+from mmcache.store import EncoderOutputStore
+
+P = 16
+ENTRY = 16 * 64 * 4  # tiny-llava: 16 placeholders x 64 hidden x float32
+SYSTEM = "A chat between a curious human and an artificial intelligence assistant about a photo."
+
+
+def greedy(n=8) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return build_vlm("tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def crops(datasets_dir) -> list[bytes]:
+    """Eight distinct real images: two crops of each of the four photos, as PNG."""
+    out = []
+    for name in ("coffee.png", "chelsea.png", "astronaut.png", "extreme_ironing.jpg"):
+        image = Image.open(datasets_dir / "images" / name).convert("RGB")
+        w, h = image.size
+        for box in ((0, 0, w * 2 // 3, h * 2 // 3), (w // 3, h // 3, w, h)):
+            buf = io.BytesIO()
+            image.crop(box).save(buf, format="PNG")
+            out.append(buf.getvalue())
+    return out
+
+
+def front(preset, store_bytes=1 << 24, **config) -> VLMEngine:
+    config.setdefault("num_pages", 256)
+    engine = Engine(preset.model, None, EngineConfig(page_size=P, **config))
+    return VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(store_bytes)))
+
+
+@pytest.fixture
+def tower_calls():
+    """``count(vlm)`` -> a list that grows by one per tower forward; the hooks go when the test ends (the presets'
+    models are shared by the module's tests)."""
+    handles = []
+
+    def count(vlm: VLMEngine) -> list:
+        calls = []
+        handles.append(vlm.tower.register_forward_hook(lambda *_: calls.append(1)))
+        return calls
+
+    yield count
+    for handle in handles:
+        handle.remove()
+
+
+def ask(image, question="What is in this image?", n=8, rid=None, salt=b"", system=SYSTEM) -> VLMRequest:
+    content = [{"type": "image", "image": image}, {"type": "text", "text": question}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+    return VLMRequest(messages, sampling=greedy(n), request_id=rid, salt=salt)
+
+
+def drive(vlm: VLMEngine, waves, steps_per_wave=2) -> dict:
+    """Add each wave, run a few steps, then run to completion; invariants after every step. Outputs by id."""
+    outs = {}
+
+    def step():
+        for ev in vlm.step():
+            if ev.finished:
+                outs[ev.request_id] = ev.output
+        vlm.check_invariants()
+
+    for wave in waves:
+        for request in wave:
+            vlm.add_request(request)
+        vlm.check_invariants()
+        for _ in range(steps_per_wave):
+            step()
+    while vlm.has_unfinished():
+        step()
+    return outs
+
+
+def assert_whole(vlm: VLMEngine, keys=()):
+    vlm.check_invariants()
+    assert not vlm.has_unfinished() and vlm.metrics()["encoder"]["requests_holding"] == 0
+    for m in vlm.engine.managers.values():
+        assert m.num_requests == 0
+        np.testing.assert_array_equal(m.pool.refcount, m.index.in_index.astype(np.int32))
+    assert all(vlm.store.held(k) == 0 for k in keys)
+
+
+def test_store_budget_under_churn_keeps_held_entries_and_outputs(llava, crops):
+    budget = 3 * ENTRY
+    order = [[0, 1, 2, 3], [0, 4, 5, 1], [6, 7, 6, 0], [2, 3, 4, 5], [1, 7, 0, 2]]
+    waves = lambda: [[ask(crops[i], rid=f"{w}-{j}") for j, i in enumerate(wave)] for w, wave in enumerate(order)]
+    small = front(llava, store_bytes=budget, max_num_seqs=3)
+    ample = front(llava, max_num_seqs=3)
+    got, want = drive(small, waves(), 10), drive(ample, waves(), 10)
+    assert {k: o.output_ids for k, o in got.items()} == {k: o.output_ids for k, o in want.items()}
+    assert all(o.finish_reason == "length" for o in got.values()) and len(got) == 20
+    m = small.store.metrics
+    assert m.peak_bytes <= budget and m.bytes <= budget
+    assert m.evictions > 0 and m.hits > 0
+    assert m.bypasses > 0  # wave 0: four new images, three entries fit, all held: the fourth bypassed
+    assert ample.store.metrics.computes == 8 and ample.store.metrics.bypasses == 0
+    assert_whole(small, [small.builder.adapter.key(c) for c in crops])
+
+
+def test_oversize_entries_bypass_and_requests_complete(llava, crops, tower_calls):
+    requests = lambda: [ask(crops[i], rid=i) for i in (0, 1, 0)]
+    ample = front(llava)
+    want = [ample.generate([r])[0] for r in requests()]
+    tiny = front(llava, store_bytes=ENTRY - 1)
+    calls = tower_calls(tiny)
+    got = [tiny.generate([r])[0] for r in requests()]
+    assert [o.output_ids for o in got] == [o.output_ids for o in want]
+    assert len(tiny.store) == 0 and tiny.store.metrics.bypasses == 3 and len(calls) == 3
+    assert got[2].matched_tokens > 0  # pages still hit: the digest names them whether or not the store kept it
+    assert_whole(tiny)
+
+
+def test_different_salts_share_neither_pages_nor_store_entries(llava, crops, tower_calls):
+    vlm = front(llava)
+    calls = tower_calls(vlm)
+    a1, b, a2, plain = (vlm.generate([ask(crops[0], salt=s)])[0] for s in ("tenant-a", "tenant-b", "tenant-a", b""))
+    assert (a1.matched_tokens, b.matched_tokens, plain.matched_tokens) == (0, 0, 0)
+    assert a2.matched_tokens == (a2.prompt_len - 1) // P * P
+    assert len(calls) == 3 and len(vlm.store) == 3
+    keys = {vlm.builder.adapter.key(crops[0], salt) for salt in ("tenant-a", "tenant-b", b"")}
+    assert len(keys) == 3 and all(k in vlm.store for k in keys)
+    assert a1.output_ids == b.output_ids == a2.output_ids == plain.output_ids
+    assert_whole(vlm, keys)
+
+
+def test_corrupt_image_fails_its_request_only_and_leaks_nothing(llava, crops):
+    vlm = front(llava, max_num_seqs=4)
+    truncated = crops[1][: len(crops[1]) // 2]
+    two = ask(crops[2], rid="two")
+    two.messages[1]["content"].insert(1, {"type": "image", "image": truncated})  # a good image, then a bad one
+    batch = [ask(crops[0], rid="a"), two, ask(b"\x89PNG\r\n\x1a\nnot really", rid="garbage"), ask(crops[3], rid="d")]
+    outs = {o.request_id: o for o in vlm.generate(batch)}
+    for rid in ("two", "garbage"):
+        assert outs[rid].finish_reason == "error" and isinstance(outs[rid].error, MediaDecodeError)
+        assert outs[rid].output_ids == [] and outs[rid].first_token_time is None
+    assert outs["two"].error.item.index == 1  # the second image of that request
+    alone = front(llava)
+    for rid, image in (("a", crops[0]), ("d", crops[3])):
+        assert outs[rid].finish_reason == "length"
+        assert outs[rid].output_ids == alone.generate([ask(image)])[0].output_ids
+    assert_whole(vlm, [vlm.builder.adapter.key(c) for c in crops[:4]])
+    assert vlm.builder.adapter.key(crops[2]) in vlm.store  # computed before the failure, kept unheld
+
+
+def test_abort_abandoned_stream_forward_error_and_refusals_release_leases_once(llava, crops):
+    vlm = front(llava, max_num_seqs=2)
+    keys = [vlm.builder.adapter.key(c) for c in crops[:3]]
+    # Abort one running and one waiting request; the third, sharing an image with the first, finishes.
+    for request in (ask(crops[0], n=12, rid="a"), ask(crops[1], n=12, rid="b"), ask(crops[0], n=12, rid="c")):
+        vlm.add_request(request)
+    assert vlm.store.held(keys[0]) == 2 and vlm.store.held(keys[1]) == 1
+    finished = {}
+    for _ in range(3):
+        finished.update({e.request_id: e.output for e in vlm.step() if e.finished})
+        vlm.check_invariants()
+    assert vlm.abort("b") and vlm.abort("c")
+    vlm.check_invariants()
+    assert vlm.store.held(keys[1]) == 0 and vlm.store.held(keys[0]) == 1
+    while vlm.has_unfinished():
+        finished.update({e.request_id: e.output for e in vlm.step() if e.finished})
+    assert [finished[r].finish_reason for r in "abc"] == ["length", "abort", "abort"]
+    assert_whole(vlm, keys)
+
+    # A stream abandoned mid-way, and one closed before the engine took its requests.
+    stream = vlm.stream([ask(crops[0], n=12), ask(crops[2], n=12)])
+    assert next(stream).token_id is not None
+    vlm.check_invariants()
+    assert vlm.store.held(keys[0]) == 1 and vlm.store.held(keys[2]) == 1
+    stream.close()
+    assert_whole(vlm, keys)
+    stream = vlm.stream([ask(b"not an image"), ask(crops[0]), ask(crops[1])])
+    first = next(stream)
+    assert isinstance(first.output.error, MediaDecodeError) and vlm.store.held(keys[0]) == 1
+    stream.close()
+    assert_whole(vlm, keys)
+
+    # A forward that raises fails its requests; their leases return; the engine goes on.
+    run = vlm.engine.runner.run
+
+    def broken(works):
+        raise RuntimeError("injected")
+
+    vlm.engine.runner.run = broken
+    failed = vlm.generate([ask(crops[1]), ask(crops[2])])
+    assert all(isinstance(o.error, ForwardError) for o in failed)
+    assert_whole(vlm, keys)
+    vlm.engine.runner.run = run
+
+    # Refused at intake (bad sampling, duplicate id): built, then released by the engine.
+    refused = vlm.generate([VLMRequest(ask(crops[0]).messages, sampling=SamplingParams(max_tokens=0)),
+                            ask(crops[1], rid="dup"), ask(crops[2], rid="dup")])
+    assert isinstance(refused[0].error, InvalidRequest) and isinstance(refused[2].error, DuplicateRequest)
+    assert refused[1].finish_reason == "length"
+    assert_whole(vlm, keys)
+
+
+def test_preempted_requests_keep_their_leases_and_recompute_exactly(llava, crops):
+    # Prompts of 6 pages growing by 3: three at once need 27 pages; 18 force preemption.
+    vlm = front(llava, num_pages=18, max_num_seqs=3)
+    images = {0: crops[0], 1: crops[1], 2: crops[0]}
+    keys = {rid: vlm.builder.adapter.key(image) for rid, image in images.items()}
+    for rid, image in images.items():
+        vlm.add_request(ask(image, n=40, rid=rid))
+    outs, waited_preempted = {}, 0
+    while vlm.has_unfinished():
+        outs.update({e.request_id: e.output for e in vlm.step() if e.finished})
+        vlm.check_invariants()
+        waited_preempted += sum(1 for live in vlm.engine.scheduler.waiting if live.preemptions)
+        live = [rid for rid in images if rid not in outs]
+        for key in set(keys.values()):  # held by every request not finished, running or preempted
+            assert vlm.store.held(key) == sum(keys[rid] == key for rid in live)
+    assert vlm.engine.scheduler.preemptions > 0 and waited_preempted > 0
+    assert sum(o.preemptions for o in outs.values()) == vlm.engine.scheduler.preemptions
+    alone = front(llava)
+    for rid, image in images.items():
+        assert outs[rid].finish_reason == "length"
+        assert outs[rid].output_ids == alone.generate([ask(image, n=40)])[0].output_ids
+    assert_whole(vlm, set(keys.values()))
+
+
+def test_engine_takes_a_front_ends_arrival_time_and_reports_refusals_from_step(llava):
+    eng = Engine(llava.model, None, EngineConfig(page_size=P, num_pages=64))
+    assert eng.add_request(Request([5, 6, 7], SamplingParams(max_tokens=0), request_id="bad")) == "bad"
+    late = Request([5, 6, 7], greedy(), request_id="late", arrival_time=time.perf_counter() + 60)
+    assert eng.add_request(late) == "late"
+    errors = {e.request_id: e.output.error for e in eng.step() if e.finished}
+    assert set(errors) == {"bad", "late"} and all(isinstance(e, InvalidRequest) for e in errors.values())
+    assert "arrival_time" in str(errors["late"])
+    earlier = time.perf_counter() - 1.0
+    out = eng.generate([Request([5, 6, 7], greedy(2), arrival_time=earlier)])[0]
+    assert out.arrival_time == earlier and out.ttft > 1.0
