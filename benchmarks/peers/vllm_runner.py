@@ -1,0 +1,105 @@
+"""Plays prefix-benchmark workloads through vLLM's CPU build; run by the interpreter in ``VLLM_PEER_PYTHON``.
+
+usage: $VLLM_PEER_PYTHON vllm_runner.py --model DIR --workloads IN.json --out OUT.json
+          [--dtype bfloat16] [--block-size 128] [--max-model-len 8192] [--max-num-seqs 16] [--eager]
+
+IN.json:  {"warmup": WORKLOAD, "workloads": [WORKLOAD, ...]} in ``protocol.workload_to_json`` form.
+OUT.json: {"engine": "vllm_cpu", "version", "init_s", "settings", "results": [ROUNDS, ...]}, one
+          ``protocol.results_to_json`` list per workload, in the order given.
+
+One ``LLM`` (prefix caching on) is started once and serves every workload, so the cache carries over between
+rounds and workloads as it would in a server. Each round's requests are added to the engine together and the
+engine is stepped until they finish; every step's outputs are stamped with ``perf_counter`` here, so a token's
+time is when this process received it (``RequestOutputKind.CUMULATIVE`` returns each new token at the step that
+produced it). ``num_cached_tokens`` is vLLM's own count of prompt tokens served by its prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.peers.protocol import (Record, dump, load, play, results_to_json,  # noqa: E402
+                                       workload_from_json)
+
+
+def make_round_runner(llm):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    counter = itertools.count()
+
+    def run_round(ids, prompts, max_tokens):
+        keys, arrival, stamps, outputs, cached = [], {}, {}, {}, {}
+        for rid, prompt, n in zip(ids, prompts, max_tokens):
+            key = f"{next(counter)}:{rid}"
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                    output_kind=RequestOutputKind.CUMULATIVE)
+            arrival[key] = time.perf_counter()
+            engine.add_request(key, TokensPrompt(prompt_token_ids=prompt), params)
+            keys.append(key)
+            stamps[key] = []
+        finished = set()
+        while len(finished) < len(keys):
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM stopped with {len(keys) - len(finished)} requests unfinished")
+            for out in engine.step():
+                now = time.perf_counter()
+                if out.request_id not in stamps:
+                    continue
+                toks = list(out.outputs[0].token_ids)
+                stamps[out.request_id] += [now] * (len(toks) - len(stamps[out.request_id]))
+                outputs[out.request_id] = toks
+                cached[out.request_id] = out.num_cached_tokens or 0
+                if out.finished:
+                    finished.add(out.request_id)
+        return [Record(rid, len(p), outputs[k], arrival[k], stamps[k][0], stamps[k], cached[k])
+                for rid, p, k in zip(ids, prompts, keys)]
+
+    return run_round
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--workloads", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=128, help="the CPU backend takes multiples of 32")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--eager", action="store_true", help="skip torch.compile: starts in seconds, prefills slower")
+    a = p.parse_args()
+
+    import vllm
+    from vllm import LLM
+
+    spec = load(a.workloads)
+    warmup = workload_from_json(spec["warmup"])
+    workloads = [workload_from_json(w) for w in spec["workloads"]]
+    t0 = time.perf_counter()
+    llm = LLM(model=a.model, tokenizer=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+              block_size=a.block_size, enable_prefix_caching=True, enforce_eager=a.eager,
+              max_num_batched_tokens=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0)
+    init_s = time.perf_counter() - t0
+    run_round = make_round_runner(llm)
+    play(warmup, run_round)
+    results = []
+    for w in workloads:
+        print(f"vllm_runner: {w.name} ({w.num_requests} requests)", file=sys.stderr, flush=True)
+        results.append(results_to_json(play(w, run_round)))
+    dump({"engine": "vllm_cpu", "version": vllm.__version__, "init_s": init_s,
+          "settings": {k: v for k, v in vars(a).items() if k not in ("workloads", "out", "model")},
+          "results": results}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

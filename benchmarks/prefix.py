@@ -1,0 +1,552 @@
+"""Prefix caching: mmcache against itself with the cache off and against peer engines, on text workloads.
+
+    mmcache bench prefix --json PATH [--peers] [--preset NAME] [--dtype D] [--quick] [workload options]
+
+One run exports the preset once as a Hugging Face folder (``mmcache export-model``) and gives that folder and
+dtype to every engine: mmcache with the cache on, mmcache with the cache off, transformers' continuous batching
+with block sharing, and, with ``--peers`` and ``VLLM_PEER_PYTHON`` set, vLLM's CPU build with prefix caching
+(started once, fed every workload in one process). ``--quick`` runs the ``small`` preset with small workloads
+and no peers (``--peers`` adds them). Workloads are in ``text_workloads``; every engine plays them through
+``peers.protocol.play``, so prompts, order and timing are the same for all.
+
+Figures: the probe (cold / same / 1920 shared + 128 new / another cold; one request at a time with one output
+token, so the call latency is the time to first token; the median of ``--probe-repeats`` repeats, each on fresh
+tokens); per workload the time to first token (p50, p90; first token stamp minus arrival stamp), inter-token
+latency p50, output tokens per second over the workload's wall time, and the share of prompt tokens served from
+a prefix cache. ``bit_exact`` comes from mmcache's exact schedule (one request at a time, one page per prefill
+forward), cache on against cache off, on prompts that hit the cache: every logits row and output id equal.
+
+Invariants: engines run one after another, never together, each warmed up on unrelated tokens first; every
+workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from . import text_workloads as tw
+from .peers import protocol, vllm_cpu
+from .peers.protocol import Record, RoundResult, Workload
+from .table import Row
+
+DESCRIPTION = ("prefix caching: probe, vLLM prefix-caching, SGLang shared-prefix and multi-turn shapes, against "
+               "cache off and peer engines")
+
+ENGINES = ("mmcache", "mmcache_nocache", "transformers_cb", "vllm_cpu")
+WORKLOADS = ("vllm_prefix_caching", "generated_shared_prefix", "multi_turn")
+PROBE_KEYS = ("cold_s", "same_s", "shared1920_s", "cold2_s")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workload sizes of one run; ``FULL`` and ``QUICK`` are scaled to a 2-core CPU (the tools' defaults
+    are in each field's comment)."""
+
+    probe_repeats: int
+    probe_len: int  # the probe's prompt (2048)
+    probe_shared: int  # the probe's shared prefix (1920); the JSON key stays "shared1920_s"
+    vpc_prefix_len: int  # vLLM benchmark_prefix_caching --prefix-len
+    vpc_input_range: tuple[int, int]  # --input-length-range (vLLM default 128:256)
+    vpc_num_prompts: int  # --num-prompts
+    vpc_repeat_count: int  # --repeat-count (vLLM default 100)
+    vpc_output_len: int  # --output-len (vLLM default 10)
+    gsp_num_groups: int  # SGLang 64
+    gsp_prompts_per_group: int  # SGLang 16
+    gsp_system_prompt_len: int  # SGLang 2048
+    gsp_question_len: int  # SGLang 128
+    gsp_output_len: int  # SGLang 256
+    mt_conversations: int  # vLLM multi-turn configuration: 24
+    mt_max_user_turns: int  # configuration: 6-9 user turns (12-18 messages)
+    mt_max_answer_tokens: int  # configuration: answers of 80-120 tokens (a cap at or above 120 keeps them)
+
+
+FULL = Shape(probe_repeats=3, probe_len=2048, probe_shared=1920,
+             vpc_prefix_len=1024, vpc_input_range=(1152, 1280), vpc_num_prompts=4, vpc_repeat_count=3,
+             vpc_output_len=10,
+             gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=2048, gsp_question_len=128,
+             gsp_output_len=32,
+             mt_conversations=4, mt_max_user_turns=3, mt_max_answer_tokens=120)
+QUICK = Shape(probe_repeats=2, probe_len=2048, probe_shared=1920,
+              vpc_prefix_len=512, vpc_input_range=(640, 768), vpc_num_prompts=3, vpc_repeat_count=2,
+              vpc_output_len=10,
+              gsp_num_groups=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024, gsp_question_len=128,
+              gsp_output_len=16,
+              mt_conversations=2, mt_max_user_turns=2, mt_max_answer_tokens=16)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="embedded model preset (default qwen2.5-0.5b; small with --quick)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--store-at", choices=("prefill", "teardown"), default="prefill",
+                   help="when mmcache publishes a prompt's full pages: as prefill fills them (as vLLM and "
+                        "transformers do, so requests of one batch can share) or when the request ends")
+    p.add_argument("--peers", action="store_true",
+                   help="add vLLM's CPU build (needs VLLM_PEER_PYTHON); in quick mode also transformers")
+    p.add_argument("--vllm-eager", action="store_true", help="start vLLM without torch.compile (seconds, not ~95 s)")
+    p.add_argument("--engines", help=f"comma-separated subset of {','.join(ENGINES)} (default: by mode and --peers)")
+    p.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)}; the probe always runs, "
+                                       "so an empty list runs the probe alone")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", help="keep the exported model and peer logs here (default: a temporary folder)")
+    s = p.add_argument_group("workload sizes (default: the full or quick shape, see Shape)")
+    for f in Shape.__dataclass_fields__.values():
+        kind = str if f.name == "vpc_input_range" else int
+        s.add_argument("--" + f.name.replace("_", "-"), type=kind, metavar="N" if kind is int else "MIN:MAX")
+
+
+def shape_from_args(args) -> Shape:
+    shape = QUICK if args.quick else FULL
+    changes = {}
+    for name in Shape.__dataclass_fields__:
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        if name == "vpc_input_range":
+            try:
+                lo, hi = (int(x) for x in v.split(":"))
+            except ValueError as e:
+                raise tw.WorkloadShapeError(f"--vpc-input-range wants MIN:MAX, got {v!r}") from e
+            v = (lo, hi)
+        changes[name] = v
+    return replace(shape, **changes)
+
+
+def engines_from_args(args) -> list[str]:
+    if args.engines:
+        names = [e.strip() for e in args.engines.split(",") if e.strip()]
+        unknown = set(names) - set(ENGINES)
+        if unknown:
+            raise tw.WorkloadShapeError(f"unknown engines {sorted(unknown)}; known: {ENGINES}")
+        return names
+    names = ["mmcache", "mmcache_nocache"]
+    if args.peers or not args.quick:
+        names.append("transformers_cb")
+    if args.peers:
+        names.append("vllm_cpu")
+    return names
+
+
+def build_workloads(shape: Shape, space: tw.TokenSpace, seed: int, names: list[str]) -> list[Workload]:
+    out = []
+    if "vllm_prefix_caching" in names:
+        out.append(tw.vllm_prefix_caching(space, seed, shape.vpc_prefix_len, shape.vpc_input_range,
+                                          shape.vpc_num_prompts, shape.vpc_repeat_count, shape.vpc_output_len))
+    if "generated_shared_prefix" in names:
+        out.append(tw.generated_shared_prefix(space, seed, shape.gsp_num_groups, shape.gsp_prompts_per_group,
+                                              shape.gsp_system_prompt_len, shape.gsp_question_len,
+                                              shape.gsp_output_len))
+    if "multi_turn" in names:
+        out.append(tw.multi_turn(tw.MultiTurnShape.load(), space, seed, shape.mt_conversations,
+                                 shape.mt_max_user_turns, shape.mt_max_answer_tokens))
+    return out
+
+
+def warmup_workload(space: tw.TokenSpace, seed: int, prompt_len: int) -> Workload:
+    """A probe-sized prompt alone, then two short prompts together, on tokens no workload uses, so kernels,
+    allocators and compiled graphs are warm for both shapes before anything is timed."""
+    rng = tw.random.Random(f"warmup:{seed}")
+    reqs = [protocol.Request(f"warmup{seed}-{i}", space.draw(rng, n), 4)
+            for i, n in enumerate((prompt_len, 300, 364))]
+    return Workload("warmup", ((reqs[0],), (reqs[1], reqs[2])))
+
+
+def token_space(model_dir: str) -> tw.TokenSpace:
+    """Ids every engine accepts: below the model's and the tokenizer's vocabulary, clear of special tokens."""
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+    tok = json.loads(Path(model_dir, "tokenizer.json").read_text())
+    vocab = min(vocab, len(tok["model"]["vocab"]) + len(tok.get("added_tokens", [])))
+    special = sorted(t["id"] for t in tok.get("added_tokens", []))
+    low = 1 + max([i for i in special if i < vocab // 2], default=-1)
+    high = min([vocab] + [i for i in special if i >= vocab // 2])
+    return tw.TokenSpace(low, high)
+
+
+# ---- measuring -------------------------------------------------------------------------------------
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(rounds: list[RoundResult]) -> dict:
+    recs = [r for rnd in rounds for r in rnd.records]
+    ttft = [r.ttft_s for r in recs]
+    itl = [x for r in recs for x in r.itls_s]
+    wall = sum(rnd.wall_s for rnd in rounds)
+    prompt_tokens = sum(r.prompt_len for r in recs)
+    output_tokens = sum(len(r.output_ids) for r in recs)
+    matched = sum(r.matched_tokens for r in recs)
+    out = {"ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "itl_p50_s": percentile(itl, 50),
+           "throughput_tok_s": output_tokens / wall, "matched_share": matched / prompt_tokens,
+           "requests": len(recs), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "wall_s": wall}
+    if len(rounds) > 1:
+        out["ttft_p50_s_by_round"] = [percentile([r.ttft_s for r in rnd.records], 50) for rnd in rounds]
+    return out
+
+
+@dataclass(frozen=True)
+class ProbeMethod:
+    """How an engine's probe is timed. The default: one output token, and the figure is the call latency (which
+    is then the time to first token). transformers publishes a request's blocks only while it is still running,
+    so a one-token request never leaves a prefix to hit: it gets two tokens, and the figure is its own
+    first-token stamp minus its arrival stamp."""
+
+    max_tokens: int = 1
+    figure: str = "wall"  # "wall" (round latency) | "ttft" (first-token stamp minus arrival stamp)
+
+    def describe(self) -> str:
+        if self.figure == "wall":
+            return f"latency of a {self.max_tokens}-token request run alone (= time to first token), median"
+        return f"time to first token (engine stamps) of a {self.max_tokens}-token request run alone, median"
+
+
+def summarize_probe(repeats: list[list[RoundResult]], method: ProbeMethod = ProbeMethod()) -> dict:
+    rows = []
+    for rounds in repeats:
+        row = {}
+        for key, rnd in zip(PROBE_KEYS, rounds):
+            rec = rnd.records[0]
+            row[key] = rnd.wall_s if method.figure == "wall" else rec.ttft_s
+            row[key.replace("_s", "_wall_s")] = rnd.wall_s
+            row[key.replace("_s", "_ttft_s")] = rec.ttft_s
+            row[key.replace("_s", "_matched")] = rec.matched_tokens
+        rows.append(row)
+    out = {k: statistics.median(r[k] for r in rows) for k in PROBE_KEYS}
+    out["repeats"] = rows
+    out["figure"] = method.describe()
+    return out
+
+
+@dataclass
+class EngineResult:
+    probe: dict
+    workloads: dict
+    outputs: dict  # request id -> output ids, for agreement between engines
+    meta: dict
+
+
+def probe_workloads(space: tw.TokenSpace, shape: Shape, seed: int, method: ProbeMethod) -> list[Workload]:
+    return [tw.probe(space, seed * 1000 + rep, shape.probe_len, shape.probe_shared, method.max_tokens)
+            for rep in range(shape.probe_repeats)]
+
+
+def play_all(run_round, space: tw.TokenSpace, shape: Shape, workloads: list[Workload], seed: int,
+             name: str, method: ProbeMethod) -> tuple[list[list[RoundResult]], list[list[RoundResult]]]:
+    protocol.play(warmup_workload(space, seed, shape.probe_len), run_round)
+    probes = []
+    for rep, w in enumerate(probe_workloads(space, shape, seed, method)):
+        probes.append(protocol.play(w, run_round))
+        _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
+                  + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, probes[-1])))
+    results = []
+    for w in workloads:
+        results.append(protocol.play(w, run_round))
+        _progress(f"{name}: {w.name}: {sum(r.wall_s for r in results[-1]):.2f} s")
+    return probes, results
+
+
+def engine_result(probes, results, workloads, meta, method: ProbeMethod = ProbeMethod()) -> EngineResult:
+    outputs = {rec.id: rec.output_ids for rounds in probes + results for rnd in rounds for rec in rnd.records}
+    return EngineResult(summarize_probe(probes, method), {w.name: summarize(r) for w, r in zip(workloads, results)},
+                        outputs, meta)
+
+
+class MmcacheRunner:
+    """mmcache's engine as a round runner: one ``generate`` call per round, per-request sampling."""
+
+    def __init__(self, model_dir: str, dtype: str, cache_mode: str, page_size: int, num_pages: int, **kw):
+        from mmcache.engine import Engine, EngineConfig
+
+        self.config = EngineConfig(page_size=page_size, cache_mode=cache_mode, num_pages=num_pages, **kw)
+        self.engine = Engine.from_pretrained(model_dir, dtype=dtype, config=self.config)
+
+    def run_round(self, ids, prompts, max_tokens) -> list[Record]:
+        from mmcache.engine import Request, SamplingParams
+
+        reqs = [Request(list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid)
+                for rid, p, n in zip(ids, prompts, max_tokens)]
+        outs = self.engine.generate(reqs)
+        records = []
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+            records.append(Record(o.request_id, o.prompt_len, list(o.output_ids), o.arrival_time,
+                                  o.first_token_time, list(o.token_times), o.matched_tokens))
+        return records
+
+    def close(self) -> None:
+        self.engine.check_invariants()  # a run that leaked or double-owned a page is not a result
+
+
+def measure_in_process(name: str, make_runner, space, shape, workloads, seed,
+                       method: ProbeMethod = ProbeMethod()) -> EngineResult:
+    t0 = time.perf_counter()
+    runner = make_runner()
+    load_s = time.perf_counter() - t0
+    try:
+        probes, results = play_all(runner.run_round, space, shape, workloads, seed, name, method)
+        meta = {"load_s": load_s, "settings": getattr(runner, "settings", None) or _config_dict(runner)}
+        if hasattr(runner, "engine") and hasattr(runner.engine, "metrics"):
+            meta["engine_metrics"] = _jsonable(runner.engine.metrics())
+    finally:
+        runner.close()
+    del runner
+    gc.collect()
+    return engine_result(probes, results, workloads, meta, method)
+
+
+def measure_vllm(model_dir, space, shape, workloads, seed, args, workdir) -> EngineResult:
+    probes = probe_workloads(space, shape, seed, ProbeMethod())
+    longest = max(len(r.tokens) + r.max_tokens for w in workloads + probes for rnd in w.rounds for r in rnd)
+    history = max([_session_len(w) for w in workloads] + [0])
+    max_len = 1024 * -(-max(longest, history, 8192) // 1024)
+    run = vllm_cpu.run(model_dir, warmup_workload(space, seed, shape.probe_len), probes + workloads, workdir,
+                       dtype=args.dtype, block_size=args.page_size, max_model_len=max_len, eager=args.vllm_eager)
+    meta = {"version": run.version, "init_s": run.init_s, "settings": run.settings}
+    n = len(probes)
+    for rep, rounds in enumerate(run.results[:n]):
+        _progress(f"vllm_cpu: probe repeat {rep + 1}/{n}: "
+                  + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, rounds)))
+    return engine_result(run.results[:n], run.results[n:], workloads, meta)
+
+
+def _session_len(w: Workload) -> int:
+    total: dict[str, int] = {}
+    for rnd in w.rounds:
+        for r in rnd:
+            if r.session:
+                total[r.session] = total.get(r.session, 0) + len(r.tokens) + r.max_tokens
+    return max(total.values(), default=0)
+
+
+# ---- the bit-exactness check -----------------------------------------------------------------------
+
+
+def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenSpace, seed: int,
+                    store_at: str = "teardown") -> dict:
+    """Cache on against cache off under the exact schedule (``EngineConfig.exact``: one request at a time, one
+    page per prefill forward), on prompts that hit: a full repeat, a shared prefix with a new tail, a prompt
+    ending on a page boundary, and a continuation of an earlier answer. Every logits row the engine samples
+    from, and every output id, must be equal bit for bit, and the cache-on run must have hit."""
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+
+    rng = tw.random.Random(f"bit_exact:{seed}")
+    a = space.draw(rng, 3 * page_size + 37)
+    b = a[: 2 * page_size] + space.draw(rng, page_size // 2 + 5)
+    c = a[: 3 * page_size]
+    tail = space.draw(rng, 20)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("on", "off"):
+        config = EngineConfig.exact(page_size=page_size, cache_mode=mode, store_at=store_at)
+        eng = Engine.from_pretrained(model_dir, dtype=dtype, config=config)
+        logits = _record_logits(eng)
+        outs = [eng.generate([Request(list(p), params, request_id=f"x{i}")])[0] for i, p in enumerate([a, a, b, c])]
+        follow = list(a) + list(outs[0].output_ids) + list(tail)
+        outs.append(eng.generate([Request(follow, params, request_id="x-follow")])[0])
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+        eng.check_invariants()
+        runs[mode] = (outs, logits)
+        del eng
+        gc.collect()
+    (on, on_logits), (off, off_logits) = runs["on"], runs["off"]
+    tokens_equal = [x.output_ids == y.output_ids for x, y in zip(on, off)]
+    logits_equal = [len(on_logits.get(o.request_id, [])) == len(off_logits.get(o.request_id, [])) == len(o.output_ids)
+                    and all(_bitwise_equal(x, y) for x, y in zip(on_logits[o.request_id], off_logits[o.request_id]))
+                    for o in on]
+    matched = [o.matched_tokens for o in on]
+    return {"bit_exact": all(tokens_equal) and all(logits_equal) and sum(matched) > 0,
+            "tokens_equal": tokens_equal, "logits_equal": logits_equal, "matched_tokens_on": matched,
+            "schedule": "EngineConfig.exact: serial, one page per prefill forward", "store_at": store_at,
+            "compared": "every sampled logits row (bitwise) and every output id"}
+
+
+def _record_logits(eng) -> dict:
+    """Every logits row ``eng`` samples from, per request, in step order. The engine has no public hook for its
+    logits, so this wraps its runner's ``run`` on this instance only, reading rows as the engine assigns them."""
+    rows: dict = {}
+    run = eng.runner.run
+
+    def recording(works):
+        logits = run(works)
+        row = 0
+        for w in works:
+            if w.wants_logits:
+                rows.setdefault(w.live.request_id, []).append(logits[row].detach().clone())
+                row += 1
+        return logits
+
+    eng.runner.run = recording
+    return rows
+
+
+def _bitwise_equal(x, y) -> bool:
+    import torch
+
+    return bool(torch.equal(x, y))
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def export_model(preset: str, dtype: str, out_dir: str) -> None:
+    from mmcache.cli import main as cli
+
+    rc = cli(["export-model", preset, out_dir, "--dtype", dtype])
+    if rc:
+        raise RuntimeError(f"mmcache export-model {preset} failed with exit code {rc}")
+
+
+def run(args) -> dict:
+    shape = shape_from_args(args)
+    engines = engines_from_args(args)
+    if "vllm_cpu" in engines:
+        vllm_cpu.interpreter()  # fail now, not after the other engines ran
+    chosen = ",".join(WORKLOADS) if args.workloads is None else args.workloads
+    names = [w.strip() for w in chosen.split(",") if w.strip()]
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        raise tw.WorkloadShapeError(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
+    preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mmcache-prefix-") as tmp:
+        workdir = args.workdir or tmp
+        model_dir = os.path.join(workdir, f"model-{preset}-{args.dtype}")
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            _progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
+            export_model(preset, args.dtype, model_dir)
+        space = token_space(model_dir)
+        workloads = build_workloads(shape, space, args.seed, names)
+        num_pages = _pages_needed(workloads, shape, args.page_size)
+        _progress("bit-exact check (exact schedule, cache on vs off)")
+        exact = bit_exact_check(model_dir, args.dtype, args.page_size, space, args.seed, args.store_at)
+        _progress(f"bit_exact: {exact['bit_exact']}")
+        results: dict[str, EngineResult] = {}
+        for name in engines:
+            _progress(f"{name}: loading")
+            if name == "vllm_cpu":
+                results[name] = measure_vllm(model_dir, space, shape, workloads, args.seed, args, workdir)
+                continue
+            method = ProbeMethod()
+            if name == "transformers_cb":
+                from .peers.transformers_cb import TransformersCB
+
+                make = lambda: TransformersCB(model_dir, args.dtype, page_size=args.page_size, num_blocks=num_pages)
+                method = ProbeMethod(max_tokens=2, figure="ttft")
+            else:
+                mode = "on" if name == "mmcache" else "off"
+                make = lambda mode=mode: MmcacheRunner(model_dir, args.dtype, mode, args.page_size, num_pages,
+                                                       store_at=args.store_at)
+            results[name] = measure_in_process(name, make, space, shape, workloads, args.seed, method)
+    reference = results.get("mmcache_nocache")
+    engines_out = {}
+    for name, r in results.items():
+        d = {"probe": r.probe, **r.workloads, "meta": r.meta}
+        if reference is not None and name != "mmcache_nocache":
+            same = [r.outputs[k] == v for k, v in reference.outputs.items() if k in r.outputs]
+            d["agree_with_nocache"] = sum(same) / len(same) if same else None
+        engines_out[name] = d
+    return {"bit_exact": exact["bit_exact"], "bit_exact_check": exact, "engines": engines_out,
+            "preset": preset, "dtype": args.dtype, "page_size": args.page_size, "store_at": args.store_at,
+            "quick": bool(args.quick),
+            "shape": asdict(shape), "workloads": {w.name: w.params for w in workloads}, "token_space": asdict(space),
+            "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                        "platform": platform.platform(), "python": platform.python_version()},
+            "versions": _versions(), "wall_s": time.perf_counter() - t_start}
+
+
+def _pages_needed(workloads: list[Workload], shape: Shape, page_size: int) -> int:
+    """Pages for every token the run writes, so no engine evicts: each engine gets the same, ample pool."""
+    tokens = shape.probe_repeats * (3 * shape.probe_len + (shape.probe_len - shape.probe_shared) + 4) + 4096
+    for w in workloads:
+        tokens += sum(len(r.tokens) + r.max_tokens for rnd in w.rounds for r in rnd) + _session_len(w)
+    return -(-tokens // page_size) + 64
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _config_dict(runner) -> dict | None:
+    config = getattr(runner, "config", None)
+    return asdict(config) if config is not None else None
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    if hasattr(x, "as_dict"):
+        return _jsonable(x.as_dict())
+    return repr(x)
+
+
+def _progress(msg: str) -> None:
+    print(f"[prefix] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+
+def table_rows(result: dict) -> list[Row]:
+    e = result["engines"]
+    mm = e.get("mmcache")
+    rows: list[Row] = [Row("prefix", "bit-exact (exact schedule, on vs off)", float(result["bit_exact"]),
+                           target="1")]
+    if mm is None:
+        return rows
+    p = mm["probe"]
+    rows.append(Row("prefix", "probe: same 2048 prompt, TTFT", p["same_s"], "s", p["cold_s"], "cold", ">= 12x"))
+    rows.append(Row("prefix", "probe: 1920 shared + 128 new, TTFT", p["shared1920_s"], "s", p["cold_s"], "cold"))
+    off = e.get("mmcache_nocache")
+    if off:
+        rows.append(Row("prefix", "probe: cold 2048, TTFT", p["cold_s"], "s", off["probe"]["cold_s"], "cache off",
+                        "~1x (overhead)"))
+    tcb = e.get("transformers_cb")
+    if tcb:
+        rows.append(Row("prefix", "probe: hit TTFT", p["same_s"], "s", tcb["probe"]["same_s"], "transformers CB",
+                        ">= 3x"))
+    vl = e.get("vllm_cpu")
+    if vl:
+        rows.append(Row("prefix", "probe: cold TTFT", p["cold_s"], "s", vl["probe"]["cold_s"], "vLLM CPU", ">= 0.77x"))
+        rows.append(Row("prefix", "probe: hit TTFT", p["same_s"], "s", vl["probe"]["same_s"], "vLLM CPU", ">= 0.77x"))
+    for w in WORKLOADS:
+        if w not in mm:
+            continue
+        for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
+                            ("vllm_cpu", "vLLM CPU")):
+            if peer in e and w in e[peer]:
+                rows.append(Row("prefix", f"{w}: TTFT p50", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
+                                label))
+        if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
+            rows.append(Row("prefix", f"{w}: output tokens/s", mm[w]["throughput_tok_s"], "tok/s",
+                            e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True))
+        rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))
+    return rows

@@ -1,0 +1,139 @@
+"""The prefix benchmark's harness on the tiny preset: mmcache and transformers runners, the bit-exact check,
+a whole ``mmcache bench prefix`` run, and the vLLM peer's failure paths."""
+
+import argparse
+import json
+import sys
+
+import pytest
+import torch
+
+from benchmarks import prefix
+from benchmarks import runner as bench_runner
+from benchmarks import text_workloads as tw
+from benchmarks.peers import protocol, vllm_cpu
+
+PAGE = 16
+SHAPE = prefix.Shape(probe_repeats=1, probe_len=4 * PAGE, probe_shared=3 * PAGE, vpc_prefix_len=2 * PAGE,
+                     vpc_input_range=(2 * PAGE + 4, 3 * PAGE), vpc_num_prompts=2, vpc_repeat_count=2,
+                     vpc_output_len=3, gsp_num_groups=2, gsp_prompts_per_group=2, gsp_system_prompt_len=2 * PAGE,
+                     gsp_question_len=5, gsp_output_len=3, mt_conversations=2, mt_max_user_turns=2,
+                     mt_max_answer_tokens=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """A tiny model gains nothing from intra-op threads on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("prefix")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(workdir):
+    """The tiny preset exported where a whole run with ``--workdir`` looks for it first."""
+    from mmcache.cli import main as cli
+
+    out = workdir / "model-tiny-float32"
+    assert cli(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0
+    return str(out)
+
+
+def probe_rows(rounds):
+    return {key: rnd.records[0] for key, rnd in zip(prefix.PROBE_KEYS, rounds)}
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_mmcache_probe_matches_exactly(tiny_dir, mode):
+    space = prefix.token_space(tiny_dir)
+    runner = prefix.MmcacheRunner(tiny_dir, "float32", mode, PAGE, 64, store_at="teardown")
+    probes, _ = prefix.play_all(runner.run_round, space, SHAPE, [], 0, "t", prefix.ProbeMethod())
+    rows = probe_rows(probes[0])
+    hit = 3 * PAGE if mode == "on" else 0  # the repeat keeps its last page to compute the first token's logits
+    assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, hit, hit, 0]
+    assert all(len(r.output_ids) == 1 and r.first_token >= r.arrival for r in rows.values())
+    runner.close()
+
+
+def test_multi_turn_prompts_extend_the_models_answers(tiny_dir):
+    """Turn 2 hits every full page of turn 1's prompt and answer, which only holds if the harness built turn 2
+    from the engine's own output ids."""
+    shape = tw.MultiTurnShape(2, tw.Distribution("constant", value=4), tw.Distribution("constant", value=20),
+                              tw.Distribution("uniform", low=10, high=30), tw.Distribution("uniform", low=8, high=12),
+                              tw.Distribution("uniform", low=20, high=24))
+    space = prefix.token_space(tiny_dir)
+    w = tw.multi_turn(shape, space, seed=5)
+    runner = prefix.MmcacheRunner(tiny_dir, "float32", "on", PAGE, 64, store_at="teardown")
+    rounds = protocol.play(w, runner.run_round)
+    for first, second, asked in zip(rounds[0].records, rounds[1].records, w.rounds[1]):
+        written = first.prompt_len + len(first.output_ids) - 1  # the last sampled token is never written
+        assert second.prompt_len == first.prompt_len + len(first.output_ids) + len(asked.tokens)
+        assert second.matched_tokens == min(written // PAGE, (second.prompt_len - 1) // PAGE) * PAGE
+    assert all(r.matched_tokens == 0 for r in rounds[0].records[:1])
+    runner.close()
+
+
+def test_transformers_cb_reuses_blocks_across_rounds(tiny_dir):
+    from benchmarks.peers.transformers_cb import TransformersCB
+
+    space = prefix.token_space(tiny_dir)
+    peer = TransformersCB(tiny_dir, "float32", page_size=PAGE, num_blocks=64, max_batch_tokens=256)
+    try:
+        probes, _ = prefix.play_all(peer.run_round, space, SHAPE, [], 0, "t", prefix.ProbeMethod(2, "ttft"))
+    finally:
+        peer.close()
+    rows = probe_rows(probes[0])
+    assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, 3 * PAGE, 3 * PAGE, 0]
+    for r in rows.values():
+        assert len(r.output_ids) == 2 and r.arrival <= r.token_times[0] <= r.token_times[1]
+
+
+def test_bit_exact_check_hits_and_agrees(tiny_dir):
+    result = prefix.bit_exact_check(tiny_dir, "float32", PAGE, prefix.token_space(tiny_dir), 0, "prefill")
+    assert result["bit_exact"] is True
+    assert result["matched_tokens_on"][0] == 0 and min(result["matched_tokens_on"][1:]) > 0
+
+
+def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
+    out = tmp_path / "prefix.json"
+    sizes = []
+    for name in prefix.Shape.__dataclass_fields__:
+        v = getattr(SHAPE, name)
+        sizes += ["--" + name.replace("_", "-"), f"{v[0]}:{v[1]}" if isinstance(v, tuple) else str(v)]
+    rc = bench_runner.main(argparse.Namespace(rest=[
+        "prefix", "--preset", "tiny", "--dtype", "float32", "--page-size", str(PAGE), "--json", str(out),
+        "--engines", "mmcache,mmcache_nocache,transformers_cb",
+        "--workloads", "vllm_prefix_caching,generated_shared_prefix", "--workdir", str(workdir)] + sizes))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["bit_exact"] is True
+    assert set(result["engines"]) == {"mmcache", "mmcache_nocache", "transformers_cb"}
+    for name, e in result["engines"].items():
+        assert set(prefix.PROBE_KEYS) <= set(e["probe"]) and len(e["probe"]["repeats"]) == 1
+        for w in ("vllm_prefix_caching", "generated_shared_prefix"):
+            assert {"ttft_p50_s", "ttft_p90_s", "itl_p50_s", "throughput_tok_s", "matched_share"} <= set(e[w])
+            assert e[w]["requests"] == 4
+    assert result["engines"]["mmcache"]["probe"]["repeats"][0]["same_matched"] == 3 * PAGE
+    assert result["engines"]["mmcache_nocache"]["vllm_prefix_caching"]["matched_share"] == 0
+    table = capsys.readouterr().out
+    assert "probe: same 2048 prompt, TTFT" in table and "transformers CB" in table
+
+
+def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
+    monkeypatch.delenv(vllm_cpu.ENV_VAR, raising=False)
+    with pytest.raises(vllm_cpu.VllmUnavailable, match="VLLM_PEER_PYTHON"):
+        vllm_cpu.interpreter()
+    args = bench_runner.bench_parser("prefix", prefix).parse_args(["--peers", "--quick"])
+    with pytest.raises(vllm_cpu.VllmUnavailable):
+        prefix.run(args)  # refused before anything is exported or measured
+    # An interpreter without vLLM: the runner starts, fails to import vllm, and the log tail comes back.
+    monkeypatch.setenv(vllm_cpu.ENV_VAR, sys.executable)
+    w = tw.probe(tw.TokenSpace(2, 100), 0, 32, 16)
+    with pytest.raises(vllm_cpu.VllmUnavailable, match="vllm"):
+        vllm_cpu.run(str(tmp_path), w, [w], str(tmp_path), timeout_s=120)
