@@ -32,11 +32,12 @@ DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", help="engine preset (default: small, the 8-layer Qwen2.5-0.5B shape)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--requests", type=int, default=24, help="requests in the stream (quick: 8)")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--requests", type=int, default=24, help="requests in the stream (quick: 6)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (quick: 4)")
     p.add_argument("--scale", type=float, default=3.0, help="guidance scale")
     p.add_argument("--negative-repeat", type=int, default=4,
-                   help="the negative prompt repeated this many times (a longer fixed conditioning prefix)")
+                   help="the negative prompt repeated this many times, a longer fixed conditioning prefix "
+                        "(quick: 2)")
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--seed", type=int, default=0)
@@ -58,7 +59,7 @@ def _serve(eng: Engine, rid, prompt: str, negative: str, args):
 
 def run(args) -> dict:
     if args.quick:
-        args.requests = min(args.requests, 8)
+        args.requests, args.negative_repeat, args.max_tokens = min(args.requests, 6), 2, 4
     if args.threads:
         torch.set_num_threads(args.threads)
     negative = "，".join([wan_negative_prompt()] * args.negative_repeat)
