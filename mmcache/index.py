@@ -104,26 +104,43 @@ class PrefixIndex:
                 out.append(v)
             s = (s + 1) % self._cap
 
-    def _slot_insert(self, name: int, page: int) -> None:
-        s = int(np.uint64(name) % np.uint64(self._cap))
-        while self._vals[s] >= 0:
-            s = (s + 1) % self._cap
-        if self._vals[s] == TOMBSTONE:
-            self._tombstones -= 1
-        self._keys[s] = name
-        self._vals[s] = page
+    def _slots_insert(self, names: np.ndarray, pages: np.ndarray) -> None:
+        """Put each ``(names[i], pages[i])`` in the first free slot of its probe sequence, all at once.
 
-    def _slot_remove(self, name: int, page: int) -> None:
-        s = int(np.uint64(name) % np.uint64(self._cap))
-        while True:
-            v = int(self._vals[s])
-            if v == EMPTY:
-                raise AssertionError(f"page {page} missing from the multimap")  # an index bug
-            if v == page and int(self._keys[s]) == name:
-                self._vals[s] = TOMBSTONE
-                self._tombstones += 1
-                return
-            s = (s + 1) % self._cap
+        Each round, every pending item looks at its current slot; among those that find it free (empty or
+        tombstone) the first per slot wins it, and everything else steps to the next slot.
+        """
+        cap = self._cap
+        pos = (names % np.uint64(cap)).astype(np.int64)
+        pending = np.arange(len(names))
+        while len(pending):
+            s = pos[pending]
+            free = self._vals[s] < 0
+            slots, first = np.unique(s[free], return_index=True)
+            winners = pending[free][first]
+            self._tombstones -= int((self._vals[slots] == TOMBSTONE).sum())
+            self._keys[slots] = names[winners]
+            self._vals[slots] = pages[winners]
+            won = np.zeros(len(names), dtype=bool)
+            won[winners] = True
+            pending = pending[~won[pending]]
+            pos[pending] = (pos[pending] + 1) % cap
+
+    def _slots_remove(self, names: np.ndarray, pages: np.ndarray) -> None:
+        """Turn the slot holding each ``(names[i], pages[i])`` into a tombstone, all at once."""
+        cap = self._cap
+        pos = (names % np.uint64(cap)).astype(np.int64)
+        pending = np.arange(len(names))
+        while len(pending):
+            s = pos[pending]
+            vals = self._vals[s]
+            if (vals == EMPTY).any():
+                raise AssertionError("a page is missing from the multimap")  # an index bug
+            hit = (vals == pages[pending]) & (self._keys[s] == names[pending])
+            self._vals[s[hit]] = TOMBSTONE
+            self._tombstones += int(hit.sum())
+            pending = pending[~hit]
+            pos[pending] = (pos[pending] + 1) % cap
 
     def _maybe_rebuild(self) -> None:
         if self.size + self._tombstones <= (3 * self._cap) // 4:
@@ -131,8 +148,8 @@ class PrefixIndex:
         self._keys[:] = 0
         self._vals[:] = EMPTY
         self._tombstones = 0
-        for page in np.flatnonzero(self.in_index):
-            self._slot_insert(int(self.name[page]), int(page))
+        live = np.flatnonzero(self.in_index).astype(np.int32)
+        self._slots_insert(self.name[live], live)
 
     # ---- lookup ------------------------------------------------------------------------------------
     def _entry_matches(self, page: int, i: int, ids: np.ndarray, extras: dict, parent: int) -> bool:
@@ -217,36 +234,51 @@ class PrefixIndex:
         return np.concatenate(accepted).astype(np.int32, copy=False)
 
     # ---- mutation ----------------------------------------------------------------------------------
-    def insert(self, name: int, page: int, parent: int, extras: Extras | None) -> None:
-        """Add ``page`` under ``name``; the caller transfers or adds the index's ownership of the page."""
-        if self.in_index[page]:
-            raise AssertionError(f"page {page} is already in the index")  # a manager bug
-        self._slot_insert(name, page)
-        self.name[page] = name
-        self.parent[page] = parent
-        self.in_index[page] = True
-        self.children[page] = 0
+    def insert_run(self, names: np.ndarray, pages: np.ndarray, parent: int, extras: list) -> None:
+        """Add a chain: ``pages[0]`` under ``parent``, each next page under the one before it.
+
+        ``names``, ``pages`` and ``extras`` (an Extras or None per page) run head to tail; no page may be in the
+        index already. The caller transfers or adds the index's ownership of the pages.
+        """
+        n = len(pages)
+        if n == 0:
+            return
+        pages = np.asarray(pages, dtype=np.int32)
+        if self.in_index[pages].any():
+            raise AssertionError("a page is already in the index")  # a manager bug
+        self._slots_insert(np.asarray(names, dtype=np.uint64), pages)
+        self.name[pages] = names
+        self.parent[pages[0]] = parent
+        self.parent[pages[1:]] = pages[:-1]
+        self.in_index[pages] = True
+        self.children[pages] = 0
+        self.children[pages[:-1]] = 1
         if parent >= 0:
             self.children[parent] += 1
-        if extras:
-            self._extras[page] = extras
-            self.has_extras[page] = True
-        else:
-            self.has_extras[page] = False
-        self.size += 1
+        self.has_extras[pages] = False
+        for page, ex in zip(pages.tolist(), extras):
+            if ex:
+                self._extras[page] = ex
+                self.has_extras[page] = True
+        self.size += n
+
+    def insert(self, name: int, page: int, parent: int, extras: Extras | None) -> None:
+        """Add one ``page`` under ``name`` and ``parent`` (see ``insert_run``)."""
+        self.insert_run(np.asarray([name], dtype=np.uint64), np.asarray([page], dtype=np.int32), parent, [extras])
 
     def remove(self, pages: np.ndarray) -> None:
         """Drop ``pages`` (each in the index) from the index; the caller releases the index's ownership."""
-        for page in pages.tolist():
-            self._slot_remove(int(self.name[page]), page)
-            par = int(self.parent[page])
-            if par >= 0:
-                self.children[par] -= 1
-            self.in_index[page] = False
-            if self.has_extras[page]:
-                del self._extras[page]
-                self.has_extras[page] = False
-            self.size -= 1
+        pages = np.asarray(pages, dtype=np.int32)
+        if len(pages) == 0:
+            return
+        self._slots_remove(self.name[pages], pages)
+        parents = self.parent[pages]
+        np.subtract.at(self.children, parents[parents >= 0], 1)
+        self.in_index[pages] = False
+        for page in pages[self.has_extras[pages]].tolist():
+            del self._extras[page]
+        self.has_extras[pages] = False
+        self.size -= len(pages)
         self._maybe_rebuild()
 
     def touch(self, pages: np.ndarray) -> None:
