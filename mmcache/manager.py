@@ -189,6 +189,22 @@ class AllocationManager:
         return PreparedPrompt(ids, names, extras, root, material)
 
     # ---- admission ---------------------------------------------------------------------------------
+    def peek(self, prepared: PreparedPrompt) -> int:
+        """Tokens ``admit(prepared)`` would seed now. Read-only: no counts, recency, metrics or roots change."""
+        if not isinstance(prepared, PreparedPrompt):
+            raise InvalidRequest(f"peek needs a PreparedPrompt, got {type(prepared).__name__}")
+        if self.mode != "on":
+            return 0
+        if len(prepared.names) != len(prepared.ids) // self.page_size:
+            raise InvalidRequest("prepared prompt was named for another page size or mode")
+        cap = (len(prepared.ids) - 1) // self.page_size
+        with self._lock:
+            if prepared.root_material not in self.index.roots:
+                return 0  # nothing is indexed under an unseen root, and root_parent would register it
+            root_parent = self.index.root_parent(prepared.root_material)
+            pages = self.index.match(prepared.names[:cap], prepared.ids, prepared.extras, root_parent)
+            return len(pages) * self.page_size
+
     def admit(self, request_id, prompt, media: Sequence[MediaItem] = (),
               salt: bytes | str | None = b"") -> AdmitResult:
         """Register a request and seed it from the index.

@@ -320,3 +320,55 @@ def test_requeued_abort_takes_the_lookup_back_so_a_retry_counts_once():
     mgr.admit("gone", prompt)
     mgr.abort("gone")  # a plain abort keeps its lookup
     assert mgr.shadow.metrics.lookups == 3
+
+
+def _frozen(mgr):
+    """Everything peek must leave alone: owner counts, index entries and recency, roots, metrics, requests."""
+    return (_state(mgr), mgr.index.stamp.copy(), mgr.index._clock, dict(mgr.index.roots), mgr.metrics.as_dict(),
+            list(mgr.metrics.per_request_matched), dict(mgr._inflight))
+
+
+def _unchanged(a, b):
+    return _same(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_peek_predicts_admit_and_changes_nothing():
+    mgr = make(store_at="prefill")
+    shared = np.arange(1, 13)  # three pages
+    media = [MediaItem(b"m" * 16, 5)]
+    cases = [np.concatenate([shared, [40, 41, 42]]), shared, shared[:5], np.arange(50, 60)]
+    cold = mgr.prepare(cases[0])
+    before = _frozen(mgr)
+    assert mgr.peek(cold) == 0  # an unseen root: nothing indexed, and the root stays unregistered
+    assert _unchanged(before, _frozen(mgr))
+    run(mgr, "a", np.concatenate([shared, [30, 31, 32, 33, 34]]))
+    mgr.admit("live", np.arange(70, 82))  # running, its pages published at prefill as they fill
+    mgr.reserve("live", 12)
+    mgr.commit("live", np.arange(70, 78))
+    cases += [np.arange(70, 82), mgr.prepare(shared, media)]
+    for i, prompt in enumerate(cases):
+        prepared = prompt if not isinstance(prompt, np.ndarray) else mgr.prepare(prompt)
+        before = _frozen(mgr)
+        seen = mgr.peek(prepared)
+        assert _unchanged(before, _frozen(mgr)), i
+        assert seen == mgr.admit(("b", i), prepared).matched_tokens, i
+        mgr.abort(("b", i))
+    assert [mgr.peek(mgr.prepare(p)) for p in (cases[0], shared, np.arange(70, 82))] == [12, 8, 8]
+    assert mgr.peek(mgr.prepare(shared, salt=b"other")) == 0
+    mgr.check_invariants()
+
+
+def test_peek_is_zero_without_a_seeding_index_and_refuses_bad_input():
+    prompt = np.arange(1, 18)
+    for mode in ("off", "shadow"):
+        mgr = make(mode=mode)
+        run(mgr, "a", prompt)
+        assert mgr.peek(mgr.prepare(prompt)) == 0 == mgr.admit("b", prompt).matched_tokens, mode
+    mgr = make()
+    run(mgr, "a", prompt)
+    with pytest.raises(InvalidRequest):
+        mgr.peek(prompt)  # token ids, not a prepared prompt
+    with pytest.raises(InvalidRequest):
+        mgr.peek(make(mode="off").prepare(prompt))  # named for another mode
+    with pytest.raises(InvalidRequest):
+        mgr.peek(AllocationManager(CacheConfig(num_pages=8, page_size=8), Fingerprint.for_tests(8)).prepare(prompt))

@@ -239,8 +239,9 @@ def test_abort_abandoned_stream_forward_error_and_refusals_release_leases_once(l
 
 
 def test_preempted_requests_keep_their_leases_and_recompute_exactly(llava, crops):
-    # Prompts of 6 pages growing by 3: three at once need 27 pages; 18 force preemption.
-    vlm = front(llava, num_pages=18, max_num_seqs=3)
+    # Prompts of 6 pages growing by 3: three at once need 27 pages; 18 force preemption. Pages are stored at
+    # teardown so requests 0 and 2 (the same image) cannot share their prompt pages while both run.
+    vlm = front(llava, num_pages=18, max_num_seqs=3, store_at="teardown")
     images = {0: crops[0], 1: crops[1], 2: crops[0]}
     keys = {rid: vlm.builder.adapter.key(image) for rid, image in images.items()}
     for rid, image in images.items():

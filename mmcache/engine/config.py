@@ -9,6 +9,10 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
 * ``schedule="serial"`` with ``prefill_chunk_tokens == page_size`` (``EngineConfig.exact``) is the schedule
   under which cache-on logits equal cache-off logits bit for bit (see ``scheduler``).
+* ``defer_shared_prefill`` only changes the schedule: a waiting request whose next unmatched prompt page a
+  running request is writing waits for it to be published instead of computing it too (see ``scheduler``).
+  It acts only where full prompt pages are published as prefill writes them (``store_at="prefill"``);
+  under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
 * ``packed_linears`` and ``tune_malloc`` only change speed (see ``kernels``); packed linears change the last
   bits of results, so they are part of the fingerprint's backend name.
 """
@@ -34,7 +38,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # per label pool, when num_pages is None
     cfg_num_pages: int | None = None  # pages of the CFG branch's pool (default: as the main pool)
     cache_mode: str = "on"  # "on" | "off" | "shadow"
-    store_at: str = "teardown"  # "teardown" | "prefill"
+    store_at: str = "prefill"  # "prefill" | "teardown"
     max_num_seqs: int = 64
     max_tokens_per_step: int = 4096  # token budget of one forward
     prefill_chunk_tokens: int | None = None
@@ -43,6 +47,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
     packed_linears: bool = True  # pack the decoder's linear weights once for oneDNN (CPU; see kernels)
     tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
+    defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -67,6 +72,8 @@ class EngineConfig:
               f"prefill_chunk_tokens must be a positive multiple of page_size, got {self.prefill_chunk_tokens!r}")
         check(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         check(self.max_model_len is None or pos_int(self.max_model_len), f"bad max_model_len {self.max_model_len!r}")
+        check(isinstance(self.defer_shared_prefill, bool),
+              f"defer_shared_prefill must be a bool, got {self.defer_shared_prefill!r}")
 
     @classmethod
     def exact(cls, page_size: int = 16, **kw) -> "EngineConfig":

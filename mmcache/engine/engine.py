@@ -87,7 +87,8 @@ class Engine:
         self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
         self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
-                                                   config.prefill_chunk_tokens, config.schedule == "serial"))
+                                                   config.prefill_chunk_tokens, config.schedule == "serial",
+                                                   config.defer_shared_prefill))
         self.runner = ModelRunner(a, config.page_size)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
@@ -95,7 +96,8 @@ class Engine:
         self._live: dict[object, LiveRequest] = {}
         self._events: list[StreamEvent] = []  # events of requests added with add_request
         self._next_id = 0
-        self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "failed_forwards": 0}
+        # prompt_tokens: tokens of forwards at prompt positions (negative prompts included), hits excluded.
+        self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "prompt_tokens": 0, "failed_forwards": 0}
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
@@ -186,7 +188,7 @@ class Engine:
                 d["shadow"] = m.shadow.metrics.as_dict()
                 d["shadow_failures"] = m.shadow_failures
             out[label] = d
-        out["engine"] = dict(self.counters, preemptions=self.scheduler.preemptions)
+        out["engine"] = dict(self.counters, preemptions=self.scheduler.preemptions, deferrals=self.scheduler.deferrals)
         return out
 
     def clear_cache(self) -> int:
@@ -279,6 +281,7 @@ class Engine:
             works = self.runner.order(plan.works)
             self.counters["forwards"] += 1
             self.counters["forward_tokens"] += sum(w.end - w.start for w in works)
+            self.counters["prompt_tokens"] += sum(max(0, min(w.end, w.branch.prompt_len) - w.start) for w in works)
             try:
                 logits = self.runner.run(works)
             except Exception as cause:  # any failure inside the model: its requests fail, the engine goes on

@@ -14,6 +14,19 @@ allow. Invariants:
   are torn down (full pages go to the index) and it waits at the head of the queue, to be re-admitted with
   prompt + generated-so-far and re-seeded. With no such request the requester itself is preempted, and when
   it is the only request it fails with the allocation error.
+* Shared prefill is computed once (``defer_shared_prefill``, for labels that publish at prefill): a waiting
+  request whose next unmatched prompt page (``AllocationManager.peek``: after what the index holds now) is a
+  page some running request has yet to write is *deferred*: it stays in its place in the queue and is
+  admitted in a later step, once that page is published, seeding from it. Requests admitted earlier in the
+  same step count as running. Each deferred request keeps a seat: a later request is admitted only while
+  ``running + deferred ahead of it < max_num_seqs``, so a deferred request is never crowded out by the
+  requests that overtook it, and one step looks past at most ``max_num_seqs`` deferred requests. Deferral
+  ends when the page is written (published, or written but unpublished: then the request computes it
+  itself) or its writer leaves the running set (finished, aborted, failed, preempted), so it lasts at most
+  the writer's prefill of those pages: no request starves. Labels that publish at teardown defer nothing
+  (their pages appear only when the writer ends, after its whole generation). Only written pages are ever
+  published: indexing a page when its chunk is scheduled (so a request admitted later in the same step
+  could read it in the same forward, a step sooner) would leave pages of a failed forward in the index.
 * ``schedule="serial"`` runs one request at a time (admitted when nothing else runs). With
   ``prefill_chunk_tokens == page_size`` this is the *exact* schedule: every forward holds one request's
   one page (or one decode token), so a cache-off run computes each shared page in a forward identical to the
@@ -63,6 +76,7 @@ class SchedulerLimits:
     max_tokens_per_step: int
     prefill_chunk_tokens: int
     serial: bool
+    defer_shared_prefill: bool
 
 
 class Scheduler:
@@ -71,6 +85,7 @@ class Scheduler:
         self.waiting: deque[LiveRequest] = deque()
         self.running: list[LiveRequest] = []
         self.preemptions = 0
+        self.deferrals = 0  # request-steps spent deferred (see the module docstring)
 
     def add(self, live: LiveRequest) -> None:
         self.waiting.append(live)
@@ -149,24 +164,35 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int, scheduled: set) -> None:
         lim = self.limits
-        while self.waiting and len(self.running) < lim.max_num_seqs and not (lim.serial and self.running):
-            live = self.waiting[0]
-            if budget < lim.page_size and any(budget < len(b.tokens) for b in live.branches.values()):
-                return  # the first chunk might not fit; the next step has a full budget
+        unwritten = self._unwritten_pages() if lim.defer_shared_prefill else {}
+        seats = 0  # seats kept by deferred requests ahead in the queue
+        i = 0
+        while i < len(self.waiting) and len(self.running) + seats < lim.max_num_seqs \
+                and not (lim.serial and self.running):
+            live = self.waiting[i]
             for b in live.branches.values():
                 if b.prepared is None:
                     b.prepare(live.request_id)
+            if unwritten and self._deferred(live, unwritten):
+                live.deferrals += 1
+                self.deferrals += 1
+                seats += 1
+                i += 1
+                continue
+            if budget < lim.page_size and any(budget < len(b.tokens) for b in live.branches.values()):
+                return  # the first chunk might not fit; the next step has a full budget
             first_admission = [b.first_matched is None for b in live.branches.values()]
             for b in live.branches.values():
                 res = b.manager.admit(live.request_id, b.prepared)
+                b.names = b.prepared.names
                 b.prepared = None
                 b.admitted = True
                 b.computed = b.matched = res.matched_tokens
                 if b.first_matched is None:
                     b.first_matched = res.matched_tokens
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(live)
-            works = self._reserve_admission(live, self._chunks(live, budget), plan)
+            works = self._reserve_admission(live, self._chunks(live, budget), plan, i)
             if works is None:
                 for b, first in zip(live.branches.values(), first_admission):
                     if first:
@@ -175,12 +201,46 @@ class Scheduler:
             plan.works.extend(works)
             scheduled.add(id(live))
             budget -= sum(w.end - w.start for w in works)
+            if lim.defer_shared_prefill:
+                self._add_unwritten(live, unwritten)
 
-    def _reserve_admission(self, live: LiveRequest, chunks, plan: StepPlan) -> list[Work] | None:
+    def _unwritten_pages(self) -> dict[str, set]:
+        """Per label, the names of prompt pages running requests have yet to write (see the docstring)."""
+        out: dict[str, set] = {}
+        for live in self.running:
+            self._add_unwritten(live, out)
+        return out
+
+    def _add_unwritten(self, live: LiveRequest, out: dict[str, set]) -> None:
+        for b in live.branches.values():
+            m = b.manager
+            if b.admitted and m.mode == "on" and m.config.store_at == "prefill":
+                names = b.names[b.computed // self.limits.page_size:]
+                if len(names):
+                    out.setdefault(b.label, set()).update(names.tolist())
+
+    def _deferred(self, live: LiveRequest, unwritten: dict[str, set]) -> bool:
+        """Whether a branch's next unmatched page (after what the index holds now) is still to be written."""
+        p = self.limits.page_size
+        for b in live.branches.values():
+            pending = unwritten.get(b.label)
+            if not pending:
+                continue
+            prepared = b.prepared
+            cap = (len(prepared.ids) - 1) // p
+            names = prepared.names[:cap].tolist()
+            if pending.isdisjoint(names):
+                continue  # the cheap test first: peek takes the manager's lock and verifies ids
+            k = b.manager.peek(prepared) // p
+            if k < cap and names[k] in pending:
+                return True
+        return False
+
+    def _reserve_admission(self, live: LiveRequest, chunks, plan: StepPlan, position: int) -> list[Work] | None:
         """Reserve a newly admitted request's first chunk; never preempts a running request for it.
 
         On failure the admission is undone (nothing was computed, nothing is stored) and the request waits
-        at the head of the queue, or fails when nothing else runs that could free pages.
+        at its ``position`` in the queue, or fails when nothing else runs that could free pages.
         """
         works = []
         for branch, start, end in chunks:
@@ -191,7 +251,7 @@ class Scheduler:
                 retry = bool(self.running)
                 self.release(live, store=False, requeue=retry)
                 if retry:
-                    self.waiting.appendleft(live)
+                    self.waiting.insert(position, live)
                 else:
                     plan.failed.append((live, err))
                 return None

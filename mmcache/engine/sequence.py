@@ -12,6 +12,9 @@ A live request has one ``Branch`` per label: ``main`` (the prompt) and, for clas
   token is sampled; a token is sampled when every branch holds logits.
 * A preempted request is back in the queue with ``admitted == False`` and ``computed == 0`` on every branch;
   its next admission re-seeds from the index over prompt + generated-so-far.
+* ``branch.names`` are the names of the full pages of ``tokens`` as of the latest admission (from its
+  ``PreparedPrompt``): while the branch is admitted, the pages from ``computed // page_size`` on are the ones
+  it has yet to write, which the scheduler's deferral compares waiting requests against.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Branch:
     media: tuple[MediaItem, ...] = ()
     mm: MultimodalInput | None = None
     prepared: PreparedPrompt | None = None  # names of ``tokens`` as of the next admission
+    names: np.ndarray | None = None  # full-page names of ``tokens`` as of the latest admission
     admitted: bool = False
     computed: int = 0
     matched: int = 0  # tokens seeded at the latest admission
@@ -71,6 +75,7 @@ class LiveRequest:
     token_times: list[float] = field(default_factory=list)
     first_token_time: float | None = None
     preemptions: int = 0
+    deferrals: int = 0  # steps spent deferred behind a running request computing the same pages
     finish_reason: str | None = None
     error: MmcacheError | None = None
     sink: list = field(default_factory=list)  # where this request's events go
