@@ -12,9 +12,12 @@ its own sequence only. Invariants:
 
 * Every new key/value row is written into its pool slot (``slots``: page * page_size + offset) before any
   segment reads, so a segment sees its own new tokens through the pool like any earlier token.
-* A prefill segment that starts at position 0 attends over its fresh keys directly (plain causal); any
-  other reads its pages with one ``index_select`` per layer and applies a bottom-right causal mask (query
-  ``i`` sees keys ``0 .. start + i``).
+* A prefill segment that starts at position 0 attends over its fresh keys directly (plain causal). Any
+  other (a chunk over a cached prefix) sees keys ``0 .. start + i`` from query ``i``. On CPU, outside a
+  sliding window, that is computed as two unmasked flash-attention calls merged by their log-sum-exp: every
+  query over the prefix ``0 .. start - 1`` (read from its pages with one ``index_select`` per layer), and
+  plain causal over the chunk's own new keys, so no float mask is built or read. Otherwise the segment reads
+  all its pages and applies a bottom-right causal (and window) mask.
 * Single-token segments (decodes) of one pool are attended together: their page tables are padded to a
   common length, gathered with one ``index_select`` per layer, and an additive mask hides each sequence's
   padding, so a step with many decodes costs one call per layer, not one per sequence.
@@ -33,6 +36,8 @@ from ..errors import MmcacheError
 
 ATTENTION_BACKEND = "mmcache_paged_sdpa"
 BATCH_KWARG = "mmcache_batch"
+# Flash attention that also returns each query's log-sum-exp (what the two-part path merges by).
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class UnsupportedModel(MmcacheError, ValueError):
@@ -165,6 +170,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             ks, vs = k[:, seg.rows], v[:, seg.rows]
         else:
             cache = seg.kv[layer]
+            if _splits(seg, sliding_window, q.device):
+                n = -(-seg.start // batch.page_size)
+                ks = cache[0].index_select(1, seg.pages[:n]).view(kv_heads, -1, dim)[:, :seg.start]
+                vs = cache[1].index_select(1, seg.pages[:n]).view(kv_heads, -1, dim)[:, :seg.start]
+                out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling)
+                continue
             ks = cache[0].index_select(1, seg.pages).view(kv_heads, -1, dim)[:, :seg.ctx_len]
             vs = cache[1].index_select(1, seg.pages).view(kv_heads, -1, dim)[:, :seg.ctx_len]
         mask, causal = batch.mask(i, sliding_window, q.dtype, q.device)
@@ -172,6 +183,30 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                            is_causal=causal, scale=scaling, enable_gqa=gqa)
         out[seg.rows] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _splits(seg: Segment, window: int | None, device: torch.device) -> bool:
+    """Whether a chunk over a cached prefix takes the two-part path (CPU flash kernel, no window in reach)."""
+    return device.type == "cpu" and (window is None or seg.ctx_len <= window)
+
+
+def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Attention of a chunk's queries (heads, n, d) over a prefix every one of them sees whole
+    (kv_heads, start, d) and over the chunk's own keys (kv_heads, n, d) causally; returns (n, heads, d).
+
+    Each part is a normalised softmax average with its log-sum-exp ``l``; the whole is their mix with the
+    prefix's weight ``exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2)``, in float32. For the prefix part the
+    query heads that share a KV head are stacked into one run of rows per KV head (no mask, so rows are
+    interchangeable), which gives the kernel longer query blocks; the causal part shares GQA heads in the kernel.
+    """
+    heads, n, dim = q.shape
+    kv_heads = k_prefix.shape[0]
+    o1, l1 = _FLASH(q.reshape(1, kv_heads, -1, dim), k_prefix[None], v_prefix[None], scale=scale)
+    o2, l2 = _FLASH(q[None], k_new[None], v_new[None], is_causal=True, scale=scale)
+    share = torch.sigmoid(l1.reshape(heads, n) - l2[0]).unsqueeze(-1)
+    mixed = torch.lerp(o2[0].float(), o1.reshape(heads, n, dim).float(), share)
+    return mixed.to(q.dtype).transpose(0, 1)
 
 
 def no_mask(*args, **kwargs) -> None:
