@@ -372,12 +372,9 @@ class AllocationManager:
             req.publish_blocked = True
             return []
         parent = int(existing[-1]) if m else req.chain_parent
-        inserted = []
-        for i in range(lo + m, upto):
-            page = req.pages[i]
-            self.index.insert(req.names[i], page, parent, req.extras.get(i))
-            inserted.append(page)
-            parent = page
+        inserted = list(req.pages[lo + m:upto])
+        self.index.insert_run(np.asarray(req.names[lo + m:upto], dtype=np.uint64), inserted, parent,
+                              [req.extras.get(i) for i in range(lo + m, upto)])
         if inserted and not transfer:
             self.pool.incref(np.asarray(inserted, dtype=np.int32))
         # Published pages stop counting as in flight: from now on they are hits, not forfeits.
