@@ -87,3 +87,17 @@ def test_bad_option_values_fail_with_a_message(tmp_path, capsys, option):
     trace = write_trace(tmp_path / "t.jsonl", records(3))
     assert main(["replay", str(trace), *option]) == 1
     assert capsys.readouterr().err.startswith("mmcache replay: ")
+
+
+def test_without_matplotlib_an_asked_for_plot_is_refused_first_and_a_default_one_left_out(tmp_path, capsys,
+                                                                                          monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
+    trace = write_trace(tmp_path / "t.jsonl", records(10))
+    out = tmp_path / "s.json"
+    args = ["replay", str(trace), "--page-size", "64", "--store-at", "teardown", "--sweep", "--sweep-pools",
+            "8192", "--json", str(out)]
+    assert main(args + ["--plot", str(tmp_path / "s.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err and not out.exists()  # nothing was replayed
+    assert main(args) == 0
+    assert json.loads(out.read_text())["sweep"] and not (tmp_path / "s.png").exists()
+    assert "no plot" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from ..errors import MmcacheError
 from ..manager import STORE_AT
 from .costmodel import CostModel
 from .mooncake import MooncakeTrace
-from .plot import plot_sweep, policy_label
+from .plot import can_plot, plot_sweep, policy_label
 from .report import run_sweep, sweep_configs
 from .sessions import DEFAULT_PARAMS, AgentSessions, load_params
 from .simulate import ROUTINGS, ReplayConfig
@@ -124,6 +124,9 @@ def main(args) -> int:
     if args.plot and not args.sweep:
         print("mmcache replay: --plot needs --sweep", file=sys.stderr)
         return 2
+    if args.plot and not can_plot():  # refused before the replay, not after it
+        print("mmcache replay: --plot needs matplotlib (pip install 'mmcache[bench]')", file=sys.stderr)
+        return 2
     if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
         print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
               file=sys.stderr)
@@ -158,7 +161,9 @@ def main(args) -> int:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.sweep and args.json else None)
-    if plot:
+    if plot and not can_plot():  # only the plot beside --json can get here: say it was left out
+        print("mmcache replay: no plot beside the JSON: matplotlib is not installed", file=sys.stderr)
+    elif plot:
         plot_sweep(out["sweep"], plot, title=f"{workload.description}, page {args.page_size}, "
                                              f"prefill {args.prefill_tps:g} tok/s, decode {args.decode_tps:g} tok/s")
         print(f"wrote {plot}", file=sys.stderr)

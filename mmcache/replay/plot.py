@@ -13,6 +13,15 @@ def policy_label(record: dict) -> str:
     return f"R={record['num_replicas']} {record['routing']}"
 
 
+def can_plot() -> bool:
+    """Whether matplotlib (the ``bench`` extra) is importable."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_sweep(records: Sequence[dict], path: str | Path, title: str = "") -> None:
     """Write the plot of ``records`` (sweep records of one workload and page size) to ``path`` (PNG)."""
     import matplotlib
