@@ -79,20 +79,33 @@ def _store(mgr: AllocationManager, rid, tokens: np.ndarray) -> None:
 
 
 def bench_naming(tokens: int, repeats: int) -> dict:
+    """Naming throughput of mmcache and of the two reference schemes, measured side by side.
+
+    Each repeat times every scheme once, in an order that rotates between repeats, so that load swings on a
+    shared machine fall on all of them alike; each figure is the median over repeats, and the ratios are the
+    medians of the per-repeat ratios.
+    """
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 151_936, size=tokens).astype(np.int32)
     ids = arr.tolist()
     mgr = _manager(8)
-    t_mm = _median_time(lambda: mgr.prepare(arr), repeats)
-    t_list = _median_time(lambda: mgr.prepare(ids), repeats)
     small = ids[: tokens // 8]  # the slow schemes name an eighth of the tokens per repeat
-    t_sha = _median_time(lambda: _sha256_pickle(small, PAGE), max(3, repeats // 2))
-    t_b2 = _median_time(lambda: _blake2b(small, PAGE), max(3, repeats // 2))
+    schemes = {"mmcache": (lambda: mgr.prepare(arr), tokens), "mmcache_from_list": (lambda: mgr.prepare(ids), tokens),
+               "sha256_pickle": (lambda: _sha256_pickle(small, PAGE), len(small)),
+               "blake2b": (lambda: _blake2b(small, PAGE), len(small))}
+    names = list(schemes)
+    rates: dict[str, list] = {k: [] for k in names}
+    for r in range(max(3, repeats)):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            fn, n = schemes[k]
+            t0 = time.perf_counter()
+            fn()
+            rates[k].append(n / (time.perf_counter() - t0) / 1e6)
+    ratio = lambda k: statistics.median(a / b for a, b in zip(rates["mmcache"], rates[k]))
     return {
-        "mmcache_mtok_s": tokens / t_mm / 1e6,
-        "mmcache_from_list_mtok_s": tokens / t_list / 1e6,
-        "sha256_pickle_mtok_s": len(small) / t_sha / 1e6,
-        "blake2b_mtok_s": len(small) / t_b2 / 1e6,
+        **{f"{k}_mtok_s": statistics.median(v) for k, v in rates.items()},
+        "vs_sha256_pickle": ratio("sha256_pickle"),
+        "vs_blake2b": ratio("blake2b"),
         "tokens": tokens,
         "page_size": PAGE,
     }
@@ -156,7 +169,7 @@ def run(args) -> dict:
     tokens = (1 << 18) if args.quick else args.tokens
     meta = bench_metadata()
     return {
-        "naming": bench_naming(tokens, repeats),
+        "naming": bench_naming(tokens, repeats * 3),
         "lookup_ms": bench_lookup(repeats * 3),
         "evict_ms_per_1000_pages": bench_evict(repeats),
         "metadata_bytes_per_page": meta["traced"],
