@@ -81,6 +81,30 @@ def test_cache_on_logits_equal_cache_off_bit_for_bit_under_exact_schedule(dtype)
         assert out_on[i].output_ids == out_off[i].output_ids
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cfg_with_a_shared_negative_prompt_is_bit_exact_under_exact_schedule(dtype):
+    """Both branches' logits (and so the guided tokens) equal cache-off's while the negative prompt's pages hit."""
+    model, tok = build_model("tiny", dtype)
+    rng = np.random.default_rng(5)
+    negative = rng.integers(2, 512, size=50).tolist()
+    positives = [rng.integers(2, 512, size=n).tolist() for n in (21, 37, 21)]
+    sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("on", "off"):
+        eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=128, cache_mode=mode))
+        rec = capture_logits(eng)
+        outs = [eng.generate([Request(p, sampling, request_id=i, negative_prompt=negative, guidance_scale=3.0)])[0]
+                for i, p in enumerate(positives)]
+        runs[mode] = (rec, outs)
+    (rec_on, out_on), (rec_off, out_off) = runs["on"], runs["off"]
+    assert [o.negative_matched_tokens for o in out_on] == [0, 48, 48]
+    assert [o.negative_matched_tokens for o in out_off] == [0, 0, 0]
+    for i in range(len(positives)):
+        assert len(rec_on[i]) == len(rec_off[i]) == 2 * 16  # a logits row per branch per token
+        assert all(torch.equal(a, b) for a, b in zip(rec_on[i], rec_off[i])), i
+        assert out_on[i].output_ids == out_off[i].output_ids
+
+
 def test_default_schedule_tokens_equal_with_cache_on_and_off():
     model, tok = build_model("tiny", "float32")
     prompts = shared_prefix_prompts(seed=1)

@@ -28,8 +28,8 @@ allow. Invariants:
   published: indexing a page when its chunk is scheduled (so a request admitted later in the same step
   could read it in the same forward, a step sooner) would leave pages of a failed forward in the index.
 * ``schedule="serial"`` runs one request at a time (admitted when nothing else runs). With
-  ``prefill_chunk_tokens == page_size`` this is the *exact* schedule: every forward holds one request's
-  one page (or one decode token), so a cache-off run computes each shared page in a forward identical to the
+  ``prefill_chunk_tokens == page_size`` this is the *exact* schedule: every prefill forward holds one page of
+  one branch of one request (a CFG request's branches take turns), every decode forward one token per branch, so a cache-off run computes each shared page in a forward identical to the
   one that produced the cached page, and every forward after the match is identical in both runs. (CPU GEMMs
   are not row-independent for small row counts, so "same schedule" must mean identical forwards.) This
   covers prompt pages; a matched page holding positions that an earlier request *decoded* is exact only
@@ -133,6 +133,8 @@ class Scheduler:
             if end > b.computed:
                 out.append((b, b.computed, end))
                 budget -= end - b.computed
+                if self.limits.serial:
+                    break  # one branch's chunk per forward (see the module docstring)
         return out
 
     def _reserve(self, live: LiveRequest, chunks, scheduled: set, plan: StepPlan) -> list[Work] | None:
