@@ -16,3 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def datasets_dir() -> Path:
     return REPO / "datasets"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): the tiny
+    models gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

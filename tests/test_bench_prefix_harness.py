@@ -21,13 +21,7 @@ SHAPE = prefix.Shape(probe_repeats=1, probe_len=4 * PAGE, probe_shared=3 * PAGE,
                      mt_max_answer_tokens=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny model gains nothing from intra-op threads on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

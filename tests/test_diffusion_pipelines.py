@@ -22,12 +22,7 @@ WAN_ARGS = dict(height=16, width=16, num_frames=5, num_inference_steps=2, max_se
 SD3_ARGS = dict(height=16, width=16, num_inference_steps=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

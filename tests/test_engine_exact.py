@@ -19,13 +19,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 FAMILIES = ["tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-gemma"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 def shared_prefix_prompts(seed=0, vocab=512):

@@ -15,12 +15,7 @@ from mmcache.engine.models import build_model
 from mmcache.engine.sequence import CFG, MAIN
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

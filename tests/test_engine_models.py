@@ -18,12 +18,7 @@ from mmcache.names import MediaItem, media_digest
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 def test_presets_are_deterministic_and_their_tokenizers_fit():

@@ -22,13 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 NEG = wan_negative_prompt()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny ops on a shared 2-core machine run far slower with 2 OpenMP threads than with 1.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

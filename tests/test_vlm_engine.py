@@ -35,12 +35,7 @@ SYSTEM = "A chat between a curious human and an artificial intelligence assistan
 NAMES = ["tiny-llava", "tiny-qwen2-vl"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")
