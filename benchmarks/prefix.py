@@ -347,6 +347,7 @@ def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenS
     ending on a page boundary, and a continuation of an earlier answer. Every logits row the engine samples
     from, and every output id, must be equal bit for bit, and the cache-on run must have hit."""
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.inspect import record_logits
 
     rng = tw.random.Random(f"bit_exact:{seed}")
     a = space.draw(rng, 3 * page_size + 37)
@@ -358,7 +359,7 @@ def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenS
     for mode in ("on", "off"):
         config = EngineConfig.exact(page_size=page_size, cache_mode=mode, store_at=store_at)
         eng = Engine.from_pretrained(model_dir, dtype=dtype, config=config)
-        logits = _record_logits(eng)
+        logits = record_logits(eng)
         outs = [eng.generate([Request(list(p), params, request_id=f"x{i}")])[0] for i, p in enumerate([a, a, b, c])]
         follow = list(a) + list(outs[0].output_ids) + list(tail)
         outs.append(eng.generate([Request(follow, params, request_id="x-follow")])[0])
@@ -379,25 +380,6 @@ def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenS
             "tokens_equal": tokens_equal, "logits_equal": logits_equal, "matched_tokens_on": matched,
             "schedule": "EngineConfig.exact: serial, one page per prefill forward", "store_at": store_at,
             "compared": "every sampled logits row (bitwise) and every output id"}
-
-
-def _record_logits(eng) -> dict:
-    """Every logits row ``eng`` samples from, per request, in step order. The engine has no public hook for its
-    logits, so this wraps its runner's ``run`` on this instance only, reading rows as the engine assigns them."""
-    rows: dict = {}
-    run = eng.runner.run
-
-    def recording(works):
-        logits = run(works)
-        row = 0
-        for w in works:
-            if w.wants_logits:
-                rows.setdefault(w.live.request_id, []).append(logits[row].detach().clone())
-                row += 1
-        return logits
-
-    eng.runner.run = recording
-    return rows
 
 
 def _bitwise_equal(x, y) -> bool:

@@ -33,10 +33,10 @@ import numpy as np
 
 from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, RequestStateError,
                      UnknownRequest)
-from .eviction import evict, evictable_mask
+from .eviction import evict
 from .index import PrefixIndex
 from .metrics import CacheMetrics
-from .names import Extras, Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_extras
+from .names import Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_extras
 from .pool import KVSpec, PagePool
 
 MODES = ("on", "off", "shadow")

@@ -26,3 +26,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tower_calls():
+    """``count(vlm)`` -> a list that grows by one per forward of a VLM engine's vision tower; the hooks go when
+    the test ends (the presets' models are shared by a module's tests)."""
+    handles = []
+
+    def count(vlm) -> list:
+        calls = []
+        handles.append(vlm.tower.register_forward_hook(lambda *_: calls.append(1)))
+        return calls
+
+    yield count
+    for handle in handles:
+        handle.remove()

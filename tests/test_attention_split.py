@@ -9,7 +9,7 @@ from mmcache.engine.attention import _over_prefix
 
 def reference(q, k, v, start, scale):
     """Bottom-right causal attention of q (heads, n, d) over k/v (kv_heads, start + n, d), in float64."""
-    n, ctx = q.shape[1], k.shape[1]
+    ctx = k.shape[1]
     allowed = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
     group = q.shape[0] // k.shape[0]
     k64, v64 = (t.double().repeat_interleave(group, 0) for t in (k, v))

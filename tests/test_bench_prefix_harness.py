@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 from benchmarks import prefix
 from benchmarks import runner as bench_runner

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine.inspect import record_logits
 from mmcache.engine.models import build_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -31,24 +32,6 @@ def shared_prefix_prompts(seed=0, vocab=512):
     return prompts
 
 
-def capture_logits(eng: Engine) -> dict:
-    """Record every logits row the engine computes, per request, in step order."""
-    rec: dict = {}
-    run = eng.runner.run
-
-    def recording(works):
-        logits = run(works)
-        i = 0
-        for w in works:
-            if w.wants_logits:
-                rec.setdefault(w.live.request_id, []).append(logits[i].clone())
-                i += 1
-        return logits
-
-    eng.runner.run = recording
-    return rec
-
-
 def run_requests(eng, prompts, sampling=GREEDY):
     return eng.generate([Request(p, sampling, request_id=i) for i, p in enumerate(prompts)])
 
@@ -60,7 +43,7 @@ def test_cache_on_logits_equal_cache_off_bit_for_bit_under_exact_schedule(dtype)
     runs = {}
     for mode in ("on", "off"):
         eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=128, cache_mode=mode))
-        rec = capture_logits(eng)
+        rec = record_logits(eng)
         runs[mode] = (rec, run_requests(eng, prompts), eng)
     rec_on, out_on, eng_on = runs["on"]
     rec_off, out_off, _ = runs["off"]
@@ -86,7 +69,7 @@ def test_cfg_with_a_shared_negative_prompt_is_bit_exact_under_exact_schedule(dty
     runs = {}
     for mode in ("on", "off"):
         eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=128, cache_mode=mode))
-        rec = capture_logits(eng)
+        rec = record_logits(eng)
         outs = [eng.generate([Request(p, sampling, request_id=i, negative_prompt=negative, guidance_scale=3.0)])[0]
                 for i, p in enumerate(positives)]
         runs[mode] = (rec, outs)
@@ -127,7 +110,7 @@ def test_engine_logits_match_the_models_own_forward(name, dtype, tol):
     model, tok = build_model(name, dtype)
     eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=128, prefill_chunk_tokens=32,
                                           max_tokens_per_step=64))
-    rec = capture_logits(eng)
+    rec = record_logits(eng)
     prompts = shared_prefix_prompts(seed=2)[:3] + [[7, 8, 9, 10, 11]]
     outs = run_requests(eng, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     prompts.append(prompts[0][:70])

@@ -6,7 +6,6 @@ computed (``prompt_tokens``), and compares outputs with the same requests run on
 
 import numpy as np
 import pytest
-import torch
 
 from mmcache.engine import Engine, EngineConfig, EngineConfigError, ForwardError, Request, SamplingParams
 from mmcache.engine.models import build_model

@@ -54,7 +54,7 @@ def test_malformed_line_names_its_line(tmp_path, bad, reason):
     with pytest.raises(TraceFormatError) as err:
         MooncakeTrace(path)
     assert err.value.line == 3
-    assert f"bad.jsonl:3:" in str(err.value) and reason in str(err.value)
+    assert "bad.jsonl:3:" in str(err.value) and reason in str(err.value)
 
 
 def test_a_bad_line_past_the_limit_still_fails(tmp_path):

@@ -25,6 +25,7 @@ from PIL import Image, ImageOps
 from encoders.media import decode_image, read_image
 from mmcache.engine import Engine, EngineConfig, SamplingParams, UnknownPreset
 from mmcache.engine.attention import ATTENTION_BACKEND
+from mmcache.engine.inspect import record_logits
 from mmcache.engine.vlm import VLMEngine, VLMRequest, answer_message
 from mmcache.engine.vlm_presets import build_vlm
 from mmcache.store import EncoderOutputStore
@@ -63,22 +64,6 @@ def front(preset, mode="on", store_bytes=1 << 24, exact=False, **config) -> VLME
     return VLMEngine(Engine(preset.model, None, cfg), preset.prompt_builder(EncoderOutputStore(store_bytes)))
 
 
-@pytest.fixture
-def tower_calls():
-    """``count(vlm)`` -> a list that grows by one per tower forward; the hooks go when the test ends (the presets'
-    models are shared by the module's tests)."""
-    handles = []
-
-    def count(vlm: VLMEngine) -> list:
-        calls = []
-        handles.append(vlm.tower.register_forward_hook(lambda *_: calls.append(1)))
-        return calls
-
-    yield count
-    for handle in handles:
-        handle.remove()
-
-
 def chat(image, question="What is unusual about this image?", system=SYSTEM) -> list:
     messages = [{"role": "system", "content": system}] if system else []
     content = [{"type": "image", "image": image}] if image is not None else []
@@ -91,23 +76,6 @@ def first_placeholder(vlm: VLMEngine, messages) -> tuple[int, int, list]:
         start = prompt.embeds[0][0]
         end = max(s + f.shape[0] for s, f in prompt.embeds)
         return start, end, list(prompt.token_ids)
-
-
-def record_logits(vlm: VLMEngine) -> dict:
-    rec: dict = {}
-    run = vlm.engine.runner.run
-
-    def recording(works):
-        logits = run(works)
-        i = 0
-        for w in works:
-            if w.wants_logits:
-                rec.setdefault(w.live.request_id, []).append(logits[i].clone())
-                i += 1
-        return logits
-
-    vlm.engine.runner.run = recording
-    return rec
 
 
 def hf_logits(preset, token_ids, image_bytes) -> torch.Tensor:
@@ -129,7 +97,7 @@ def test_engine_computes_what_the_vlm_computes_from_pixels(name, presets, images
     vlm = front(preset, prefill_chunk_tokens=P, max_tokens_per_step=4 * P)  # image runs cut across chunks
     assert vlm.tower.config._attn_implementation == "sdpa"  # only the language model uses the paged backend
     assert vlm.engine.adapter.text_config._attn_implementation == ATTENTION_BACKEND
-    rec = record_logits(vlm)
+    rec = record_logits(vlm.engine)
     content = [{"type": "image", "image": images["coffee"]}, {"type": "text", "text": "and"},
                {"type": "image", "image": images["chelsea"]}, {"type": "text", "text": "What differs?"}]
     out = vlm.generate([VLMRequest([{"role": "user", "content": content}], sampling=GREEDY, request_id="r")])[0]
@@ -188,7 +156,7 @@ def test_same_bytes_with_other_preprocessing_get_another_digest_and_no_hit(prese
     raw = images["chelsea"]
     assert other_adapter.digest(raw) != vlm.builder.adapter.digest(raw)
     first, _, _ = first_placeholder(vlm, chat(raw))
-    a = vlm.generate([VLMRequest(chat(raw), sampling=GREEDY)])[0]
+    vlm.generate([VLMRequest(chat(raw), sampling=GREEDY)])  # stores the pages under this adapter's digest
     b = other.generate([VLMRequest(chat(raw), sampling=GREEDY)])[0]
     c = vlm.generate([VLMRequest(chat(raw), sampling=GREEDY)])[0]
     assert b.matched_tokens == first // P * P < c.matched_tokens
@@ -210,7 +178,7 @@ def test_vlm_cache_on_logits_equal_cache_off_bit_for_bit_under_exact_schedule(na
     for mode in ("on", "off"):
         vlm = front(preset, mode, store_bytes=1 << 24 if mode == "on" else 0, exact=True)
         calls = tower_calls(vlm)
-        rec = record_logits(vlm)
+        rec = record_logits(vlm.engine)
         outs = vlm.generate([VLMRequest(m, sampling=sampling, request_id=i) for i, m in enumerate(requests)])
         runs[mode] = (rec, outs, len(calls))
         vlm.check_invariants()

@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from mmcache.engine import Engine, EngineConfig, ForwardError, Request, SamplingParams
@@ -65,22 +64,6 @@ def front(preset, store_bytes=1 << 24, **config) -> VLMEngine:
     config.setdefault("num_pages", 256)
     engine = Engine(preset.model, None, EngineConfig(page_size=P, **config))
     return VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(store_bytes)))
-
-
-@pytest.fixture
-def tower_calls():
-    """``count(vlm)`` -> a list that grows by one per tower forward; the hooks go when the test ends (the presets'
-    models are shared by the module's tests)."""
-    handles = []
-
-    def count(vlm: VLMEngine) -> list:
-        calls = []
-        handles.append(vlm.tower.register_forward_hook(lambda *_: calls.append(1)))
-        return calls
-
-    yield count
-    for handle in handles:
-        handle.remove()
 
 
 def ask(image, question="What is in this image?", n=8, rid=None, salt=b"", system=SYSTEM) -> VLMRequest:

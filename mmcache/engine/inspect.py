@@ -1,0 +1,28 @@
+"""Looking inside a running engine, for tests, benchmarks and debugging; nothing here changes what it computes.
+
+``record_logits(engine)`` returns a dict that fills, per request id and in step order, with a copy of every
+logits row the engine samples from (one row per branch per sampled position: a CFG request contributes a row
+for each of its two labels). It wraps the runner of that engine instance only; rows are read in the order
+the engine assigns them to the forward's works.
+"""
+
+from __future__ import annotations
+
+from .engine import Engine
+
+
+def record_logits(engine: Engine) -> dict:
+    rows: dict = {}
+    run = engine.runner.run
+
+    def recording(works):
+        logits = run(works)
+        row = 0
+        for w in works:
+            if w.wants_logits:
+                rows.setdefault(w.live.request_id, []).append(logits[row].detach().clone())
+                row += 1
+        return logits
+
+    engine.runner.run = recording
+    return rows
