@@ -5,7 +5,7 @@
 One run exports the preset once as a Hugging Face folder (``mmcache export-model``) and gives that folder and
 dtype to every engine: mmcache with the cache on, mmcache with the cache off, transformers' continuous batching
 with block sharing, and, with ``--peers`` and ``VLLM_PEER_PYTHON`` set, vLLM's CPU build with prefix caching
-(started once, fed every workload in one process). ``--quick`` runs the ``small`` preset with small workloads
+(one process, started once, fed each workload when its turn comes). ``--quick`` runs the ``small`` preset with small workloads
 and no peers (``--peers`` adds them). Workloads are in ``text_workloads``; every engine plays them through
 ``peers.protocol.play``, so prompts, order and timing are the same for all.
 
@@ -16,8 +16,14 @@ latency p50, output tokens per second over the workload's wall time, and the sha
 a prefix cache. ``bit_exact`` comes from mmcache's exact schedule (one request at a time, one page per prefill
 forward), cache on against cache off, on prompts that hit the cache: every logits row and output id equal.
 
-Invariants: engines run one after another, never together, each warmed up on unrelated tokens first; every
-workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
+Engines are interleaved: all are loaded and warmed up on unrelated tokens first; then each probe repeat, and
+then each workload, is played by every engine in turn (the order rotating from one repeat or workload to the
+next), so that what one engine is compared with was measured minutes, not a quarter of an hour, apart. This
+machine's speed drifts by up to 2x within minutes; run one engine after another and a peer's figures can
+differ from mmcache's by that drift alone.
+
+Invariants: engines run one at a time, never together (vLLM's process waits on its input while the others
+run); every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
 """
 
 from __future__ import annotations
@@ -248,21 +254,6 @@ def probe_workloads(space: tw.TokenSpace, shape: Shape, seed: int, method: Probe
             for rep in range(shape.probe_repeats)]
 
 
-def play_all(run_round, space: tw.TokenSpace, shape: Shape, workloads: list[Workload], seed: int,
-             name: str, method: ProbeMethod) -> tuple[list[list[RoundResult]], list[list[RoundResult]]]:
-    protocol.play(warmup_workload(space, seed, shape.probe_len), run_round)
-    probes = []
-    for rep, w in enumerate(probe_workloads(space, shape, seed, method)):
-        probes.append(protocol.play(w, run_round))
-        _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
-                  + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, probes[-1])))
-    results = []
-    for w in workloads:
-        results.append(protocol.play(w, run_round))
-        _progress(f"{name}: {w.name}: {sum(r.wall_s for r in results[-1]):.2f} s")
-    return probes, results
-
-
 def engine_result(probes, results, workloads, meta, method: ProbeMethod = ProbeMethod()) -> EngineResult:
     outputs = {rec.id: rec.output_ids for rounds in probes + results for rnd in rounds for rec in rnd.records}
     return EngineResult(summarize_probe(probes, method), {w.name: summarize(r) for w, r in zip(workloads, results)},
@@ -296,36 +287,71 @@ class MmcacheRunner:
         self.engine.check_invariants()  # a run that leaked or double-owned a page is not a result
 
 
-def measure_in_process(name: str, make_runner, space, shape, workloads, seed,
-                       method: ProbeMethod = ProbeMethod()) -> EngineResult:
-    t0 = time.perf_counter()
-    runner = make_runner()
-    load_s = time.perf_counter() - t0
-    try:
-        probes, results = play_all(runner.run_round, space, shape, workloads, seed, name, method)
-        meta = {"load_s": load_s, "settings": getattr(runner, "settings", None) or _config_dict(runner)}
+def rotate(names: list[str], k: int) -> list[str]:
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+@dataclass
+class Player:
+    """One engine of the run: ``play(workload)`` returns its rounds; ``close`` ends it (checking what it checks)."""
+
+    name: str
+    play: object
+    close: object
+    meta: dict
+    method: ProbeMethod = ProbeMethod()
+    final_meta: object = None  # called before close: figures known only at the end (engine metrics)
+
+
+def in_process_player(name: str, runner, load_s: float, method: ProbeMethod = ProbeMethod()) -> Player:
+    meta = {"load_s": load_s, "settings": getattr(runner, "settings", None) or _config_dict(runner)}
+
+    def final() -> dict:
         if hasattr(runner, "engine") and hasattr(runner.engine, "metrics"):
-            meta["engine_metrics"] = _jsonable(runner.engine.metrics())
-    finally:
-        runner.close()
-    del runner
-    gc.collect()
-    return engine_result(probes, results, workloads, meta, method)
+            return {"engine_metrics": _jsonable(runner.engine.metrics())}
+        return {}
+
+    return Player(name, lambda w: protocol.play(w, runner.run_round), runner.close, meta, method, final)
 
 
-def measure_vllm(model_dir, space, shape, workloads, seed, args, workdir) -> EngineResult:
+def vllm_player(model_dir, space, shape, workloads, seed, args, workdir) -> Player:
     probes = probe_workloads(space, shape, seed, ProbeMethod())
     longest = max(len(r.tokens) + r.max_tokens for w in workloads + probes for rnd in w.rounds for r in rnd)
     history = max([_session_len(w) for w in workloads] + [0])
     max_len = 1024 * -(-max(longest, history, 8192) // 1024)
-    run = vllm_cpu.run(model_dir, warmup_workload(space, seed, shape.probe_len), probes + workloads, workdir,
-                       dtype=args.dtype, block_size=args.page_size, max_model_len=max_len, eager=args.vllm_eager)
-    meta = {"version": run.version, "init_s": run.init_s, "settings": run.settings}
-    n = len(probes)
-    for rep, rounds in enumerate(run.results[:n]):
-        _progress(f"vllm_cpu: probe repeat {rep + 1}/{n}: "
-                  + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, rounds)))
-    return engine_result(run.results[:n], run.results[n:], workloads, meta)
+    server = vllm_cpu.VllmServer(model_dir, warmup_workload(space, seed, shape.probe_len), workdir,
+                                 dtype=args.dtype, block_size=args.page_size, max_model_len=max_len,
+                                 eager=args.vllm_eager)
+    meta = {"version": server.version, "init_s": server.init_s, "settings": server.settings}
+    return Player("vllm_cpu", server.play, server.close, meta)
+
+
+def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, workloads: list[Workload],
+                     seed: int) -> dict[str, EngineResult]:
+    """Every probe repeat, then every workload, played by each engine in turn (see the module docstring)."""
+    names = [p.name for p in players]
+    by_name = {p.name: p for p in players}
+    for p in players:
+        if p.name != "vllm_cpu":  # vLLM's server warmed up before it answered
+            p.play(warmup_workload(space, seed, shape.probe_len))
+    probe_sets = {p.name: probe_workloads(space, shape, seed, p.method) for p in players}
+    probes: dict[str, list] = {n: [] for n in names}
+    for rep in range(shape.probe_repeats):
+        for name in rotate(names, rep):
+            probes[name].append(by_name[name].play(probe_sets[name][rep]))
+            _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
+                      + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, probes[name][-1])))
+    results: dict[str, list] = {n: [] for n in names}
+    for i, w in enumerate(workloads):
+        for name in rotate(names, i):
+            results[name].append(by_name[name].play(w))
+            _progress(f"{name}: {w.name}: {sum(r.wall_s for r in results[name][-1]):.2f} s")
+    out = {}
+    for p in players:
+        meta = dict(p.meta, **(p.final_meta() if p.final_meta else {}))
+        out[p.name] = engine_result(probes[p.name], results[p.name], workloads, meta, p.method)
+    return out
 
 
 def _session_len(w: Workload) -> int:
@@ -424,23 +450,30 @@ def run(args) -> dict:
         _progress("bit-exact check (exact schedule, cache on vs off)")
         exact = bit_exact_check(model_dir, args.dtype, args.page_size, space, args.seed, args.store_at)
         _progress(f"bit_exact: {exact['bit_exact']}")
-        results: dict[str, EngineResult] = {}
-        for name in engines:
-            _progress(f"{name}: loading")
-            if name == "vllm_cpu":
-                results[name] = measure_vllm(model_dir, space, shape, workloads, args.seed, args, workdir)
-                continue
-            method = ProbeMethod()
-            if name == "transformers_cb":
-                from .peers.transformers_cb import TransformersCB
+        players: list[Player] = []
+        try:
+            for name in engines:
+                _progress(f"{name}: loading")
+                if name == "vllm_cpu":
+                    players.append(vllm_player(model_dir, space, shape, workloads, args.seed, args, workdir))
+                    continue
+                t0 = time.perf_counter()
+                method = ProbeMethod()
+                if name == "transformers_cb":
+                    from .peers.transformers_cb import TransformersCB
 
-                make = lambda: TransformersCB(model_dir, args.dtype, page_size=args.page_size, num_blocks=num_pages)
-                method = ProbeMethod(max_tokens=2, figure="ttft")
-            else:
-                mode = "on" if name == "mmcache" else "off"
-                make = lambda mode=mode: MmcacheRunner(model_dir, args.dtype, mode, args.page_size, num_pages,
-                                                       store_at=args.store_at)
-            results[name] = measure_in_process(name, make, space, shape, workloads, args.seed, method)
+                    runner = TransformersCB(model_dir, args.dtype, page_size=args.page_size, num_blocks=num_pages)
+                    method = ProbeMethod(max_tokens=2, figure="ttft")
+                else:
+                    runner = MmcacheRunner(model_dir, args.dtype, "on" if name == "mmcache" else "off",
+                                           args.page_size, num_pages, store_at=args.store_at)
+                players.append(in_process_player(name, runner, time.perf_counter() - t0, method))
+            results = play_interleaved(players, space, shape, workloads, args.seed)
+        finally:
+            for p in players:
+                p.close()
+            del players
+            gc.collect()
     reference = results.get("mmcache_nocache")
     engines_out = {}
     for name, r in results.items():

@@ -42,11 +42,17 @@ def probe_rows(rounds):
     return {key: rnd.records[0] for key, rnd in zip(prefix.PROBE_KEYS, rounds)}
 
 
+def play_probes(run_round, space, method=prefix.ProbeMethod()):
+    """The warm-up, then every probe repeat, as the benchmark plays them for one engine."""
+    protocol.play(prefix.warmup_workload(space, 0, SHAPE.probe_len), run_round)
+    return [protocol.play(w, run_round) for w in prefix.probe_workloads(space, SHAPE, 0, method)]
+
+
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_mmcache_probe_matches_exactly(tiny_dir, mode):
     space = prefix.token_space(tiny_dir)
     runner = prefix.MmcacheRunner(tiny_dir, "float32", mode, PAGE, 64, store_at="teardown")
-    probes, _ = prefix.play_all(runner.run_round, space, SHAPE, [], 0, "t", prefix.ProbeMethod())
+    probes = play_probes(runner.run_round, space)
     rows = probe_rows(probes[0])
     hit = 3 * PAGE if mode == "on" else 0  # the repeat keeps its last page to compute the first token's logits
     assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, hit, hit, 0]
@@ -78,7 +84,7 @@ def test_transformers_cb_reuses_blocks_across_rounds(tiny_dir):
     space = prefix.token_space(tiny_dir)
     peer = TransformersCB(tiny_dir, "float32", page_size=PAGE, num_blocks=64, max_batch_tokens=256)
     try:
-        probes, _ = prefix.play_all(peer.run_round, space, SHAPE, [], 0, "t", prefix.ProbeMethod(2, "ttft"))
+        probes = play_probes(peer.run_round, space, prefix.ProbeMethod(2, "ttft"))
     finally:
         peer.close()
     rows = probe_rows(probes[0])
@@ -130,3 +136,100 @@ def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
     w = tw.probe(tw.TokenSpace(2, 100), 0, 32, 16)
     with pytest.raises(vllm_cpu.VllmUnavailable, match="vllm"):
         vllm_cpu.run(str(tmp_path), w, [w], str(tmp_path), timeout_s=120)
+
+
+def test_engines_take_turns_with_the_order_rotating(tmp_path):
+    """Each probe repeat, then each workload, is played by every engine in turn; the first engine rotates."""
+    space = tw.TokenSpace(2, 100)
+    shape = prefix.Shape(**{**SHAPE.__dict__, "probe_repeats": 3})
+    workloads = prefix.build_workloads(SHAPE, space, 0, ["vllm_prefix_caching", "generated_shared_prefix"])
+    log = []
+
+    def fake(name, method=prefix.ProbeMethod()):
+        def run_round(ids, prompts, max_tokens):
+            return [protocol.Record(i, len(p), [7] * n, 0.0, 0.5, [0.5 + k for k in range(n)], 0)
+                    for i, p, n in zip(ids, prompts, max_tokens)]
+
+        def play(w):
+            log.append((name, w.name))
+            return protocol.play(w, run_round)
+
+        return prefix.Player(name, play, lambda: log.append((name, "closed")), {"who": name}, method)
+
+    players = [fake("a"), fake("b", prefix.ProbeMethod(2, "ttft")), fake("c")]
+    out = prefix.play_interleaved(players, space, shape, workloads, 0)
+    played = [(n, w) for n, w in log if not w.startswith("warmup")]
+    probe_order = [n for n, w in played if w.startswith("probe")]
+    assert probe_order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    work_order = [(n, w) for n, w in played if not w.startswith("probe")]
+    assert work_order == [("a", "vllm_prefix_caching"), ("b", "vllm_prefix_caching"), ("c", "vllm_prefix_caching"),
+                          ("b", "generated_shared_prefix"), ("c", "generated_shared_prefix"),
+                          ("a", "generated_shared_prefix")]
+    assert sum(w.startswith("warmup") for _, w in log) == 3 and "closed" not in {w for _, w in log}
+    assert set(out) == {"a", "b", "c"} and out["b"].meta == {"who": "b"}
+    assert len(out["a"].probe["repeats"]) == 3 and set(out["a"].workloads) == {w.name for w in workloads}
+    assert out["b"].probe["figure"].startswith("time to first token (engine stamps) of a 2-token")  # b's own probe method
+    assert out["a"].probe["figure"].startswith("latency of a 1-token")
+
+
+FAKE_VLLM = {
+    "__init__.py": """
+import sys
+from types import SimpleNamespace
+__version__ = "0.0-fake"
+
+class SamplingParams:
+    def __init__(self, max_tokens, **kw):
+        self.max_tokens = max_tokens
+
+class _Engine:
+    def __init__(self):
+        self.live = {}
+    def add_request(self, key, prompt, params):
+        self.live[key] = (prompt["prompt_token_ids"], params.max_tokens, [])
+    def has_unfinished_requests(self):
+        return bool(self.live)
+    def step(self):
+        print("fake vLLM log line on stdout", flush=True)  # the reader must skip it
+        outs = []
+        for key, (prompt, n, toks) in list(self.live.items()):
+            toks.append(len(prompt) % 97)
+            done = len(toks) >= n
+            outs.append(SimpleNamespace(request_id=key, outputs=[SimpleNamespace(token_ids=list(toks))],
+                                        num_cached_tokens=len(prompt) // 2, finished=done))
+            if done:
+                del self.live[key]
+        return outs
+
+class LLM:
+    def __init__(self, **kw):
+        self.llm_engine = _Engine()
+""",
+    "inputs.py": "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n",
+    "sampling_params.py": "class RequestOutputKind:\n    CUMULATIVE = 1\n",
+}
+
+
+def test_vllm_server_plays_workloads_on_request_and_skips_vllms_own_output(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake" / "vllm"
+    pkg.mkdir(parents=True)
+    for name, text in FAKE_VLLM.items():
+        (pkg / name).write_text(text)
+    monkeypatch.setenv(vllm_cpu.ENV_VAR, sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    space = tw.TokenSpace(2, 100)
+    w1, w2 = tw.probe(space, 0, 32, 16), tw.probe(space, 1, 40, 16, max_tokens=3)
+    with vllm_cpu.VllmServer(str(tmp_path), w1, str(tmp_path), eager=True) as server:
+        assert server.version == "0.0-fake" and server.settings["eager"] is True
+        for w in (w2, w1):
+            rounds = server.play(w)
+            assert [[r.id for r in rnd.records] for rnd in rounds] == [[r.id for r in rnd] for rnd in w.rounds]
+            for rnd, want in zip(rounds, w.rounds):
+                rec, req = rnd.records[0], want[0]
+                assert len(rec.output_ids) == req.max_tokens and rec.matched_tokens == len(req.tokens) // 2
+        assert server.proc.poll() is None  # waiting for the next workload
+    assert server.proc.returncode == 0
+    # A runner that cannot start: the log tail comes back in the error.
+    monkeypatch.setenv("PYTHONPATH", "")
+    with pytest.raises(vllm_cpu.VllmUnavailable, match="vllm"):
+        vllm_cpu.VllmServer(str(tmp_path), w1, str(tmp_path))

@@ -1,11 +1,16 @@
 """Plays prefix-benchmark workloads through vLLM's CPU build; run by the interpreter in ``VLLM_PEER_PYTHON``.
 
-usage: $VLLM_PEER_PYTHON vllm_runner.py --model DIR --workloads IN.json --out OUT.json
+usage: $VLLM_PEER_PYTHON vllm_runner.py --model DIR --workloads IN.json (--out OUT.json | --serve)
           [--dtype bfloat16] [--block-size 128] [--max-model-len 8192] [--max-num-seqs 16] [--eager]
 
 IN.json:  {"warmup": WORKLOAD, "workloads": [WORKLOAD, ...]} in ``protocol.workload_to_json`` form.
 OUT.json: {"engine": "vllm_cpu", "version", "init_s", "settings", "results": [ROUNDS, ...]}, one
           ``protocol.results_to_json`` list per workload, in the order given.
+--serve:  after the warm-up, one line on stdout starting with ``SERVE_MARK`` carries {"version", "init_s",
+          "settings"}; then each line read from stdin is a workload, played at once and answered by one
+          ``SERVE_MARK`` line with its rounds; an empty line or the end of stdin ends the process. Lines
+          without the mark (vLLM's own output) are to be ignored by the reader. This lets the benchmark
+          interleave vLLM with the in-process engines, so that they are measured minutes apart at most.
 
 One ``LLM`` (prefix caching on) is started once and serves every workload, so the cache carries over between
 rounds and workloads as it would in a server. Each round's requests are added to the engine together and the
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.peers.protocol import (Record, dump, load, play, results_to_json,  # noqa: E402
                                        workload_from_json)
+
+
+SERVE_MARK = "@@mmcache-vllm-runner "
 
 
 def make_round_runner(llm):
@@ -70,7 +79,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--workloads", required=True)
-    p.add_argument("--out", required=True)
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--out")
+    out.add_argument("--serve", action="store_true", help="play workloads read from stdin (see above)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=128, help="the CPU backend takes multiples of 32")
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -91,12 +102,21 @@ def main() -> int:
     init_s = time.perf_counter() - t0
     run_round = make_round_runner(llm)
     play(warmup, run_round)
+    settings = {k: v for k, v in vars(a).items() if k not in ("workloads", "out", "model", "serve")}
+    if a.serve:
+        print(SERVE_MARK + json.dumps({"version": vllm.__version__, "init_s": init_s, "settings": settings}),
+              flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            rounds = play(workload_from_json(json.loads(line)), run_round)
+            print(SERVE_MARK + json.dumps(results_to_json(rounds)), flush=True)
+        return 0
     results = []
     for w in workloads:
         print(f"vllm_runner: {w.name} ({w.num_requests} requests)", file=sys.stderr, flush=True)
         results.append(results_to_json(play(w, run_round)))
-    dump({"engine": "vllm_cpu", "version": vllm.__version__, "init_s": init_s,
-          "settings": {k: v for k, v in vars(a).items() if k not in ("workloads", "out", "model")},
+    dump({"engine": "vllm_cpu", "version": vllm.__version__, "init_s": init_s, "settings": settings,
           "results": results}, a.out)
     return 0
 
