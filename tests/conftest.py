@@ -42,3 +42,23 @@ def tower_calls():
     yield count
     for handle in handles:
         handle.remove()
+
+
+@pytest.fixture(scope="session")
+def hf_vlm_logits():
+    """``fn(preset, token_ids, image_bytes, model=None)``: logits of the VLM's own forward from pixel values (its
+    processor, its placeholder scatter, its positions); ``model`` defaults to the preset's."""
+    from encoders.media import decode_image, read_image
+
+    def fn(preset, token_ids, image_bytes, model=None):
+        model = preset.model if model is None else model
+        ids = torch.tensor([token_ids])
+        batch = preset.image_processor(images=[decode_image(read_image(b)) for b in image_bytes], return_tensors="pt")
+        with torch.no_grad():
+            if preset.name == "tiny-qwen2-vl":
+                types = (ids == model.config.image_token_id).int()
+                return model(input_ids=ids, pixel_values=batch["pixel_values"],
+                             image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=types).logits[0]
+            return model(input_ids=ids, pixel_values=batch["pixel_values"]).logits[0]
+
+    return fn

@@ -33,19 +33,6 @@ def count_tower_calls(adapter) -> list:
     return calls
 
 
-def hf_logits(preset, token_ids: list[int], images: list[bytes]) -> torch.Tensor:
-    """The model's own forward from pixel_values (its processor, its placeholder scatter, its positions)."""
-    model = preset.model
-    ids = torch.tensor([token_ids])
-    batch = preset.image_processor(images=[decode_image(read_image(b)) for b in images], return_tensors="pt")
-    with torch.no_grad():
-        if preset.name == "tiny-qwen2-vl":
-            types = (ids == model.config.image_token_id).int()
-            return model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                         mm_token_type_ids=types).logits[0]
-        return model(input_ids=ids, pixel_values=batch["pixel_values"]).logits[0]
-
-
 def adapter_logits(preset, prompt) -> torch.Tensor:
     model = preset.model
     with torch.no_grad():
@@ -66,12 +53,12 @@ def two_image_chat(images):
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
-def test_substituted_features_give_the_models_own_logits(name, presets, images):
+def test_substituted_features_give_the_models_own_logits(name, presets, images, hf_vlm_logits):
     preset = presets[name]
     store = EncoderOutputStore(1 << 24)
     with preset.prompt_builder(store).from_messages(two_image_chat(images)) as prompt:
         ours = adapter_logits(preset, prompt)
-        theirs = hf_logits(preset, prompt.token_ids, images[:2])
+        theirs = hf_vlm_logits(preset, prompt.token_ids, images[:2])
         torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
         if name == "tiny-qwen2-vl":
             ids = torch.tensor([prompt.token_ids])

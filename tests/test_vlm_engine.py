@@ -22,7 +22,6 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from encoders.media import decode_image, read_image
 from mmcache.engine import Engine, EngineConfig, SamplingParams, UnknownPreset
 from mmcache.engine.attention import ATTENTION_BACKEND
 from mmcache.engine.inspect import record_logits
@@ -78,21 +77,8 @@ def first_placeholder(vlm: VLMEngine, messages) -> tuple[int, int, list]:
         return start, end, list(prompt.token_ids)
 
 
-def hf_logits(preset, token_ids, image_bytes) -> torch.Tensor:
-    """A fresh copy of the VLM (same seed) run from pixel values: its processor, scatter and positions."""
-    model = build_vlm(preset.name).model
-    ids = torch.tensor([token_ids])
-    batch = preset.image_processor(images=[decode_image(read_image(b)) for b in image_bytes], return_tensors="pt")
-    with torch.no_grad():
-        if preset.name == "tiny-qwen2-vl":
-            types = (ids == model.config.image_token_id).int()
-            return model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                         mm_token_type_ids=types).logits[0]
-        return model(input_ids=ids, pixel_values=batch["pixel_values"]).logits[0]
-
-
 @pytest.mark.parametrize("name", NAMES)
-def test_engine_computes_what_the_vlm_computes_from_pixels(name, presets, images):
+def test_engine_computes_what_the_vlm_computes_from_pixels(name, presets, images, hf_vlm_logits):
     preset = presets[name]
     vlm = front(preset, prefill_chunk_tokens=P, max_tokens_per_step=4 * P)  # image runs cut across chunks
     assert vlm.tower.config._attn_implementation == "sdpa"  # only the language model uses the paged backend
@@ -103,7 +89,8 @@ def test_engine_computes_what_the_vlm_computes_from_pixels(name, presets, images
     out = vlm.generate([VLMRequest([{"role": "user", "content": content}], sampling=GREEDY, request_id="r")])[0]
     _, _, ids = first_placeholder(vlm, [{"role": "user", "content": content}])
     seq = ids + out.output_ids
-    want = hf_logits(preset, seq[:-1], [images["coffee"], images["chelsea"]])[len(ids) - 1:]
+    want = hf_vlm_logits(preset, seq[:-1], [images["coffee"], images["chelsea"]],
+                         model=build_vlm(preset.name).model)[len(ids) - 1:]  # a fresh copy, same seed
     got = torch.stack(rec["r"])
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-5 * float(want.abs().max()), rtol=0)
