@@ -44,3 +44,53 @@ def test_a_query_whose_own_keys_dominate_takes_them_and_not_the_prefix():
     torch.testing.assert_close(got, torch.full((n, 1, d), -3.0))
     got = _over_prefix(-q, k_prefix, v_prefix, k_new, v_new, 1.0)
     torch.testing.assert_close(got, torch.full((n, 1, d), 5.0))
+
+
+def decode_reference(q, cache, table, ctx_lens, scale):
+    """Per sequence, attention of its one query (heads, d) over its first ctx_len tokens, in float64."""
+    kv_heads, dim = cache.shape[1], cache.shape[-1]
+    out = []
+    for s, (pages, ctx) in enumerate(zip(table, ctx_lens)):
+        k = cache[0].index_select(1, pages).reshape(kv_heads, -1, dim)[:, :ctx].double()
+        v = cache[1].index_select(1, pages).reshape(kv_heads, -1, dim)[:, :ctx].double()
+        group = q.shape[1] // kv_heads
+        o = F.scaled_dot_product_attention(q[s].double()[:, None], k.repeat_interleave(group, 0),
+                                           v.repeat_interleave(group, 0), scale=scale)
+        out.append(o[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(dtype, tol):
+    from mmcache.engine.attention import DecodeGroup, PagedBatch, _over_shared_pages
+
+    g = torch.Generator().manual_seed(3)
+    P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 12
+    cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
+    # Three sequences: pages 5 and 2 shared, then their own; the third is shorter (its table is padded).
+    table = torch.tensor([[5, 2, 7, 9], [5, 2, 1, 3], [5, 2, 4, 0]])
+    ctx_lens = torch.tensor([30, 25, 19])
+    group = DecodeGroup(slice(0, 3), cache, table, ctx_lens)
+    batch = PagedBatch([], [group], [], P)
+    assert batch.shared_pages(0, None) == 2
+    assert batch.shared_pages(0, 24) == 0  # a window in reach: the plain path
+    q = torch.randn(3, heads, d, generator=g).to(dtype)
+    qg = q.reshape(3, kv_heads, heads // kv_heads, d)
+    rest = table[:, 2:].reshape(-1)
+    k_rest = cache[0].index_select(1, rest).view(kv_heads, 3, -1, d).transpose(0, 1)
+    v_rest = cache[1].index_select(1, rest).view(kv_heads, 3, -1, d).transpose(0, 1)
+    got = _over_shared_pages(qg, cache, table[0, :2], P, k_rest, v_rest, batch.decode_mask(0, None, dtype, 2), 0.25)
+    want = decode_reference(q, cache, table, ctx_lens, 0.25)
+    torch.testing.assert_close(got.reshape(3, heads, d).double(), want, atol=tol, rtol=0)
+
+
+def test_shared_pages_stop_where_tables_differ_or_a_sequence_ends():
+    from mmcache.engine.attention import DecodeGroup, PagedBatch
+
+    kv = torch.zeros(2, 1, 8, 4, 2)
+    cases = [([[1, 2, 3], [1, 2, 4]], [12, 12], 2), ([[1, 2, 3], [1, 5, 3]], [12, 12], 1),
+             ([[1, 2, 3], [1, 2, 3]], [9, 12], 2), ([[1, 2, 3], [1, 2, 3]], [8, 12], 1),  # 8: page 2 ends the first
+             ([[6, 2], [1, 2]], [8, 8], 0), ([[1, 2, 3]], [12], 0)]  # different first pages; one sequence
+    for table, ctx, want in cases:
+        group = DecodeGroup(slice(0, len(table)), kv, torch.tensor(table), torch.tensor(ctx))
+        assert PagedBatch([], [group], [], 4).shared_pages(0, None) == want, (table, ctx)

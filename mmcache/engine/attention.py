@@ -20,7 +20,10 @@ its own sequence only. Invariants:
   all its pages and applies a bottom-right causal (and window) mask.
 * Single-token segments (decodes) of one pool are attended together: their page tables are padded to a
   common length, gathered with one ``index_select`` per layer, and an additive mask hides each sequence's
-  padding, so a step with many decodes costs one call per layer, not one per sequence.
+  padding, so a step with many decodes costs one call per layer, not one per sequence. On CPU, outside a
+  sliding window, the leading pages that every decode of the group shares (the same page ids: a prefix
+  seeded from the cache) are read once and attended in one unmasked call for all of them, and only the rest
+  is gathered per sequence; the parts are merged by log-sum-exp (cascade attention).
 * The result of a segment depends only on its own queries and the contents of its pages, never on which
   other segments share the forward (beyond the GEMM row-count effects of the projections around it).
 """
@@ -101,13 +104,31 @@ class PagedBatch:
             hit = self._masks[key] = _segment_mask(self.segments[index], window, dtype, device)
         return hit
 
-    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """(sequences, 1, 1, padded length) additive mask of decode group ``index``, cached per forward."""
-        key = ("decode", index, window, dtype)
+    def shared_pages(self, index: int, window: int | None) -> int:
+        """How many leading pages every sequence of decode group ``index`` shares (the same page ids) and
+        attends whole, with room left for a non-empty rest; 0 where the shared-prefix path does not apply (one
+        sequence, a sliding window in reach, not CPU). Cached per forward."""
+        key = ("shared", index, window)
         hit = self._masks.get(key)
         if hit is None:
             g = self.decodes[index]
-            kpos = torch.arange(g.table.shape[1] * self.page_size, device=g.ctx_lens.device).unsqueeze(0)
+            hit = 0
+            if g.size >= 2 and g.kv.device.type == "cpu" and (window is None or int(g.ctx_lens.max()) <= window):
+                same = (g.table == g.table[:1]).all(0)
+                leading = int(same.to(torch.int32).cumprod(0).sum())
+                hit = min(leading, (int(g.ctx_lens.min()) - 1) // self.page_size)
+            self._masks[key] = hit
+        return hit
+
+    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype, skip: int = 0) -> torch.Tensor:
+        """(sequences, 1, 1, padded length) additive mask of decode group ``index`` over its pages from page
+        ``skip`` on, cached per forward."""
+        key = ("decode", index, window, dtype, skip)
+        hit = self._masks.get(key)
+        if hit is None:
+            g = self.decodes[index]
+            kpos = torch.arange(skip * self.page_size, g.table.shape[1] * self.page_size,
+                                device=g.ctx_lens.device).unsqueeze(0)
             ctx = g.ctx_lens.unsqueeze(1)
             allowed = kpos < ctx
             if window is not None:
@@ -155,14 +176,19 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = q.new_empty(total, heads, dim)
     for i, g in enumerate(batch.decodes):
         cache = g.kv[layer]
-        n, length = g.size, g.table.shape[1] * batch.page_size
-        ks = cache[0].index_select(1, g.table.view(-1)).view(kv_heads, n, length, dim).transpose(0, 1)
-        vs = cache[1].index_select(1, g.table.view(-1)).view(kv_heads, n, length, dim).transpose(0, 1)
+        shared = batch.shared_pages(i, sliding_window)
+        table = g.table[:, shared:].reshape(-1)
+        n, length = g.size, (g.table.shape[1] - shared) * batch.page_size
+        ks = cache[0].index_select(1, table).view(kv_heads, n, length, dim).transpose(0, 1)
+        vs = cache[1].index_select(1, table).view(kv_heads, n, length, dim).transpose(0, 1)
         # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
         # per KV head: one call for every sequence and no repeated keys.
         qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
-        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=batch.decode_mask(i, sliding_window, q.dtype),
-                                           scale=scaling)
+        mask = batch.decode_mask(i, sliding_window, q.dtype, shared)
+        if shared:
+            o = _over_shared_pages(qg, cache, g.table[0, :shared], batch.page_size, ks, vs, mask, scaling)
+        else:
+            o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scaling)
         out[g.rows] = o.reshape(n, heads, dim)
     gqa = heads != kv_heads
     for i, seg in enumerate(batch.segments):
@@ -207,6 +233,27 @@ def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor
     share = torch.sigmoid(l1.reshape(heads, n) - l2[0]).unsqueeze(-1)
     mixed = torch.lerp(o2[0].float(), o1.reshape(heads, n, dim).float(), share)
     return mixed.to(q.dtype).transpose(0, 1)
+
+
+def _over_shared_pages(qg: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, page_size: int,
+                       k_rest: torch.Tensor, v_rest: torch.Tensor, mask: torch.Tensor,
+                       scale: float | None) -> torch.Tensor:
+    """Decode attention of ``n`` sequences whose first ``pages`` are the same pages (cascade attention).
+
+    ``qg``: (n, kv_heads, G, d) queries grouped by KV head; ``k_rest``/``v_rest``: (n, kv_heads, L, d) each
+    sequence's keys after the shared pages, ``mask`` hiding its padding. The shared pages are read once and every
+    sequence's queries attend to them in one unmasked call (rows stacked per KV head); each sequence attends to
+    its rest as before; the two parts are mixed by their log-sum-exps as in ``_over_prefix``.
+    """
+    n, kv_heads, group, dim = qg.shape
+    ks = cache[0].index_select(1, pages).view(1, kv_heads, -1, dim)
+    vs = cache[1].index_select(1, pages).view(1, kv_heads, -1, dim)
+    stacked = qg.permute(1, 0, 2, 3).reshape(1, kv_heads, n * group, dim)
+    o1, l1 = _FLASH(stacked, ks, vs, scale=scale)
+    o2, l2 = _FLASH(qg, k_rest, v_rest, attn_mask=mask, scale=scale)
+    o1 = o1.view(kv_heads, n, group, dim).transpose(0, 1)
+    share = torch.sigmoid(l1.view(kv_heads, n, group).transpose(0, 1) - l2).unsqueeze(-1)
+    return torch.lerp(o2.float(), o1.float(), share).to(qg.dtype)
 
 
 def no_mask(*args, **kwargs) -> None:
