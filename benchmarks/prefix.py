@@ -82,12 +82,9 @@ FULL = Shape(probe_repeats=3, probe_len=2048, probe_shared=1920,
              gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=2048, gsp_question_len=128,
              gsp_output_len=32,
              mt_conversations=4, mt_max_user_turns=3, mt_max_answer_tokens=120)
-QUICK = Shape(probe_repeats=2, probe_len=2048, probe_shared=1920,
-              vpc_prefix_len=512, vpc_input_range=(640, 768), vpc_num_prompts=3, vpc_repeat_count=2,
-              vpc_output_len=10,
-              gsp_num_groups=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024, gsp_question_len=128,
-              gsp_output_len=16,
-              mt_conversations=2, mt_max_user_turns=2, mt_max_answer_tokens=16)
+QUICK = replace(FULL, probe_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768), vpc_num_prompts=3,
+                vpc_repeat_count=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024, gsp_output_len=16,
+                mt_conversations=2, mt_max_user_turns=2, mt_max_answer_tokens=16)  # what differs from FULL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

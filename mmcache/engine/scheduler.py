@@ -166,7 +166,7 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int, scheduled: set) -> None:
         lim = self.limits
-        unwritten = self._unwritten_pages() if lim.defer_shared_prefill else {}
+        unwritten = self._unwritten_pages() if lim.defer_shared_prefill and self.waiting else {}
         seats = 0  # seats kept by deferred requests ahead in the queue
         i = 0
         while i < len(self.waiting) and len(self.running) + seats < lim.max_num_seqs \
