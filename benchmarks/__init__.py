@@ -14,4 +14,5 @@ REGISTRY = {
     "vlm": "benchmarks.vlm",
     "diffusion": "benchmarks.diffusion",
     "cfg": "benchmarks.cfg",
+    "sampling": "benchmarks.sampling",
 }
