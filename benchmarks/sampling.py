@@ -2,8 +2,8 @@
 
 The definition (``by_definition``) is how a sampler is usually written, and how the engine's was before:
 mask below the k-th logit, sort the whole vocabulary for top-p, softmax, ``torch.multinomial``. The engine's
-(``mmcache.engine.sampling.sample``) takes the top-p nucleus from a growing ``topk`` and draws one uniform
-number (inverse CDF). Both run side by side on the same rows, alternating, for each parameter set:
+(``mmcache.engine.sampling.sample``) finds the top-p nucleus among the best 256 or 4096 tokens, or by binning
+the logits when it is larger, and draws one uniform number (inverse CDF). Both run side by side on the same rows, alternating, for each parameter set:
 
 * per call, on one row of the Qwen2.5 vocabulary (151,936 logits) of two shapes: ``peaked`` (Zipf-like, as a
   trained model's next-token distribution is; the nucleus is small) and ``flat`` (standard normal, as a

@@ -47,33 +47,60 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return i if ids is None else int(ids[i])
 
 
-_CANDIDATES = (256, 4096)  # the nucleus search looks at this many best tokens, then sorts all top-k
+_CANDIDATES = (256, 4096)  # the nucleus search looks at this many best tokens before it bins them all
+_BINS = 2048  # logit bins of the large-nucleus search
 
 
 def _nucleus(logits: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits and ids, best first, of the top-``k`` tokens that top-p keeps: a token is dropped when the
-    tokens before it already cover ``top_p`` of the top-``k`` probability (the first token always stays).
+    """The logits and ids (in no particular order) of the top-``k`` tokens that top-p keeps: in descending
+    order, a token is dropped when the tokens before it already cover ``top_p`` of the top-``k`` probability
+    (the first token always stays; tied tokens at the boundary are ordered arbitrarily, as by any sort).
 
     Sorting a 150k vocabulary costs ~10 ms and a trained model's nucleus is usually far smaller, so the best
-    256, then 4096, tokens are taken first (``topk``, sorted); only a nucleus larger than that (near-flat
-    logits) sorts all ``k``."""
+    256, then 4096, tokens are tried first (``topk``, sorted). A larger nucleus (near-flat logits) is found by
+    binning: the logits fall into ``_BINS`` equal-width bins, the bins' masses are summed from the top, and
+    only the bin where the mass reaches ``top_p`` is sorted."""
     if k < logits.numel():
         values, ids = torch.topk(logits, k)
         norm = torch.logsumexp(values, dim=0)  # the top-k set's normaliser: probabilities are within it
         logits = values
     else:
         norm, ids = torch.logsumexp(logits, dim=0), None
-    for c in (*[c for c in _CANDIDATES if c < k], k):
-        if c < k:
+    covered, tried = 0.0, 1
+    for c in (c for c in _CANDIDATES if c < k):
+        if covered * c / tried < top_p:  # else c tokens cannot cover top_p: each is at most the tried ones' mean
             values, order = torch.topk(logits, c)
-        else:
-            values, order = torch.sort(logits, descending=True)
-        probs = torch.exp(values - norm)
-        kept = int(((torch.cumsum(probs, dim=0) - probs) < top_p).sum())
-        if kept < c or c == k:
-            order = order[:kept]
-            return values[:kept], (order if ids is None else ids[order])
-    raise AssertionError("unreachable: the last candidate count is k")
+            probs = torch.exp(values - norm)
+            cum = torch.cumsum(probs, dim=0)
+            kept = int(((cum - probs) < top_p).sum())
+            if kept < c:
+                order = order[:kept]
+                return values[:kept], (order if ids is None else ids[order])
+            covered, tried = float(cum[-1]), c
+    order = _binned_nucleus(logits, norm, top_p)
+    return logits[order], (order if ids is None else ids[order])
+
+
+def _binned_nucleus(logits: torch.Tensor, norm: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Indices of the nucleus of ``logits`` (see ``_nucleus``) without sorting them all."""
+    probs = torch.exp(logits - norm)
+    lo, hi = float(logits.min()), float(logits.max())
+    if lo == float("-inf"):
+        lo = float(logits[logits > lo].min())
+    # Bin by arithmetic (a binary search per token costs ~8 ms here): (x - lo) * scale is non-decreasing in x
+    # under rounding, so a token in a higher bin always has a strictly higher logit; -inf falls into bin 0.
+    scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+    bins = ((logits - lo) * scale).clamp_(0, _BINS - 1).long()
+    mass = torch.bincount(bins, weights=probs.double(), minlength=_BINS)
+    above = mass.flip(0).cumsum(0).flip(0) - mass  # mass of the bins above each bin
+    # The boundary bin: the highest bin whose tokens' mass reaches top_p counting everything above it.
+    reach = torch.nonzero(above + mass >= top_p)
+    boundary = int(reach.max()) if len(reach) else 0
+    inside = torch.nonzero(bins == boundary).flatten()
+    order = inside[torch.sort(logits[inside], descending=True).indices]
+    p = probs[order].double()
+    kept = order[(float(above[boundary]) + torch.cumsum(p, dim=0) - p) < top_p]
+    return torch.cat([torch.nonzero(bins > boundary).flatten(), kept])
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
