@@ -91,3 +91,16 @@ def test_the_binned_nucleus_keeps_as_many_tied_tokens_as_a_sort(top_p):
     assert len(ids) == int((want > 0).sum()) > 4096  # the binned path
     assert sorted(values.tolist()) == sorted(logits[want > 0].tolist())  # the same values, ties included
     assert not (ids < 50).any()
+
+
+def test_a_nucleus_of_equal_logits_among_masked_ones():
+    logits = torch.full((10000,), float("-inf"))
+    logits[[3, 500, 7000]] = 1.0
+    values, ids = _nucleus(logits, logits.numel(), 0.5)
+    assert len(ids) == 2 and set(ids.tolist()) <= {3, 500, 7000}  # 1/3 + 1/3 covers 0.5
+    gen = torch.Generator().manual_seed(0)
+    assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.99), gen) for _ in range(200)} == {3, 500, 7000}
+    flat = torch.zeros(10000)
+    flat[:100] = float("-inf")
+    values, ids = _nucleus(flat, flat.numel(), 0.5)  # the binned path with one distinct finite value
+    assert len(ids) == 4950 and not (ids < 100).any()  # token j is kept while (j - 1) / 9900 < 0.5

@@ -89,8 +89,10 @@ def _binned_nucleus(logits: torch.Tensor, norm: torch.Tensor, top_p: float) -> t
         lo = float(logits[logits > lo].min())
     # Bin by arithmetic (a binary search per token costs ~8 ms here): (x - lo) * scale is non-decreasing in x
     # under rounding, so a token in a higher bin always has a strictly higher logit; -inf falls into bin 0.
-    scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
-    bins = ((logits - lo) * scale).clamp_(0, _BINS - 1).long()
+    if hi > lo:
+        bins = ((logits - lo) * ((_BINS - 1) / (hi - lo))).clamp_(0, _BINS - 1).long()
+    else:  # one distinct finite value (the rest -inf): one bin, sorted whole
+        bins = torch.zeros(logits.shape, dtype=torch.long)
     mass = torch.bincount(bins, weights=probs.double(), minlength=_BINS)
     above = mass.flip(0).cumsum(0).flip(0) - mass  # mass of the bins above each bin
     # The boundary bin: the highest bin whose tokens' mass reaches top_p counting everything above it.
