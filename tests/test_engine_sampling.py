@@ -102,5 +102,5 @@ def test_a_nucleus_of_equal_logits_among_masked_ones():
     assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.99), gen) for _ in range(200)} == {3, 500, 7000}
     flat = torch.zeros(10000)
     flat[:100] = float("-inf")
-    values, ids = _nucleus(flat, flat.numel(), 0.5)  # the binned path with one distinct finite value
-    assert len(ids) == 4950 and not (ids < 100).any()  # token j is kept while (j - 1) / 9900 < 0.5
+    values, ids = _nucleus(flat, flat.numel(), 0.505)  # the binned path with one distinct finite value
+    assert len(ids) == 5000 and not (ids < 100).any()  # token j is kept while (j - 1) / 9900 < 0.505
