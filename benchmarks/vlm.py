@@ -78,7 +78,7 @@ class Shape:
 
 
 FULL = Shape(images=4, users=3, turns=4, max_tokens=8, runs=3, guard_requests=12, guard_runs=3)
-QUICK = Shape(images=1, users=2, turns=3, max_tokens=4, runs=1, guard_requests=6, guard_runs=1)
+QUICK = Shape(images=1, users=2, turns=3, max_tokens=4, runs=1, guard_requests=16, guard_runs=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
