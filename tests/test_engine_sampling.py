@@ -104,3 +104,10 @@ def test_a_nucleus_of_equal_logits_among_masked_ones():
     flat[:100] = float("-inf")
     values, ids = _nucleus(flat, flat.numel(), 0.505)  # the binned path with one distinct finite value
     assert len(ids) == 5000 and not (ids < 100).any()  # token j is kept while (j - 1) / 9900 < 0.505
+
+
+def test_a_draw_at_the_top_of_the_unit_interval_skips_trailing_zero_weights(monkeypatch):
+    from mmcache.engine import sampling
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert sampling._draw(torch.tensor([0.5, 0.0, 0.5, 0.0, 0.0]), None) == 2

@@ -113,4 +113,6 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     cdf = weights.double().cumsum(dim=0)  # (torch.cumsum with dtype= ran 5x slower on peaked rows here)
     u = torch.rand((), dtype=torch.float64, generator=generator)
     i = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
-    return min(i, weights.numel() - 1)
+    if i == len(cdf):  # u * total rounded up to the total: the last token of positive weight
+        i = int(torch.nonzero(weights)[-1])
+    return i
