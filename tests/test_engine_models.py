@@ -75,6 +75,15 @@ def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
     assert cli_main(["generate", "--model", str(out), "--dtype", "float32", "--max-tokens", "3", "a cat"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(line["output_ids"]) == 3 and line["error"] is None
+    sampled = ["generate", "--preset", "tiny", "--max-tokens", "6", "--temperature", "0.9", "--top-k", "40",
+               "--top-p", "0.9", "--seed", "7", "a cat", "a dog"]
+    runs = []
+    for _ in range(2):
+        assert cli_main(sampled) == 0
+        runs.append([json.loads(x)["output_ids"] for x in capsys.readouterr().out.strip().splitlines()[-2:]])
+    assert runs[0] == runs[1] and all(len(ids) == 6 for ids in runs[0])  # the seed fixes the draws
+    assert cli_main(["generate", "--preset", "tiny", "--top-p", "0", "a cat"]) == 0  # a bad value: typed error
+    assert "top_p" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
 
     with pytest.raises(ModelLoadError):
         Engine.from_pretrained(tmp_path / "missing")

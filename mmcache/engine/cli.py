@@ -1,7 +1,8 @@
 """``mmcache export-model`` and ``mmcache generate``.
 
     mmcache export-model PRESET DIR [--dtype bfloat16]     write an embedded preset as a Hugging Face folder
-    mmcache generate (--preset NAME | --model DIR) PROMPT ... [--max-tokens N] [--cache-mode on|off|shadow]
+    mmcache generate (--preset NAME | --model DIR) PROMPT ... [--max-tokens N] [--temperature T] [--top-k K]
+                     [--top-p P] [--seed S] [--cache-mode on|off|shadow]
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def register(sub) -> None:
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: float32 for presets, bfloat16 for --model")
     g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set covering P of the mass")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of every request's sampling (default: drawn from the engine's seeded generator)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--cache-mode", default="on", choices=["on", "off", "shadow"])
     g.set_defaults(func=generate_main)
@@ -54,7 +59,8 @@ def generate_main(args: argparse.Namespace) -> int:
         eng = Engine.from_preset(args.preset, dtype=args.dtype or "float32", config=config)
     else:
         eng = Engine.from_pretrained(args.model, dtype=args.dtype or "bfloat16", config=config)
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
     for out in eng.generate(args.prompts, sampling):
         print(json.dumps({"request_id": out.request_id, "text": out.text, "output_ids": out.output_ids,
                           "finish_reason": out.finish_reason, "matched_tokens": out.matched_tokens,
