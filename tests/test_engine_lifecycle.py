@@ -389,3 +389,33 @@ def test_clear_cache_drops_every_cached_page_but_none_a_live_request_holds(tiny)
     assert eng.clear_cache() > 0 and eng.metrics()["main"]["cached_pages"] == 0
     assert eng.generate([p], greedy(4))[0].matched_tokens == 0
     assert_pools_whole(eng)
+
+
+def test_a_steps_greedy_tokens_are_each_rows_first_maximum(tiny):
+    from types import SimpleNamespace
+
+    from mmcache.engine.engine import _greedy_tokens
+    from mmcache.engine.inspect import record_logits
+
+    eng = engine(tiny)
+    rows = record_logits(eng)
+    ps = prompts(5, seed=21)
+    reqs = [Request(p, greedy(6), request_id=f"g{i}") for i, p in enumerate(ps[:3])]
+    reqs.append(Request(ps[3], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True),
+                        request_id="s"))
+    reqs.append(Request(ps[4], greedy(6), negative_prompt=ps[0][:10], guidance_scale=2.0, request_id="c"))
+    outs = {o.request_id: o for o in eng.generate(reqs)}
+    for i in range(3):  # greedy rows picked together with sampled and CFG rows in the same forwards
+        assert outs[f"g{i}"].output_ids == [int(torch.argmax(r)) for r in rows[f"g{i}"]]
+    alone = engine(tiny).generate([reqs[4]])[0].output_ids
+    assert outs["c"].output_ids == alone  # a CFG request is guided, not picked from its main row
+
+    def work(greedy_, cfg=False, wants=True):
+        branches = {MAIN: None, CFG: None} if cfg else {MAIN: None}
+        return SimpleNamespace(wants_logits=wants, live=SimpleNamespace(
+            sampling=SamplingParams(temperature=0.0 if greedy_ else 1.0), branches=branches))
+
+    logits = torch.tensor([[1.0, 3.0, 3.0], [5.0, 0.0, 5.0], [0.0, 0.0, 9.0], [2.0, 2.0, 1.0]])
+    works = [work(True), work(True, wants=False), work(False), work(True, cfg=True), work(True)]
+    picks = _greedy_tokens(logits, works)
+    assert picks == {id(works[0].live): 1, id(works[4].live): 0}  # rows 0 and 3; ties take the first maximum

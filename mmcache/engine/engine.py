@@ -291,6 +291,7 @@ class Engine:
                 for live in _unique(w.live for w in works):
                     self._finish(live, "error", err, store=False)
                 return
+            greedy = _greedy_tokens(logits, works)
             row = 0
             for w in works:
                 w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
@@ -300,7 +301,7 @@ class Engine:
                     row += 1
             for live in _unique(w.live for w in works):
                 if all(b.logits is not None for b in live.branches.values()):
-                    self._emit_token(live)
+                    self._emit_token(live, greedy.get(id(live)))
 
     def _fail_stuck(self) -> None:
         """Nothing could be scheduled although requests wait: the budget or pool can never fit them."""
@@ -308,13 +309,14 @@ class Engine:
             self._finish(live, "error", InvalidRequest("request cannot be scheduled with this engine's limits",
                                                        live.request_id), store=False)
 
-    def _emit_token(self, live: LiveRequest) -> None:
+    def _emit_token(self, live: LiveRequest, greedy: int | None = None) -> None:
+        """Sample ``live``'s next token (``greedy``: already picked from this step's logits) and emit it."""
         main = live.branches[MAIN]
         row = main.logits
         if CFG in live.branches:
             row = guided(row, live.branches[CFG].logits, live.request.guidance_scale)
         try:
-            token = sample(row, live.sampling, live.generator)
+            token = sample(row, live.sampling, live.generator) if greedy is None else greedy
         except RuntimeError as cause:  # e.g. non-finite logits under random sampling
             err = SamplingError(f"sampling failed: {cause}", live.request_id)
             err.__cause__ = cause
@@ -363,6 +365,24 @@ def _release_media(req: Request) -> None:
     mm = req.mm
     if isinstance(mm, MultimodalInput) and mm.release is not None:
         mm.release()
+
+
+def _greedy_tokens(logits: torch.Tensor, works) -> dict[int, int]:
+    """Greedy picks of a step, by ``id(live)``: every greedy request without a CFG branch whose logits this
+    forward computed, from one row-wise reduction (first maximum on ties, as ``sample``) instead of one per
+    request (~0.4 ms each over a 150k vocabulary)."""
+    rows = {}
+    row = 0
+    for w in works:
+        if w.wants_logits:
+            if w.live.sampling.greedy and CFG not in w.live.branches:
+                rows[id(w.live)] = row
+            row += 1
+    if not rows:
+        return {}
+    index = list(rows.values())
+    picks = torch.max(logits if len(index) == len(logits) else logits[index], dim=-1).indices.tolist()
+    return dict(zip(rows, picks))
 
 
 def _unique(items) -> list:
