@@ -47,7 +47,7 @@ from ..errors import AllocationFailed, MmcacheError
 from .sequence import Branch, LiveRequest
 
 
-@dataclass
+@dataclass(eq=False)
 class Work:
     """One segment of the next forward: ``branch`` computes ``tokens[start:end]`` into ``pages``."""
 

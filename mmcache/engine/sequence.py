@@ -33,7 +33,7 @@ MAIN = "main"
 CFG = "cfg"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a live branch equals only itself (``in`` and ``remove`` stay O(1) per item)
 class Branch:
     label: str
     manager: AllocationManager
@@ -60,7 +60,7 @@ class Branch:
                                              request_id)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not a field-by-field comparison on every ``in`` / ``remove`` of the scheduler
 class LiveRequest:
     request_id: object
     request: Request
