@@ -392,9 +392,7 @@ def test_clear_cache_drops_every_cached_page_but_none_a_live_request_holds(tiny)
 
 
 def test_a_steps_greedy_tokens_are_each_rows_first_maximum(tiny):
-    from types import SimpleNamespace
-
-    from mmcache.engine.engine import _greedy_tokens
+    from mmcache.engine.engine import _first_maxima
     from mmcache.engine.inspect import record_logits
 
     eng = engine(tiny)
@@ -410,12 +408,7 @@ def test_a_steps_greedy_tokens_are_each_rows_first_maximum(tiny):
     alone = engine(tiny).generate([reqs[4]])[0].output_ids
     assert outs["c"].output_ids == alone  # a CFG request is guided, not picked from its main row
 
-    def work(greedy_, cfg=False, wants=True):
-        branches = {MAIN: None, CFG: None} if cfg else {MAIN: None}
-        return SimpleNamespace(wants_logits=wants, live=SimpleNamespace(
-            sampling=SamplingParams(temperature=0.0 if greedy_ else 1.0), branches=branches))
-
     logits = torch.tensor([[1.0, 3.0, 3.0], [5.0, 0.0, 5.0], [0.0, 0.0, 9.0], [2.0, 2.0, 1.0]])
-    works = [work(True), work(True, wants=False), work(False), work(True, cfg=True), work(True)]
-    picks = _greedy_tokens(logits, works)
-    assert picks == {id(works[0].live): 1, id(works[4].live): 0}  # rows 0 and 3; ties take the first maximum
+    assert _first_maxima(logits, {"a": 0, "b": 3}) == {"a": 1, "b": 0}  # a subset of rows; ties: the first
+    assert _first_maxima(logits, {"a": 1, "b": 0, "c": 2, "d": 3}) == {"a": 0, "b": 1, "c": 2, "d": 0}
+    assert _first_maxima(logits, {}) == {}

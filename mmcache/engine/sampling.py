@@ -57,29 +57,33 @@ def _nucleus(logits: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, 
     order, a token is dropped when the tokens before it already cover ``top_p`` of the top-``k`` probability
     (the first token always stays; tied tokens at the boundary are ordered arbitrarily, as by any sort).
 
-    Sorting a 150k vocabulary costs ~10 ms and a trained model's nucleus is usually far smaller, so the best
-    256, then 4096, tokens are tried first (``topk``, sorted). A larger nucleus (near-flat logits) is found by
-    binning: the logits fall into ``_BINS`` equal-width bins, the bins' masses are summed from the top, and
-    only the bin where the mass reaches ``top_p`` is sorted."""
+    With top-k the ``k`` best tokens come sorted from ``topk``, and the cut is read off their cumulative sum.
+    Over the whole vocabulary a sort costs ~10 ms and a trained model's nucleus is usually far smaller, so the
+    best 256, then 4096, tokens are tried first (``topk``, sorted). A larger nucleus (near-flat logits) is
+    found by binning: the logits fall into ``_BINS`` equal-width bins, the bins' masses are summed from the
+    top, and only the bin where the mass reaches ``top_p`` is sorted."""
     if k < logits.numel():
         values, ids = torch.topk(logits, k)
-        norm = torch.logsumexp(values, dim=0)  # the top-k set's normaliser: probabilities are within it
-        logits = values
-    else:
-        norm, ids = torch.logsumexp(logits, dim=0), None
+        return _head(values, ids, torch.logsumexp(values, dim=0), top_p)[:2]
+    norm = torch.logsumexp(logits, dim=0)
     covered, tried = 0.0, 1
     for c in (c for c in _CANDIDATES if c < k):
         if covered * c / tried < top_p:  # else c tokens cannot cover top_p: each is at most the tried ones' mean
-            values, order = torch.topk(logits, c)
-            probs = torch.exp(values - norm)
-            cum = torch.cumsum(probs, dim=0)
-            kept = int(((cum - probs) < top_p).sum())
-            if kept < c:
-                order = order[:kept]
-                return values[:kept], (order if ids is None else ids[order])
-            covered, tried = float(cum[-1]), c
-    order = _binned_nucleus(logits, norm, top_p)
-    return logits[order], (order if ids is None else ids[order])
+            values, ids, covered = _head(*torch.topk(logits, c), norm, top_p)
+            if len(ids) < c:
+                return values, ids
+            tried = c
+    ids = _binned_nucleus(logits, norm, top_p)
+    return logits[ids], ids
+
+
+def _head(values: torch.Tensor, ids: torch.Tensor, norm: torch.Tensor,
+          top_p: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The leading tokens of ``values`` (sorted, descending) that top-p keeps, and the mass of all of them."""
+    probs = torch.exp(values - norm)
+    cum = torch.cumsum(probs, dim=0)
+    kept = int(((cum - probs) < top_p).sum())
+    return values[:kept], ids[:kept], float(cum[-1])
 
 
 def _binned_nucleus(logits: torch.Tensor, norm: torch.Tensor, top_p: float) -> torch.Tensor:
