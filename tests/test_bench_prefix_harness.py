@@ -233,3 +233,28 @@ def test_vllm_server_plays_workloads_on_request_and_skips_vllms_own_output(tmp_p
     monkeypatch.setenv("PYTHONPATH", "")
     with pytest.raises(vllm_cpu.VllmUnavailable, match="vllm"):
         vllm_cpu.VllmServer(str(tmp_path), w1, str(tmp_path))
+
+
+def test_probe_ratios_are_taken_repeat_by_repeat():
+    """A slow minute that hits both engines in one repeat must not decide the comparison: the paired median
+    uses each repeat's own ratio, where the ratio of medians would mix repeats."""
+    def engine(colds, sames):
+        reps = [{"cold_s": c, "same_s": s} for c, s in zip(colds, sames)]
+        return {"probe": {"cold_s": sorted(colds)[1], "same_s": sorted(sames)[1], "shared1920_s": 0.1,
+                          "cold2_s": 1.0, "repeats": reps}}
+
+    engines = {"mmcache": engine([2.0, 4.0, 2.2], [0.2, 0.4, 0.2]),
+               "vllm_cpu": engine([1.0, 2.0, 4.4], [0.1, 0.2, 0.4])}
+    pp = prefix.paired_probe(engines)
+    assert pp["mmcache"]["same_vs_cold"]["runs"] == pytest.approx([10.0, 10.0, 11.0])
+    assert pp["vllm_cpu"]["same_vs_cold"]["p50"] == pytest.approx(10.0)
+    over = pp["mmcache"]["over_vllm_cpu"]
+    assert over["cold"]["runs"] == pytest.approx([2.0, 2.0, 0.5]) and over["cold"]["p50"] == pytest.approx(2.0)
+    assert over["hit"]["p50"] == pytest.approx(2.0) and over["hit"]["min"] == pytest.approx(0.5)
+    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    cold = rows[("probe: cold TTFT", "vLLM CPU")]
+    assert cold.ratio == pytest.approx(0.5)  # paired: vLLM twice as fast in two repeats of three
+    assert cold.baseline / cold.value == pytest.approx(2.0 / 2.2)  # the medians alone would say 0.91
+    assert rows[("probe: same 2048 prompt, TTFT", "cold")].ratio == pytest.approx(10.0)
+    from benchmarks.table import render
+    assert "0.50x paired" in render(list(rows.values()))
