@@ -79,7 +79,9 @@ def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(
     rest = table[:, 2:].reshape(-1)
     k_rest = cache[0].index_select(1, rest).view(kv_heads, 3, -1, d).transpose(0, 1)
     v_rest = cache[1].index_select(1, rest).view(kv_heads, 3, -1, d).transpose(0, 1)
-    got = _over_shared_pages(qg, cache, table[0, :2], P, k_rest, v_rest, batch.decode_mask(0, None, dtype, 2), 0.25)
+    shared = table[0, :2]
+    k_shared, v_shared = (batch.read(cache[i], ("shared", 0, 2), shared) for i in (0, 1))
+    got = _over_shared_pages(qg, k_shared, v_shared, k_rest, v_rest, batch.decode_mask(0, None, dtype, 2), 0.25)
     want = decode_reference(q, cache, table, ctx_lens, 0.25)
     torch.testing.assert_close(got.reshape(3, heads, d).double(), want, atol=tol, rtol=0)
 
@@ -94,3 +96,59 @@ def test_shared_pages_stop_where_tables_differ_or_a_sequence_ends():
     for table, ctx, want in cases:
         group = DecodeGroup(slice(0, len(table)), kv, torch.tensor(table), torch.tensor(ctx))
         assert PagedBatch([], [group], [], 4).shared_pages(0, None) == want, (table, ctx)
+
+
+def test_page_runs_are_recognised_exactly():
+    from mmcache.engine.attention import _run_start
+
+    runs = {(4,): 4, (4, 5): 4, (0, 1, 2, 3): 0, (7, 8, 9): 7}
+    not_runs = [(), (5, 4), (4, 6), (1, 3, 2, 4), (2, 2, 3), (4, 6, 5, 7), (3, 2, 1, 0)]
+    for pages, start in runs.items():
+        assert _run_start(torch.tensor(pages)) == start
+    for pages in not_runs:
+        assert _run_start(torch.tensor(pages, dtype=torch.int64)) is None, pages
+
+
+def test_a_run_of_pages_is_read_in_place_and_other_tables_are_gathered():
+    from mmcache.engine.attention import PagedBatch
+
+    part = torch.arange(2 * 10 * 4 * 3, dtype=torch.float32).view(2, 10, 4, 3)  # (kv_heads, pages, P, d)
+    batch = PagedBatch([], [], [], 4)
+    run = batch.read(part, ("x",), torch.tensor([3, 4, 5]))
+    assert run.shape == (2, 12, 3) and run.data_ptr() == part[:, 3].data_ptr()  # a view: nothing copied
+    scattered = batch.read(part, ("y",), torch.tensor([5, 3, 4]))
+    assert scattered.data_ptr() != part[:, 5].data_ptr()
+    for got, pages in ((run, [3, 4, 5]), (scattered, [5, 3, 4])):
+        assert torch.equal(got, torch.cat([part[:, p] for p in pages], dim=1))
+    # The check is made once per key and forward: a later call with the same key reuses it.
+    assert batch.read(part, ("x",), torch.tensor([3, 4, 5])).data_ptr() == run.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype):
+    """The same keys and values in a run of pages and in scattered pages: prefix chunks, decodes over shared
+    leading pages, and masked segments give identical outputs (the in-place read changes strides, not values)."""
+    from mmcache.engine.attention import DecodeGroup, PagedBatch, Segment, paged_attention
+
+    g = torch.Generator().manual_seed(11)
+    P, heads, kv_heads, d, num_pages, layers = 8, 4, 2, 16, 16, 1
+    ctx = 5 * P
+    keys = (torch.randn(2, kv_heads, ctx, d, generator=g) * 2).to(dtype)
+    layouts = {"run": [2, 3, 4, 5, 6], "scattered": [9, 1, 12, 4, 7]}
+    outs = {}
+    for name, pages in layouts.items():
+        kv = torch.zeros(layers, 2, kv_heads, num_pages, P, d, dtype=dtype)
+        for j, page in enumerate(pages):
+            kv[0, :, :, page] = keys[:, :, j * P:(j + 1) * P]
+        table = torch.tensor(pages)
+        # A 6-token chunk at positions 34..39 over the first 34 tokens, plus two decodes sharing 3 pages.
+        seg = Segment(slice(0, 6), 34, ctx, kv, table)
+        dec_table = torch.stack([table, table])
+        group = DecodeGroup(slice(6, 8), kv, dec_table, torch.tensor([ctx, ctx - 3]))
+        batch = PagedBatch([seg], [group], [], P)
+        q = torch.randn(1, heads, 8, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+        module = type("M", (), {"layer_idx": 0})()
+        # No new keys to write (writes=[]): the step's tokens are already in the pages above.
+        empty = torch.zeros(1, kv_heads, 8, d, dtype=dtype)
+        outs[name] = paged_attention(module, q, empty, empty, None, scaling=0.25, mmcache_batch=batch)[0]
+    assert torch.equal(outs["run"], outs["scattered"])

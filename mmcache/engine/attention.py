@@ -26,6 +26,9 @@ its own sequence only. Invariants:
   is gathered per sequence; the parts are merged by log-sum-exp (cascade attention).
 * The result of a segment depends only on its own queries and the contents of its pages, never on which
   other segments share the forward (beyond the GEMM row-count effects of the projections around it).
+* Pages are read in place when the ids to read form one ascending run (``a, a+1, ..., a+n-1``: the usual case
+  for a prompt whose pages were taken together), as a view of the pool; otherwise with ``index_select``. The
+  kernels receive the same values either way, and give the same bits.
 """
 
 from __future__ import annotations
@@ -120,6 +123,20 @@ class PagedBatch:
             self._masks[key] = hit
         return hit
 
+    def read(self, part: torch.Tensor, key: tuple, pages: torch.Tensor) -> torch.Tensor:
+        """The pages ``pages`` of one layer's key or value pool ``part`` (kv_heads, pages, page_size, d), as
+        (kv_heads, len(pages) * page_size, d): a view when the ids are one ascending run, else a gathered copy.
+        ``key`` names ``pages`` within this forward (the same ids are read in every layer), so the run check is
+        made once per forward."""
+        k = ("run",) + key
+        start = self._masks.get(k, False)
+        if start is False:
+            start = self._masks[k] = _run_start(pages)
+        kv_heads, dim = part.shape[0], part.shape[-1]
+        if start is None:
+            return part.index_select(1, pages).view(kv_heads, -1, dim)
+        return part[:, start:start + pages.numel()].reshape(kv_heads, -1, dim)
+
     def decode_mask(self, index: int, window: int | None, dtype: torch.dtype, skip: int = 0) -> torch.Tensor:
         """(sequences, 1, 1, padded length) additive mask of decode group ``index`` over its pages from page
         ``skip`` on, cached per forward."""
@@ -137,6 +154,19 @@ class PagedBatch:
             hit = hit.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
             self._masks[key] = hit
         return hit
+
+
+def _run_start(pages: torch.Tensor) -> int | None:
+    """``a`` when ``pages`` is exactly ``a, a+1, ..., a+n-1`` (n >= 1), else None."""
+    n = pages.numel()
+    if n == 0:
+        return None
+    first = int(pages[0])
+    if int(pages[-1]) - first != n - 1:
+        return None
+    if n > 2 and not torch.equal(pages, torch.arange(first, first + n, dtype=pages.dtype, device=pages.device)):
+        return None
+    return first
 
 
 def _segment_mask(seg: Segment, window: int | None, dtype: torch.dtype,
@@ -179,14 +209,16 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         shared = batch.shared_pages(i, sliding_window)
         table = g.table[:, shared:].reshape(-1)
         n, length = g.size, (g.table.shape[1] - shared) * batch.page_size
-        ks = cache[0].index_select(1, table).view(kv_heads, n, length, dim).transpose(0, 1)
-        vs = cache[1].index_select(1, table).view(kv_heads, n, length, dim).transpose(0, 1)
+        ks = batch.read(cache[0], ("decode", i, shared), table).view(kv_heads, n, length, dim).transpose(0, 1)
+        vs = batch.read(cache[1], ("decode", i, shared), table).view(kv_heads, n, length, dim).transpose(0, 1)
         # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
         # per KV head: one call for every sequence and no repeated keys.
         qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
         mask = batch.decode_mask(i, sliding_window, q.dtype, shared)
         if shared:
-            o = _over_shared_pages(qg, cache, g.table[0, :shared], batch.page_size, ks, vs, mask, scaling)
+            pages = g.table[0, :shared]
+            o = _over_shared_pages(qg, batch.read(cache[0], ("shared", i, shared), pages),
+                                   batch.read(cache[1], ("shared", i, shared), pages), ks, vs, mask, scaling)
         else:
             o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scaling)
         out[g.rows] = o.reshape(n, heads, dim)
@@ -198,12 +230,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             cache = seg.kv[layer]
             if _splits(seg, sliding_window, q.device):
                 n = -(-seg.start // batch.page_size)
-                ks = cache[0].index_select(1, seg.pages[:n]).view(kv_heads, -1, dim)[:, :seg.start]
-                vs = cache[1].index_select(1, seg.pages[:n]).view(kv_heads, -1, dim)[:, :seg.start]
+                ks = batch.read(cache[0], ("prefix", i), seg.pages[:n])[:, :seg.start]
+                vs = batch.read(cache[1], ("prefix", i), seg.pages[:n])[:, :seg.start]
                 out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling)
                 continue
-            ks = cache[0].index_select(1, seg.pages).view(kv_heads, -1, dim)[:, :seg.ctx_len]
-            vs = cache[1].index_select(1, seg.pages).view(kv_heads, -1, dim)[:, :seg.ctx_len]
+            ks = batch.read(cache[0], ("segment", i), seg.pages)[:, :seg.ctx_len]
+            vs = batch.read(cache[1], ("segment", i), seg.pages)[:, :seg.ctx_len]
         mask, causal = batch.mask(i, sliding_window, q.dtype, q.device)
         o = F.scaled_dot_product_attention(q[None, :, seg.rows], ks[None], vs[None], attn_mask=mask,
                                            is_causal=causal, scale=scaling, enable_gqa=gqa)
@@ -235,19 +267,19 @@ def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor
     return mixed.to(q.dtype).transpose(0, 1)
 
 
-def _over_shared_pages(qg: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, page_size: int,
+def _over_shared_pages(qg: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
                        k_rest: torch.Tensor, v_rest: torch.Tensor, mask: torch.Tensor,
                        scale: float | None) -> torch.Tensor:
-    """Decode attention of ``n`` sequences whose first ``pages`` are the same pages (cascade attention).
+    """Decode attention of ``n`` sequences whose leading pages are the same pages (cascade attention).
 
-    ``qg``: (n, kv_heads, G, d) queries grouped by KV head; ``k_rest``/``v_rest``: (n, kv_heads, L, d) each
-    sequence's keys after the shared pages, ``mask`` hiding its padding. The shared pages are read once and every
-    sequence's queries attend to them in one unmasked call (rows stacked per KV head); each sequence attends to
-    its rest as before; the two parts are mixed by their log-sum-exps as in ``_over_prefix``.
+    ``qg``: (n, kv_heads, G, d) queries grouped by KV head; ``k_shared``/``v_shared``: (kv_heads, S, d) the
+    shared pages' keys and values; ``k_rest``/``v_rest``: (n, kv_heads, L, d) each sequence's keys after the
+    shared pages, ``mask`` hiding its padding. The shared pages are read once and every sequence's queries
+    attend to them in one unmasked call (rows stacked per KV head); each sequence attends to its rest as before;
+    the two parts are mixed by their log-sum-exps as in ``_over_prefix``.
     """
     n, kv_heads, group, dim = qg.shape
-    ks = cache[0].index_select(1, pages).view(1, kv_heads, -1, dim)
-    vs = cache[1].index_select(1, pages).view(1, kv_heads, -1, dim)
+    ks, vs = k_shared[None], v_shared[None]
     stacked = qg.permute(1, 0, 2, 3).reshape(1, kv_heads, n * group, dim)
     o1, l1 = _FLASH(stacked, ks, vs, scale=scale)
     o2, l2 = _FLASH(qg, k_rest, v_rest, attn_mask=mask, scale=scale)
