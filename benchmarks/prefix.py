@@ -76,7 +76,9 @@ class Shape:
     mt_max_answer_tokens: int  # configuration: answers of 80-120 tokens (a cap at or above 120 keeps them)
 
 
-FULL = Shape(probe_repeats=3, probe_len=2048, probe_shared=1920,
+# Nine probe repeats: a repeat's engines run within a minute of each other, but this machine's speed moves
+# by up to 2x between minutes, so the paired median needs several repeats (RESULTS.md, run 5).
+FULL = Shape(probe_repeats=9, probe_len=2048, probe_shared=1920,
              vpc_prefix_len=1024, vpc_input_range=(1152, 1280), vpc_num_prompts=4, vpc_repeat_count=3,
              vpc_output_len=10,
              gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=2048, gsp_question_len=128,
