@@ -124,8 +124,9 @@ def test_a_run_of_pages_is_read_in_place_and_other_tables_are_gathered():
     assert batch.read(part, ("x",), torch.tensor([3, 4, 5])).data_ptr() == run.data_ptr()
 
 
+@pytest.mark.parametrize("window", [None, 16])  # 16: masked segments and plain decodes (no shared part)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype):
+def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype, window):
     """The same keys and values in a run of pages and in scattered pages: prefix chunks, decodes over shared
     leading pages, and masked segments give identical outputs (the in-place read changes strides, not values)."""
     from mmcache.engine.attention import DecodeGroup, PagedBatch, Segment, paged_attention
@@ -150,5 +151,7 @@ def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype):
         module = type("M", (), {"layer_idx": 0})()
         # No new keys to write (writes=[]): the step's tokens are already in the pages above.
         empty = torch.zeros(1, kv_heads, 8, d, dtype=dtype)
-        outs[name] = paged_attention(module, q, empty, empty, None, scaling=0.25, mmcache_batch=batch)[0]
+        outs[name] = paged_attention(module, q, empty, empty, None, scaling=0.25, sliding_window=window,
+                                     mmcache_batch=batch)[0]
+        assert batch.shared_pages(0, window) == (4 if window is None else 0)
     assert torch.equal(outs["run"], outs["scattered"])
