@@ -1,0 +1,169 @@
+"""mmcache's CPU kernels against vLLM's, shape by shape, in one process; run by the interpreter in
+``VLLM_PEER_PYTHON`` (vLLM's own virtual environment, whose torch also has the ATen and oneDNN ops mmcache calls).
+
+usage: $VLLM_PEER_PYTHON benchmarks/peers/vllm_kernels.py [--repeats 7] [--json OUT.json]
+
+Shapes are the Qwen2.5-0.5B shape's (hidden 896, MLP 4864, 14 query heads and 2 KV heads of 64, vocabulary
+151,936, 24 layers) in bf16. Each case times mmcache's kernel and vLLM's on the same inputs, alternating, and
+reports the median over ``--repeats`` of each; the ratio is mmcache's median over vLLM's.
+
+* attention: a cold 2048-token causal prefill, and a hit (128 new queries after 1920 cached keys). mmcache:
+  ATen's CPU flash attention as ``mmcache.engine.attention`` calls it (one causal call; for the hit, the
+  prefix part with query heads stacked per KV head plus the causal part). vLLM: ``cpu_attention_with_kv_cache``
+  over its paged cache (block 128), the kernel its CPU attention backend calls.
+* linears: one product of each shape at 2048, 128, 8 and 1 rows, weights cache-hot. mmcache: a weight packed
+  once for oneDNN (``mkldnn._linear_pointwise``, as ``mmcache.engine.kernels``); vLLM: ``onednn_mm``.
+* decode step: every linear of a 24-layer decode step at 8 rows plus the LM head, weights streamed from memory
+  (about 1 GB). mmcache: seven products a layer (q, k, v, o; gate with SiLU fused, up with the product fused;
+  down); vLLM: four (q/k/v fused, o, gate/up fused, down) and the SiLU-and-multiply between them.
+
+This is a measuring instrument, like ``vllm_runner.py``: never imported by the project or its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+HIDDEN, MLP, HEADS, KV_HEADS, DIM, VOCAB, LAYERS, BLOCK = 896, 4864, 14, 2, 64, 151936, 24, 128
+BF16 = torch.bfloat16
+
+
+def _paired(a, b, repeats: int, inner: int) -> tuple[float, float]:
+    """Medians (ms) of ``a`` and ``b``, each timed ``inner`` times per repeat, alternating which goes first."""
+    ta, tb = [], []
+    a(), b()
+    for r in range(repeats):
+        for f, out in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
+            t = time.perf_counter()
+            for _ in range(inner):
+                f()
+            out.append((time.perf_counter() - t) / inner * 1e3)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def attention_cases(ops, repeats: int) -> list[dict]:
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out = []
+    for name, ctx, q_len, inner in (("attention, cold 2048 causal", 2048, 2048, 3),
+                                    ("attention, hit: 128 queries after 1920 cached", 2048, 128, 30)):
+        g = torch.Generator().manual_seed(ctx + q_len)
+        blocks = -(-ctx // BLOCK)
+        cache = torch.zeros(blocks, KV_HEADS, 2 * BLOCK, DIM, dtype=BF16)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        k = torch.randn(ctx, KV_HEADS, DIM, generator=g).to(BF16)
+        v = torch.randn(ctx, KV_HEADS, DIM, generator=g).to(BF16)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(ctx, dtype=torch.int64), "amx")
+        q = torch.randn(q_len, HEADS, DIM, generator=g).to(BF16)
+        starts = torch.tensor([0, q_len], dtype=torch.int32)
+        lens = torch.tensor([ctx], dtype=torch.int32)
+        table = torch.arange(blocks, dtype=torch.int32)[None]
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_lens=lens, dtype=BF16,
+            query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False)
+        result = torch.empty(q_len, HEADS, DIM, dtype=BF16)
+
+        def theirs():
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache, output=result, query_start_loc=starts,
+                seq_lens=lens, scale=DIM ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+
+        qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        start = ctx - q_len
+
+        def ours():
+            if start == 0:
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            stacked = qt.reshape(1, KV_HEADS, -1, DIM)
+            return (flash(stacked, kt[:, :, :start], vt[:, :, :start]),
+                    flash(qt, kt[:, :, start:], vt[:, :, start:], is_causal=True))
+
+        mine, vllm = _paired(ours, theirs, repeats, inner)
+        out.append({"case": name, "mmcache_ms": mine, "vllm_ms": vllm})
+    return out
+
+
+def linear_cases(ops, repeats: int) -> list[dict]:
+    shapes = [(HIDDEN, HIDDEN + 2 * KV_HEADS * DIM), (HIDDEN, HIDDEN), (HIDDEN, KV_HEADS * DIM),
+              (HIDDEN, 2 * MLP), (HIDDEN, MLP), (MLP, HIDDEN)]
+    out = []
+    for rows in (2048, 128, 8, 1):
+        for k_in, n_out in shapes:
+            g = torch.Generator().manual_seed(rows * 7 + n_out)
+            x = torch.randn(rows, k_in, generator=g).to(BF16)
+            w = torch.randn(n_out, k_in, generator=g).to(BF16)
+            handle = ops.create_onednn_mm(w.t(), 32)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            mine, vllm = _paired(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                 lambda: ops.onednn_mm(handle, x, None), repeats, 10 if rows == 2048 else 100)
+            out.append({"case": f"linear {rows} x {k_in} -> {n_out}", "mmcache_ms": mine, "vllm_ms": vllm})
+    return out
+
+
+def decode_step_case(ops, repeats: int, rows: int = 8) -> dict:
+    g = torch.Generator().manual_seed(0)
+    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(BF16)  # noqa: E731
+    mine_layers, vllm_layers = [], []
+    for _ in range(LAYERS):
+        q, k, v, o = rand(HIDDEN, HIDDEN), rand(KV_HEADS * DIM, HIDDEN), rand(KV_HEADS * DIM, HIDDEN), rand(HIDDEN, HIDDEN)
+        gate, up, down = rand(MLP, HIDDEN), rand(MLP, HIDDEN), rand(HIDDEN, MLP)
+        mine_layers.append([pack(w) for w in (q, k, v, o, gate, up, down)])
+        vllm_layers.append([ops.create_onednn_mm(w.t(), 32)
+                            for w in (torch.cat([q, k, v]), o, torch.cat([gate, up]), down)])
+    head = rand(VOCAB, HIDDEN)
+    head_mine, head_vllm = pack(head), ops.create_onednn_mm(head.t(), 32)
+    x0 = rand(rows, HIDDEN)
+    lin = torch.ops.mkldnn._linear_pointwise
+
+    def ours():
+        x = x0
+        for q, k, v, o, gate, up, down in mine_layers:
+            a = lin(x, q, None, "none", [], "")
+            lin(x, k, None, "none", [], ""), lin(x, v, None, "none", [], "")
+            y = lin(a, o, None, "none", [], "")
+            h = lin.binary(y, lin(y, gate, None, "swish", [], ""), up, None, "mul")
+            x = lin(h, down, None, "none", [], "")
+        return lin(x, head_mine, None, "none", [], "")
+
+    def theirs():
+        x = x0
+        for qkv, o, gate_up, down in vllm_layers:
+            a = ops.onednn_mm(qkv, x, None)
+            y = ops.onednn_mm(o, a[:, :HIDDEN].contiguous(), None)
+            h = ops.onednn_mm(gate_up, y, None)
+            x = ops.onednn_mm(down, torch.nn.functional.silu(h[:, :MLP]) * h[:, MLP:], None)
+        return ops.onednn_mm(head_vllm, x, None)
+
+    mine, vllm = _paired(ours, theirs, repeats, 1)
+    return {"case": f"decode step linears, {rows} rows, {LAYERS} layers + LM head", "mmcache_ms": mine,
+            "vllm_ms": vllm}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    import vllm
+    import vllm._custom_ops as ops
+
+    torch._C._cpu._init_amx()  # vLLM's AMX kernels need the permission this asks the kernel for
+    cases = attention_cases(ops, a.repeats) + linear_cases(ops, a.repeats) + [decode_step_case(ops, a.repeats)]
+    for c in cases:
+        c["ratio"] = c["mmcache_ms"] / c["vllm_ms"]
+        print(f"{c['case']:<52} mmcache {c['mmcache_ms']:9.3f} ms  vLLM {c['vllm_ms']:9.3f} ms  "
+              f"mmcache / vLLM {c['ratio']:.2f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "repeats": a.repeats, "cases": cases}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
