@@ -125,7 +125,8 @@ def decode_step_case(ops, repeats: int, rows: int = 8) -> dict:
         x = x0
         for q, k, v, o, gate, up, down in mine_layers:
             a = lin(x, q, None, "none", [], "")
-            lin(x, k, None, "none", [], ""), lin(x, v, None, "none", [], "")
+            lin(x, k, None, "none", [], "")  # k and v are computed, as a layer does, and not used further
+            lin(x, v, None, "none", [], "")
             y = lin(a, o, None, "none", [], "")
             h = lin.binary(y, lin(y, gate, None, "swish", [], ""), up, None, "mul")
             x = lin(h, down, None, "none", [], "")

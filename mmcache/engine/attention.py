@@ -96,15 +96,15 @@ class PagedBatch:
     decodes: list[DecodeGroup]
     writes: list[WriteGroup]
     page_size: int
-    _masks: dict = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict)  # per-forward results (masks, shared pages, page runs), by key
 
     def mask(self, index: int, window: int | None, dtype: torch.dtype,
              device: torch.device) -> tuple[torch.Tensor | None, bool]:
         """``(attn_mask, is_causal)`` for segment ``index`` under an optional sliding window, cached per forward."""
         key = ("segment", index, window, dtype)
-        hit = self._masks.get(key)
+        hit = self._memo.get(key)
         if hit is None:
-            hit = self._masks[key] = _segment_mask(self.segments[index], window, dtype, device)
+            hit = self._memo[key] = _segment_mask(self.segments[index], window, dtype, device)
         return hit
 
     def shared_pages(self, index: int, window: int | None) -> int:
@@ -112,7 +112,7 @@ class PagedBatch:
         attends whole, with room left for a non-empty rest; 0 where the shared-prefix path does not apply (one
         sequence, a sliding window in reach, not CPU). Cached per forward."""
         key = ("shared", index, window)
-        hit = self._masks.get(key)
+        hit = self._memo.get(key)
         if hit is None:
             g = self.decodes[index]
             hit = 0
@@ -120,7 +120,7 @@ class PagedBatch:
                 same = (g.table == g.table[:1]).all(0)
                 leading = int(same.to(torch.int32).cumprod(0).sum())
                 hit = min(leading, (int(g.ctx_lens.min()) - 1) // self.page_size)
-            self._masks[key] = hit
+            self._memo[key] = hit
         return hit
 
     def read(self, part: torch.Tensor, key: tuple, pages: torch.Tensor) -> torch.Tensor:
@@ -129,9 +129,9 @@ class PagedBatch:
         ``key`` names ``pages`` within this forward (the same ids are read in every layer), so the run check is
         made once per forward."""
         k = ("run",) + key
-        start = self._masks.get(k, False)
+        start = self._memo.get(k, False)
         if start is False:
-            start = self._masks[k] = _run_start(pages)
+            start = self._memo[k] = _run_start(pages)
         kv_heads, dim = part.shape[0], part.shape[-1]
         if start is None:
             return part.index_select(1, pages).view(kv_heads, -1, dim)
@@ -141,7 +141,7 @@ class PagedBatch:
         """(sequences, 1, 1, padded length) additive mask of decode group ``index`` over its pages from page
         ``skip`` on, cached per forward."""
         key = ("decode", index, window, dtype, skip)
-        hit = self._masks.get(key)
+        hit = self._memo.get(key)
         if hit is None:
             g = self.decodes[index]
             kpos = torch.arange(skip * self.page_size, g.table.shape[1] * self.page_size,
@@ -152,7 +152,7 @@ class PagedBatch:
                 allowed &= kpos >= ctx - window
             hit = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             hit = hit.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
-            self._masks[key] = hit
+            self._memo[key] = hit
         return hit
 
 
