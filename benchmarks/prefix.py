@@ -567,8 +567,7 @@ def table_rows(result: dict) -> list[Row]:
     p = mm["probe"]
     # "better by" on the probe rows is the median of per-repeat ratios (see paired_probe); the figures shown
     # are each engine's medians.
-    pp = result.get("probe_paired") or paired_probe(e)
-    ours = pp["mmcache"]
+    ours = paired_probe(e)["mmcache"]
 
     def peer(name: str, key: str) -> float:
         return 1.0 / ours[f"over_{name}"][key]["p50"]

@@ -392,7 +392,7 @@ def test_clear_cache_drops_every_cached_page_but_none_a_live_request_holds(tiny)
 
 
 def test_a_steps_greedy_tokens_are_each_rows_first_maximum(tiny):
-    from mmcache.engine.engine import _first_maxima
+    from mmcache.engine.sampling import greedy_picks
     from mmcache.engine.inspect import record_logits
 
     eng = engine(tiny)
@@ -409,6 +409,6 @@ def test_a_steps_greedy_tokens_are_each_rows_first_maximum(tiny):
     assert outs["c"].output_ids == alone  # a CFG request is guided, not picked from its main row
 
     logits = torch.tensor([[1.0, 3.0, 3.0], [5.0, 0.0, 5.0], [0.0, 0.0, 9.0], [2.0, 2.0, 1.0]])
-    assert _first_maxima(logits, {"a": 0, "b": 3}) == {"a": 1, "b": 0}  # a subset of rows; ties: the first
-    assert _first_maxima(logits, {"a": 1, "b": 0, "c": 2, "d": 3}) == {"a": 0, "b": 1, "c": 2, "d": 0}
-    assert _first_maxima(logits, {}) == {}
+    assert greedy_picks(logits, {"a": 0, "b": 3}) == {"a": 1, "b": 0}  # a subset of rows; ties: the first
+    assert greedy_picks(logits, {"a": 1, "b": 0, "c": 2, "d": 3}) == {"a": 0, "b": 1, "c": 2, "d": 0}
+    assert greedy_picks(logits, {}) == {}

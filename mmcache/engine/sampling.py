@@ -4,7 +4,7 @@ Invariants:
 
 * Logits are combined and filtered in float32 whatever the model dtype (greedy needs no conversion).
 * Greedy selection is the first maximum (``argmax``'s index on ties) and consumes no randomness; the
-  engine picks a step's greedy tokens in one row-wise reduction that gives the same indices.
+  engine picks a step's greedy tokens together with ``greedy_picks``, the reduction ``sample`` uses too.
 * Random sampling draws one uniform number per token from the request's own ``torch.Generator`` (inverse
   CDF over the kept tokens), so a request's tokens depend on its seed and its logits only, never on which
   requests share a step.
@@ -26,10 +26,23 @@ def guided(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tens
     return uncond + scale * (cond - uncond)
 
 
+def greedy_picks(logits: torch.Tensor, rows: dict) -> dict:
+    """``{key: first maximum of logits[row]}`` for ``rows = {key: row}``: greedy tokens of several rows of a
+    step's logits from one row-wise reduction (~0.4 ms per separate reduction over a 150k vocabulary). The
+    indices are those ``sample`` gives a greedy request (torch.max reduces ~3x faster than argmax here, with
+    argmax's index)."""
+    if not rows:
+        return {}
+    index = list(rows.values())
+    every = index == list(range(len(logits)))  # all rows in order: no gathered copy
+    picks = torch.max(logits if every else logits[index], dim=-1).indices.tolist()
+    return dict(zip(rows, picks))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from a 1-D row of logits."""
-    if params.greedy:  # the first maximum (torch.max reduces ~3x faster than argmax here; same index)
-        return int(torch.max(logits, dim=0).indices)
+    if params.greedy:
+        return greedy_picks(logits[None], {0: 0})[0]
     logits = logits.float()
     top = torch.max(logits)
     if not (torch.isfinite(top) and not torch.isnan(logits).any()):
