@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from mmcache.openmp import loaded_runtime
+
 from . import text_workloads as tw
 from .peers import protocol, vllm_cpu
 from .peers.protocol import Record, RoundResult, Workload
@@ -514,7 +516,8 @@ def run(args) -> dict:
             "quick": bool(args.quick),
             "shape": asdict(shape), "workloads": {w.name: w.params for w in workloads}, "token_space": asdict(space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                        "platform": platform.platform(), "python": platform.python_version()},
+                        "platform": platform.platform(), "python": platform.python_version(),
+                        "openmp": loaded_runtime()},
             "versions": _versions(), "wall_s": time.perf_counter() - t_start}
 
 

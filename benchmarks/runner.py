@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+from mmcache.openmp import loaded_runtime
+
 from . import REGISTRY
 from .table import render
 
@@ -38,6 +40,9 @@ def _write(path: str | None, result: dict) -> None:
 
 
 def main(args) -> int:
+    import torch  # noqa: F401  (loads torch's OpenMP library, so the line below can name it)
+
+    print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
     rest = list(args.rest)
     if rest and rest[0] in REGISTRY:
         name = rest.pop(0)

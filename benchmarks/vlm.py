@@ -51,6 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmcache.openmp import loaded_runtime
+
 from .table import Row
 
 DESCRIPTION = ("VLM chat over real images: TTFT per turn, vision-tower calls and matched share with the cache off, "
@@ -447,7 +449,7 @@ def run(args) -> dict:
                    "num_pages": args.num_pages, "threads": args.threads, "seed": args.seed,
                    "store_bytes": STORE_BYTES, "quick": bool(args.quick)},
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                    "seconds": time.perf_counter() - t0},
+                    "seconds": time.perf_counter() - t0, "openmp": loaded_runtime()},
         "off_ttft_p50_s": off["ttft_p50_s"],
     }
 

@@ -6,7 +6,9 @@
 
 Subcommands live beside what they drive; each module listed in ``SUBCOMMANDS`` has ``register(subparsers)``,
 which adds its parser and sets ``func``. Modules whose optional dependencies are missing are skipped with a
-note on stderr when their subcommand is asked for.
+note on stderr when their subcommand is asked for. Started as a program, the command first re-executes
+itself on Intel's OpenMP runtime when that is installed (``mmcache.openmp``; ``MMCACHE_OPENMP=system`` keeps
+the runtime torch ships with).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from . import openmp
 
 SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")
 
@@ -33,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # started as the program, not called: choose the OpenMP runtime first (mmcache.openmp)
+        try:
+            openmp.maybe_reexec(sys.argv[1:])
+        except openmp.OpenMPConfigError as e:
+            print(f"mmcache: {e}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
