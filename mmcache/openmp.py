@@ -3,8 +3,8 @@
 PyPI's CPU torch ships GNU OpenMP (libgomp). Intel's runtime (libiomp5, the ``intel-openmp`` package) exports
 the same ``GOMP_*`` entry points, so preloading it (``LD_PRELOAD``) makes every parallel region of torch and
 oneDNN run on it; vLLM's CPU build and PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) do this.
-On this project's 2-core development machine a bf16 2048-token prefill ran 1.2-1.8x faster on it (see
-``benchmarks/RESULTS.md``). A preload takes effect only when a process starts, so the command line re-executes
+On this project's 2-core development machine the engine's bf16 2048-token prefill ran 1.27x faster on it
+(median of 10 alternating process pairs, ``benchmarks/RESULTS.md``). A preload takes effect only when a process starts, so the command line re-executes
 itself once with the preload set (``maybe_reexec``); code that imports mmcache as a library keeps the runtime its
 process was started with (README: the ``LD_PRELOAD`` line to start it with Intel's).
 
