@@ -12,13 +12,36 @@ The core (this package's top-level modules) is engine-agnostic and depends on to
 ``mmcache.engine`` is the reference host engine; ``encoders`` (a sibling package) holds model adapters.
 """
 
+import importlib
+
 from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, MediaDecodeError, MmcacheError,
                      RequestStateError, StoreEntryRejected, TraceFormatError, UnknownRequest)
-from .manager import AdmitResult, AllocationManager, CacheConfig, PreparedPrompt, RequestView, ResumeResult
-from .metrics import CacheMetrics
-from .names import Fingerprint, MediaItem, Namer, as_token_array, canonical_encoding, media_digest
-from .pool import KVSpec, PagePool
-from .store import EncoderOutputStore, Lease, OutputSpec, StoreMetrics, store_key
+
+# The rest is imported on first use (PEP 562), so that ``import mmcache.cli`` does not load torch before the
+# command line has chosen its OpenMP runtime (``mmcache.openmp``). Name -> the module that defines it.
+_LAZY = {
+    **dict.fromkeys(["AdmitResult", "AllocationManager", "CacheConfig", "PreparedPrompt", "RequestView",
+                     "ResumeResult"], "manager"),
+    "CacheMetrics": "metrics",
+    **dict.fromkeys(["Fingerprint", "MediaItem", "Namer", "as_token_array", "canonical_encoding", "media_digest"],
+                    "names"),
+    **dict.fromkeys(["KVSpec", "PagePool"], "pool"),
+    **dict.fromkeys(["EncoderOutputStore", "Lease", "OutputSpec", "StoreMetrics", "store_key"], "store"),
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AdmitResult", "AllocationFailed", "AllocationManager", "CacheConfig", "CacheMetrics", "DuplicateRequest",

@@ -113,3 +113,19 @@ def test_the_runtime_benchmark_starts_each_child_on_the_runtime_it_names(monkeyp
     gnu, intel = child_env("gnu", LIB), child_env("intel", LIB)
     assert "LD_PRELOAD" not in gnu and intel["LD_PRELOAD"] == LIB
     assert gnu[ENV_CHOICE] == intel[ENV_CHOICE] == "system"  # a child never re-executes itself
+
+
+def test_the_command_line_chooses_its_runtime_before_torch_is_loaded():
+    # The re-execution would otherwise pay for a torch import it throws away (mmcache/__init__ is lazy).
+    code = "import sys, mmcache.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_package_still_exports_its_names_lazily():
+    import mmcache
+
+    assert all(getattr(mmcache, n) is not None for n in mmcache.__all__)
+    assert set(mmcache.__all__) <= set(dir(mmcache))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        mmcache.nope  # noqa: B018
