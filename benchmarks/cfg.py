@@ -100,7 +100,7 @@ def run(args) -> dict:
 def exact_check(args, prompts: list[str], negative: str) -> dict:
     """``prompts`` served one by one with the cache on and off under the exact schedule; both branches' logits
     rows compared with ``torch.equal``, output ids compared, and the cache-on run must seed the negative prompt."""
-    from mmcache.engine.inspect import record_logits
+    from mmcache.engine.inspect import record_logits, rows_equal
 
     runs = {}
     for mode in ("on", "off"):
@@ -110,13 +110,11 @@ def exact_check(args, prompts: list[str], negative: str) -> dict:
         runs[mode] = (rec, [_serve(eng, f"exact-{i}", p, negative, args) for i, p in enumerate(prompts)])
         eng.check_invariants()
     (rec_on, on), (rec_off, off) = runs["on"], runs["off"]
-    rows_equal = [len(rec_on[o.request_id]) == len(rec_off[o.request_id]) == 2 * len(o.output_ids)
-                  and all(torch.equal(a, b) for a, b in zip(rec_on[o.request_id], rec_off[o.request_id]))
-                  for o in on]
+    logits_equal = [rows_equal(rec_on, rec_off, o.request_id, 2 * len(o.output_ids)) for o in on]  # 2 branches
     tokens_equal = [a.output_ids == b.output_ids for a, b in zip(on, off)]
     seeded = [o.negative_matched_tokens for o in on]
-    return {"bit_exact": all(rows_equal) and all(tokens_equal) and all(n > 0 for n in seeded[1:]),
-            "logits_equal": rows_equal, "tokens_equal": tokens_equal, "negative_matched_on": seeded,
+    return {"bit_exact": all(logits_equal) and all(tokens_equal) and all(n > 0 for n in seeded[1:]),
+            "logits_equal": logits_equal, "tokens_equal": tokens_equal, "negative_matched_on": seeded,
             "schedule": "EngineConfig.exact: serial, one page per prefill forward"}
 
 

@@ -401,7 +401,7 @@ def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenS
     ending on a page boundary, and a continuation of an earlier answer. Every logits row the engine samples
     from, and every output id, must be equal bit for bit, and the cache-on run must have hit."""
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
-    from mmcache.engine.inspect import record_logits
+    from mmcache.engine.inspect import record_logits, rows_equal
 
     rng = tw.random.Random(f"bit_exact:{seed}")
     a = space.draw(rng, 3 * page_size + 37)
@@ -426,20 +426,12 @@ def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenS
         gc.collect()
     (on, on_logits), (off, off_logits) = runs["on"], runs["off"]
     tokens_equal = [x.output_ids == y.output_ids for x, y in zip(on, off)]
-    logits_equal = [len(on_logits.get(o.request_id, [])) == len(off_logits.get(o.request_id, [])) == len(o.output_ids)
-                    and all(_bitwise_equal(x, y) for x, y in zip(on_logits[o.request_id], off_logits[o.request_id]))
-                    for o in on]
+    logits_equal = [rows_equal(on_logits, off_logits, o.request_id, len(o.output_ids)) for o in on]
     matched = [o.matched_tokens for o in on]
     return {"bit_exact": all(tokens_equal) and all(logits_equal) and sum(matched) > 0,
             "tokens_equal": tokens_equal, "logits_equal": logits_equal, "matched_tokens_on": matched,
             "schedule": "EngineConfig.exact: serial, one page per prefill forward", "store_at": store_at,
             "compared": "every sampled logits row (bitwise) and every output id"}
-
-
-def _bitwise_equal(x, y) -> bool:
-    import torch
-
-    return bool(torch.equal(x, y))
 
 
 # ---- the run -----------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ PyPI's CPU torch ships GNU OpenMP (libgomp). Intel's runtime (libiomp5, the ``in
 the same ``GOMP_*`` entry points, so preloading it (``LD_PRELOAD``) makes every parallel region of torch and
 oneDNN run on it; vLLM's CPU build and PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) do this.
 On this project's 2-core development machine the engine's bf16 2048-token prefill ran 1.27x faster on it
-(median of 10 alternating process pairs, ``benchmarks/RESULTS.md``). A preload takes effect only when a process starts, so the command line re-executes
-itself once with the preload set (``maybe_reexec``); code that imports mmcache as a library keeps the runtime its
-process was started with (README: the ``LD_PRELOAD`` line to start it with Intel's).
+(median of 10 alternating process pairs, ``benchmarks/RESULTS.md``). A preload takes effect only when a
+process starts, so the command line re-executes itself once with the preload set (``maybe_reexec``); code that
+imports mmcache as a library keeps the runtime its process was started with (README: the ``LD_PRELOAD`` line
+to start it with Intel's).
 
 ``MMCACHE_OPENMP`` chooses: ``auto`` (default: Intel's when the ``intel-openmp`` package is installed beside
 this interpreter, on Linux), ``intel`` (the same, and an error when it is missing), ``system`` (never
@@ -86,7 +87,7 @@ def maybe_reexec(argv: list[str], entry: tuple[str, str] = ("-m", "mmcache.cli")
 
 def loaded_runtime(maps_path: str = "/proc/self/maps") -> str:
     """``intel``, ``gnu`` or ``unknown``: the OpenMP library mapped into this process (Linux; call after torch
-    has run a parallel kernel). Intel's wins when both are mapped, since a preload takes the shared symbols."""
+    is imported, which maps its own). Intel's wins when both are mapped, since a preload takes the shared symbols."""
     try:
         with open(maps_path) as f:
             maps = f.read()

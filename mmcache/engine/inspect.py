@@ -3,10 +3,13 @@
 ``record_logits(engine)`` returns a dict that fills, per request id and in step order, with a copy of every
 logits row the engine samples from (one row per branch per sampled position: a CFG request contributes a row
 for each of its two labels). It wraps the runner of that engine instance only; rows are read in the order
-the engine assigns them to the forward's works.
+the engine assigns them to the forward's works. ``rows_equal(a, b, request_id, count)`` compares two such
+recordings of one request: both hold ``count`` rows and each pair is equal bit for bit (``torch.equal``).
 """
 
 from __future__ import annotations
+
+import torch
 
 from .engine import Engine
 
@@ -26,3 +29,8 @@ def record_logits(engine: Engine) -> dict:
 
     engine.runner.run = recording
     return rows
+
+
+def rows_equal(a: dict, b: dict, request_id, count: int) -> bool:
+    ra, rb = a.get(request_id, []), b.get(request_id, [])
+    return len(ra) == len(rb) == count and all(torch.equal(x, y) for x, y in zip(ra, rb))
