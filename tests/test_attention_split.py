@@ -46,13 +46,15 @@ def test_a_query_whose_own_keys_dominate_takes_them_and_not_the_prefix():
     torch.testing.assert_close(got, torch.full((n, 1, d), 5.0))
 
 
-def decode_reference(q, cache, table, ctx_lens, scale):
-    """Per sequence, attention of its one query (heads, d) over its first ctx_len tokens, in float64."""
+def decode_reference(q, cache, table, ctx_lens, scale, window=None):
+    """Per sequence, attention of its one query (heads, d) over its first ctx_len tokens (the last
+    ``window`` of them under a window), in float64."""
     kv_heads, dim = cache.shape[1], cache.shape[-1]
     out = []
     for s, (pages, ctx) in enumerate(zip(table, ctx_lens)):
-        k = cache[0].index_select(1, pages).reshape(kv_heads, -1, dim)[:, :ctx].double()
-        v = cache[1].index_select(1, pages).reshape(kv_heads, -1, dim)[:, :ctx].double()
+        lo = 0 if window is None else max(0, int(ctx) - window)
+        k = cache[0].index_select(1, pages).reshape(kv_heads, -1, dim)[:, lo:ctx].double()
+        v = cache[1].index_select(1, pages).reshape(kv_heads, -1, dim)[:, lo:ctx].double()
         group = q.shape[1] // kv_heads
         o = F.scaled_dot_product_attention(q[s].double()[:, None], k.repeat_interleave(group, 0),
                                            v.repeat_interleave(group, 0), scale=scale)
@@ -60,30 +62,60 @@ def decode_reference(q, cache, table, ctx_lens, scale):
     return torch.stack(out)
 
 
+def decode(cache, table, ctx_lens, q, window=None, scale=0.25):
+    """``paged_attention`` over one decode group whose keys are already in ``cache`` (layer 0)."""
+    from mmcache.engine.attention import DecodeGroup, PagedBatch, paged_attention
+
+    n, heads, d = q.shape
+    kv_heads, page_size = cache.shape[1], cache.shape[-2]
+    batch = PagedBatch([], [DecodeGroup(slice(0, n), cache[None], table, ctx_lens)], [], page_size)
+    empty = torch.zeros(1, kv_heads, n, d, dtype=q.dtype)
+    module = type("M", (), {"layer_idx": 0})()
+    out = paged_attention(module, q.transpose(0, 1)[None], empty, empty, None, scaling=scale,
+                          sliding_window=window, mmcache_batch=batch)[0]
+    return out[0], batch
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(dtype, tol):
-    from mmcache.engine.attention import DecodeGroup, PagedBatch, _over_shared_pages
+def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(dtype, tol, monkeypatch):
+    from mmcache.engine import attention
 
     g = torch.Generator().manual_seed(3)
     P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 12
     cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
     # Three sequences: pages 5 and 2 shared, then their own; the third is shorter (its table is padded).
-    table = torch.tensor([[5, 2, 7, 9], [5, 2, 1, 3], [5, 2, 4, 0]])
+    table = torch.tensor([[5, 2, 7, 9], [5, 2, 1, 3], [5, 2, 4, 4]])
     ctx_lens = torch.tensor([30, 25, 19])
-    group = DecodeGroup(slice(0, 3), cache, table, ctx_lens)
-    batch = PagedBatch([], [group], [], P)
-    assert batch.shared_pages(0, None) == 2
-    assert batch.shared_pages(0, 24) == 0  # a window in reach: the plain path
     q = torch.randn(3, heads, d, generator=g).to(dtype)
-    qg = q.reshape(3, kv_heads, heads // kv_heads, d)
-    rest = table[:, 2:].reshape(-1)
-    k_rest = cache[0].index_select(1, rest).view(kv_heads, 3, -1, d).transpose(0, 1)
-    v_rest = cache[1].index_select(1, rest).view(kv_heads, 3, -1, d).transpose(0, 1)
-    shared = table[0, :2]
-    k_shared, v_shared = (batch.read(cache[i], ("shared", 0, 2), shared) for i in (0, 1))
-    got = _over_shared_pages(qg, k_shared, v_shared, k_rest, v_rest, batch.decode_mask(0, None, dtype, 2), 0.25)
+    cascades = []
+    real = attention._over_shared_pages
+    monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: cascades.append(a[1].shape) or real(*a))
+    got, batch = decode(cache, table, ctx_lens, q)
+    assert batch.shared_pages(0, None) == 2 and cascades == [(kv_heads, 2 * P, d)]  # read once, for all three
+    assert batch.shared_pages(0, 24) == 0  # a window in reach: no shared part
     want = decode_reference(q, cache, table, ctx_lens, 0.25)
-    torch.testing.assert_close(got.reshape(3, heads, d).double(), want, atol=tol, rtol=0)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_each_decode_attends_over_exactly_its_own_keys_whatever_its_company(dtype, tol, window):
+    """Without shared pages every sequence is attended alone over its own context (the last ``window`` of
+    it under a window), whether its pages form a run (read in place) or not (gathered): it equals plain
+    attention, and its output is bit for bit what it is when decoded alone or beside other sequences."""
+    g = torch.Generator().manual_seed(7)
+    P, heads, kv_heads, d, num_pages = 8, 4, 2, 16, 16
+    cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
+    table = torch.tensor([[3, 4, 5, 6], [9, 1, 12, 12], [0, 7, 7, 7]])  # a run; scattered; short, padded
+    ctx_lens = torch.tensor([29, 17, 9])
+    q = torch.randn(3, heads, d, generator=g).to(dtype)
+    together, batch = decode(cache, table, ctx_lens, q, window)
+    assert batch.shared_pages(0, window) == 0
+    full = decode_reference(q, cache, table, ctx_lens, 0.25, window)
+    torch.testing.assert_close(together.double(), full, atol=tol, rtol=0)
+    for s in range(3):
+        alone, _ = decode(cache, table[s:s + 1, : -(-int(ctx_lens[s]) // P)], ctx_lens[s:s + 1], q[s:s + 1], window)
+        assert torch.equal(alone[0], together[s])
 
 
 def test_shared_pages_stop_where_tables_differ_or_a_sequence_ends():

@@ -18,14 +18,18 @@ its own sequence only. Invariants:
   query over the prefix ``0 .. start - 1`` (read from its pages with one ``index_select`` per layer), and
   plain causal over the chunk's own new keys, so no float mask is built or read. Otherwise the segment reads
   all its pages and applies a bottom-right causal (and window) mask.
-* Single-token segments (decodes) of one pool are attended together: their page tables are padded to a
-  common length, gathered with one ``index_select`` per layer, and an additive mask hides each sequence's
-  padding, so a step with many decodes costs one call per layer, not one per sequence. On CPU, outside a
-  sliding window, the leading pages that every decode of the group shares (the same page ids: a prefix
-  seeded from the cache) are read once and attended in one unmasked call for all of them, and only the rest
-  is gathered per sequence; the parts are merged by log-sum-exp (cascade attention).
+* Single-token segments (decodes) of one pool form one group. On CPU each sequence of the group is attended
+  alone over exactly its own keys (no padding, no mask: its context, or the last ``window`` of it), read in
+  place when its pages form one ascending run and gathered otherwise: one flash call per sequence costs less
+  than gathering every table into one padded tensor (the gather copies every key and value once more). The
+  leading pages that every decode of the group shares (the same page ids: a prefix seeded from the cache) are
+  read once and attended in one unmasked call for all of them, and merged with each sequence's own part by
+  log-sum-exp (cascade attention). Off CPU the group's page tables are padded to a common length, gathered
+  with one ``index_select`` per layer, and an additive mask hides each sequence's padding.
 * The result of a segment depends only on its own queries and the contents of its pages, never on which
-  other segments share the forward (beyond the GEMM row-count effects of the projections around it).
+  other segments share the forward (beyond the GEMM row-count effects of the projections around it). A
+  decode on CPU without shared pages gives the same bits alone or beside other decodes; with shared pages,
+  where the split falls depends on the group.
 * Pages are read in place when the ids to read form one ascending run (``a, a+1, ..., a+n-1``: the usual case
   for a prompt whose pages were taken together), as a view of the pool; otherwise with ``index_select``. The
   kernels receive the same values either way, and give the same bits.
@@ -123,6 +127,14 @@ class PagedBatch:
             self._memo[key] = hit
         return hit
 
+    def lengths(self, index: int) -> list[int]:
+        """The context lengths of decode group ``index`` as Python ints, cached per forward."""
+        key = ("lengths", index)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = [int(x) for x in self.decodes[index].ctx_lens.tolist()]
+        return hit
+
     def read(self, part: torch.Tensor, key: tuple, pages: torch.Tensor) -> torch.Tensor:
         """The pages ``pages`` of one layer's key or value pool ``part`` (kv_heads, pages, page_size, d), as
         (kv_heads, len(pages) * page_size, d): a view when the ids are one ascending run, else a gathered copy.
@@ -137,15 +149,14 @@ class PagedBatch:
             return part.index_select(1, pages).view(kv_heads, -1, dim)
         return part[:, start:start + pages.numel()].reshape(kv_heads, -1, dim)
 
-    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype, skip: int = 0) -> torch.Tensor:
-        """(sequences, 1, 1, padded length) additive mask of decode group ``index`` over its pages from page
-        ``skip`` on, cached per forward."""
-        key = ("decode", index, window, dtype, skip)
+    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """(sequences, 1, 1, padded length) additive mask of decode group ``index`` over its padded page table,
+        cached per forward (the batched decode path off CPU)."""
+        key = ("decode", index, window, dtype)
         hit = self._memo.get(key)
         if hit is None:
             g = self.decodes[index]
-            kpos = torch.arange(skip * self.page_size, g.table.shape[1] * self.page_size,
-                                device=g.ctx_lens.device).unsqueeze(0)
+            kpos = torch.arange(g.table.shape[1] * self.page_size, device=g.ctx_lens.device).unsqueeze(0)
             ctx = g.ctx_lens.unsqueeze(1)
             allowed = kpos < ctx
             if window is not None:
@@ -206,21 +217,19 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     out = q.new_empty(total, heads, dim)
     for i, g in enumerate(batch.decodes):
         cache = g.kv[layer]
-        shared = batch.shared_pages(i, sliding_window)
-        table = g.table[:, shared:].reshape(-1)
-        n, length = g.size, (g.table.shape[1] - shared) * batch.page_size
-        ks = batch.read(cache[0], ("decode", i, shared), table).view(kv_heads, n, length, dim).transpose(0, 1)
-        vs = batch.read(cache[1], ("decode", i, shared), table).view(kv_heads, n, length, dim).transpose(0, 1)
+        n = g.size
         # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
-        # per KV head: one call for every sequence and no repeated keys.
+        # per KV head, so no key is repeated.
         qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
-        mask = batch.decode_mask(i, sliding_window, q.dtype, shared)
-        if shared:
-            pages = g.table[0, :shared]
-            o = _over_shared_pages(qg, batch.read(cache[0], ("shared", i, shared), pages),
-                                   batch.read(cache[1], ("shared", i, shared), pages), ks, vs, mask, scaling)
+        if q.device.type == "cpu":
+            o = _decodes_one_by_one(batch, i, cache, qg, sliding_window, scaling)
         else:
-            o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scaling)
+            table = g.table.reshape(-1)
+            length = g.table.shape[1] * batch.page_size
+            ks = batch.read(cache[0], ("decode", i), table).view(kv_heads, n, length, dim).transpose(0, 1)
+            vs = batch.read(cache[1], ("decode", i), table).view(kv_heads, n, length, dim).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=batch.decode_mask(i, sliding_window, q.dtype),
+                                               scale=scaling)
         out[g.rows] = o.reshape(n, heads, dim)
     gqa = heads != kv_heads
     for i, seg in enumerate(batch.segments):
@@ -267,25 +276,55 @@ def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor
     return mixed.to(q.dtype).transpose(0, 1)
 
 
-def _over_shared_pages(qg: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
-                       k_rest: torch.Tensor, v_rest: torch.Tensor, mask: torch.Tensor,
-                       scale: float | None) -> torch.Tensor:
+def _decodes_one_by_one(batch: PagedBatch, index: int, cache: torch.Tensor, qg: torch.Tensor,
+                        window: int | None, scale: float | None) -> torch.Tensor:
+    """Decode attention of group ``index`` on CPU; ``qg``: (n, kv_heads, G, d) queries grouped by KV head.
+
+    Each sequence attends alone over exactly its own keys (its context, or the last ``window`` of it): a view
+    of the pool where its pages form one ascending run, a gather of its own pages otherwise; no padding and no
+    mask. Leading pages that every sequence shares are read once and attended by all of them in one call
+    (rows stacked per KV head); that part and each sequence's rest are merged by their log-sum-exps as in
+    ``_over_prefix`` (cascade attention).
+    """
+    g = batch.decodes[index]
+    p = batch.page_size
+    shared = batch.shared_pages(index, window)
+    out = torch.empty_like(qg)
+    lse = qg.new_empty(qg.shape[:3], dtype=torch.float32) if shared else None
+    for j, ctx in enumerate(batch.lengths(index)):
+        lo = shared * p if window is None else max(shared * p, ctx - window)
+        first = lo // p
+        pages = g.table[j, first: -(-ctx // p)]
+        key = ("sequence", index, j, first)
+        ks = batch.read(cache[0], key, pages)[:, lo - first * p: ctx - first * p]
+        vs = batch.read(cache[1], key, pages)[:, lo - first * p: ctx - first * p]
+        o, l = _FLASH(qg[j:j + 1], ks[None], vs[None], scale=scale)
+        out[j] = o[0]
+        if shared:
+            lse[j] = l[0]
+    if not shared:
+        return out
+    pages = g.table[0, :shared]
+    return _over_shared_pages(qg, batch.read(cache[0], ("shared", index, shared), pages),
+                              batch.read(cache[1], ("shared", index, shared), pages), out, lse, scale)
+
+
+def _over_shared_pages(qg: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor, o_rest: torch.Tensor,
+                       l_rest: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Decode attention of ``n`` sequences whose leading pages are the same pages (cascade attention).
 
     ``qg``: (n, kv_heads, G, d) queries grouped by KV head; ``k_shared``/``v_shared``: (kv_heads, S, d) the
-    shared pages' keys and values; ``k_rest``/``v_rest``: (n, kv_heads, L, d) each sequence's keys after the
-    shared pages, ``mask`` hiding its padding. The shared pages are read once and every sequence's queries
-    attend to them in one unmasked call (rows stacked per KV head); each sequence attends to its rest as before;
-    the two parts are mixed by their log-sum-exps as in ``_over_prefix``.
+    shared pages' keys and values; ``o_rest`` (n, kv_heads, G, d) and ``l_rest`` (n, kv_heads, G, float32):
+    each sequence's attention over its keys after the shared pages and its log-sum-exp. Every sequence's
+    queries attend to the shared pages in one unmasked call (rows stacked per KV head), and the two parts are
+    mixed by their log-sum-exps as in ``_over_prefix``.
     """
     n, kv_heads, group, dim = qg.shape
-    ks, vs = k_shared[None], v_shared[None]
     stacked = qg.permute(1, 0, 2, 3).reshape(1, kv_heads, n * group, dim)
-    o1, l1 = _FLASH(stacked, ks, vs, scale=scale)
-    o2, l2 = _FLASH(qg, k_rest, v_rest, attn_mask=mask, scale=scale)
+    o1, l1 = _FLASH(stacked, k_shared[None], v_shared[None], scale=scale)
     o1 = o1.view(kv_heads, n, group, dim).transpose(0, 1)
-    share = torch.sigmoid(l1.view(kv_heads, n, group).transpose(0, 1) - l2).unsqueeze(-1)
-    return torch.lerp(o2.float(), o1.float(), share).to(qg.dtype)
+    share = torch.sigmoid(l1.view(kv_heads, n, group).transpose(0, 1) - l_rest).unsqueeze(-1)
+    return torch.lerp(o_rest.float(), o1.float(), share).to(qg.dtype)
 
 
 def no_mask(*args, **kwargs) -> None:
