@@ -1,16 +1,15 @@
-"""Where the repeated prompt's speed-up goes: a cold prompt against the same prompt again, split into the
-linear layers and everything else, in one process.
+"""Where the repeated prompt's speed-up goes: a cold prompt against the same prompt again, each split into the
+time inside the linear layers and the rest, in one process.
 
-    python -m benchmarks.hit_anatomy --repeats 8 --json anatomy.json
+    python -m benchmarks.hit_anatomy --repeats 9 --json anatomy.json
 
-Each repeat takes a fresh prompt of ``--prompt-len`` tokens and times, back to back: the cold prompt, the same
-prompt again (a hit: every page but the last is seeded, the last page is computed), and then the engine's own
-linear modules alone (every packed or plain linear and fused MLP of every decoder layer, in layer order, and
-the LM head on one row, the way a forward calls them) on random rows, once with the cold prompt's row count
-and once with the hit's. So each repeat gives the whole-request ratio cold / hit, the linears' ratio, and the
-ratio of the rest (attention, norms, rotary, residuals, embedding, the engine's own work: the request's time
-minus its linears). Every ratio is taken within its repeat, then the median over repeats, because this
-machine's speed moves between minutes.
+Each repeat takes a fresh prompt of ``--prompt-len`` tokens and times, back to back, the cold prompt and the
+same prompt again (a hit: every page but the last is seeded, the last page is computed). Within both requests
+a clock on the engine's own linear modules (every packed or plain linear and fused MLP of every decoder
+layer, and the LM head) sums the time spent inside them, so each request splits into its linears and the
+rest (attention, norms, rotary, residuals, embedding, the engine's own work), measured in the same seconds.
+Every ratio is taken within its repeat, then the median over repeats, because this machine's speed moves
+between minutes.
 
 The question it answers: how far the repeated prompt's speed-up can go on this machine. A hit computes
 ``page_size`` rows instead of ``prompt_len``, so its linears could at best be ``prompt_len / page_size``
@@ -30,81 +29,86 @@ import time
 FIGURES = ("cold_s", "hit_s", "linears_cold_s", "linears_hit_s")
 
 
-def linear_calls(adapter) -> list:
-    """``(module, in_features)`` for every linear product a forward makes, in order: per decoder layer its
-    linear modules (a fused gated MLP counts once, with the hidden width), then the LM head."""
+def linear_modules(adapter) -> list:
+    """Every module that computes a linear product in a forward, in call order: per decoder layer its linear
+    modules (a fused gated MLP counts once: it does not call its gate, up and down modules), then the LM head.
+    No module of the list runs inside another."""
     from torch import nn
 
     from mmcache.engine.kernels import PackedGatedMLP
 
     decoder = adapter.decoder
-    calls = []
+    modules = []
     for layer in getattr(decoder, "layers", decoder):
         fused = [m for m in layer.modules() if isinstance(m, PackedGatedMLP)]
         inside = {id(p) for f in fused for p in f.modules()}
-        for m in layer.modules():
-            if isinstance(m, PackedGatedMLP):
-                calls.append((m, m.gate_proj.in_features))
-            elif isinstance(m, nn.Linear) and id(m) not in inside:
-                calls.append((m, m.in_features))
-    head = adapter.lm_head
-    calls.append((head, head.in_features))
-    return calls
+        modules += [m for m in layer.modules()
+                    if isinstance(m, PackedGatedMLP) or (isinstance(m, nn.Linear) and id(m) not in inside)]
+    modules.append(adapter.lm_head)
+    return modules
 
 
-def time_linears(calls: list, rows: int, dtype, generator) -> float:
-    """Seconds for one pass over ``calls`` with ``rows`` random rows (the LM head on one row, as a forward
-    computes logits only for the request's last token)."""
-    import torch
+class LinearClock:
+    """Sums the wall time spent inside ``modules`` (none nested in another) and counts their calls."""
 
-    inputs = {width: torch.randn(rows, width, generator=generator).to(dtype) for _, width in calls}
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        for i, (module, width) in enumerate(calls):
-            x = inputs[width]
-            module(x[-1:] if i == len(calls) - 1 else x)
-        return time.perf_counter() - t0
+    def __init__(self, modules: list):
+        self.seconds, self.calls, self._t0 = 0.0, 0, 0.0
+        self._handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
+                                                      m.register_forward_hook(self._leave))]
+
+    def _enter(self, module, args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _leave(self, module, args, output) -> None:
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 def measure(args) -> dict:
     import numpy as np
-    import torch
 
     from mmcache.engine import Engine, EngineConfig, SamplingParams
 
     if args.prompt_len % args.page_size or args.prompt_len < 2 * args.page_size:
         raise SystemExit("--prompt-len must be a multiple of --page-size, at least two pages")
     eng = Engine.from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
-    vocab = eng.adapter.vocab_size
     rng = np.random.default_rng(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    calls = linear_calls(eng.adapter)
+    modules = linear_modules(eng.adapter)
+    clock = LinearClock(modules)
 
     def call(p: list[int]):
+        clock.reset()
         t0 = time.perf_counter()
         out = eng.generate([p], SamplingParams(max_tokens=1))[0]
-        return time.perf_counter() - t0, out
+        took = time.perf_counter() - t0
+        if out.error is not None:
+            raise RuntimeError(f"request failed: {out.error}")
+        return took, clock.seconds, out
 
     def prompt() -> list[int]:
-        return [int(x) for x in rng.integers(0, vocab, args.prompt_len)]
+        return [int(x) for x in rng.integers(0, eng.adapter.vocab_size, args.prompt_len)]
 
     call(prompt())
-    time_linears(calls, args.page_size, eng.adapter.dtype, gen)
     repeats = []
-    for _ in range(args.repeats):
-        p = prompt()
-        cold, first = call(p)
-        hit, again = call(p)
-        if first.error is not None or again.error is not None:
-            raise RuntimeError(f"request failed: {first.error or again.error}")
-        if again.matched_tokens != args.prompt_len - args.page_size:
-            raise RuntimeError(f"expected a hit of {args.prompt_len - args.page_size} tokens, "
-                               f"got {again.matched_tokens}")
-        rows_hit = args.prompt_len - again.matched_tokens
-        lin_cold = time_linears(calls, args.prompt_len, eng.adapter.dtype, gen)
-        lin_hit = time_linears(calls, rows_hit, eng.adapter.dtype, gen)
-        repeats.append({"cold_s": cold, "hit_s": hit, "linears_cold_s": lin_cold, "linears_hit_s": lin_hit})
-    return {"repeats": repeats, "linear_calls_per_forward": len(calls)}
+    try:
+        for _ in range(args.repeats):
+            p = prompt()
+            cold, lin_cold, _ = call(p)
+            hit, lin_hit, again = call(p)
+            if again.matched_tokens != args.prompt_len - args.page_size:
+                raise RuntimeError(f"expected a hit of {args.prompt_len - args.page_size} tokens, "
+                                   f"got {again.matched_tokens}")
+            repeats.append({"cold_s": cold, "hit_s": hit, "linears_cold_s": lin_cold, "linears_hit_s": lin_hit})
+    finally:
+        clock.remove()
+    return {"repeats": repeats, "linear_modules": len(modules)}
 
 
 def summarize(repeats: list[dict]) -> dict:

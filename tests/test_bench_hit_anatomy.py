@@ -5,24 +5,23 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-
 from benchmarks import hit_anatomy
-from mmcache.engine import Engine
+from mmcache.engine import Engine, SamplingParams
 
 
-def test_every_linear_product_of_a_forward_is_timed_once_in_order():
+def test_the_clock_times_every_linear_product_of_a_forward_once():
     eng = Engine.from_preset("tiny")
-    calls = hit_anatomy.linear_calls(eng.adapter)
-    seen = []
-    for module, _ in calls:
-        module.register_forward_hook(lambda m, i, o: seen.append((m, i[0].shape[0])))
-    hit_anatomy.time_linears(calls, 24, eng.adapter.dtype, torch.Generator().manual_seed(0))
+    modules = hit_anatomy.linear_modules(eng.adapter)
     # per layer: q, k, v, o and the fused gated MLP (its gate, up and down are not called apart); the LM head
-    assert len(calls) == 5 * eng.adapter.num_layers + 1
-    assert [m for m, _ in seen] == [m for m, _ in calls]
-    assert [rows for _, rows in seen] == [24] * (len(calls) - 1) + [1]  # logits for the last row only
-    assert calls[-1][0] is eng.adapter.lm_head
+    assert len(modules) == 5 * eng.adapter.num_layers + 1 and modules[-1] is eng.adapter.lm_head
+    clock = hit_anatomy.LinearClock(modules)
+    out = eng.generate([list(range(5, 45))], SamplingParams(max_tokens=1))[0]
+    assert out.error is None and clock.calls == len(modules)  # one forward: each product once
+    assert clock.seconds > 0
+    clock.remove()
+    clock.reset()
+    eng.generate([list(range(5, 45))], SamplingParams(max_tokens=1))
+    assert clock.calls == 0 and clock.seconds == 0  # removed: the engine runs unobserved again
 
 
 def test_a_run_reports_each_repeat_and_the_medians_of_its_ratios(tmp_path):
