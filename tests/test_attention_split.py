@@ -91,8 +91,8 @@ def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(
     real = attention._over_shared_pages
     monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: cascades.append(a[1].shape) or real(*a))
     got, batch = decode(cache, table, ctx_lens, q)
-    assert batch.shared_pages(0, None) == 2 and cascades == [(kv_heads, 2 * P, d)]  # read once, for all three
-    assert batch.shared_pages(0, 24) == 0  # a window in reach: no shared part
+    assert batch.prefix_groups(0, None) == [([0, 1, 2], 2)] and cascades == [(kv_heads, 2 * P, d)]  # read once
+    assert batch.prefix_groups(0, 24) == []  # a window in reach: no shared part
     want = decode_reference(q, cache, table, ctx_lens, 0.25)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
 
@@ -110,7 +110,7 @@ def test_each_decode_attends_over_exactly_its_own_keys_whatever_its_company(dtyp
     ctx_lens = torch.tensor([29, 17, 9])
     q = torch.randn(3, heads, d, generator=g).to(dtype)
     together, batch = decode(cache, table, ctx_lens, q, window)
-    assert batch.shared_pages(0, window) == 0
+    assert batch.prefix_groups(0, window) == []
     full = decode_reference(q, cache, table, ctx_lens, 0.25, window)
     torch.testing.assert_close(together.double(), full, atol=tol, rtol=0)
     for s in range(3):
@@ -122,12 +122,35 @@ def test_shared_pages_stop_where_tables_differ_or_a_sequence_ends():
     from mmcache.engine.attention import DecodeGroup, PagedBatch
 
     kv = torch.zeros(2, 1, 8, 4, 2)
-    cases = [([[1, 2, 3], [1, 2, 4]], [12, 12], 2), ([[1, 2, 3], [1, 5, 3]], [12, 12], 1),
-             ([[1, 2, 3], [1, 2, 3]], [9, 12], 2), ([[1, 2, 3], [1, 2, 3]], [8, 12], 1),  # 8: page 2 ends the first
-             ([[6, 2], [1, 2]], [8, 8], 0), ([[1, 2, 3]], [12], 0)]  # different first pages; one sequence
+    cases = [([[1, 2, 3], [1, 2, 4]], [12, 12], [([0, 1], 2)]), ([[1, 2, 3], [1, 5, 3]], [12, 12], [([0, 1], 1)]),
+             ([[1, 2, 3], [1, 2, 3]], [9, 12], [([0, 1], 2)]),
+             ([[1, 2, 3], [1, 2, 3]], [8, 12], [([0, 1], 1)]),  # 8: page 2 ends the first
+             ([[6, 2], [1, 2]], [8, 8], []), ([[1, 2, 3]], [12], []),  # different first pages; one sequence
+             # two prefixes, each shared by its own sequences, and one sequence on its own
+             ([[1, 2, 3], [6, 7, 0], [1, 2, 4], [5, 2, 3], [6, 7, 4]], [12] * 5, [([0, 2], 2), ([1, 4], 2)])]
     for table, ctx, want in cases:
         group = DecodeGroup(slice(0, len(table)), kv, torch.tensor(table), torch.tensor(ctx))
-        assert PagedBatch([], [group], [], 4).shared_pages(0, None) == want, (table, ctx)
+        assert PagedBatch([], [group], [], 4).prefix_groups(0, None) == want, (table, ctx)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decodes_under_two_prefixes_read_each_prefix_once_and_equal_plain_attention(dtype, tol, monkeypatch):
+    from mmcache.engine import attention
+
+    g = torch.Generator().manual_seed(5)
+    P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 16
+    cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
+    # Pages 5, 2 start two sequences and 8, 9, 10 two others (two system prompts); the fifth shares nothing.
+    table = torch.tensor([[5, 2, 7, 7], [8, 9, 10, 1], [5, 2, 3, 4], [8, 9, 10, 12], [11, 6, 0, 0]])
+    ctx_lens = torch.tensor([20, 30, 29, 25, 21])
+    q = torch.randn(5, heads, d, generator=g).to(dtype)
+    cascades = []
+    real = attention._over_shared_pages
+    monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: cascades.append(a[1].shape) or real(*a))
+    got, batch = decode(cache, table, ctx_lens, q)
+    assert batch.prefix_groups(0, None) == [([0, 2], 2), ([1, 3], 3)]
+    assert cascades == [(kv_heads, 2 * P, d), (kv_heads, 3 * P, d)]  # each prefix read once
+    torch.testing.assert_close(got.double(), decode_reference(q, cache, table, ctx_lens, 0.25), atol=tol, rtol=0)
 
 
 def test_page_runs_are_recognised_exactly():
@@ -185,5 +208,5 @@ def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype, window):
         empty = torch.zeros(1, kv_heads, 8, d, dtype=dtype)
         outs[name] = paged_attention(module, q, empty, empty, None, scaling=0.25, sliding_window=window,
                                      mmcache_batch=batch)[0]
-        assert batch.shared_pages(0, window) == (4 if window is None else 0)
+        assert batch.prefix_groups(0, window) == ([([0, 1], 4)] if window is None else [])
     assert torch.equal(outs["run"], outs["scattered"])

@@ -111,19 +111,30 @@ class PagedBatch:
             hit = self._memo[key] = _segment_mask(self.segments[index], window, dtype, device)
         return hit
 
-    def shared_pages(self, index: int, window: int | None) -> int:
-        """How many leading pages every sequence of decode group ``index`` shares (the same page ids) and
-        attends whole, with room left for a non-empty rest; 0 where the shared-prefix path does not apply (one
-        sequence, a sliding window in reach, not CPU). Cached per forward."""
+    def prefix_groups(self, index: int, window: int | None) -> list[tuple[list[int], int]]:
+        """The sequences of decode group ``index`` that share leading pages (the same page ids: a prefix seeded
+        from the cache), as ``(members, pages)``: two or more sequences whose tables start with the same page,
+        and how many leading pages all of them share, leaving each a non-empty rest. Sequences in no such
+        group, and every sequence where the shared-prefix path does not apply (a sliding window in reach, not
+        CPU), are in none. Cached per forward."""
         key = ("shared", index, window)
         hit = self._memo.get(key)
         if hit is None:
             g = self.decodes[index]
-            hit = 0
-            if g.size >= 2 and g.kv.device.type == "cpu" and (window is None or int(g.ctx_lens.max()) <= window):
-                same = (g.table == g.table[:1]).all(0)
-                leading = int(same.to(torch.int32).cumprod(0).sum())
-                hit = min(leading, (int(g.ctx_lens.min()) - 1) // self.page_size)
+            hit = []
+            if g.size >= 2 and g.kv.device.type == "cpu" and (window is None or max(self.lengths(index)) <= window):
+                by_first: dict[int, list[int]] = {}
+                for j, first in enumerate(g.table[:, 0].tolist()):
+                    by_first.setdefault(first, []).append(j)
+                for members in by_first.values():
+                    if len(members) < 2:
+                        continue
+                    rows = g.table[members]
+                    same = (rows == rows[:1]).all(0)
+                    leading = int(same.to(torch.int32).cumprod(0).sum())
+                    pages = min(leading, (min(self.lengths(index)[j] for j in members) - 1) // self.page_size)
+                    if pages:
+                        hit.append((members, pages))
             self._memo[key] = hit
         return hit
 
@@ -282,17 +293,22 @@ def _decodes_one_by_one(batch: PagedBatch, index: int, cache: torch.Tensor, qg: 
 
     Each sequence attends alone over exactly its own keys (its context, or the last ``window`` of it): a view
     of the pool where its pages form one ascending run, a gather of its own pages otherwise; no padding and no
-    mask. Leading pages that every sequence shares are read once and attended by all of them in one call
-    (rows stacked per KV head); that part and each sequence's rest are merged by their log-sum-exps as in
-    ``_over_prefix`` (cascade attention).
+    mask. Where several sequences share leading pages (``prefix_groups``: several groups, such as two system
+    prompts, each with its own sequences), each group's shared pages are read once and attended by all its
+    sequences in one call (rows stacked per KV head), and each sequence attends alone only over the rest;
+    the two parts are merged by their log-sum-exps as in ``_over_prefix`` (cascade attention).
     """
     g = batch.decodes[index]
     p = batch.page_size
-    shared = batch.shared_pages(index, window)
+    groups = batch.prefix_groups(index, window)
+    skip = [0] * g.size
+    for members, pages in groups:
+        for j in members:
+            skip[j] = pages
     out = torch.empty_like(qg)
-    lse = qg.new_empty(qg.shape[:3], dtype=torch.float32) if shared else None
+    lse = qg.new_empty(qg.shape[:3], dtype=torch.float32) if groups else None
     for j, ctx in enumerate(batch.lengths(index)):
-        lo = shared * p if window is None else max(shared * p, ctx - window)
+        lo = skip[j] * p if window is None else max(skip[j] * p, ctx - window)
         first = lo // p
         pages = g.table[j, first: -(-ctx // p)]
         key = ("sequence", index, j, first)
@@ -300,13 +316,15 @@ def _decodes_one_by_one(batch: PagedBatch, index: int, cache: torch.Tensor, qg: 
         vs = batch.read(cache[1], key, pages)[:, lo - first * p: ctx - first * p]
         o, l = _FLASH(qg[j:j + 1], ks[None], vs[None], scale=scale)
         out[j] = o[0]
-        if shared:
+        if groups:
             lse[j] = l[0]
-    if not shared:
-        return out
-    pages = g.table[0, :shared]
-    return _over_shared_pages(qg, batch.read(cache[0], ("shared", index, shared), pages),
-                              batch.read(cache[1], ("shared", index, shared), pages), out, lse, scale)
+    for n, (members, shared) in enumerate(groups):
+        pages = g.table[members[0], :shared]
+        rows = torch.tensor(members, device=qg.device)
+        out[rows] = _over_shared_pages(qg[rows], batch.read(cache[0], ("shared", index, n), pages),
+                                       batch.read(cache[1], ("shared", index, n), pages), out[rows], lse[rows],
+                                       scale)
+    return out
 
 
 def _over_shared_pages(qg: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor, o_rest: torch.Tensor,
