@@ -11,6 +11,13 @@ reports the median over ``--repeats`` of each; the ratio is mmcache's median ove
   ATen's CPU flash attention as ``mmcache.engine.attention`` calls it (one causal call; for the hit, the
   prefix part with query heads stacked per KV head plus the causal part). vLLM: ``cpu_attention_with_kv_cache``
   over its paged cache (block 128), the kernel its CPU attention backend calls.
+* decode attention: one query token for each of 4 and of 12 sequences (contexts of 600 to 2,000 tokens), each
+  sequence's pages a run for its prompt and its newest page elsewhere, as after its first decoded page. vLLM:
+  ``cpu_attention_with_kv_cache`` over its paged cache. mmcache, per sequence as ``mmcache.engine.attention``
+  does on CPU since commit ec19f57 (one flash call over exactly its own keys: a view where its pages are one
+  run, as before its first decoded page, here on a copy of the cache laid out that way; gathered where they
+  are not), and as it did before (every table padded to the longest, gathered into one tensor, one masked
+  call).
 * linears: one product of each shape at 2048, 128, 8 and 1 rows, weights cache-hot. mmcache: a weight packed
   once for oneDNN (``mkldnn._linear_pointwise``, as ``mmcache.engine.kernels``); vLLM: ``onednn_mm``.
 * decode step: every linear of a 24-layer decode step at 8 rows plus the LM head, weights streamed from memory
@@ -88,6 +95,93 @@ def attention_cases(ops, repeats: int) -> list[dict]:
     return out
 
 
+def decode_attention_cases(ops, repeats: int) -> list[dict]:
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    group, num_blocks = HEADS // KV_HEADS, 512
+    out = []
+    for n in (4, 12):
+        g = torch.Generator().manual_seed(n)
+        lens = [600 + (347 * i) % 1400 for i in range(n)]
+        tables, free = [], iter(range(num_blocks))
+        for ctx in lens:  # the prompt's pages one run; the newest page taken later, after other sequences'
+            tables.append([next(free) for _ in range(-(-ctx // BLOCK) - 1)])
+        for t in tables:
+            t.append(next(free))
+        width = max(len(t) for t in tables)
+        # mmcache's pool (kv_heads, pages, page, d); vLLM's cache written by its own kernel, the same tokens in
+        # the same blocks
+        pool_k = torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(BF16)
+        pool_v = torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(BF16)
+        key_cache, value_cache = torch.zeros(num_blocks, KV_HEADS, 2 * BLOCK, DIM, dtype=BF16).chunk(2, dim=2)
+        for t, ctx in zip(tables, lens):
+            pos = torch.arange(ctx)
+            blocks_of = torch.tensor(t)[pos // BLOCK]
+            k = pool_k[:, blocks_of, pos % BLOCK].transpose(0, 1).contiguous()
+            v = pool_v[:, blocks_of, pos % BLOCK].transpose(0, 1).contiguous()
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, blocks_of * BLOCK + pos % BLOCK, "amx")
+        q = torch.randn(n, HEADS, DIM, generator=g).to(BF16)
+        starts = torch.arange(n + 1, dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        block_table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=n, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_lens=seq_lens, dtype=BF16,
+            query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False)
+        result = torch.empty(n, HEADS, DIM, dtype=BF16)
+
+        def theirs():
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache, output=result, query_start_loc=starts,
+                seq_lens=seq_lens, scale=DIM ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+
+        qg = q.reshape(n, KV_HEADS, group, DIM)
+        # The same keys and values once more, each sequence's pages one run (as before its first decoded page)
+        runs, run_k, run_v, at = [], torch.zeros_like(pool_k), torch.zeros_like(pool_v), 0
+        for t in tables:
+            runs.append(torch.arange(at, at + len(t)))
+            run_k[:, runs[-1]], run_v[:, runs[-1]] = pool_k[:, t], pool_v[:, t]
+            at += len(t)
+
+        def per_sequence(pk, pv, tables_):
+            o = torch.empty_like(qg)
+            for j, ctx in enumerate(lens):
+                t = tables_[j]
+                first = int(t[0])
+                if int(t[-1]) - first == len(t) - 1:  # one run: a view, as PagedBatch.read gives
+                    ks, vs = pk[:, first:first + len(t)], pv[:, first:first + len(t)]
+                else:
+                    ks, vs = pk.index_select(1, t), pv.index_select(1, t)
+                ks, vs = ks.reshape(KV_HEADS, -1, DIM)[:, :ctx], vs.reshape(KV_HEADS, -1, DIM)[:, :ctx]
+                o[j] = flash(qg[j:j + 1], ks[None], vs[None], scale=DIM ** -0.5)[0][0]
+            return o
+
+        pages = [torch.tensor(t) for t in tables]
+        scattered = lambda: per_sequence(pool_k, pool_v, pages)  # noqa: E731
+        in_place = lambda: per_sequence(run_k, run_v, runs)  # noqa: E731
+
+        flat = block_table.to(torch.int64).reshape(-1)
+        kpos = torch.arange(width * BLOCK)[None]
+        mask = torch.zeros(n, width * BLOCK, dtype=BF16).masked_fill_(kpos >= seq_lens[:, None], float("-inf"))
+
+        def padded_batch():
+            ks = pool_k.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
+            vs = pool_v.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
+            return sdpa(qg, ks, vs, attn_mask=mask[:, None, None], scale=DIM ** -0.5)
+
+        theirs()
+        for ours in (in_place, scattered, padded_batch):  # the same attention: layouts and lengths agree
+            got = ours().reshape(n, HEADS, DIM).float()
+            assert torch.allclose(got, result.float(), atol=2e-2, rtol=0), float((got - result.float()).abs().max())
+        for how, ours in (("per sequence, pages one run", in_place),
+                          ("per sequence, newest page apart", scattered),
+                          ("padded batch, newest page apart (before ec19f57)", padded_batch)):
+            mine, vllm = _paired(ours, theirs, repeats, 50)
+            out.append({"case": f"decode attention, {n} sequences, mmcache {how}", "mmcache_ms": mine,
+                        "vllm_ms": vllm})
+    return out
+
+
 def linear_cases(ops, repeats: int) -> list[dict]:
     shapes = [(HIDDEN, HIDDEN + 2 * KV_HEADS * DIM), (HIDDEN, HIDDEN), (HIDDEN, KV_HEADS * DIM),
               (HIDDEN, 2 * MLP), (HIDDEN, MLP), (MLP, HIDDEN)]
@@ -155,10 +249,11 @@ def main() -> None:
     import vllm._custom_ops as ops
 
     torch._C._cpu._init_amx()  # vLLM's AMX kernels need the permission this asks the kernel for
-    cases = attention_cases(ops, a.repeats) + linear_cases(ops, a.repeats) + [decode_step_case(ops, a.repeats)]
+    cases = (attention_cases(ops, a.repeats) + decode_attention_cases(ops, a.repeats)
+             + linear_cases(ops, a.repeats) + [decode_step_case(ops, a.repeats)])
     for c in cases:
         c["ratio"] = c["mmcache_ms"] / c["vllm_ms"]
-        print(f"{c['case']:<52} mmcache {c['mmcache_ms']:9.3f} ms  vLLM {c['vllm_ms']:9.3f} ms  "
+        print(f"{c['case']:<80} mmcache {c['mmcache_ms']:9.3f} ms  vLLM {c['vllm_ms']:9.3f} ms  "
               f"mmcache / vLLM {c['ratio']:.2f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
