@@ -30,7 +30,7 @@ FIGURES = ("cold_s", "hit_s", "linears_cold_s", "linears_hit_s")
 
 
 def linear_modules(adapter) -> list:
-    """Every module that computes a linear product in a forward, in call order: per decoder layer its linear
+    """Every module that computes a linear product in a forward, layer by layer: per decoder layer its linear
     modules (a fused gated MLP counts once: it does not call its gate, up and down modules), then the LM head.
     No module of the list runs inside another."""
     from torch import nn
@@ -132,15 +132,14 @@ def summarize(repeats: list[dict]) -> dict:
 
 
 def run(args) -> dict:
+    measured = measure(args)
+    import torch  # loaded by now (measure built the engine)
+
     from mmcache.openmp import loaded_runtime
 
-    measured = measure(args)
-    result = {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size,
-              "prompt_len": args.prompt_len, **measured, **summarize(measured["repeats"])}
-    import torch
-
-    result["machine"] = {"threads": torch.get_num_threads(), "openmp": loaded_runtime()}
-    return result
+    return {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size, "prompt_len": args.prompt_len,
+            **measured, **summarize(measured["repeats"]),
+            "machine": {"threads": torch.get_num_threads(), "openmp": loaded_runtime()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)

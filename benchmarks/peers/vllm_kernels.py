@@ -53,6 +53,22 @@ def _paired(a, b, repeats: int, inner: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def _vllm_attention(ops, q, key_cache, value_cache, starts, seq_lens, block_table):
+    """vLLM's CPU attention over its paged cache, causal, as its backend calls it: ``(run, output)``."""
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_lens=seq_lens,
+        dtype=BF16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False)
+    result = torch.empty(q.shape[0], HEADS, DIM, dtype=BF16)
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=result, query_start_loc=starts,
+            seq_lens=seq_lens, scale=DIM ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+
+    return run, result
+
+
 def attention_cases(ops, repeats: int) -> list[dict]:
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out = []
@@ -69,16 +85,7 @@ def attention_cases(ops, repeats: int) -> list[dict]:
         starts = torch.tensor([0, q_len], dtype=torch.int32)
         lens = torch.tensor([ctx], dtype=torch.int32)
         table = torch.arange(blocks, dtype=torch.int32)[None]
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_lens=lens, dtype=BF16,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False)
-        result = torch.empty(q_len, HEADS, DIM, dtype=BF16)
-
-        def theirs():
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=key_cache, value_cache=value_cache, output=result, query_start_loc=starts,
-                seq_lens=lens, scale=DIM ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-                block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        theirs, _ = _vllm_attention(ops, q, key_cache, value_cache, starts, lens, table)
 
         qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         start = ctx - q_len
@@ -124,16 +131,7 @@ def decode_attention_cases(ops, repeats: int) -> list[dict]:
         starts = torch.arange(n + 1, dtype=torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         block_table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, seq_lens=seq_lens, dtype=BF16,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa="amx", enable_kv_split=False)
-        result = torch.empty(n, HEADS, DIM, dtype=BF16)
-
-        def theirs():
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=key_cache, value_cache=value_cache, output=result, query_start_loc=starts,
-                seq_lens=seq_lens, scale=DIM ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-                block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        theirs, result = _vllm_attention(ops, q, key_cache, value_cache, starts, seq_lens, block_table)
 
         qg = q.reshape(n, KV_HEADS, group, DIM)
         # The same keys and values once more, each sequence's pages one run (as before its first decoded page)

@@ -21,11 +21,12 @@ its own sequence only. Invariants:
 * Single-token segments (decodes) of one pool form one group. On CPU each sequence of the group is attended
   alone over exactly its own keys (no padding, no mask: its context, or the last ``window`` of it), read in
   place when its pages form one ascending run and gathered otherwise: one flash call per sequence costs less
-  than gathering every table into one padded tensor (the gather copies every key and value once more). The
-  leading pages that every decode of the group shares (the same page ids: a prefix seeded from the cache) are
-  read once and attended in one unmasked call for all of them, and merged with each sequence's own part by
-  log-sum-exp (cascade attention). Off CPU the group's page tables are padded to a common length, gathered
-  with one ``index_select`` per layer, and an additive mask hides each sequence's padding.
+  than gathering every table into one padded tensor (the gather copies every key and value once more).
+  Sequences whose tables start with the same pages (a prefix seeded from the cache; several such groups may
+  decode in one step, e.g. under two system prompts) read those pages once per group, in one unmasked call
+  for all the group's queries, merged with each sequence's own part by log-sum-exp (cascade attention).
+  Off CPU the group's page tables are padded to a common length, gathered with one ``index_select`` per
+  layer, and an additive mask hides each sequence's padding.
 * The result of a segment depends only on its own queries and the contents of its pages, never on which
   other segments share the forward (beyond the GEMM row-count effects of the projections around it). A
   decode on CPU without shared pages gives the same bits alone or beside other decodes; with shared pages,
