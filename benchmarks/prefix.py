@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from mmcache.engine import native
 from mmcache.openmp import loaded_runtime
 
 from . import text_workloads as tw
@@ -509,7 +510,7 @@ def run(args) -> dict:
             "shape": asdict(shape), "workloads": {w.name: w.params for w in workloads}, "token_space": asdict(space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                         "platform": platform.platform(), "python": platform.python_version(),
-                        "openmp": loaded_runtime()},
+                        "openmp": loaded_runtime(), "decode_attention": native.status()},
             "versions": _versions(), "wall_s": time.perf_counter() - t_start}
 
 

@@ -42,7 +42,10 @@ def _write(path: str | None, result: dict) -> None:
 def main(args) -> int:
     import torch  # noqa: F401  (loads torch's OpenMP library, so the line below can name it)
 
+    from mmcache.engine import native
+
     print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
+    print(f"[mmcache] decode attention: {native.status()} (MMCACHE_NATIVE, see README)", file=sys.stderr)
     rest = list(args.rest)
     if rest and rest[0] in REGISTRY:
         name = rest.pop(0)

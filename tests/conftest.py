@@ -62,3 +62,21 @@ def hf_vlm_logits():
             return model(input_ids=ids, pixel_values=batch["pixel_values"]).logits[0]
 
     return fn
+
+
+@pytest.fixture(params=["native", "aten"])
+def decode_path(request, monkeypatch):
+    """Runs a test once on the compiled decode kernel (``mmcache.engine.native``) and once on ATen's flash
+    attention (``MMCACHE_NATIVE=off``). The kernel's run is skipped, with the reason, only where it cannot be
+    built: no C compiler or no AVX-512 (not the case on the development and CI machines)."""
+    from mmcache.engine import native
+
+    if request.param == "aten":
+        monkeypatch.setenv(native.ENV_CHOICE, "off")
+    else:
+        monkeypatch.setenv(native.ENV_CHOICE, "require")
+        try:
+            native.library()
+        except native.NativeKernelUnavailable as exc:
+            pytest.skip(f"the decode kernel cannot be built here: {exc}")
+    return request.param

@@ -78,8 +78,10 @@ def decode(cache, table, ctx_lens, q, window=None, scale=0.25):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(dtype, tol, monkeypatch):
+    """On ATen's path (the compiled kernel reads every sequence's pages itself and has no shared part)."""
     from mmcache.engine import attention
 
+    monkeypatch.setenv("MMCACHE_NATIVE", "off")
     g = torch.Generator().manual_seed(3)
     P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 12
     cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
@@ -99,7 +101,7 @@ def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(
 
 @pytest.mark.parametrize("window", [None, 13])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_each_decode_attends_over_exactly_its_own_keys_whatever_its_company(dtype, tol, window):
+def test_each_decode_attends_over_exactly_its_own_keys_whatever_its_company(dtype, tol, window, decode_path):
     """Without shared pages every sequence is attended alone over its own context (the last ``window`` of
     it under a window), whether its pages form a run (read in place) or not (gathered): it equals plain
     attention, and its output is bit for bit what it is when decoded alone or beside other sequences."""
@@ -135,8 +137,10 @@ def test_shared_pages_stop_where_tables_differ_or_a_sequence_ends():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_decodes_under_two_prefixes_read_each_prefix_once_and_equal_plain_attention(dtype, tol, monkeypatch):
+    """On ATen's path, as above."""
     from mmcache.engine import attention
 
+    monkeypatch.setenv("MMCACHE_NATIVE", "off")
     g = torch.Generator().manual_seed(5)
     P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 16
     cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
@@ -181,7 +185,7 @@ def test_a_run_of_pages_is_read_in_place_and_other_tables_are_gathered():
 
 @pytest.mark.parametrize("window", [None, 16])  # 16: masked segments and plain decodes (no shared part)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype, window):
+def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype, window, decode_path):
     """The same keys and values in a run of pages and in scattered pages: prefix chunks, decodes over shared
     leading pages, and masked segments give identical outputs (the in-place read changes strides, not values)."""
     from mmcache.engine.attention import DecodeGroup, PagedBatch, Segment, paged_attention

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention
+from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention, native
 from mmcache.engine.inspect import record_logits
 from mmcache.engine.models import build_model
 
@@ -100,16 +100,19 @@ def test_default_schedule_tokens_equal_with_cache_on_and_off():
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 3e-2)])
-def test_engine_logits_match_the_models_own_forward(name, dtype, tol, monkeypatch):
+def test_engine_logits_match_the_models_own_forward(name, dtype, tol, monkeypatch, decode_path):
     """Chunked, batched, paged prefill and decode give the logits of a plain sdpa forward over the sequence,
-    within 2e-5 (fp32) or 3e-2 (bf16) of the largest logit.
+    within 2e-5 (fp32) or 3e-2 (bf16) of the largest logit, with decodes on the compiled kernel and on ATen.
 
     tiny-mistral has a 48-token sliding window and prompts of up to 86 tokens, so the window is exercised.
-    The others decode requests that share cached pages together, so the shared-pages (cascade) path is too.
+    The others decode requests that share cached pages together, so on ATen's path the shared-pages (cascade)
+    path is exercised too.
     """
-    cascades = []
+    cascades, kernel_calls = [], []
     real = attention._over_shared_pages
     monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: cascades.append(1) or real(*a))
+    real_kernel = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a: kernel_calls.append(1) or real_kernel(*a))
     ref, _ = build_model(name, dtype)
     model, tok = build_model(name, dtype)
     eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=128, prefill_chunk_tokens=32,
@@ -129,7 +132,10 @@ def test_engine_logits_match_the_models_own_forward(name, dtype, tol, monkeypatc
         assert got.shape == want.shape
         # Tolerance relative to the largest logit: bf16 carries 8 bits of mantissa through every layer.
         torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=0)
-    assert (len(cascades) > 0) == (name != "tiny-mistral")  # the window keeps mistral on the plain path
+    if decode_path == "aten":
+        assert not kernel_calls and (len(cascades) > 0) == (name != "tiny-mistral")  # a window: no cascade
+    else:
+        assert kernel_calls and not cascades
 
 
 def test_greedy_outputs_do_not_depend_on_batch_company():

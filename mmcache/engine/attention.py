@@ -18,7 +18,9 @@ its own sequence only. Invariants:
   query over the prefix ``0 .. start - 1`` (read from its pages with one ``index_select`` per layer), and
   plain causal over the chunk's own new keys, so no float mask is built or read. Otherwise the segment reads
   all its pages and applies a bottom-right causal (and window) mask.
-* Single-token segments (decodes) of one pool form one group. On CPU each sequence of the group is attended
+* Single-token segments (decodes) of one pool form one group. On CPU the group goes, in one call per layer,
+  to the compiled kernel of ``native`` where it builds and takes the shape: it reads every sequence's pages
+  where they lie, through its page table. Otherwise (ATen's path) each sequence of the group is attended
   alone over exactly its own keys (no padding, no mask: its context, or the last ``window`` of it), read in
   place when its pages form one ascending run and gathered otherwise: one flash call per sequence costs less
   than gathering every table into one padded tensor (the gather copies every key and value once more).
@@ -29,8 +31,8 @@ its own sequence only. Invariants:
   layer, and an additive mask hides each sequence's padding.
 * The result of a segment depends only on its own queries and the contents of its pages, never on which
   other segments share the forward (beyond the GEMM row-count effects of the projections around it). A
-  decode on CPU without shared pages gives the same bits alone or beside other decodes; with shared pages,
-  where the split falls depends on the group.
+  decode on the kernel gives the same bits alone or beside other decodes; on ATen's path too where it shares
+  no pages (with shared pages, where the split falls depends on the group).
 * Pages are read in place when the ids to read form one ascending run (``a, a+1, ..., a+n-1``: the usual case
   for a prompt whose pages were taken together), as a view of the pool; otherwise with ``index_select``. The
   kernels receive the same values either way, and give the same bits.
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MmcacheError
+from . import native
 
 ATTENTION_BACKEND = "mmcache_paged_sdpa"
 BATCH_KWARG = "mmcache_batch"
@@ -233,7 +236,13 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
         # per KV head, so no key is repeated.
         qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
-        if q.device.type == "cpu":
+        lib = native.library() if native.supports(qg, cache) else None
+        if lib is not None:
+            hi = g.ctx_lens
+            lo = (hi - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(hi)
+            o = native.decode_attention(lib, qg, cache[0], cache[1], g.table, lo, hi,
+                                        dim ** -0.5 if scaling is None else scaling)
+        elif q.device.type == "cpu":
             o = _decodes_one_by_one(batch, i, cache, qg, sliding_window, scaling)
         else:
             table = g.table.reshape(-1)

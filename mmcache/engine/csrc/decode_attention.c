@@ -1,0 +1,317 @@
+/* Paged decode attention for CPUs with AVX-512: one query token per sequence, its keys and values read where
+ * they lie in the page pool (no gather, no padding, no mask).
+ *
+ * Built and loaded at run time by mmcache/engine/native.py; the engine falls back to ATen when this file cannot
+ * be compiled (no C compiler, no AVX-512).
+ *
+ * Layout (all contiguous, element type float32 or bfloat16 alike for q, the pools and out):
+ *   q      (n, H, G, D)     queries grouped by KV head: G query heads read KV head h
+ *   k, v   (H, P, S, D)     one layer's key or value pool: H KV heads, P pages of S slots
+ *   table  (n, T) int64     each sequence's page ids, position t in page table[j][t / S] at slot t % S
+ *   lo, hi (n) int64        sequence j attends to positions lo[j] .. hi[j] - 1 (hi > lo)
+ *   out    (n, H, G, D)
+ *
+ * Invariants: the result for (sequence j, KV head h) depends only on q[j, h], its pages and lo[j], hi[j]: the
+ * same bits whatever else the call holds, and the same bits on every run. Arithmetic is float32 throughout
+ * (bfloat16 inputs are widened exactly); probabilities are not rounded to bfloat16. Scores go through a
+ * two-pass softmax (all scores, then their maximum, then exp), so no running rescale is needed.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__) || !defined(__AVX512BW__)
+#error "mmcache decode kernel needs AVX-512 (F, VL, DQ, BW)"
+#endif
+
+enum { F32 = 0, BF16 = 1 };
+
+#define MAX_G 16   /* query rows per KV head */
+#define MAX_D 512  /* head dimension, a multiple of 16 */
+
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int dtype) {
+    if (dtype == BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void store16(void *p, int64_t i, __m512 x, const int dtype) {
+    if (dtype == BF16) { /* round to nearest even, as torch's float -> bfloat16 conversion */
+        __m512i b = _mm512_castps_si512(x);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+        b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        return;
+    }
+    _mm512_storeu_ps((float *)p + i, x);
+}
+
+/* a[0..7] -> the eight sums of their 16 lanes, in order. */
+static inline __m256 sum8(const __m512 *a) {
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 f = _mm512_add_ps(e, _mm512_shuffle_f32x4(e, e, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps256(_mm512_shuffle_f32x4(f, f, _MM_SHUFFLE(0, 0, 2, 0)));
+}
+
+/* e^x for x <= 0: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to degree 7 (relative error ~1e-8). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f)); /* e^-104 is 0 in float32 after scaling */
+    __m256 n = _mm256_roundscale_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    return _mm256_scalef_ps(p, n);
+}
+
+/* Scores of `count` consecutive key rows against G query rows, one row of GP floats each (the query's scores
+ * in columns 0 .. G-1, zeros after). The general form: any D, the query rows read from L1 for every key. */
+static inline __attribute__((always_inline)) void score_keys(const void *q, const float *qf, const int G,
+                                                             int D, const char *krow, int64_t count,
+                                                             float scale, float *s, const int dtype) {
+    const int GP = G <= 8 ? 8 : 16;
+    const size_t stride = (size_t)D * (dtype == BF16 ? 2 : 4);
+    for (int64_t i = 0; i < count; i++, krow += stride, s += GP) {
+        __m512 acc[MAX_G];
+        for (int g = 0; g < GP; g++) acc[g] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+        if (dtype == BF16) { /* bfloat16 pairs multiplied and summed in float32 */
+            for (int d = 0; d < D; d += 32) {
+                const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu; /* D is a multiple of 16 */
+                __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)krow + d);
+                for (int g = 0; g < G; g++)
+                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)q + g * D + d), kc);
+            }
+        } else
+#endif
+        {
+            (void)q;
+            for (int d = 0; d < D; d += 16) {
+                __m512 kc = load16(krow, d, dtype);
+                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), kc, acc[g]);
+            }
+        }
+        for (int h = 0; h < GP; h += 8) _mm256_storeu_ps(s + h, _mm256_mul_ps(sum8(acc + h), _mm256_set1_ps(scale)));
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* The same for bfloat16 at D = 64 and G <= 8 (the common decoder shape): the query rows stay in registers. */
+static inline __attribute__((always_inline)) void score_keys_d64(const uint16_t *q, const int G, const char *krow,
+                                                                 int64_t count, float scale, float *s) {
+    __m512bh q0[8], q1[8];
+    for (int g = 0; g < G; g++) {
+        q0[g] = (__m512bh)_mm512_loadu_si512(q + g * 64);
+        q1[g] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < count; i++, krow += 128, s += 8) {
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(krow), k1 = (__m512bh)_mm512_loadu_si512(krow + 64);
+        __m512 acc[8];
+        for (int g = 0; g < 8; g++) acc[g] = _mm512_setzero_ps();
+        for (int g = 0; g < G; g++) acc[g] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g], q0[g], k0), q1[g], k1);
+        _mm256_storeu_ps(s, _mm256_mul_ps(sum8(acc), sc));
+    }
+}
+#endif
+
+typedef void (*score_fn)(const void *q, const float *qf, int D, const char *krow, int64_t count, float scale,
+                         float *s);
+
+#define SCORE_FNS(Gc)                                                                                        \
+    static void score_f32_##Gc(const void *q, const float *qf, int D, const char *k, int64_t n, float c,      \
+                               float *s) { score_keys(q, qf, Gc, D, k, n, c, s, F32); }                       \
+    static void score_bf16_##Gc(const void *q, const float *qf, int D, const char *k, int64_t n, float c,     \
+                                float *s) { score_keys(q, qf, Gc, D, k, n, c, s, BF16); }
+SCORE_FNS(1) SCORE_FNS(2) SCORE_FNS(3) SCORE_FNS(4) SCORE_FNS(5) SCORE_FNS(6) SCORE_FNS(7) SCORE_FNS(8)
+SCORE_FNS(9) SCORE_FNS(10) SCORE_FNS(11) SCORE_FNS(12) SCORE_FNS(13) SCORE_FNS(14) SCORE_FNS(15) SCORE_FNS(16)
+#undef SCORE_FNS
+static const score_fn SCORE_F32[MAX_G + 1] = {0, score_f32_1, score_f32_2, score_f32_3, score_f32_4,
+    score_f32_5, score_f32_6, score_f32_7, score_f32_8, score_f32_9, score_f32_10, score_f32_11, score_f32_12,
+    score_f32_13, score_f32_14, score_f32_15, score_f32_16};
+static const score_fn SCORE_BF16[MAX_G + 1] = {0, score_bf16_1, score_bf16_2, score_bf16_3, score_bf16_4,
+    score_bf16_5, score_bf16_6, score_bf16_7, score_bf16_8, score_bf16_9, score_bf16_10, score_bf16_11,
+    score_bf16_12, score_bf16_13, score_bf16_14, score_bf16_15, score_bf16_16};
+
+#if defined(__AVX512BF16__)
+#define SCORE_D64(Gc)                                                                                        \
+    static void score_d64_##Gc(const void *q, const float *qf, int D, const char *k, int64_t n, float c,      \
+                               float *s) { (void)qf; (void)D; score_keys_d64((const uint16_t *)q, Gc, k, n, c, s); }
+SCORE_D64(1) SCORE_D64(2) SCORE_D64(3) SCORE_D64(4) SCORE_D64(5) SCORE_D64(6) SCORE_D64(7) SCORE_D64(8)
+#undef SCORE_D64
+static const score_fn SCORE_BF16_D64[9] = {0, score_d64_1, score_d64_2, score_d64_3, score_d64_4, score_d64_5,
+                                           score_d64_6, score_d64_7, score_d64_8};
+#endif
+
+/* out rows g0 .. g0+NG-1, dims d0 .. d0+16*NC-1: the sum over positions of p[t][g] v[t][d], divided by l[g]. */
+static inline __attribute__((always_inline)) void mix_block(const float *p, int GP, int g0, const int NG,
+                                                            int64_t d0, const int NC, const char *v, int64_t D,
+                                                            int64_t S, const int64_t *pages, int64_t lo,
+                                                            int64_t hi, const float *l, void *out, const int dtype) {
+    const size_t esize = dtype == BF16 ? 2 : 4;
+    __m512 acc[7][4];
+    for (int i = 0; i < NG; i++)
+        for (int c = 0; c < NC; c++) acc[i][c] = _mm512_setzero_ps();
+    const float *pt = p + g0;
+    for (int64_t t = lo; t < hi;) {
+        int64_t page = pages[t / S], off = t % S, end = hi - t < S - off ? hi : t + (S - off);
+        const char *row = v + ((page * S + off) * D + d0) * esize;
+        for (; t < end; t++, pt += GP, row += D * esize) {
+            for (int c = 0; c < NC; c++) {
+                __m512 vc = load16(row, 16 * c, dtype);
+                for (int i = 0; i < NG; i++) acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(pt[i]), vc, acc[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < NG; i++) {
+        __m512 inv = _mm512_set1_ps(1.0f / l[g0 + i]);
+        for (int c = 0; c < NC; c++) store16(out, (g0 + i) * D + d0 + 16 * c, _mm512_mul_ps(acc[i][c], inv), dtype);
+    }
+}
+
+typedef void (*mix_fn)(const float *p, int GP, int g0, int64_t d0, const char *v, int64_t D, int64_t S,
+                       const int64_t *pages, int64_t lo, int64_t hi, const float *l, void *out);
+
+#define MIX_FN(NG, NC)                                                                                       \
+    static void mix_f32_##NG##_##NC(const float *p, int GP, int g0, int64_t d0, const char *v, int64_t D,     \
+                                    int64_t S, const int64_t *pg, int64_t lo, int64_t hi, const float *l,     \
+                                    void *out) { mix_block(p, GP, g0, NG, d0, NC, v, D, S, pg, lo, hi, l, out, F32); } \
+    static void mix_bf16_##NG##_##NC(const float *p, int GP, int g0, int64_t d0, const char *v, int64_t D,    \
+                                     int64_t S, const int64_t *pg, int64_t lo, int64_t hi, const float *l,    \
+                                     void *out) { mix_block(p, GP, g0, NG, d0, NC, v, D, S, pg, lo, hi, l, out, BF16); }
+#define MIX_ROW(NG) MIX_FN(NG, 1) MIX_FN(NG, 2) MIX_FN(NG, 3) MIX_FN(NG, 4)
+MIX_ROW(1) MIX_ROW(2) MIX_ROW(3) MIX_ROW(4) MIX_ROW(5) MIX_ROW(6) MIX_ROW(7)
+#define MIX_PTRS(T, NG) {mix_##T##_##NG##_1, mix_##T##_##NG##_2, mix_##T##_##NG##_3, mix_##T##_##NG##_4}
+static const mix_fn MIX_F32[7][4] = {MIX_PTRS(f32, 1), MIX_PTRS(f32, 2), MIX_PTRS(f32, 3), MIX_PTRS(f32, 4),
+                                     MIX_PTRS(f32, 5), MIX_PTRS(f32, 6), MIX_PTRS(f32, 7)};
+static const mix_fn MIX_BF16[7][4] = {MIX_PTRS(bf16, 1), MIX_PTRS(bf16, 2), MIX_PTRS(bf16, 3), MIX_PTRS(bf16, 4),
+                                      MIX_PTRS(bf16, 5), MIX_PTRS(bf16, 6), MIX_PTRS(bf16, 7)};
+
+/* One (sequence, KV head): G query rows over positions lo .. hi-1. s: scratch of GP * (hi - lo) floats. */
+static void attend(const void *q, const char *k, const char *v, const int64_t *pages, int64_t lo, int64_t hi,
+                   int G, int64_t D, int64_t S, float scale, float *s, void *out, int dtype) {
+    const int GP = G <= 8 ? 8 : 16;
+    const size_t esize = dtype == BF16 ? 2 : 4;
+    float qf[MAX_G * MAX_D];
+    score_fn score = dtype == BF16 ? SCORE_BF16[G] : SCORE_F32[G];
+#if defined(__AVX512BF16__)
+    if (dtype == BF16 && D == 64 && G <= 8) score = SCORE_BF16_D64[G];
+#endif
+#if defined(__AVX512BF16__)
+    if (dtype == F32) /* bfloat16 queries are read as they are */
+#endif
+        for (int g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, load16(q, g * D + d, dtype));
+    float *row = s;
+    for (int64_t t = lo; t < hi;) {
+        int64_t page = pages[t / S], off = t % S, count = hi - t < S - off ? hi - t : S - off;
+        score(q, qf, (int)D, k + (page * S + off) * D * esize, count, scale, row);
+        row += count * GP;
+        t += count;
+    }
+    const int64_t n = hi - lo;
+    float l[MAX_G];
+    for (int h = 0; h < GP; h += 8) {
+        __m256 m = _mm256_set1_ps(-__builtin_inff());
+        for (int64_t t = 0; t < n; t++) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t * GP + h));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t * GP + h), m));
+            _mm256_storeu_ps(s + t * GP + h, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(l + h, sum);
+    }
+    /* Query rows in blocks of at most 7 (as even as possible), dims in blocks of 64: at most 28 accumulators. */
+    const int blocks = (G + 6) / 7, per = (G + blocks - 1) / blocks;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+        for (int g0 = 0; g0 < G; g0 += per) {
+            int ng = G - g0 < per ? G - g0 : per;
+            mix_fn mix = dtype == BF16 ? MIX_BF16[ng - 1][nc - 1] : MIX_F32[ng - 1][nc - 1];
+            mix(s, GP, g0, d0, v, D, S, pages, lo, hi, l, out);
+        }
+    }
+}
+
+struct job {
+    int dtype;
+    const char *q, *k, *v;
+    const int64_t *table, *lo, *hi;
+    int64_t table_stride, H, G, D, P, S;
+    float scale;
+    char *out;
+};
+
+static void run_task(const struct job *b, int64_t j, int64_t h, float *s) {
+    const size_t esize = b->dtype == BF16 ? 2 : 4, row = (size_t)((j * b->H + h) * b->G * b->D) * esize;
+    const size_t pool = (size_t)(h * b->P * b->S * b->D) * esize;
+    attend(b->q + row, b->k + pool, b->v + pool, b->table + j * b->table_stride, b->lo[j], b->hi[j], (int)b->G,
+           b->D, b->S, b->scale, s, b->out + row, b->dtype);
+}
+
+/* Returns 0, or 1 when the shape is outside what this kernel handles (the caller then uses another path). */
+int mmc_decode_attention(int dtype, const void *q, const void *k, const void *v, const int64_t *table,
+                         int64_t table_stride, const int64_t *lo, const int64_t *hi, int64_t n, int64_t H,
+                         int64_t G, int64_t D, int64_t P, int64_t S, float scale, void *out, int nthreads) {
+    if ((dtype != F32 && dtype != BF16) || G < 1 || G > MAX_G || D < 16 || D > MAX_D || D % 16 || S < 1)
+        return 1;
+    int64_t longest = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (hi[j] <= lo[j] || lo[j] < 0 || (hi[j] - 1) / S >= table_stride) return 1;
+        for (int64_t i = lo[j] / S; i <= (hi[j] - 1) / S; i++)
+            if (table[j * table_stride + i] < 0 || table[j * table_stride + i] >= P) return 1;
+        if (hi[j] - lo[j] > longest) longest = hi[j] - lo[j];
+    }
+    const struct job job = {dtype, (const char *)q, (const char *)k, (const char *)v, table, lo, hi,
+                             table_stride, H, G, D, P, S, scale, (char *)out};
+    /* Sequences that start on the same page (a shared prefix) next to each other, and each thread a run of
+     * tasks of one KV head where the heads divide evenly among the threads: a prefix's keys and values, read
+     * by one sequence, are still in that core's cache for the next. */
+    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+    if (!order) return 2;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t i = j, first = table[j * table_stride + lo[j] / S];
+        for (; i > 0 && table[order[i - 1] * table_stride + lo[order[i - 1]] / S] > first; i--) order[i] = order[i - 1];
+        order[i] = j;
+    }
+    const int64_t tasks = n * H;
+    const int by_head = nthreads > 0 && H % nthreads == 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = (float *)malloc(sizeof(float) * 16 * (size_t)longest);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        if (by_head) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < tasks; task++)
+                if (s) run_task(&job, order[task % n], task / n, s);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < tasks; task++)
+                if (s) run_task(&job, order[task % n], task / n, s);
+        }
+        free(s);
+    }
+    free(order);
+    return failed ? 2 : 0;
+}

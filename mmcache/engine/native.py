@@ -1,0 +1,193 @@
+"""The engine's compiled CPU kernel: paged decode attention (``csrc/decode_attention.c``), built on first use.
+
+ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
+sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
+pages as one tensor. The kernel here attends every decoding sequence of a step in one call per layer, reading
+keys and values where they lie in the page pool through each sequence's page table, in parallel over
+(sequence, KV head).
+
+It is C with AVX-512 intrinsics, compiled at run time with the machine's C compiler (``$CC``, else ``cc``;
+``-O3 -march=native -fopenmp``) into a per-user cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``,
+else ``~/.cache/mmcache``) and loaded with ``ctypes``; nothing beyond torch is imported. The library's name
+carries a digest of the source, the flags, the compiler's version and the CPU's model and flags, so a changed
+source, compiler or machine builds anew, and a build is written under a temporary name and renamed into
+place, so concurrent processes never load a half-written file.
+
+``MMCACHE_NATIVE`` chooses: ``auto`` (default: use the kernel when it builds, else fall back to ATen and log
+why once), ``off`` (always ATen), ``require`` (raise ``NativeKernelUnavailable`` when it cannot be built).
+
+Invariants: ``decode_attention`` returns, for every sequence and KV head, a result that depends only on that
+sequence's queries, pages and bounds (so a decode gives the same bits alone or beside others, and with or
+without shared pages), in float32 arithmetic; shapes it does not take (``supports``) never reach it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import MmcacheError
+
+ENV_CHOICE = "MMCACHE_NATIVE"
+ENV_CACHE = "MMCACHE_CACHE_DIR"
+_CHOICES = ("auto", "off", "require")
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+MAX_GROUP, MAX_HEAD_DIM = 16, 512
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_log = logging.getLogger("mmcache.native")
+
+
+class NativeKernelUnavailable(MmcacheError, RuntimeError):
+    """``MMCACHE_NATIVE=require`` and the kernel cannot be built or loaded here; the message says why."""
+
+
+class NativeConfigError(MmcacheError, ValueError):
+    """``MMCACHE_NATIVE`` holds something other than auto, off or require."""
+
+
+_state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None; filled once per process
+
+
+def choice() -> str:
+    value = os.environ.get(ENV_CHOICE, "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise NativeConfigError(f"{ENV_CHOICE}={os.environ[ENV_CHOICE]!r}: expected one of {', '.join(_CHOICES)}")
+    return value
+
+
+def cache_dir() -> Path:
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mmcache"
+
+
+def _machine() -> str:
+    """The CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def build(compiler: str | None = None, directory: Path | None = None) -> Path:
+    """Compile the kernel (or find it already compiled) and return the library's path.
+
+    Raises ``NativeKernelUnavailable`` with the reason: not Linux on x86-64, no compiler, or the compiler's own
+    message (for example the source's ``#error`` on a CPU without AVX-512).
+    """
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeKernelUnavailable(f"the decode kernel is built for Linux on x86-64, not {sys.platform} "
+                                      f"on {platform.machine()}")
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc or not shutil.which(cc):
+        raise NativeKernelUnavailable(f"no C compiler found ({cc or 'cc'}; set CC to one)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeKernelUnavailable(f"C compiler {cc} did not run: {exc}") from exc
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(), version.encode(), _machine().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    directory = directory or cache_dir()
+    target = directory / f"decode_attention-{digest.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+                              timeout=600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeKernelUnavailable(f"{cc} failed to run: {exc}") from exc
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        message = (done.stderr or done.stdout).strip().splitlines()
+        raise NativeKernelUnavailable(f"{cc} could not build {SOURCE.name}: " + " | ".join(message[:6]))
+    os.replace(partial, target)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    fn = lib.mmc_decode_attention
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None when ``MMCACHE_NATIVE`` is off or (under auto) it cannot be built here."""
+    mode = choice()
+    if mode == "off":
+        return None
+    if "lib" not in _state:
+        try:
+            _state["lib"], _state["why"] = _load(build()), None
+        except (NativeKernelUnavailable, OSError) as exc:
+            _state["lib"], _state["why"] = None, str(exc)
+            _log.info("decode kernel unavailable, using ATen: %s", exc)
+    if _state["lib"] is None and mode == "require":
+        raise NativeKernelUnavailable(_state["why"])
+    return _state["lib"]
+
+
+def status() -> str:
+    """What decode attention runs on in this process: ``native``, or ``aten (why)``."""
+    try:
+        return "native" if library() is not None else f"aten ({_state.get('why') or ENV_CHOICE + '=off'})"
+    except (NativeKernelUnavailable, NativeConfigError) as exc:
+        return f"aten ({exc})"
+
+
+def reset() -> None:
+    """Forget the loaded library and the reason for its absence (the next ``library()`` tries again)."""
+    _state.clear()
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` takes queries ``q`` (n, kv_heads, G, d) over pool ``kv`` on this device."""
+    group, dim = q.shape[2], q.shape[3]
+    return (q.device.type == "cpu" and kv.device.type == "cpu" and q.dtype in _DTYPES and kv.dtype == q.dtype
+            and 1 <= group <= MAX_GROUP and 16 <= dim <= MAX_HEAD_DIM and dim % 16 == 0)
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                     lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its own pages.
+
+    ``q`` (n, kv_heads, G, d); ``k``/``v`` one layer's pool (kv_heads, pages, page_size, d); ``table`` (n, T)
+    int64 page ids; sequence ``j`` attends to positions ``lo[j] .. hi[j] - 1``. Returns (n, kv_heads, G, d) in
+    ``q``'s dtype. The caller checked ``supports``; the pools must be contiguous (they are views of the pool).
+    """
+    n, kv_heads, group, dim = q.shape
+    if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape or k.shape[0] != kv_heads:
+        raise ValueError(f"decode kernel: pools {tuple(k.shape)} / {tuple(v.shape)} do not match queries "
+                         f"{tuple(q.shape)} or are not contiguous")
+    q = q.contiguous()
+    table = table.to(torch.int64).contiguous()
+    lo = lo.to(torch.int64).contiguous()
+    hi = hi.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    rc = lib.mmc_decode_attention(_DTYPES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
+                                  table.shape[1], lo.data_ptr(), hi.data_ptr(), n, kv_heads, group, dim, k.shape[1],
+                                  k.shape[2], float(scale), out.data_ptr(), threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"decode kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, bounds "
+                         f"{lo.tolist()} .. {hi.tolist()}")
+    return out
