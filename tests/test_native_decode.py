@@ -128,6 +128,29 @@ def test_a_group_the_kernel_does_not_take_runs_on_aten(monkeypatch):
     torch.testing.assert_close(got.double(), decode_reference(q, cache, table, ctx, 0.25), atol=1e-5, rtol=0)
 
 
+def test_the_kernel_builds_where_the_machine_can_run_it(monkeypatch, fresh_state):
+    """Not a skip where it matters: on Linux x86-64 with AVX-512 and a C compiler (the development and CI
+    machines) the kernel must build and load, so a source that stops compiling fails here instead of quietly
+    sending every other kernel test to a skip."""
+    import platform
+    import sys
+
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        flags = []
+    needed = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if sys.platform != "linux" or platform.machine() != "x86_64" or not needed <= set(flags) or not compiler:
+        pytest.skip("not Linux x86-64 with AVX-512 and a C compiler: the kernel is not expected to build")
+    monkeypatch.setenv(native.ENV_CHOICE, "auto")
+    assert native.build().exists()
+    lib = native.library()
+    assert lib is not None
+    assert native.status() == ("native (AMX scores)" if lib.tiles else "native")
+    assert not lib.tiles or {"amx_tile", "amx_bf16"} <= set(flags)  # tiles only where the CPU has them
+
+
 def test_the_build_is_cached_and_reused(lib):
     path = native.build()
     before = path.stat().st_mtime_ns

@@ -1,7 +1,7 @@
 """mmcache's CPU kernels against vLLM's, shape by shape, in one process; run by the interpreter in
 ``VLLM_PEER_PYTHON`` (vLLM's own virtual environment, whose torch also has the ATen and oneDNN ops mmcache calls).
 
-usage: $VLLM_PEER_PYTHON benchmarks/peers/vllm_kernels.py [--repeats 7] [--json OUT.json]
+usage: $VLLM_PEER_PYTHON benchmarks/peers/vllm_kernels.py [--repeats 7] [--json OUT.json] [--native-lib PATH]
 
 Shapes are the Qwen2.5-0.5B shape's (hidden 896, MLP 4864, 14 query heads and 2 KV heads of 64, vocabulary
 151,936, 24 layers) in bf16. Each case times mmcache's kernel and vLLM's on the same inputs, alternating, and
@@ -17,7 +17,8 @@ reports the median over ``--repeats`` of each; the ratio is mmcache's median ove
   does on CPU since commit ec19f57 (one flash call over exactly its own keys: a view where its pages are one
   run, as before its first decoded page, here on a copy of the cache laid out that way; gathered where they
   are not), and as it did before (every table padded to the longest, gathered into one tensor, one masked
-  call).
+  call); with ``--native-lib``, also the compiled kernel the engine now calls (every sequence in one call,
+  pages read through the table).
 * linears: one product of each shape at 2048, 128, 8 and 1 rows, weights cache-hot. mmcache: a weight packed
   once for oneDNN (``mkldnn._linear_pointwise``, as ``mmcache.engine.kernels``); vLLM: ``onednn_mm``.
 * decode step: every linear of a 24-layer decode step at 8 rows plus the LM head, weights streamed from memory
@@ -102,7 +103,31 @@ def attention_cases(ops, repeats: int) -> list[dict]:
     return out
 
 
-def decode_attention_cases(ops, repeats: int) -> list[dict]:
+def _compiled_decode(path: str):
+    """mmcache's compiled decode kernel (``mmcache/engine/csrc/decode_attention.c``), loaded from the library
+    ``mmcache.engine.native.build()`` wrote (this interpreter cannot import mmcache), called as the engine
+    calls it: ``run(q, k_pool, v_pool, table, lo, hi, scale) -> out``."""
+    import ctypes
+
+    lib = ctypes.CDLL(path)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.mmc_decode_attention.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                                         i64, ctypes.c_float, ptr, ctypes.c_int]
+    tiles = lib.mmc_init()
+
+    def run(q, k, v, table, lo, hi, scale):
+        out = torch.empty_like(q)
+        n, kv_heads, group, dim = q.shape
+        rc = lib.mmc_decode_attention(1, q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), table.shape[1],
+                                      lo.data_ptr(), hi.data_ptr(), n, kv_heads, group, dim, k.shape[1], k.shape[2],
+                                      scale, out.data_ptr(), torch.get_num_threads())
+        assert rc == 0, rc
+        return out
+
+    return run, bool(tiles)
+
+
+def decode_attention_cases(ops, repeats: int, compiled=None) -> list[dict]:
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     sdpa = torch.nn.functional.scaled_dot_product_attention
     group, num_blocks = HEADS // KV_HEADS, 512
@@ -167,13 +192,19 @@ def decode_attention_cases(ops, repeats: int) -> list[dict]:
             vs = pool_v.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
             return sdpa(qg, ks, vs, attn_mask=mask[:, None, None], scale=DIM ** -0.5)
 
+        ways = [("per sequence, pages one run", in_place), ("per sequence, newest page apart", scattered),
+                ("padded batch, newest page apart (before ec19f57)", padded_batch)]
+        if compiled is not None:
+            run, tiles = compiled
+            table64, hi = block_table.to(torch.int64), seq_lens.to(torch.int64)
+            lo = torch.zeros_like(hi)
+            ways.insert(0, (f"compiled kernel{' (AMX scores)' if tiles else ''}, newest page apart",
+                            lambda: run(qg, pool_k, pool_v, table64, lo, hi, DIM ** -0.5)))
         theirs()
-        for ours in (in_place, scattered, padded_batch):  # the same attention: layouts and lengths agree
+        for _, ours in ways:  # the same attention: layouts and lengths agree
             got = ours().reshape(n, HEADS, DIM).float()
             assert torch.allclose(got, result.float(), atol=2e-2, rtol=0), float((got - result.float()).abs().max())
-        for how, ours in (("per sequence, pages one run", in_place),
-                          ("per sequence, newest page apart", scattered),
-                          ("padded batch, newest page apart (before ec19f57)", padded_batch)):
+        for how, ours in ways:
             mine, vllm = _paired(ours, theirs, repeats, 50)
             out.append({"case": f"decode attention, {n} sequences, mmcache {how}", "mmcache_ms": mine,
                         "vllm_ms": vllm})
@@ -242,12 +273,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default=None)
+    p.add_argument("--native-lib", default=None, metavar="PATH",
+                   help="mmcache's compiled decode kernel, as printed in mmcache's environment by "
+                        "python -c 'from mmcache.engine import native; print(native.build())'")
     a = p.parse_args()
     import vllm
     import vllm._custom_ops as ops
 
     torch._C._cpu._init_amx()  # vLLM's AMX kernels need the permission this asks the kernel for
-    cases = (attention_cases(ops, a.repeats) + decode_attention_cases(ops, a.repeats)
+    compiled = _compiled_decode(a.native_lib) if a.native_lib else None
+    cases = (attention_cases(ops, a.repeats) + decode_attention_cases(ops, a.repeats, compiled)
              + linear_cases(ops, a.repeats) + [decode_step_case(ops, a.repeats)])
     for c in cases:
         c["ratio"] = c["mmcache_ms"] / c["vllm_ms"]

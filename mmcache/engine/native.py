@@ -6,7 +6,7 @@ pages as one tensor. The kernel here attends every decoding sequence of a step i
 keys and values where they lie in the page pool through each sequence's page table, in parallel over
 (sequence, KV head).
 
-It is C with AVX-512 intrinsics, compiled at run time with the machine's C compiler (``$CC``, else ``cc``;
+It is C with AVX-512 intrinsics (and AMX tiles for bfloat16 scores where the CPU has them), compiled at run time with the machine's C compiler (``$CC``, else ``cc``;
 ``-O3 -march=native -fopenmp``) into a per-user cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``,
 else ``~/.cache/mmcache``) and loaded with ``ctypes``; nothing beyond torch is imported. The library's name
 carries a digest of the source, the flags, the compiler's version and the CPU's model and flags, so a changed
@@ -128,6 +128,8 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.mmc_init.restype = ctypes.c_int
+    lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
     return lib
 
 
@@ -150,7 +152,10 @@ def library() -> ctypes.CDLL | None:
 def status() -> str:
     """What decode attention runs on in this process: ``native``, or ``aten (why)``."""
     try:
-        return "native" if library() is not None else f"aten ({_state.get('why') or ENV_CHOICE + '=off'})"
+        lib = library()
+        if lib is not None:
+            return "native (AMX scores)" if lib.tiles else "native"
+        return f"aten ({_state.get('why') or ENV_CHOICE + '=off'})"
     except (NativeKernelUnavailable, NativeConfigError) as exc:
         return f"aten ({exc})"
 

@@ -15,10 +15,17 @@
  * same bits whatever else the call holds, and the same bits on every run. Arithmetic is float32 throughout
  * (bfloat16 inputs are widened exactly); probabilities are not rounded to bfloat16. Scores go through a
  * two-pass softmax (all scores, then their maximum, then exp), so no running rescale is needed.
+ *
+ * Scores of bfloat16 keys run on the tile unit (AMX) in blocks of 16 keys where the CPU has it and Linux grants
+ * it (mmc_init), and on the vector unit otherwise and for the keys left over; the weighted sum of the values
+ * always runs on the vector unit.
  */
+#define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if !defined(__AVX512F__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__) || !defined(__AVX512BW__)
 #error "mmcache decode kernel needs AVX-512 (F, VL, DQ, BW)"
@@ -203,6 +210,54 @@ static const mix_fn MIX_F32[7][4] = {MIX_PTRS(f32, 1), MIX_PTRS(f32, 2), MIX_PTR
 static const mix_fn MIX_BF16[7][4] = {MIX_PTRS(bf16, 1), MIX_PTRS(bf16, 2), MIX_PTRS(bf16, 3), MIX_PTRS(bf16, 4),
                                       MIX_PTRS(bf16, 5), MIX_PTRS(bf16, 6), MIX_PTRS(bf16, 7)};
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+static int amx_ready; /* set by mmc_init: the kernel let this process use the tile registers */
+
+/* Scores of bfloat16 keys on the tile unit, 16 keys at a time: tile 0 holds 16 key rows by 32 dims, tiles 2..
+ * the query rows transposed in pairs (VNNI), tile 1 a 16 x GP block of scores. Each score is the same float32
+ * sum of bfloat16 products as on the vector path, in another order. amx_begin loads the query once per
+ * (sequence, KV head); amx_scores then runs over any number of whole blocks; amx_end frees the tiles. */
+static void amx_begin(const uint16_t *q, int G, int D) {
+    const int GP = G <= 8 ? 8 : 16, nb = D / 32;
+    struct __attribute__((aligned(64))) {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg = {0};
+    uint16_t qt[6][16][32] __attribute__((aligned(64)));
+    for (int c = 0; c < nb; c++)
+        for (int r = 0; r < 16; r++)
+            for (int g = 0; g < GP; g++)
+                for (int e = 0; e < 2; e++) qt[c][r][2 * g + e] = g < G ? q[g * D + 32 * c + 2 * r + e] : 0;
+    cfg.palette = 1;
+    for (int t = 0; t < 2 + nb; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = t == 0 ? 64 : (uint16_t)(GP * 4);
+    }
+    _tile_loadconfig(&cfg);
+    /* tile numbers are immediates: query chunk c lives in tile 2 + c */
+#define LOAD_B(c, tile) if (nb > c) _tile_loadd(tile, qt[c], 64);
+    LOAD_B(0, 2) LOAD_B(1, 3) LOAD_B(2, 4) LOAD_B(3, 5) LOAD_B(4, 6) LOAD_B(5, 7)
+#undef LOAD_B
+}
+
+static void amx_scores(int G, int D, const char *krow, int64_t count, float scale, float *s) {
+    const int GP = G <= 8 ? 8 : 16, nb = D / 32;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i + 16 <= count; i += 16, krow += 16 * D * 2, s += 16 * GP) {
+        _tile_zero(1);
+#define DOT(c, tile) if (nb > c) { _tile_loadd(0, krow + 64 * c, D * 2); _tile_dpbf16ps(1, 0, tile); }
+        DOT(0, 2) DOT(1, 3) DOT(2, 4) DOT(3, 5) DOT(4, 6) DOT(5, 7)
+#undef DOT
+        _tile_stored(1, s, GP * 4);
+        for (int j = 0; j < 16 * GP; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
+    }
+}
+
+static void amx_end(void) { _tile_release(); }
+#endif
+
 /* One (sequence, KV head): G query rows over positions lo .. hi-1. s: scratch of GP * (hi - lo) floats. */
 static void attend(const void *q, const char *k, const char *v, const int64_t *pages, int64_t lo, int64_t hi,
                    int G, int64_t D, int64_t S, float scale, float *s, void *out, int dtype) {
@@ -218,13 +273,29 @@ static void attend(const void *q, const char *k, const char *v, const int64_t *p
 #endif
         for (int g = 0; g < G; g++)
             for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, load16(q, g * D + d, dtype));
+#if defined(HAVE_AMX)
+    const int tiles = amx_ready && dtype == BF16 && D % 32 == 0 && D <= 192 && hi - lo >= 16;
+    if (tiles) amx_begin((const uint16_t *)q, G, (int)D);
+#endif
     float *row = s;
     for (int64_t t = lo; t < hi;) {
         int64_t page = pages[t / S], off = t % S, count = hi - t < S - off ? hi - t : S - off;
-        score(q, qf, (int)D, k + (page * S + off) * D * esize, count, scale, row);
+        const char *krow = k + (page * S + off) * D * esize;
+#if defined(HAVE_AMX)
+        if (tiles && count >= 16) { /* whole blocks of 16 keys on the tile unit, the rest below */
+            int64_t whole = count / 16 * 16;
+            amx_scores(G, (int)D, krow, whole, scale, row);
+            row += whole * GP, t += whole, count -= whole, krow += whole * D * esize;
+            if (!count) continue;
+        }
+#endif
+        score(q, qf, (int)D, krow, count, scale, row);
         row += count * GP;
         t += count;
     }
+#if defined(HAVE_AMX)
+    if (tiles) amx_end();
+#endif
     const int64_t n = hi - lo;
     float l[MAX_G];
     for (int h = 0; h < GP; h += 8) {
@@ -264,6 +335,17 @@ static void run_task(const struct job *b, int64_t j, int64_t h, float *s) {
     const size_t pool = (size_t)(h * b->P * b->S * b->D) * esize;
     attend(b->q + row, b->k + pool, b->v + pool, b->table + j * b->table_stride, b->lo[j], b->hi[j], (int)b->G,
            b->D, b->S, b->scale, s, b->out + row, b->dtype);
+}
+
+/* Called once after loading, before any other call: returns 1 where scores run on the tile unit (AMX), else 0. */
+int mmc_init(void) {
+#if defined(HAVE_AMX)
+    /* Linux hands out the tile registers' state only to processes that ask (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+    amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_ready;
+#else
+    return 0;
+#endif
 }
 
 /* Returns 0, or 1 when the shape is outside what this kernel handles (the caller then uses another path). */
