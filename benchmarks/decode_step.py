@@ -1,0 +1,146 @@
+"""A decode step on the compiled kernel against the same step on ATen's path, alternating within one process.
+
+    python -m benchmarks.decode_step --json decode_step.json      # 2 shapes x 3 rounds, about 2 min
+
+Each round submits a batch of greedy requests and steps the engine until they finish; steps alternate
+between the compiled decode kernel (``MMCACHE_NATIVE=require``) and ATen's path (``off``), starting with the
+other one each round, so the two sides share the minute. For every step that only decodes (no prompt chunk in
+it) it records the step's wall time and the time inside decode attention (the kernel's call, or ATen's
+per-sequence function), and reports medians per side and the ratio of the medians of each.
+
+Shapes (Qwen2.5-0.5B shape, bf16, page 128 by default):
+
+* ``shared``: SGLang's generated-shared-prefix shape scaled down, two 2048-token system prompts each under 4
+  requests with their own 128 tokens (the requests under one prompt share its pages).
+* ``own``: 12 requests of 1,500 tokens, nothing shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SHAPES = ("shared", "own")
+SIDES = {"kernel": "require", "aten": "off"}
+
+
+def prompts(shape: str, rng, vocab: int, scale: float) -> list[list[int]]:
+    def tokens(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(2, vocab, max(1, round(n * scale)))]
+
+    if shape == "shared":
+        system = [tokens(2048) for _ in range(2)]
+        return [system[i % 2] + tokens(128) for i in range(8)]
+    if shape == "own":
+        return [tokens(1500) for _ in range(12)]
+    raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+
+
+class AttentionClock:
+    """Sums the wall time inside the decode attention of either path while installed."""
+
+    def __init__(self):
+        from mmcache.engine import attention, native
+
+        self.seconds = 0.0
+        self._patched = [(native, "decode_attention"), (attention, "_decodes_one_by_one")]
+        self._real = [getattr(m, name) for m, name in self._patched]
+        for (module, name), real in zip(self._patched, self._real):
+            setattr(module, name, self._timed(real))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+    def remove(self) -> None:
+        for (module, name), real in zip(self._patched, self._real):
+            setattr(module, name, real)
+
+
+def measure(args) -> dict:
+    import numpy as np
+
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, native
+
+    os.environ[native.ENV_CHOICE] = "require"
+    native.library()  # fails here, with the reason, where the kernel cannot be built
+    eng = Engine.from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
+    rng = np.random.default_rng(args.seed)
+    clock = AttentionClock()
+    result = {}
+    try:
+        for shape in args.shapes:
+            steps = {side: [] for side in SIDES}
+            for r in range(args.rounds):
+                sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+                for p in prompts(shape, rng, eng.adapter.vocab_size, args.scale):
+                    eng.add_request(Request(p, sp))
+                k = 0
+                while eng.has_unfinished():
+                    side = list(SIDES)[(k + r) % 2]
+                    os.environ[native.ENV_CHOICE] = SIDES[side]
+                    prompt_tokens = eng.counters["prompt_tokens"]
+                    clock.seconds = 0.0
+                    t0 = time.perf_counter()
+                    eng.step()
+                    took = time.perf_counter() - t0
+                    if clock.seconds > 0 and eng.counters["prompt_tokens"] == prompt_tokens:  # decodes only
+                        steps[side].append({"step_s": took, "attention_s": clock.seconds})
+                    k += 1
+                eng.clear_cache()
+            result[shape] = summarize(steps)
+    finally:
+        clock.remove()
+        os.environ.pop(native.ENV_CHOICE, None)
+    return result
+
+
+def summarize(steps: dict) -> dict:
+    med = {side: {f: statistics.median(s[f] for s in v) for f in ("step_s", "attention_s")} if v else None
+           for side, v in steps.items()}
+    out = {"steps": {side: len(v) for side, v in steps.items()}, "medians": med}
+    if all(med.values()):
+        out["aten_over_kernel"] = {f: med["aten"][f] / med["kernel"][f] for f in ("step_s", "attention_s")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_step", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (tests: smaller)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    for s in args.shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
+    result = measure(args)
+    for shape, r in result.items():
+        m = r["medians"]
+        print(f"{shape}: decode step kernel {m['kernel']['step_s'] * 1e3:.1f} ms (attention "
+              f"{m['kernel']['attention_s'] * 1e3:.1f}), ATen {m['aten']['step_s'] * 1e3:.1f} ms (attention "
+              f"{m['aten']['attention_s'] * 1e3:.1f}); steps {r['steps']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size,
+                       "rounds": args.rounds, "shapes": result}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
