@@ -3,8 +3,9 @@
     python -m benchmarks.decode_step --json decode_step.json      # 2 shapes x 3 rounds, about 2 min
 
 Each round submits a batch of greedy requests and steps the engine until they finish; steps alternate
-between the compiled decode kernel (``MMCACHE_NATIVE=require``) and ATen's path (``off``), starting with the
-other one each round, so the two sides share the minute. For every step that only decodes (no prompt chunk in
+between the compiled decode kernel and ATen's path (the engine's runner is handed the kernel or None before
+each step, a measuring device only: an engine chooses once, at construction), starting with the other one
+each round, so the two sides share the minute. For every step that only decodes (no prompt chunk in
 it) it records the step's wall time and the time inside decode attention (the kernel's call, or ATen's
 per-sequence function), and reports medians per side and the ratio of the medians of each.
 
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 SHAPES = ("shared", "own")
-SIDES = {"kernel": "require", "aten": "off"}
+SIDES = ("kernel", "aten")
 
 
 def prompts(shape: str, rng, vocab: int, scale: float) -> list[list[int]]:
@@ -71,8 +71,9 @@ def measure(args) -> dict:
 
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, native
 
-    os.environ[native.ENV_CHOICE] = "require"
-    native.library()  # fails here, with the reason, where the kernel cannot be built
+    kernel = native.library()
+    if kernel is None:
+        raise SystemExit(f"the compiled decode kernel is not available here: {native.status()}")
     eng = Engine.from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
     rng = np.random.default_rng(args.seed)
     clock = AttentionClock()
@@ -86,8 +87,8 @@ def measure(args) -> dict:
                     eng.add_request(Request(p, sp))
                 k = 0
                 while eng.has_unfinished():
-                    side = list(SIDES)[(k + r) % 2]
-                    os.environ[native.ENV_CHOICE] = SIDES[side]
+                    side = SIDES[(k + r) % 2]
+                    eng.runner.decode_kernel = kernel if side == "kernel" else None
                     prompt_tokens = eng.counters["prompt_tokens"]
                     clock.seconds = 0.0
                     t0 = time.perf_counter()
@@ -100,7 +101,6 @@ def measure(args) -> dict:
             result[shape] = summarize(steps)
     finally:
         clock.remove()
-        os.environ.pop(native.ENV_CHOICE, None)
     return result
 
 

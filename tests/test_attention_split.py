@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mmcache.engine import native
 from mmcache.engine.attention import _over_prefix
 
 
@@ -68,7 +69,7 @@ def decode(cache, table, ctx_lens, q, window=None, scale=0.25):
 
     n, heads, d = q.shape
     kv_heads, page_size = cache.shape[1], cache.shape[-2]
-    batch = PagedBatch([], [DecodeGroup(slice(0, n), cache[None], table, ctx_lens)], [], page_size)
+    batch = PagedBatch([], [DecodeGroup(slice(0, n), cache[None], table, ctx_lens)], [], page_size, native.library())
     empty = torch.zeros(1, kv_heads, n, d, dtype=q.dtype)
     module = type("M", (), {"layer_idx": 0})()
     out = paged_attention(module, q.transpose(0, 1)[None], empty, empty, None, scaling=scale,
@@ -205,7 +206,7 @@ def test_reading_pages_in_place_gives_the_bits_of_gathering_them(dtype, window, 
         seg = Segment(slice(0, 6), 34, ctx, kv, table)
         dec_table = torch.stack([table, table])
         group = DecodeGroup(slice(6, 8), kv, dec_table, torch.tensor([ctx, ctx - 3]))
-        batch = PagedBatch([seg], [group], [], P)
+        batch = PagedBatch([seg], [group], [], P, native.library())
         q = torch.randn(1, heads, 8, d, generator=torch.Generator().manual_seed(5)).to(dtype)
         module = type("M", (), {"layer_idx": 0})()
         # No new keys to write (writes=[]): the step's tokens are already in the pages above.

@@ -217,3 +217,34 @@ def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, fresh_s
         outs[mode] = [o.output_ids for o in eng.generate(reqs)]
         eng.check_invariants()
     assert outs["require"] == outs["off"]
+
+
+def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch):
+    """The choice is made when the engine is built and is part of its attention backend's name, so pages
+    computed on one path are never hits for an engine on the other; changing MMCACHE_NATIVE later changes
+    nothing for that engine. A bad setting fails the construction with its typed error."""
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.models import build_model
+
+    model, tok = build_model("tiny-qwen2", "float32")
+    monkeypatch.setenv(native.ENV_CHOICE, "off")
+    aten = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
+    monkeypatch.setenv(native.ENV_CHOICE, "require")
+    try:
+        compiled = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
+    except native.NativeKernelUnavailable as exc:
+        pytest.skip(f"the decode kernel cannot be built here: {exc}")
+    assert compiled.backend == aten.backend + "+native-decode" and compiled.fingerprint != aten.fingerprint
+    calls = []
+    real = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv(native.ENV_CHOICE, "off")
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    compiled.generate([Request(list(range(5, 30)), sp)])
+    assert len(calls) == 3 * compiled.adapter.num_layers  # three decode steps, every layer, on the kernel
+    calls.clear()
+    aten.generate([Request(list(range(5, 30)), sp)])
+    assert not calls
+    monkeypatch.setenv(native.ENV_CHOICE, "sometimes")
+    with pytest.raises(native.NativeConfigError):
+        Engine(model, tok, EngineConfig(page_size=16, num_pages=32))

@@ -104,6 +104,7 @@ class PagedBatch:
     decodes: list[DecodeGroup]
     writes: list[WriteGroup]
     page_size: int
+    kernel: object = None  # the compiled decode kernel (``native.library()``) the engine chose, or None: ATen
     _memo: dict = field(default_factory=dict)  # per-forward results (masks, shared pages, page runs), by key
 
     def mask(self, index: int, window: int | None, dtype: torch.dtype,
@@ -236,7 +237,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
         # per KV head, so no key is repeated.
         qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
-        lib = native.library() if native.supports(qg, cache) else None
+        lib = batch.kernel if batch.kernel is not None and native.supports(qg, cache) else None
         if lib is not None:
             hi = g.ctx_lens
             lo = (hi - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(hi)

@@ -29,7 +29,7 @@ from ..errors import DuplicateRequest, InvalidRequest, MmcacheError
 from ..manager import AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..pool import KVSpec
-from . import kernels
+from . import kernels, native
 from .adapter import adapter_for
 from .attention import ATTENTION_BACKEND
 from .config import EngineConfig
@@ -78,8 +78,12 @@ class Engine:
             a.pack_linears()
         if config.tune_malloc:
             kernels.tune_malloc()
-        # Packed and plain linears differ in the last bits, so the compute path is part of the backend's name.
-        self.backend = ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
+        # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen.
+        decode_kernel = native.library() if a.device.type == "cpu" else None
+        # Packed and plain linears, and the two decode attentions, differ in the last bits, so the compute path
+        # is part of the backend's name.
+        self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
+                        + ("+native-decode" if decode_kernel is not None else ""))
         self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
                                        attention_backend=self.backend, page_size=config.page_size)
         elem = torch.empty(0, dtype=a.dtype).element_size()
@@ -89,7 +93,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
                                                    config.defer_shared_prefill))
-        self.runner = ModelRunner(a, config.page_size)
+        self.runner = ModelRunner(a, config.page_size, decode_kernel)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
                              self._manager, config.seed)

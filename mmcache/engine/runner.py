@@ -23,9 +23,10 @@ from .scheduler import Work
 
 
 class ModelRunner:
-    def __init__(self, adapter: CausalLMAdapter, page_size: int):
+    def __init__(self, adapter: CausalLMAdapter, page_size: int, decode_kernel=None):
         self.adapter = adapter
         self.page_size = page_size
+        self.decode_kernel = decode_kernel  # ``native.library()``, or None for ATen's decode attention
 
     def order(self, works: list[Work]) -> list[Work]:
         """The packing order of ``run``: grouped by pool (label, in order of first appearance), decodes
@@ -66,7 +67,7 @@ class ModelRunner:
         embeds = self.adapter.embed(self._tensor(np.concatenate(ids)))
         self._substitute(embeds, works)
         positions = self._positions(works, self._tensor(np.concatenate(pos)))
-        batch = PagedBatch(segments, decodes, writes, p)
+        batch = PagedBatch(segments, decodes, writes, p, self.decode_kernel)
         logits = self.adapter.forward(embeds, positions, self._tensor(np.asarray(logit_rows, dtype=np.int64)), batch)
         return logits.float()
 
