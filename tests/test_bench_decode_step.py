@@ -9,13 +9,7 @@ from benchmarks import decode_step
 from mmcache.engine import native
 
 
-@pytest.fixture(autouse=True)
-def kernel(monkeypatch):
-    monkeypatch.setenv(native.ENV_CHOICE, "require")
-    try:
-        native.library()
-    except native.NativeKernelUnavailable as exc:
-        pytest.skip(f"the decode kernel cannot be built here: {exc}")
+pytestmark = pytest.mark.usefixtures("native_kernel")
 
 
 def test_both_sides_time_decode_only_steps_and_the_clock_comes_off(tmp_path):

@@ -13,12 +13,8 @@ from mmcache.engine import native
 
 
 @pytest.fixture
-def lib(monkeypatch):
-    monkeypatch.setenv(native.ENV_CHOICE, "require")
-    try:
-        return native.library()
-    except native.NativeKernelUnavailable as exc:
-        pytest.skip(f"the decode kernel cannot be built here: {exc}")
+def lib(native_kernel):
+    return native_kernel
 
 
 @pytest.fixture
@@ -196,7 +192,7 @@ def test_a_failing_compiler_is_reported_with_its_message(monkeypatch, tmp_path, 
     assert not [p for p in os.listdir(tmp_path) if p.endswith((".so", ".tmp"))]  # nothing half-written left
 
 
-def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, fresh_state):
+def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, lib):
     """Greedy tokens with the kernel and with ATen agree on the tiny model in float32 (both are float32
     attention; their last bits differ, which on these random-weight logits flips no greedy choice here)."""
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
@@ -207,11 +203,6 @@ def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, fresh_s
     outs = {}
     for mode in ("require", "off"):
         monkeypatch.setenv(native.ENV_CHOICE, mode)
-        if mode == "require":
-            try:
-                native.library()
-            except native.NativeKernelUnavailable as exc:
-                pytest.skip(f"the decode kernel cannot be built here: {exc}")
         eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=64))
         reqs = [Request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
         outs[mode] = [o.output_ids for o in eng.generate(reqs)]
@@ -219,7 +210,7 @@ def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, fresh_s
     assert outs["require"] == outs["off"]
 
 
-def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch):
+def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch, lib):
     """The choice is made when the engine is built and is part of its attention backend's name, so pages
     computed on one path are never hits for an engine on the other; changing MMCACHE_NATIVE later changes
     nothing for that engine. A bad setting fails the construction with its typed error."""
@@ -230,10 +221,7 @@ def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch):
     monkeypatch.setenv(native.ENV_CHOICE, "off")
     aten = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
     monkeypatch.setenv(native.ENV_CHOICE, "require")
-    try:
-        compiled = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
-    except native.NativeKernelUnavailable as exc:
-        pytest.skip(f"the decode kernel cannot be built here: {exc}")
+    compiled = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
     assert compiled.backend == aten.backend + "+native-decode" and compiled.fingerprint != aten.fingerprint
     calls = []
     real = native.decode_attention
