@@ -6,9 +6,11 @@ pages as one tensor. The kernel here attends every decoding sequence of a step i
 keys and values where they lie in the page pool through each sequence's page table, in parallel over
 (sequence, KV head).
 
-It is C with AVX-512 intrinsics (and AMX tiles for bfloat16 scores where the CPU has them), compiled at run time with the machine's C compiler (``$CC``, else ``cc``;
-``-O3 -march=native -fopenmp``) into a per-user cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``,
-else ``~/.cache/mmcache``) and loaded with ``ctypes``; nothing beyond torch is imported. The library's name
+It is C with AVX-512 intrinsics (and AMX tiles for bfloat16 scores where the CPU has them), compiled at run
+time with the machine's C compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into a per-user
+cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``, else ``~/.cache/mmcache``) and loaded with
+``ctypes``; nothing beyond torch is imported. An engine asks for it once, when it is built (``Engine``), and
+names the choice in its attention backend. The library's name
 carries a digest of the source, the flags, the compiler's version and the CPU's model and flags, so a changed
 source, compiler or machine builds anew, and a build is written under a temporary name and renamed into
 place, so concurrent processes never load a half-written file.

@@ -102,8 +102,10 @@ static inline __attribute__((always_inline)) void score_keys(const void *q, cons
             for (int d = 0; d < D; d += 32) {
                 const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu; /* D is a multiple of 16 */
                 __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)krow + d);
-                for (int g = 0; g < G; g++)
-                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)q + g * D + d), kc);
+                for (int g = 0; g < G; g++) {
+                    __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)q + g * D + d);
+                    acc[g] = _mm512_dpbf16_ps(acc[g], qc, kc);
+                }
             }
         } else
 #endif
