@@ -593,6 +593,9 @@ def table_rows(result: dict) -> list[Row]:
             if peer in e and w in e[peer]:
                 rows.append(Row("prefix", f"{w}: TTFT p50", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
                                 label))
+        for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
+            if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
+                rows.append(Row("prefix", f"{w}: ITL p50", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label))
         if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
             rows.append(Row("prefix", f"{w}: output tokens/s", mm[w]["throughput_tok_s"], "tok/s",
                             e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True))

@@ -258,3 +258,20 @@ def test_probe_ratios_are_taken_repeat_by_repeat():
     assert rows[("probe: same 2048 prompt, TTFT", "cold")].ratio == pytest.approx(10.0)
     from benchmarks.table import render
     assert "0.50x paired" in render(list(rows.values()))
+
+
+def test_workload_rows_compare_the_decode_step_with_cache_off_and_vllm():
+    def workload(ttft, itl):
+        return {"ttft_p50_s": ttft, "ttft_p90_s": ttft, "itl_p50_s": itl, "throughput_tok_s": 10.0,
+                "matched_share": 0.5}
+
+    probe = {"probe": {"cold_s": 2.0, "same_s": 0.2, "shared1920_s": 0.2, "cold2_s": 2.0,
+                       "repeats": [{"cold_s": 2.0, "same_s": 0.2}]}}
+    engines = {"mmcache": {**probe, "multi_turn": workload(1.0, 0.08)},
+               "mmcache_nocache": {**probe, "multi_turn": workload(4.0, 0.10)},
+               "vllm_cpu": {**probe, "multi_turn": workload(1.1, 0.12)},
+               "transformers_cb": {**probe, "multi_turn": workload(3.0, None)}}  # no ITL recorded: no row
+    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    assert rows[("multi_turn: ITL p50", "vLLM CPU")].ratio == pytest.approx(1.5)  # 0.12 / 0.08: mmcache faster
+    assert rows[("multi_turn: ITL p50", "cache off")].ratio == pytest.approx(1.25)
+    assert not any(m == "multi_turn: ITL p50" and v == "transformers CB" for m, v in rows)
