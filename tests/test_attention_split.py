@@ -77,12 +77,21 @@ def decode(cache, table, ctx_lens, q, window=None, scale=0.25):
     return out[0], batch
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(dtype, tol, monkeypatch):
-    """On ATen's path (the compiled kernel reads every sequence's pages itself and has no shared part)."""
+@pytest.fixture
+def cascades(monkeypatch):
+    """ATen's decode path (the compiled kernel reads every sequence's pages itself and has no shared part),
+    with every cascade call's shared keys' shape recorded in the returned list."""
     from mmcache.engine import attention
 
     monkeypatch.setenv("MMCACHE_NATIVE", "off")
+    calls = []
+    real = attention._over_shared_pages
+    monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: calls.append(a[1].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(dtype, tol, cascades):
     g = torch.Generator().manual_seed(3)
     P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 12
     cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
@@ -90,9 +99,6 @@ def test_decodes_sharing_leading_pages_read_them_once_and_equal_plain_attention(
     table = torch.tensor([[5, 2, 7, 9], [5, 2, 1, 3], [5, 2, 4, 4]])
     ctx_lens = torch.tensor([30, 25, 19])
     q = torch.randn(3, heads, d, generator=g).to(dtype)
-    cascades = []
-    real = attention._over_shared_pages
-    monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: cascades.append(a[1].shape) or real(*a))
     got, batch = decode(cache, table, ctx_lens, q)
     assert batch.prefix_groups(0, None) == [([0, 1, 2], 2)] and cascades == [(kv_heads, 2 * P, d)]  # read once
     assert batch.prefix_groups(0, 24) == []  # a window in reach: no shared part
@@ -137,11 +143,7 @@ def test_shared_pages_stop_where_tables_differ_or_a_sequence_ends():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decodes_under_two_prefixes_read_each_prefix_once_and_equal_plain_attention(dtype, tol, monkeypatch):
-    """On ATen's path, as above."""
-    from mmcache.engine import attention
-
-    monkeypatch.setenv("MMCACHE_NATIVE", "off")
+def test_decodes_under_two_prefixes_read_each_prefix_once_and_equal_plain_attention(dtype, tol, cascades):
     g = torch.Generator().manual_seed(5)
     P, heads, kv_heads, d, num_pages = 8, 6, 2, 16, 16
     cache = (torch.randn(2, kv_heads, num_pages, P, d, generator=g) * 2).to(dtype)
@@ -149,9 +151,6 @@ def test_decodes_under_two_prefixes_read_each_prefix_once_and_equal_plain_attent
     table = torch.tensor([[5, 2, 7, 7], [8, 9, 10, 1], [5, 2, 3, 4], [8, 9, 10, 12], [11, 6, 0, 0]])
     ctx_lens = torch.tensor([20, 30, 29, 25, 21])
     q = torch.randn(5, heads, d, generator=g).to(dtype)
-    cascades = []
-    real = attention._over_shared_pages
-    monkeypatch.setattr(attention, "_over_shared_pages", lambda *a: cascades.append(a[1].shape) or real(*a))
     got, batch = decode(cache, table, ctx_lens, q)
     assert batch.prefix_groups(0, None) == [([0, 2], 2), ([1, 3], 3)]
     assert cascades == [(kv_heads, 2 * P, d), (kv_heads, 3 * P, d)]  # each prefix read once
