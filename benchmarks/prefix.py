@@ -17,10 +17,12 @@ a prefix cache. ``bit_exact`` comes from mmcache's exact schedule (one request a
 forward), cache on against cache off, on prompts that hit the cache: every logits row and output id equal.
 
 Engines are interleaved: all are loaded and warmed up on unrelated tokens first; then each probe repeat, and
-then each workload, is played by every engine in turn (the order rotating from one repeat or workload to the
-next), so that what one engine is compared with was measured minutes, not a quarter of an hour, apart. This
-machine's speed drifts by up to 2x within minutes; run one engine after another and a peer's figures can
-differ from mmcache's by that drift alone.
+then each repeat of each workload (``workload_repeats``, each on fresh tokens), is played by every engine in
+turn (the order rotating from one play to the next), so that what one engine is compared with was measured
+minutes, not a quarter of an hour, apart. This machine's speed drifts by up to 2x within minutes; run one
+engine after another and a peer's figures can differ from mmcache's by that drift alone. A workload's figures
+pool its repeats; the table's "better by" for a workload is the median of the per-repeat ratios
+(``paired_workloads``), as it is for the probe (``paired_probe``).
 
 Invariants: engines run one at a time, never together (vLLM's process waits on its input while the others
 run); every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
@@ -77,6 +79,12 @@ class Shape:
     mt_conversations: int  # vLLM multi-turn configuration: 24
     mt_max_user_turns: int  # configuration: 6-9 user turns (12-18 messages)
     mt_max_answer_tokens: int  # configuration: answers of 80-120 tokens (a cap at or above 120 keeps them)
+    workload_repeats: int = 1  # each workload played this many times, on fresh tokens, engines taking turns
+
+
+# The workloads are repeated for the same reason as the probe: one play of a workload per engine puts each
+# engine in its own minute, and one engine's slow minute has moved a TTFT or ITL ratio from 0.78 to 1.51 within
+# an hour (RESULTS.md, "Workloads"); the paired median of three is what the table reports.
 
 
 # Nine probe repeats: a repeat's engines run within a minute of each other, but this machine's speed moves
@@ -86,8 +94,8 @@ FULL = Shape(probe_repeats=9, probe_len=2048, probe_shared=1920,
              vpc_output_len=10,
              gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=2048, gsp_question_len=128,
              gsp_output_len=32,
-             mt_conversations=4, mt_max_user_turns=3, mt_max_answer_tokens=120)
-QUICK = replace(FULL, probe_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768), vpc_num_prompts=3,
+             mt_conversations=4, mt_max_user_turns=3, mt_max_answer_tokens=120, workload_repeats=3)
+QUICK = replace(FULL, probe_repeats=2, workload_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768), vpc_num_prompts=3,
                 vpc_repeat_count=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024, gsp_output_len=16,
                 mt_conversations=2, mt_max_user_turns=2, mt_max_answer_tokens=16)  # what differs from FULL
 
@@ -145,6 +153,15 @@ def engines_from_args(args) -> list[str]:
     return names
 
 
+def workload_repeats(shape: Shape, space: tw.TokenSpace, seed: int, names: list[str]) -> list[list[Workload]]:
+    """``shape.workload_repeats`` sets of the named workloads; repeat ``r`` draws its tokens from seed
+    ``seed * 1000 + r`` (repeat 0 of seed 0 is the single play of earlier runs), so no repeat hits another's
+    cache."""
+    if shape.workload_repeats < 1:
+        raise tw.WorkloadShapeError(f"workload_repeats must be at least 1, got {shape.workload_repeats}")
+    return [build_workloads(shape, space, seed * 1000 + r, names) for r in range(shape.workload_repeats)]
+
+
 def build_workloads(shape: Shape, space: tw.TokenSpace, seed: int, names: list[str]) -> list[Workload]:
     out = []
     if "vllm_prefix_caching" in names:
@@ -192,6 +209,17 @@ def percentile(xs: list[float], q: float) -> float | None:
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize_repeats(repeats: list[list[RoundResult]]) -> dict:
+    """One workload's figures over all its repeats pooled (every request's TTFT, every ITL, the summed wall
+    time), and, with more than one repeat, each repeat's own figures under ``by_repeat`` for pairing."""
+    if len(repeats) == 1:
+        return summarize(repeats[0])
+    out = summarize([rnd for rounds in repeats for rnd in rounds])
+    out.pop("ttft_p50_s_by_round", None)  # rounds of different repeats; each repeat keeps its own
+    out["by_repeat"] = [summarize(rounds) for rounds in repeats]
+    return out
 
 
 def summarize(rounds: list[RoundResult]) -> dict:
@@ -270,6 +298,41 @@ def paired_probe(engines: dict) -> dict:
     return out
 
 
+WORKLOAD_RATIOS = (("ttft_p50", "ttft_p50_s"), ("itl_p50", "itl_p50_s"), ("throughput", "throughput_tok_s"))
+
+
+def paired_workloads(engines: dict) -> dict:
+    """mmcache's workload figures over every other engine's, repeat by repeat (each repeat's engines played one
+    after the other, minutes apart at most), then the median, as ``paired_probe`` does for the probe.
+
+    Returns ``{"over_<peer>": {workload: {"ttft_p50" | "itl_p50" | "throughput": {"p50", "min", "max",
+    "runs"}}}}`` for the workloads both engines played with at least two repeats; a figure one of them did not
+    record (transformers records no ITL) is left out. Times: below 1 means mmcache is faster; throughput:
+    above 1 means mmcache is faster."""
+    out: dict = {}
+    mm = engines.get("mmcache")
+    if mm is None:
+        return out
+    for name, e in engines.items():
+        if name == "mmcache":
+            continue
+        per = {}
+        for w in WORKLOADS:
+            a, b = mm.get(w, {}).get("by_repeat"), e.get(w, {}).get("by_repeat")
+            if not a or not b:
+                continue
+            figures = {}
+            for label, key in WORKLOAD_RATIOS:
+                runs = [x[key] / y[key] for x, y in zip(a, b) if x.get(key) and y.get(key)]
+                if runs:
+                    figures[label] = {"p50": statistics.median(runs), "min": min(runs), "max": max(runs),
+                                      "runs": runs}
+            if figures:
+                per[w] = figures
+        out[f"over_{name}"] = per
+    return out
+
+
 @dataclass
 class EngineResult:
     probe: dict
@@ -283,9 +346,11 @@ def probe_workloads(space: tw.TokenSpace, shape: Shape, seed: int, method: Probe
             for rep in range(shape.probe_repeats)]
 
 
-def engine_result(probes, results, workloads, meta, method: ProbeMethod = ProbeMethod()) -> EngineResult:
-    outputs = {rec.id: rec.output_ids for rounds in probes + results for rnd in rounds for rec in rnd.records}
-    return EngineResult(summarize_probe(probes, method), {w.name: summarize(r) for w, r in zip(workloads, results)},
+def engine_result(probes, results: dict, meta, method: ProbeMethod = ProbeMethod()) -> EngineResult:
+    """``results`` maps a workload's name to its repeats, each a list of rounds."""
+    played = [rounds for repeats in results.values() for rounds in repeats]
+    outputs = {rec.id: rec.output_ids for rounds in probes + played for rnd in rounds for rec in rnd.records}
+    return EngineResult(summarize_probe(probes, method), {w: summarize_repeats(r) for w, r in results.items()},
                         outputs, meta)
 
 
@@ -344,7 +409,7 @@ def in_process_player(name: str, runner, load_s: float, method: ProbeMethod = Pr
     return Player(name, lambda w: protocol.play(w, runner.run_round), runner.close, meta, method, final)
 
 
-def vllm_player(model_dir, space, shape, workloads, seed, args, workdir) -> Player:
+def vllm_player(model_dir, space, shape, workloads: list[Workload], seed, args, workdir) -> Player:
     probes = probe_workloads(space, shape, seed, ProbeMethod())
     longest = max(len(r.tokens) + r.max_tokens for w in workloads + probes for rnd in w.rounds for r in rnd)
     history = max([_session_len(w) for w in workloads] + [0])
@@ -356,9 +421,10 @@ def vllm_player(model_dir, space, shape, workloads, seed, args, workdir) -> Play
     return Player("vllm_cpu", server.play, server.close, meta)
 
 
-def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, workloads: list[Workload],
+def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, repeats: list[list[Workload]],
                      seed: int) -> dict[str, EngineResult]:
-    """Every probe repeat, then every workload, played by each engine in turn (see the module docstring)."""
+    """Every probe repeat, then every repeat of every workload (``workload_repeats``: repeat 1 of each, then
+    repeat 2, ...), played by each engine in turn, the first engine rotating (see the module docstring)."""
     names = [p.name for p in players]
     by_name = {p.name: p for p in players}
     for p in players:
@@ -371,15 +437,29 @@ def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, 
             probes[name].append(by_name[name].play(probe_sets[name][rep]))
             _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
                       + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, probes[name][-1])))
-    results: dict[str, list] = {n: [] for n in names}
-    for i, w in enumerate(workloads):
-        for name in rotate(names, i):
-            results[name].append(by_name[name].play(w))
-            _progress(f"{name}: {w.name}: {sum(r.wall_s for r in results[name][-1]):.2f} s")
+    results: dict[str, dict] = {n: {} for n in names}
+    turn = 0
+    for rep, workloads in enumerate(repeats):
+        for w in workloads:
+            for name in rotate(names, turn):
+                rounds = by_name[name].play(w)
+                results[name].setdefault(w.name, []).append(rounds)
+                _progress(f"{name}: {w.name} repeat {rep + 1}/{len(repeats)}: {sum(r.wall_s for r in rounds):.2f} s")
+            turn += 1
     out = {}
     for p in players:
         meta = dict(p.meta, **(p.final_meta() if p.final_meta else {}))
-        out[p.name] = engine_result(probes[p.name], results[p.name], workloads, meta, p.method)
+        out[p.name] = engine_result(probes[p.name], results[p.name], meta, p.method)
+    return out
+
+
+def _workload_params(repeats: list[list[Workload]]) -> dict:
+    """Each workload's generation parameters: the first repeat's, and, where repeats drew different lengths
+    (multi-turn draws them from distributions), every repeat's under ``by_repeat``."""
+    out = {}
+    for i, w in enumerate(repeats[0]):
+        each = [ws[i].params for ws in repeats]
+        out[w.name] = dict(w.params, by_repeat=each) if any(p != w.params for p in each) else w.params
     return out
 
 
@@ -466,8 +546,9 @@ def run(args) -> dict:
             _progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
             export_model(preset, args.dtype, model_dir)
         space = token_space(model_dir)
-        workloads = build_workloads(shape, space, args.seed, names)
-        num_pages = _pages_needed(workloads, shape, args.page_size)
+        repeats = workload_repeats(shape, space, args.seed, names)
+        every = [w for ws in repeats for w in ws]
+        num_pages = _pages_needed(every, shape, args.page_size)
         _progress("bit-exact check (exact schedule, cache on vs off)")
         exact = bit_exact_check(model_dir, args.dtype, args.page_size, space, args.seed, args.store_at)
         _progress(f"bit_exact: {exact['bit_exact']}")
@@ -476,7 +557,7 @@ def run(args) -> dict:
             for name in engines:
                 _progress(f"{name}: loading")
                 if name == "vllm_cpu":
-                    players.append(vllm_player(model_dir, space, shape, workloads, args.seed, args, workdir))
+                    players.append(vllm_player(model_dir, space, shape, every, args.seed, args, workdir))
                     continue
                 t0 = time.perf_counter()
                 method = ProbeMethod()
@@ -489,7 +570,7 @@ def run(args) -> dict:
                     runner = MmcacheRunner(model_dir, args.dtype, "on" if name == "mmcache" else "off",
                                            args.page_size, num_pages, store_at=args.store_at)
                 players.append(in_process_player(name, runner, time.perf_counter() - t0, method))
-            results = play_interleaved(players, space, shape, workloads, args.seed)
+            results = play_interleaved(players, space, shape, repeats, args.seed)
         finally:
             for p in players:
                 p.close()
@@ -504,10 +585,11 @@ def run(args) -> dict:
             d["agree_with_nocache"] = sum(same) / len(same) if same else None
         engines_out[name] = d
     return {"bit_exact": exact["bit_exact"], "bit_exact_check": exact, "engines": engines_out,
-            "probe_paired": paired_probe(engines_out),
+            "probe_paired": paired_probe(engines_out), "workloads_paired": paired_workloads(engines_out),
             "preset": preset, "dtype": args.dtype, "page_size": args.page_size, "store_at": args.store_at,
             "quick": bool(args.quick),
-            "shape": asdict(shape), "workloads": {w.name: w.params for w in workloads}, "token_space": asdict(space),
+            "shape": asdict(shape),
+            "workloads": _workload_params(repeats), "token_space": asdict(space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                         "platform": platform.platform(), "python": platform.python_version(),
                         "openmp": loaded_runtime(), "decode_attention": native.status()},
@@ -585,6 +667,15 @@ def table_rows(result: dict) -> list[Row]:
                         paired=peer("vllm_cpu", "cold")))
         rows.append(Row("prefix", "probe: hit TTFT", p["same_s"], "s", vl["probe"]["same_s"], "vLLM CPU", ">= 0.77x",
                         paired=peer("vllm_cpu", "hit")))
+    work_pairs = paired_workloads(e)
+
+    def better(peer: str, w: str, label: str) -> float | None:
+        """The paired "better by" of a workload figure (None with a single repeat: the ratio shown is it)."""
+        ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
+        if ratio is None:
+            return None
+        return ratio["p50"] if label == "throughput" else 1.0 / ratio["p50"]
+
     for w in WORKLOADS:
         if w not in mm:
             continue
@@ -592,12 +683,14 @@ def table_rows(result: dict) -> list[Row]:
                             ("vllm_cpu", "vLLM CPU")):
             if peer in e and w in e[peer]:
                 rows.append(Row("prefix", f"{w}: TTFT p50", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
-                                label))
+                                label, paired=better(peer, w, "ttft_p50")))
         for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
             if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
-                rows.append(Row("prefix", f"{w}: ITL p50", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label))
+                rows.append(Row("prefix", f"{w}: ITL p50", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label,
+                                paired=better(peer, w, "itl_p50")))
         if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
             rows.append(Row("prefix", f"{w}: output tokens/s", mm[w]["throughput_tok_s"], "tok/s",
-                            e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True))
+                            e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True,
+                            paired=better("mmcache_nocache", w, "throughput")))
         rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))
     return rows

@@ -102,8 +102,9 @@ def test_bit_exact_check_hits_and_agrees(tiny_dir):
 def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     out = tmp_path / "prefix.json"
     sizes = []
+    shape = prefix.Shape(**{**SHAPE.__dict__, "workload_repeats": 2})
     for name in prefix.Shape.__dataclass_fields__:
-        v = getattr(SHAPE, name)
+        v = getattr(shape, name)
         sizes += ["--" + name.replace("_", "-"), f"{v[0]}:{v[1]}" if isinstance(v, tuple) else str(v)]
     rc = bench_runner.main(argparse.Namespace(rest=[
         "prefix", "--preset", "tiny", "--dtype", "float32", "--page-size", str(PAGE), "--json", str(out),
@@ -117,11 +118,15 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
         assert set(prefix.PROBE_KEYS) <= set(e["probe"]) and len(e["probe"]["repeats"]) == 1
         for w in ("vllm_prefix_caching", "generated_shared_prefix"):
             assert {"ttft_p50_s", "ttft_p90_s", "itl_p50_s", "throughput_tok_s", "matched_share"} <= set(e[w])
-            assert e[w]["requests"] == 4
+            assert e[w]["requests"] == 8 and [r["requests"] for r in e[w]["by_repeat"]] == [4, 4]
     assert result["engines"]["mmcache"]["probe"]["repeats"][0]["same_matched"] == 3 * PAGE
     assert result["engines"]["mmcache_nocache"]["vllm_prefix_caching"]["matched_share"] == 0
+    paired = result["workloads_paired"]
+    assert set(paired) == {"over_mmcache_nocache", "over_transformers_cb"}
+    assert len(paired["over_mmcache_nocache"]["generated_shared_prefix"]["ttft_p50"]["runs"]) == 2
     table = capsys.readouterr().out
     assert "probe: same 2048 prompt, TTFT" in table and "transformers CB" in table
+    assert any("generated_shared_prefix: TTFT p50" in line and "paired" in line for line in table.splitlines())
 
 
 def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
@@ -139,10 +144,11 @@ def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
 
 
 def test_engines_take_turns_with_the_order_rotating(tmp_path):
-    """Each probe repeat, then each workload, is played by every engine in turn; the first engine rotates."""
+    """Each probe repeat, then each repeat of each workload, is played by every engine in turn; the first engine
+    rotates from one play to the next."""
     space = tw.TokenSpace(2, 100)
-    shape = prefix.Shape(**{**SHAPE.__dict__, "probe_repeats": 3})
-    workloads = prefix.build_workloads(SHAPE, space, 0, ["vllm_prefix_caching", "generated_shared_prefix"])
+    shape = prefix.Shape(**{**SHAPE.__dict__, "probe_repeats": 3, "workload_repeats": 2})
+    repeats = prefix.workload_repeats(shape, space, 0, ["vllm_prefix_caching", "generated_shared_prefix"])
     log = []
 
     def fake(name, method=prefix.ProbeMethod()):
@@ -151,25 +157,48 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path):
                     for i, p, n in zip(ids, prompts, max_tokens)]
 
         def play(w):
-            log.append((name, w.name))
+            log.append((name, w.name, w.rounds[0][0].id))
             return protocol.play(w, run_round)
 
-        return prefix.Player(name, play, lambda: log.append((name, "closed")), {"who": name}, method)
+        return prefix.Player(name, play, lambda: log.append((name, "closed", "")), {"who": name}, method)
 
     players = [fake("a"), fake("b", prefix.ProbeMethod(2, "ttft")), fake("c")]
-    out = prefix.play_interleaved(players, space, shape, workloads, 0)
-    played = [(n, w) for n, w in log if not w.startswith("warmup")]
-    probe_order = [n for n, w in played if w.startswith("probe")]
+    out = prefix.play_interleaved(players, space, shape, repeats, 0)
+    played = [(n, w, i) for n, w, i in log if not w.startswith("warmup")]
+    probe_order = [n for n, w, _ in played if w.startswith("probe")]
     assert probe_order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    work_order = [(n, w) for n, w in played if not w.startswith("probe")]
-    assert work_order == [("a", "vllm_prefix_caching"), ("b", "vllm_prefix_caching"), ("c", "vllm_prefix_caching"),
-                          ("b", "generated_shared_prefix"), ("c", "generated_shared_prefix"),
-                          ("a", "generated_shared_prefix")]
-    assert sum(w.startswith("warmup") for _, w in log) == 3 and "closed" not in {w for _, w in log}
+    work = [(n, w) for n, w, _ in played if not w.startswith("probe")]
+    vpc, gsp = "vllm_prefix_caching", "generated_shared_prefix"
+    assert work == [("a", vpc), ("b", vpc), ("c", vpc), ("b", gsp), ("c", gsp), ("a", gsp),
+                    ("c", vpc), ("a", vpc), ("b", vpc), ("a", gsp), ("b", gsp), ("c", gsp)]
+    first_ids = [i for _, w, i in played if w == vpc]
+    assert len(set(first_ids[:3])) == 1 and len(set(first_ids[3:])) == 1 and first_ids[0] != first_ids[3]
+    assert sum(w.startswith("warmup") for _, w, _ in log) == 3 and "closed" not in {w for _, w, _ in log}
     assert set(out) == {"a", "b", "c"} and out["b"].meta == {"who": "b"}
-    assert len(out["a"].probe["repeats"]) == 3 and set(out["a"].workloads) == {w.name for w in workloads}
+    assert len(out["a"].probe["repeats"]) == 3 and set(out["a"].workloads) == {vpc, gsp}
+    pooled = out["a"].workloads[vpc]
+    assert len(pooled["by_repeat"]) == 2
+    assert pooled["requests"] == sum(r["requests"] for r in pooled["by_repeat"]) == 2 * repeats[0][0].num_requests
+    assert len(out["a"].outputs) == 3 * 4 + 2 * sum(w.num_requests for w in repeats[0])  # no id played twice
     assert out["b"].probe["figure"].startswith("time to first token (engine stamps) of a 2-token")  # b's own probe method
     assert out["a"].probe["figure"].startswith("latency of a 1-token")
+
+
+def test_workload_repeats_draw_fresh_tokens_and_the_first_is_the_single_play():
+    space = tw.TokenSpace(2, 100)
+    names = list(prefix.WORKLOADS)
+    one = prefix.build_workloads(SHAPE, space, 0, names)
+    reps = prefix.workload_repeats(prefix.Shape(**{**SHAPE.__dict__, "workload_repeats": 3}), space, 0, names)
+    assert [len(ws) for ws in reps] == [3, 3, 3] and reps[0] == one
+    for a, b in ((reps[0], reps[1]), (reps[1], reps[2])):
+        for wa, wb in zip(a, b):
+            assert wa.name == wb.name  # same shape; multi-turn draws its lengths anew from its distributions
+            assert wa.params == wb.params or wa.name == "multi_turn"
+            ta = {r.tokens[:8] for rnd in wa.rounds for r in rnd}
+            assert not ta & {r.tokens[:8] for rnd in wb.rounds for r in rnd}  # nothing for one repeat to hit
+    with pytest.raises(tw.WorkloadShapeError, match="workload_repeats"):
+        prefix.workload_repeats(prefix.Shape(**{**SHAPE.__dict__, "workload_repeats": 0}), space, 0, names)
+    assert prefix.FULL.workload_repeats >= 3
 
 
 FAKE_VLLM = {
@@ -275,3 +304,32 @@ def test_workload_rows_compare_the_decode_step_with_cache_off_and_vllm():
     assert rows[("multi_turn: ITL p50", "vLLM CPU")].ratio == pytest.approx(1.5)  # 0.12 / 0.08: mmcache faster
     assert rows[("multi_turn: ITL p50", "cache off")].ratio == pytest.approx(1.25)
     assert not any(m == "multi_turn: ITL p50" and v == "transformers CB" for m, v in rows)
+    assert all(r.paired is None for r in rows.values() if r.metric.startswith("multi_turn"))  # one play each
+
+
+def test_workload_ratios_are_taken_repeat_by_repeat():
+    """As for the probe: each workload repeat's ratio, then the median, so that one engine's slow minute in one
+    repeat does not decide the comparison."""
+    def workload(ttfts, itls, tputs):
+        reps = [{"ttft_p50_s": t, "itl_p50_s": i, "throughput_tok_s": x} for t, i, x in zip(ttfts, itls, tputs)]
+        return {"ttft_p50_s": sorted(ttfts)[1], "ttft_p90_s": 1.0, "itl_p50_s": sorted(itls)[1],
+                "throughput_tok_s": sorted(tputs)[1], "matched_share": 0.5, "by_repeat": reps}
+
+    probe = {"probe": {"cold_s": 2.0, "same_s": 0.2, "shared1920_s": 0.2, "cold2_s": 2.0,
+                       "repeats": [{"cold_s": 2.0, "same_s": 0.2}]}}
+    engines = {"mmcache": {**probe, "multi_turn": workload([1.0, 3.0, 1.1], [0.10, 0.30, 0.11], [10, 4, 9])},
+               "mmcache_nocache": {**probe, "multi_turn": workload([2.0, 2.0, 2.2], [0.1, 0.1, 0.1], [5, 5, 5])},
+               "vllm_cpu": {**probe, "multi_turn": workload([0.5, 6.0, 0.55], [0.05, 0.6, 0.055], [20, 2, 18]),
+                            "generated_shared_prefix": workload([1, 1, 1], [1, 1, 1], [1, 1, 1])}}
+    pw = prefix.paired_workloads(engines)
+    over = pw["over_vllm_cpu"]["multi_turn"]
+    assert over["ttft_p50"]["runs"] == pytest.approx([2.0, 0.5, 2.0]) and over["ttft_p50"]["p50"] == pytest.approx(2.0)
+    assert over["itl_p50"]["p50"] == pytest.approx(2.0) and over["throughput"]["p50"] == pytest.approx(0.5)
+    assert set(pw["over_vllm_cpu"]) == {"multi_turn"}  # mmcache did not play the other workload
+    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    ttft = rows[("multi_turn: TTFT p50", "vLLM CPU")]
+    assert ttft.ratio == pytest.approx(0.5)  # paired: vLLM twice as fast in two repeats of three
+    assert ttft.baseline / ttft.value == pytest.approx(0.55 / 1.1)
+    assert rows[("multi_turn: ITL p50", "vLLM CPU")].ratio == pytest.approx(0.5)
+    assert rows[("multi_turn: output tokens/s", "cache off")].ratio == pytest.approx(1.8)  # 2.0, 0.8, 1.8
+    assert rows[("multi_turn: TTFT p50", "cache off")].ratio == pytest.approx(2.0)
