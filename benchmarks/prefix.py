@@ -5,9 +5,9 @@
 One run exports the preset once as a Hugging Face folder (``mmcache export-model``) and gives that folder and
 dtype to every engine: mmcache with the cache on, mmcache with the cache off, transformers' continuous batching
 with block sharing, and, with ``--peers`` and ``VLLM_PEER_PYTHON`` set, vLLM's CPU build with prefix caching
-(one process, started once, fed each workload when its turn comes). ``--quick`` runs the ``small`` preset with small workloads
-and no peers (``--peers`` adds them). Workloads are in ``text_workloads``; every engine plays them through
-``peers.protocol.play``, so prompts, order and timing are the same for all.
+(one process, started once, fed each workload when its turn comes). ``--quick`` runs the ``small`` preset with
+small workloads and no peers (``--peers`` adds them). Workloads are in ``text_workloads``; every engine plays
+them through ``peers.protocol.play``, so prompts, order and timing are the same for all.
 
 Figures: the probe (cold / same / 1920 shared + 128 new / another cold; one request at a time with one output
 token, so the call latency is the time to first token; the median of ``--probe-repeats`` repeats, each on fresh
@@ -95,8 +95,9 @@ FULL = Shape(probe_repeats=9, probe_len=2048, probe_shared=1920,
              gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=2048, gsp_question_len=128,
              gsp_output_len=32,
              mt_conversations=4, mt_max_user_turns=3, mt_max_answer_tokens=120, workload_repeats=3)
-QUICK = replace(FULL, probe_repeats=2, workload_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768), vpc_num_prompts=3,
-                vpc_repeat_count=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024, gsp_output_len=16,
+QUICK = replace(FULL, probe_repeats=2, workload_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768),
+                vpc_num_prompts=3, vpc_repeat_count=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024,
+                gsp_output_len=16,
                 mt_conversations=2, mt_max_user_turns=2, mt_max_answer_tokens=16)  # what differs from FULL
 
 
@@ -306,9 +307,9 @@ def paired_workloads(engines: dict) -> dict:
     after the other, minutes apart at most), then the median, as ``paired_probe`` does for the probe.
 
     Returns ``{"over_<peer>": {workload: {"ttft_p50" | "itl_p50" | "throughput": {"p50", "min", "max",
-    "runs"}}}}`` for the workloads both engines played with at least two repeats; a figure one of them did not
-    record (transformers records no ITL) is left out. Times: below 1 means mmcache is faster; throughput:
-    above 1 means mmcache is faster."""
+    "runs"}}}}`` for the workloads both engines played with at least two repeats; a figure missing or zero in
+    either engine's repeat (no ITL where every request asked for one token) is left out of that repeat. Times:
+    below 1 means mmcache is faster; throughput: above 1 means mmcache is faster."""
     out: dict = {}
     mm = engines.get("mmcache")
     if mm is None:

@@ -180,7 +180,7 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path):
     assert len(pooled["by_repeat"]) == 2
     assert pooled["requests"] == sum(r["requests"] for r in pooled["by_repeat"]) == 2 * repeats[0][0].num_requests
     assert len(out["a"].outputs) == 3 * 4 + 2 * sum(w.num_requests for w in repeats[0])  # no id played twice
-    assert out["b"].probe["figure"].startswith("time to first token (engine stamps) of a 2-token")  # b's own probe method
+    assert out["b"].probe["figure"].startswith("time to first token (engine stamps) of a 2-token")  # b's own method
     assert out["a"].probe["figure"].startswith("latency of a 1-token")
 
 
