@@ -65,6 +65,18 @@ def test_overhead_guard_and_table(result):
                                         "overhead guard: added cache bookkeeping / latency"}
     calls = next(r for r in rows if r.metric.startswith("vision-tower"))
     assert (calls.value, calls.baseline) == (2.0, 24.0)
+    guard_row = next(r for r in rows if r.metric.startswith("overhead guard: latency"))
+    assert guard["paired_ratio_p50_se"] >= 0 and guard_row.target.startswith("<= 1.02 (median of 4 pairs, +-")
+
+
+def test_the_guards_uncertainty_is_the_standard_error_of_a_median():
+    # sqrt(pi / 2) * s / sqrt(n): s = 0.1633 for these four, n = 4
+    assert vlm.median_standard_error([1.0, 1.2, 0.8, 1.0]) == pytest.approx(0.10233, abs=1e-4)
+    assert vlm.median_standard_error([1.0] * 16) == 0.0
+    assert vlm.median_standard_error([1.1]) is None
+    few, many = [1.0 + 0.15 * (-1) ** i for i in range(16)], [1.0 + 0.15 * (-1) ** i for i in range(64)]
+    assert vlm.median_standard_error(few) == pytest.approx(0.047, abs=0.002)  # the quick guard's 16 pairs
+    assert vlm.median_standard_error(many) == pytest.approx(vlm.median_standard_error(few) / 2, rel=0.05)
 
 
 def test_guard_images_are_distinct_and_shapes_are_checked():
