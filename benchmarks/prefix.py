@@ -81,6 +81,11 @@ class Shape:
     mt_max_answer_tokens: int  # configuration: answers of 80-120 tokens (a cap at or above 120 keeps them)
     workload_repeats: int = 1  # each workload played this many times, on fresh tokens, engines taking turns
 
+    def __post_init__(self):
+        if self.probe_repeats < 1 or self.workload_repeats < 1:
+            raise tw.WorkloadShapeError(f"probe_repeats and workload_repeats must be at least 1, got "
+                                        f"{self.probe_repeats} and {self.workload_repeats}")
+
 
 # The workloads are repeated for the same reason as the probe: one play of a workload per engine puts each
 # engine in its own minute, and one engine's slow minute has moved a TTFT or ITL ratio from 0.78 to 1.51 within
@@ -158,8 +163,6 @@ def workload_repeats(shape: Shape, space: tw.TokenSpace, seed: int, names: list[
     """``shape.workload_repeats`` sets of the named workloads; repeat ``r`` draws its tokens from seed
     ``seed * 1000 + r`` (repeat 0 of seed 0 is the single play of earlier runs), so no repeat hits another's
     cache."""
-    if shape.workload_repeats < 1:
-        raise tw.WorkloadShapeError(f"workload_repeats must be at least 1, got {shape.workload_repeats}")
     return [build_workloads(shape, space, seed * 1000 + r, names) for r in range(shape.workload_repeats)]
 
 
@@ -538,6 +541,10 @@ def run(args) -> dict:
     if unknown:
         raise tw.WorkloadShapeError(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
     preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
+    # Every shape error now, before a model is exported or an engine loaded: build the probe and the workloads
+    # once on a stand-in token space (the real one needs the exported vocabulary).
+    tw.probe(tw.TokenSpace(1, 2), 0, shape.probe_len, shape.probe_shared)
+    build_workloads(shape, tw.TokenSpace(1, 2), args.seed, names)
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mmcache-prefix-") as tmp:

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
 
 from . import REGISTRY
@@ -51,7 +52,11 @@ def main(args) -> int:
         name = rest.pop(0)
         module = importlib.import_module(REGISTRY[name])
         opts = bench_parser(name, module).parse_args(rest)
-        result = module.run(opts)
+        try:
+            result = module.run(opts)
+        except MmcacheError as e:  # bad options or a peer that cannot run: a clear line, not a traceback
+            print(f"mmcache bench {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         _write(opts.json, result)
         print(render(module.table_rows(result)))
         return 0

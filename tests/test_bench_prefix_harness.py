@@ -129,6 +129,19 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     assert any("generated_shared_prefix: TTFT p50" in line and "paired" in line for line in table.splitlines())
 
 
+@pytest.mark.parametrize("bad, says", [(["--probe-repeats", "0"], "probe_repeats"),
+                                       (["--vpc-input-range", "3"], "MIN:MAX"),
+                                       (["--probe-shared", "4096"], "shared_len"),
+                                       (["--gsp-question-len", "0"], "positive")])
+def test_bad_shapes_fail_before_anything_runs(bad, says, tmp_path, capsys):
+    """A shape the workloads cannot take is refused with its typed error's message and exit code 2, before a
+    model is exported into the work folder."""
+    rc = bench_runner.main(argparse.Namespace(rest=["prefix", "--quick", "--workdir", str(tmp_path)] + bad))
+    err = capsys.readouterr().err
+    assert rc == 2 and "WorkloadShapeError" in err and says in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing exported
+
+
 def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
     monkeypatch.delenv(vllm_cpu.ENV_VAR, raising=False)
     with pytest.raises(vllm_cpu.VllmUnavailable, match="VLLM_PEER_PYTHON"):
@@ -196,8 +209,9 @@ def test_workload_repeats_draw_fresh_tokens_and_the_first_is_the_single_play():
             assert wa.params == wb.params or wa.name == "multi_turn"
             ta = {r.tokens[:8] for rnd in wa.rounds for r in rnd}
             assert not ta & {r.tokens[:8] for rnd in wb.rounds for r in rnd}  # nothing for one repeat to hit
-    with pytest.raises(tw.WorkloadShapeError, match="workload_repeats"):
-        prefix.workload_repeats(prefix.Shape(**{**SHAPE.__dict__, "workload_repeats": 0}), space, 0, names)
+    for field in ("workload_repeats", "probe_repeats"):
+        with pytest.raises(tw.WorkloadShapeError, match=field):
+            prefix.Shape(**{**SHAPE.__dict__, field: 0})
     assert prefix.FULL.workload_repeats >= 3
 
 
