@@ -27,6 +27,7 @@ from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
 
 from .diffusion import zipf_stream
+from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch reuse, TTFT cache on vs off"
@@ -35,14 +36,14 @@ DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", help="engine preset (default: small, the 8-layer Qwen2.5-0.5B shape)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--requests", type=int, default=24, help="requests in the stream (quick: 6)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (quick: 4)")
+    p.add_argument("--requests", type=positive_int, default=24, help="requests in the stream (quick: 6)")
+    p.add_argument("--max-tokens", type=positive_int, default=8, help="tokens per request (quick: 4)")
     p.add_argument("--scale", type=float, default=3.0, help="guidance scale")
-    p.add_argument("--negative-repeat", type=int, default=4,
+    p.add_argument("--negative-repeat", type=positive_int, default=4,
                    help="the negative prompt repeated this many times, a longer fixed conditioning prefix "
                         "(quick: 2)")
-    p.add_argument("--page-size", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--page-size", type=positive_int, default=128)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--seed", type=int, default=0)
 
 

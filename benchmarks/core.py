@@ -25,6 +25,7 @@ import numpy as np
 
 from mmcache import AllocationManager, CacheConfig, Fingerprint
 
+from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "core costs: naming, lookup, eviction, metadata per page"
@@ -32,8 +33,8 @@ PAGE = 128
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (the median is kept)")
-    p.add_argument("--tokens", type=int, default=1 << 20, help="tokens named per naming repeat")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed repeats per figure (the median is kept)")
+    p.add_argument("--tokens", type=positive_int, default=1 << 20, help="tokens named per naming repeat")
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from .options import positive_int
+
 SHAPES = ("shared", "own")
 SIDES = ("kernel", "aten")
 
@@ -117,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_step", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--page-size", type=positive_int, default=128)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (tests: smaller)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")

@@ -38,6 +38,7 @@ from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
 from mmcache.store import EncoderOutputStore
 
+from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "generation with a fixed negative prompt: text-encoder calls/time and latency, store off vs on"
@@ -59,11 +60,11 @@ REAL_TEXT_LEN, REAL_STEPS, REAL_LATENT = 512, 50, (16, 21, 60, 104)  # 81 frames
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--requests", type=int, default=64, help="requests per stream (quick: 24)")
-    p.add_argument("--runs", type=int, default=3, help="runs per mode; figures are medians (quick: 1)")
+    p.add_argument("--requests", type=positive_int, default=64, help="requests per stream (quick: 24)")
+    p.add_argument("--runs", type=positive_int, default=3, help="runs per mode; figures are medians (quick: 1)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent s of prompt popularity")
-    p.add_argument("--steps", type=int, default=4, help="sampling steps per request")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads while measuring")
+    p.add_argument("--steps", type=positive_int, default=4, help="sampling steps per request")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", choices=("t2v", "t2i"), default=["t2v", "t2i"])
     p.add_argument("--no-estimate", action="store_true", help="skip the FLOP count of the real configurations")

@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from .options import positive_int
+
 FIGURES = ("cold_s", "hit_s", "linears_cold_s", "linears_hit_s")
 
 
@@ -146,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.hit_anatomy", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--page-size", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--page-size", type=positive_int, default=128)
+    ap.add_argument("--prompt-len", type=positive_int, default=2048)
+    ap.add_argument("--repeats", type=positive_int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)

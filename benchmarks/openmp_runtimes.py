@@ -22,6 +22,8 @@ import time
 
 from mmcache.openmp import ENV_CHOICE, find_intel_openmp, loaded_runtime
 
+from .options import positive_int
+
 FIGURES = ("cold_s", "hit_s", "itl_s")
 
 
@@ -90,12 +92,12 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.openmp_runtimes", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=10)
+    p.add_argument("--pairs", type=positive_int, default=10)
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prompt-len", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--decodes", type=int, default=8)
+    p.add_argument("--prompt-len", type=positive_int, default=2048)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--decodes", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -46,6 +46,7 @@ from mmcache.engine import native
 from mmcache.openmp import loaded_runtime
 
 from . import text_workloads as tw
+from .options import positive_int
 from .peers import protocol, vllm_cpu
 from .peers.protocol import Record, RoundResult, Workload
 from .table import Row
@@ -109,7 +110,7 @@ QUICK = replace(FULL, probe_repeats=2, workload_repeats=2, vpc_prefix_len=512, v
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="embedded model preset (default qwen2.5-0.5b; small with --quick)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--page-size", type=positive_int, default=128)
     p.add_argument("--store-at", choices=("prefill", "teardown"), default="prefill",
                    help="when mmcache publishes a prompt's full pages: as prefill fills them (as vLLM and "
                         "transformers do, so requests of one batch can share) or when the request ends")

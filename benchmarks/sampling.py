@@ -22,6 +22,7 @@ from unittest import mock
 
 import torch
 
+from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "per-token sampling cost (temperature, top-k, top-p) against a full-sort + multinomial sampler"
@@ -35,9 +36,9 @@ PARAMS = {  # name: (temperature, top_k, top_p)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per sampler and case (default 41; quick 11)")
-    p.add_argument("--batch", type=int, default=8, help="requests decoding together in the engine run")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per request in the engine run (default 32; quick 12)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed calls per sampler and case (default 41; quick 11)")
+    p.add_argument("--batch", type=positive_int, default=8, help="requests decoding together in the engine run")
+    p.add_argument("--tokens", type=positive_int, default=None, help="tokens per request in the engine run (default 32; quick 12)")
 
 
 def by_definition(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:

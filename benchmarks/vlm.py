@@ -54,6 +54,7 @@ import torch
 
 from mmcache.openmp import loaded_runtime
 
+from .options import positive_int
 from .table import Row
 
 DESCRIPTION = ("VLM chat over real images: TTFT per turn, vision-tower calls and matched share with the cache off, "
@@ -88,9 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bench-llava", choices=("bench-llava", "tiny-llava"),
                    help="a LLaVA preset of mmcache.engine.vlm_presets (tiny-llava: a seconds-long smoke run)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=2048, help="KV pages per engine")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads while measuring")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--num-pages", type=positive_int, default=2048, help="KV pages per engine")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-guard", action="store_true", help="skip the overhead guard")
     s = p.add_argument_group("workload sizes (default: the full or quick shape)")

@@ -1,0 +1,42 @@
+"""Every benchmark refuses a count of zero or less on its command line (argparse: exit code 2), before it
+builds or measures anything."""
+
+import argparse
+import importlib
+
+import pytest
+
+from benchmarks import REGISTRY, decode_step, hit_anatomy, openmp_runtimes
+from benchmarks.options import positive_int
+from benchmarks.runner import bench_parser
+
+COUNTS = {"core": ["--repeats", "--tokens"], "prefix": ["--page-size"],
+          "vlm": ["--page-size", "--num-pages", "--threads"],
+          "diffusion": ["--requests", "--runs", "--steps", "--threads"],
+          "cfg": ["--requests", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
+          "sampling": ["--repeats", "--batch", "--tokens"]}
+
+
+def test_positive_int():
+    assert set(COUNTS) == set(REGISTRY)  # a new benchmark's counts belong here too
+    assert positive_int("3") == 3
+    for bad, says in (("0", "at least 1"), ("-2", "at least 1"), ("2.5", "whole number"), ("x", "whole number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            positive_int(bad)
+
+
+@pytest.mark.parametrize("name, option", [(n, o) for n, opts in COUNTS.items() for o in opts])
+def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
+    parser = bench_parser(name, importlib.import_module(REGISTRY[name]))
+    assert getattr(parser.parse_args([option, "2"]), option[2:].replace("-", "_")) == 2
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([option, "0"])
+    assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main, option", [(decode_step.main, "--rounds"), (decode_step.main, "--max-tokens"),
+                                          (hit_anatomy.main, "--repeats"), (openmp_runtimes.main, "--pairs")])
+def test_the_scripts_refuse_a_zero_count(main, option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([option, "0"])
+    assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
