@@ -36,9 +36,11 @@ PARAMS = {  # name: (temperature, top_k, top_p)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=positive_int, default=None, help="timed calls per sampler and case (default 41; quick 11)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed calls per sampler and case (default 41; quick 11)")
     p.add_argument("--batch", type=positive_int, default=8, help="requests decoding together in the engine run")
-    p.add_argument("--tokens", type=positive_int, default=None, help="tokens per request in the engine run (default 32; quick 12)")
+    p.add_argument("--tokens", type=positive_int, default=None,
+                   help="tokens per request in the engine run (default 32; quick 12)")
 
 
 def by_definition(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:
