@@ -24,10 +24,10 @@ import statistics
 import torch
 
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+from mmcache.cli import positive_int
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
 
 from .diffusion import zipf_stream
-from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch reuse, TTFT cache on vs off"

@@ -24,8 +24,8 @@ from array import array
 import numpy as np
 
 from mmcache import AllocationManager, CacheConfig, Fingerprint
+from mmcache.cli import positive_int
 
-from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "core costs: naming, lookup, eviction, metadata per page"

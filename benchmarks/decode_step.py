@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from .options import positive_int
+from mmcache.cli import positive_int
 
 SHAPES = ("shared", "own")
 SIDES = ("kernel", "aten")

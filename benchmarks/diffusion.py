@@ -36,9 +36,9 @@ from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import SD3Preset, UMT5Shape, WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
+from mmcache.cli import positive_int
 from mmcache.store import EncoderOutputStore
 
-from .options import positive_int
 from .table import Row
 
 DESCRIPTION = "generation with a fixed negative prompt: text-encoder calls/time and latency, store off vs on"

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from .options import positive_int
+from mmcache.cli import positive_int
 
 FIGURES = ("cold_s", "hit_s", "linears_cold_s", "linears_hit_s")
 

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 
+from mmcache.cli import positive_int
 from mmcache.openmp import ENV_CHOICE, find_intel_openmp, loaded_runtime
 
-from .options import positive_int
 
 FIGURES = ("cold_s", "hit_s", "itl_s")
 

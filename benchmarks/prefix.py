@@ -42,11 +42,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from mmcache.cli import positive_int
 from mmcache.engine import native
 from mmcache.openmp import loaded_runtime
 
 from . import text_workloads as tw
-from .options import positive_int
 from .peers import protocol, vllm_cpu
 from .peers.protocol import Record, RoundResult, Workload
 from .table import Row

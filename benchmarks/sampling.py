@@ -22,7 +22,8 @@ from unittest import mock
 
 import torch
 
-from .options import positive_int
+from mmcache.cli import positive_int
+
 from .table import Row
 
 DESCRIPTION = "per-token sampling cost (temperature, top-k, top-p) against a full-sort + multinomial sampler"

@@ -52,9 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmcache.cli import positive_int
 from mmcache.openmp import loaded_runtime
 
-from .options import positive_int
 from .table import Row
 
 DESCRIPTION = ("VLM chat over real images: TTFT per turn, vision-tower calls and matched share with the cache off, "

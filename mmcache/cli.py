@@ -19,6 +19,18 @@ import sys
 
 from . import openmp
 
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts (requests, runs, repeats, pages, tokens, threads, replicas): a whole
+    number of at least 1, so a bad value is refused with exit code 2 before anything is built or measured."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")
 
 

@@ -7,8 +7,8 @@ import importlib
 import pytest
 
 from benchmarks import REGISTRY, decode_step, hit_anatomy, openmp_runtimes
-from benchmarks.options import positive_int
 from benchmarks.runner import bench_parser
+from mmcache.cli import positive_int
 
 COUNTS = {"core": ["--repeats", "--tokens"], "prefix": ["--page-size"],
           "vlm": ["--page-size", "--num-pages", "--threads"],

@@ -23,6 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ..cli import positive_int
 from ..errors import MmcacheError
 from ..manager import STORE_AT
 from .costmodel import CostModel
@@ -39,18 +40,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     """Keeps the epilog's layout and shows each option's default."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def _pools(text: str) -> list[int]:
-    return [_positive_int(p) for p in text.split(",") if p.strip()]
+    return [positive_int(p) for p in text.split(",") if p.strip()]
 
 
 def register(sub) -> None:
@@ -61,9 +52,9 @@ def register(sub) -> None:
                        formatter_class=_Formatter)
     p.add_argument("trace", metavar="TRACE")
     p.add_argument("--format", choices=("mooncake", "sessions"), help="from TRACE's extension when not given")
-    p.add_argument("--pool-tokens", type=_positive_int, default=d.pool_tokens, help="pool per replica")
-    p.add_argument("--page-size", type=_positive_int, default=d.page_size, help="tokens per page")
-    p.add_argument("--replicas", type=_positive_int, default=d.replicas, help="data-parallel replicas")
+    p.add_argument("--pool-tokens", type=positive_int, default=d.pool_tokens, help="pool per replica")
+    p.add_argument("--page-size", type=positive_int, default=d.page_size, help="tokens per page")
+    p.add_argument("--replicas", type=positive_int, default=d.replicas, help="data-parallel replicas")
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="replica choice when R > 1")
     p.add_argument("--store-at", choices=STORE_AT + ("both",), default="both",
                    help="when pages enter the index; both replays each setting")
@@ -77,7 +68,7 @@ def register(sub) -> None:
                    help="uncached prompt tokens per second per request (the default is a nominal GPU figure)")
     p.add_argument("--decode-tps", type=float, default=c.decode_tps,
                    help="output tokens per second per request (the default is a nominal GPU figure)")
-    p.add_argument("--route-depth-tokens", type=_positive_int, default=d.route_depth_tokens,
+    p.add_argument("--route-depth-tokens", type=positive_int, default=d.route_depth_tokens,
                    help="affinity routes by the name of the page ending at this depth")
     p.add_argument("--route-load-factor", type=float, default=d.route_load_factor,
                    help="affinity skips the preferred replica when its requests (running or waiting) exceed "
@@ -85,7 +76,7 @@ def register(sub) -> None:
     p.add_argument("--route-min-load", type=float, default=d.route_min_load,
                    help="load below which the preferred replica is always used")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing")
-    p.add_argument("--limit", type=_positive_int, help="Mooncake: replay only the first N requests")
+    p.add_argument("--limit", type=positive_int, help="Mooncake: replay only the first N requests")
     p.set_defaults(func=main)
 
 
