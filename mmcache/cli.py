@@ -31,6 +31,7 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
+
 SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")
 
 
