@@ -367,7 +367,8 @@ def guard(preset, shape: Shape, args, counter: TowerCounter) -> dict:
     return dict(ratio=statistics.median(paired), ratio_of_p50s=statistics.median(x["ratio"] for x in runs),
                 cpu_ratio=statistics.median(x["cpu_ratio"] for x in runs),
                 paired_ratio_p50=statistics.median(paired), paired_cpu_ratio_p50=statistics.median(paired_cpu),
-                paired_ratio_range=[min(paired), max(paired)], paired_ratio_p50_se=median_standard_error(paired), requests_per_run=shape.guard_requests,
+                paired_ratio_range=[min(paired), max(paired)], paired_ratio_p50_se=median_standard_error(paired),
+                requests_per_run=shape.guard_requests,
                 prompt_tokens=shape_of[0], output_tokens=shape_of[1], bookkeeping=work,
                 bookkeeping_share_of_latency=(work["on_s"] - work["off_s"]) / latency_off, runs=runs)
 
