@@ -16,7 +16,9 @@ its own sequence only. Invariants:
   other (a chunk over a cached prefix) sees keys ``0 .. start + i`` from query ``i``. On CPU, outside a
   sliding window, that is computed as two unmasked flash-attention calls merged by their log-sum-exp: every
   query over the prefix ``0 .. start - 1`` (read from its pages with one ``index_select`` per layer), and
-  plain causal over the chunk's own new keys, so no float mask is built or read. Otherwise the segment reads
+  plain causal over the chunk's own new keys, so no float mask is built or read (in bfloat16, where the
+  engine's compiled library can use the tile unit, the prefix part runs on ``native.prefix_attention``
+  instead of ATen's flash kernel). Otherwise the segment reads
   all its pages and applies a bottom-right causal (and window) mask.
 * Single-token segments (decodes) of one pool form one group. On CPU the group goes, in one call per layer,
   to the compiled kernel of ``native`` where it builds and takes the shape: it reads every sequence's pages
@@ -263,7 +265,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 n = -(-seg.start // batch.page_size)
                 ks = batch.read(cache[0], ("prefix", i), seg.pages[:n])[:, :seg.start]
                 vs = batch.read(cache[1], ("prefix", i), seg.pages[:n])[:, :seg.start]
-                out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling)
+                out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling,
+                                             batch.kernel)
                 continue
             ks = batch.read(cache[0], ("segment", i), seg.pages)[:, :seg.ctx_len]
             vs = batch.read(cache[1], ("segment", i), seg.pages)[:, :seg.ctx_len]
@@ -280,7 +283,7 @@ def _splits(seg: Segment, window: int | None, device: torch.device) -> bool:
 
 
 def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
-                 v_new: torch.Tensor, scale: float | None) -> torch.Tensor:
+                 v_new: torch.Tensor, scale: float | None, kernel=None) -> torch.Tensor:
     """Attention of a chunk's queries (heads, n, d) over a prefix every one of them sees whole
     (kv_heads, start, d) and over the chunk's own keys (kv_heads, n, d) causally; returns (n, heads, d).
 
@@ -288,10 +291,16 @@ def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor
     prefix's weight ``exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2)``, in float32. For the prefix part the
     query heads that share a KV head are stacked into one run of rows per KV head (no mask, so rows are
     interchangeable), which gives the kernel longer query blocks; the causal part shares GQA heads in the kernel.
+    The prefix part runs on ``native.prefix_attention`` where ``kernel`` (the engine's compiled library) takes
+    the shape, on ATen's flash kernel otherwise.
     """
     heads, n, dim = q.shape
     kv_heads = k_prefix.shape[0]
-    o1, l1 = _FLASH(q.reshape(1, kv_heads, -1, dim), k_prefix[None], v_prefix[None], scale=scale)
+    stacked = q.reshape(kv_heads, -1, dim)
+    if kernel is not None and native.supports_prefix(kernel, stacked, k_prefix, v_prefix):
+        o1, l1 = native.prefix_attention(kernel, stacked, k_prefix, v_prefix, dim ** -0.5 if scale is None else scale)
+    else:
+        o1, l1 = _FLASH(stacked[None], k_prefix[None], v_prefix[None], scale=scale)
     o2, l2 = _FLASH(q[None], k_new[None], v_new[None], is_causal=True, scale=scale)
     share = torch.sigmoid(l1.reshape(heads, n) - l2[0]).unsqueeze(-1)
     mixed = torch.lerp(o2[0].float(), o1.reshape(heads, n, dim).float(), share)

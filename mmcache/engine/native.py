@@ -1,4 +1,5 @@
-"""The engine's compiled CPU kernel: paged decode attention (``csrc/decode_attention.c``), built on first use.
+"""The engine's compiled CPU kernels (``csrc/decode_attention.c``), built on first use: paged decode attention
+and, where the CPU has AMX tiles, the cached-prefix part of a bfloat16 prefill chunk (``prefix_attention``).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -18,9 +19,16 @@ place, so concurrent processes never load a half-written file.
 ``MMCACHE_NATIVE`` chooses: ``auto`` (default: use the kernel when it builds, else fall back to ATen and log
 why once), ``off`` (always ATen), ``require`` (raise ``NativeKernelUnavailable`` when it cannot be built).
 
+ATen's flash kernel, given a chunk's queries over a cached prefix (every query sees every prefix key), spends
+most of its time moving scores through memory for a head size of 64; ``prefix_attention`` runs both products on
+the tile unit in blocks of 16 query rows, keeps each block's running maximum while its scores are still in L1,
+and hands the probabilities to the second product already in the tile layout.
+
 Invariants: ``decode_attention`` returns, for every sequence and KV head, a result that depends only on that
 sequence's queries, pages and bounds (so a decode gives the same bits alone or beside others, and with or
-without shared pages), in float32 arithmetic; shapes it does not take (``supports``) never reach it.
+without shared pages), in float32 arithmetic; ``prefix_attention`` returns for every query row a result that
+depends only on that row and the keys and values; shapes they do not take (``supports``, ``supports_prefix``)
+never reach them.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ ENV_CACHE = "MMCACHE_CACHE_DIR"
 _CHOICES = ("auto", "off", "require")
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+LIBS = ("-lm",)
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
+PREFIX_HEAD_DIMS = (32, 64, 128)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _log = logging.getLogger("mmcache.native")
 
@@ -101,7 +111,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"C compiler {cc} did not run: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(), version.encode(), _machine().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), cc.encode(), version.encode(), _machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     directory = directory or cache_dir()
@@ -111,7 +121,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), *LIBS], capture_output=True, text=True,
                               timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"{cc} failed to run: {exc}") from exc
@@ -129,6 +139,9 @@ def _load(path: Path) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mmc_prefix_attention
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
@@ -172,6 +185,38 @@ def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
     group, dim = q.shape[2], q.shape[3]
     return (q.device.type == "cpu" and kv.device.type == "cpu" and q.dtype in _DTYPES and kv.dtype == q.dtype
             and 1 <= group <= MAX_GROUP and 16 <= dim <= MAX_HEAD_DIM and dim % 16 == 0)
+
+
+def supports_prefix(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``prefix_attention`` takes queries ``q`` (kv_heads, R, d) over keys and values ``k``/``v``
+    (kv_heads, S, d): bfloat16 on a CPU whose tile unit this process may use, d one of 32, 64, 128, each key
+    and value row contiguous (heads may lie apart: a view of the pool)."""
+    dim = q.shape[-1]
+    return (bool(getattr(lib, "tiles", False)) and dim in PREFIX_HEAD_DIMS and q.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and k.device.type == v.device.type == "cpu"
+            and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[-1] == dim and k.shape[1] >= 1
+            and q.shape[1] >= 1 and k.stride()[1:] == v.stride()[1:] == (dim, 1))
+
+
+def prefix_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``R`` query rows per KV head over ``S`` keys that every row sees whole (no mask): the
+    cached-prefix part of a prefill chunk. ``q`` (kv_heads, R, d), ``k``/``v`` (kv_heads, S, d). Returns the
+    output (kv_heads, R, d) and each row's log-sum-exp of its scaled scores (kv_heads, R), both float32. The
+    caller checked ``supports_prefix``. Each row's result depends only on its own query and the keys and values
+    (the same bits in any company); the probabilities are rounded to bfloat16 for the second product, as ATen's
+    flash kernel rounds them for bfloat16 inputs."""
+    kv_heads, rows, dim = q.shape
+    q = q.contiguous()
+    out = torch.empty(kv_heads, rows, dim, dtype=torch.float32)
+    lse = torch.empty(kv_heads, rows, dtype=torch.float32)
+    rc = lib.mmc_prefix_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_heads, rows, k.shape[1], dim,
+                                  k.stride(0), v.stride(0), float(scale), out.data_ptr(), lse.data_ptr(),
+                                  threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"prefix kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, keys "
+                         f"{tuple(k.shape)}")
+    return out, lse
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,

@@ -1,5 +1,6 @@
 /* Paged decode attention for CPUs with AVX-512: one query token per sequence, its keys and values read where
- * they lie in the page pool (no gather, no padding, no mask).
+ * they lie in the page pool (no gather, no padding, no mask). Also, on CPUs with AMX tiles, the prefix part of
+ * a prefill chunk over cached pages (mmc_prefix_attention, near the end of this file).
  *
  * Built and loaded at run time by mmcache/engine/native.py; the engine falls back to ATen when this file cannot
  * be compiled (no C compiler, no AVX-512).
@@ -22,6 +23,7 @@
  */
 #define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -338,6 +340,210 @@ static void run_task(const struct job *b, int64_t j, int64_t h, float *s) {
     attend(b->q + row, b->k + pool, b->v + pool, b->table + j * b->table_stride, b->lo[j], b->hi[j], (int)b->G,
            b->D, b->S, b->scale, s, b->out + row, b->dtype);
 }
+
+#if defined(HAVE_AMX) && defined(__AVX512BF16__)
+/* e^x for x <= 0 on 16 lanes: exp8's method with the series to degree 5 (relative error ~3e-6; the results are
+ * probabilities rounded to bfloat16, whose own error is ~4e-3). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 120);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Prefix attention: R query rows per KV head over S keys that every row sees whole (no mask), on the tile unit
+ * for both products. Per (KV head, block of 16 rows): scores S^T = K Q^T in tiles of 16 keys x 16 rows (keys as
+ * the A operand read in place, the rows' transpose packed once as B), a two-pass softmax down each column
+ * (the maximum, then e^(scale (s - max)) summed in float32 and rounded to bfloat16 in key pairs, the B layout of
+ * the second product), then out^T = V^T P^T in tiles of 16 dims x 16 rows over 32 keys at a time, V^T packed
+ * once per call. Writes out (float32, divided by the sum) and lse = scale max + log(sum). */
+struct prefix_job {
+    const uint16_t *q, *k, *v;
+    int64_t R, S, SP, D, k_head, v_head;
+    float scale;
+    uint16_t *vt; /* (H, D, SP): V transposed, zero past S */
+    float *out, *lse;
+};
+
+static void prefix_block(const struct prefix_job *b, int64_t h, int64_t r0, float *s, uint16_t *pt, float *ot) {
+    const int64_t D = b->D, S = b->S, SP = b->SP, nr = b->R - r0 < 16 ? b->R - r0 : 16;
+    const int nb = (int)(D / 32);
+    const uint16_t *q = b->q + (h * b->R + r0) * D;
+    const char *k = (const char *)(b->k + h * b->k_head);
+    uint16_t qt[4][16][32] __attribute__((aligned(64)));
+    for (int c = 0; c < nb; c++)
+        for (int r = 0; r < 16; r++)
+            for (int g = 0; g < 16; g++)
+                for (int e = 0; e < 2; e++) qt[c][r][2 * g + e] = g < nr ? q[g * D + 32 * c + 2 * r + e] : 0;
+    _tile_loadd(2, qt[0], 64);
+    if (nb > 1) _tile_loadd(3, qt[1], 64);
+    if (nb > 2) _tile_loadd(4, qt[2], 64);
+    if (nb > 3) _tile_loadd(5, qt[3], 64);
+    uint16_t tail[16 * 128] __attribute__((aligned(64)));
+    const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+    __m512 m = ninf; /* each row's largest score */
+    int64_t t = 0;
+    const int64_t ks = D * 2; /* bytes from one key row to the next */
+    if (nb <= 2) /* four blocks of 16 keys at a time in tiles 4..7, so the products overlap */
+        for (; t + 64 <= S; t += 64) {
+            const char *kr = k + t * ks;
+            _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+            _tile_loadd(0, kr, ks); _tile_dpbf16ps(4, 0, 2);
+            _tile_loadd(1, kr + 16 * ks, ks); _tile_dpbf16ps(5, 1, 2);
+            _tile_loadd(0, kr + 32 * ks, ks); _tile_dpbf16ps(6, 0, 2);
+            _tile_loadd(1, kr + 48 * ks, ks); _tile_dpbf16ps(7, 1, 2);
+            if (nb > 1) {
+                _tile_loadd(0, kr + 64, ks); _tile_dpbf16ps(4, 0, 3);
+                _tile_loadd(1, kr + 16 * ks + 64, ks); _tile_dpbf16ps(5, 1, 3);
+                _tile_loadd(0, kr + 32 * ks + 64, ks); _tile_dpbf16ps(6, 0, 3);
+                _tile_loadd(1, kr + 48 * ks + 64, ks); _tile_dpbf16ps(7, 1, 3);
+            }
+            _tile_stored(4, s + t * 16, 64); _tile_stored(5, s + (t + 16) * 16, 64);
+            _tile_stored(6, s + (t + 32) * 16, 64); _tile_stored(7, s + (t + 48) * 16, 64);
+            for (int64_t i = t; i < t + 64; i += 4)
+                m = _mm512_max_ps(_mm512_max_ps(m, _mm512_load_ps(s + i * 16)),
+                                  _mm512_max_ps(_mm512_max_ps(_mm512_load_ps(s + (i + 1) * 16),
+                                                              _mm512_load_ps(s + (i + 2) * 16)),
+                                                _mm512_load_ps(s + (i + 3) * 16)));
+        }
+    else /* D = 128: the query takes tiles 2..5, two blocks at a time in tiles 6 and 7 */
+        for (; t + 32 <= S; t += 32) {
+            const char *kr = k + t * ks;
+            _tile_zero(6); _tile_zero(7);
+            _tile_loadd(0, kr, ks); _tile_dpbf16ps(6, 0, 2);
+            _tile_loadd(1, kr + 16 * ks, ks); _tile_dpbf16ps(7, 1, 2);
+            _tile_loadd(0, kr + 64, ks); _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, kr + 16 * ks + 64, ks); _tile_dpbf16ps(7, 1, 3);
+            _tile_loadd(0, kr + 128, ks); _tile_dpbf16ps(6, 0, 4);
+            _tile_loadd(1, kr + 16 * ks + 128, ks); _tile_dpbf16ps(7, 1, 4);
+            _tile_loadd(0, kr + 192, ks); _tile_dpbf16ps(6, 0, 5);
+            _tile_loadd(1, kr + 16 * ks + 192, ks); _tile_dpbf16ps(7, 1, 5);
+            _tile_stored(6, s + t * 16, 64); _tile_stored(7, s + (t + 16) * 16, 64);
+            for (int64_t i = t; i < t + 32; i++) m = _mm512_max_ps(m, _mm512_load_ps(s + i * 16));
+        }
+    for (; t < S; t += 16) { /* the rest one block at a time, the last keys zero-padded to a whole tile */
+        const char *krow = k + t * ks;
+        if (S - t < 16) {
+            for (int64_t i = 0; i < 16 * D; i++) tail[i] = i < (S - t) * D ? ((const uint16_t *)krow)[i] : 0;
+            krow = (const char *)tail;
+        }
+        _tile_zero(1);
+        _tile_loadd(0, krow, ks);
+        _tile_dpbf16ps(1, 0, 2);
+        if (nb > 1) { _tile_loadd(0, krow + 64, ks); _tile_dpbf16ps(1, 0, 3); }
+        if (nb > 2) { _tile_loadd(0, krow + 128, ks); _tile_dpbf16ps(1, 0, 4); }
+        if (nb > 3) { _tile_loadd(0, krow + 192, ks); _tile_dpbf16ps(1, 0, 5); }
+        _tile_stored(1, s + t * 16, 64);
+        for (int64_t i = t; i < t + 16 && i < S; i++) m = _mm512_max_ps(m, _mm512_load_ps(s + i * 16));
+    }
+    for (int64_t i = S; i < SP; i++) _mm512_store_ps(s + i * 16, ninf);
+    const __m512 sc = _mm512_set1_ps(b->scale), msc = _mm512_mul_ps(m, sc);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < SP; t += 2) {
+        __m512 e0 = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + t * 16), sc, msc));
+        __m512 e1 = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + (t + 1) * 16), sc, msc));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 bfloat16 then e1's */
+        _mm512_storeu_si512(pt + t * 16, _mm512_permutexvar_epi16(pairs, both));
+    }
+    const int cs = 4; /* C tiles 4..7: dims d0 .. d0+63 */
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int nd = (int)((D - d0) / 16 < cs ? (D - d0) / 16 : cs);
+        _tile_zero(4);
+        if (nd > 1) _tile_zero(5);
+        if (nd > 2) _tile_zero(6);
+        if (nd > 3) _tile_zero(7);
+        const uint16_t *vt = b->vt + (h * D + d0) * SP;
+        for (int64_t t = 0; t < SP; t += 32) {
+            _tile_loadd(1, pt + t * 16, 64);
+            _tile_loadd(0, vt + t, SP * 2);
+            _tile_dpbf16ps(4, 0, 1);
+            if (nd > 1) { _tile_loadd(2, vt + 16 * SP + t, SP * 2); _tile_dpbf16ps(5, 2, 1); }
+            if (nd > 2) { _tile_loadd(3, vt + 32 * SP + t, SP * 2); _tile_dpbf16ps(6, 3, 1); }
+            if (nd > 3) { _tile_loadd(0, vt + 48 * SP + t, SP * 2); _tile_dpbf16ps(7, 0, 1); }
+        }
+        _tile_stored(4, ot + (d0 + 0) * 16, 64);
+        if (nd > 1) _tile_stored(5, ot + (d0 + 16) * 16, 64);
+        if (nd > 2) _tile_stored(6, ot + (d0 + 32) * 16, 64);
+        if (nd > 3) _tile_stored(7, ot + (d0 + 48) * 16, 64);
+    }
+    float l[16], mx[16];
+    _mm512_storeu_ps(l, sum);
+    _mm512_storeu_ps(mx, msc);
+    float *out = b->out + (h * b->R + r0) * D, *lse = b->lse + h * b->R + r0;
+    for (int g = 0; g < nr; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = ot[d * 16 + g] * inv;
+        lse[g] = mx[g] + logf(l[g]);
+    }
+}
+
+/* Returns 0; 1 when the shape is outside what this kernel handles; 2 when memory ran out. */
+int mmc_prefix_attention(const void *q, const void *k, const void *v, int64_t H, int64_t R, int64_t S,
+                         int64_t D, int64_t k_head, int64_t v_head, float scale, float *out, float *lse,
+                         int nthreads) {
+    if (!amx_ready || D % 32 || D < 32 || D > 128 || S < 1 || R < 1) return 1;
+    const int64_t SP = (S + 31) / 32 * 32;
+    uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)(H * D * SP) * 2);
+    if (!vt) return 2;
+    const struct prefix_job job = {(const uint16_t *)q, (const uint16_t *)k, (const uint16_t *)v, R, S, SP, D,
+                                   k_head, v_head, scale, vt, out, lse};
+    const int64_t blocks = (R + 15) / 16, tasks = H * blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < H * (SP / 32); i++) { /* V^T, 32 keys of one head at a time (read from L1) */
+            const int64_t h = i / (SP / 32), t0 = i % (SP / 32) * 32;
+            const uint16_t *src = job.v + h * v_head;
+            uint16_t *dst = vt + h * D * SP;
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t t = t0; t < t0 + 32; t++) dst[d * SP + t] = t < S ? src[t * D + d] : 0;
+        }
+        float *s = (float *)aligned_alloc(64, sizeof(float) * 16 * (size_t)SP);
+        uint16_t *pt = (uint16_t *)aligned_alloc(64, 2 * 16 * (size_t)SP);
+        float *ot = (float *)aligned_alloc(64, sizeof(float) * 16 * 128);
+        if (!s || !pt || !ot) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        struct __attribute__((aligned(64))) {
+            uint8_t palette, start_row, reserved[14];
+            uint16_t colsb[16];
+            uint8_t rows[16];
+        } cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++)
+            if (s && pt && ot) prefix_block(&job, task / blocks, task % blocks * 16, s, pt, ot);
+        _tile_release();
+        free(s);
+        free(pt);
+        free(ot);
+    }
+    free(vt);
+    return failed ? 2 : 0;
+}
+#else
+int mmc_prefix_attention(const void *q, const void *k, const void *v, int64_t H, int64_t R, int64_t S,
+                         int64_t D, int64_t k_head, int64_t v_head, float scale, float *out, float *lse,
+                         int nthreads) {
+    (void)q, (void)k, (void)v, (void)H, (void)R, (void)S, (void)D, (void)k_head, (void)v_head, (void)scale;
+    (void)out, (void)lse, (void)nthreads;
+    return 1;
+}
+#endif
 
 /* Called once after loading, before any other call: returns 1 where scores run on the tile unit (AMX), else 0. */
 int mmc_init(void) {
