@@ -32,7 +32,7 @@ def reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize("heads,rows,keys,dim", [(2, 896, 1920, 64), (2, 37, 50, 64), (1, 16, 16, 32),
-                                                 (3, 100, 333, 128), (2, 7, 1, 64), (1, 17, 65, 32)])
+                                                 (3, 100, 333, 64), (2, 7, 1, 64), (1, 17, 65, 32)])
 def test_kernel_equals_float64_attention(lib, heads, rows, keys, dim):
     """Any number of rows and keys (whole tiles or not): the output within one bfloat16 rounding of the
     probabilities (about 2^-8 of the values), the log-sum-exp within float32 rounding."""
@@ -75,7 +75,7 @@ def test_supports_only_what_the_kernel_takes(lib):
     q, k, v = case(2, 8, 40, 64)
     assert native.supports_prefix(lib, q, k, v)
     assert not native.supports_prefix(lib, q.float(), k.float(), v.float())  # bfloat16 only
-    for dim in (16, 48, 96, 256):
+    for dim in (16, 48, 96, 128):  # 128: ATen's kernel is as fast there (benchmarks/RESULTS.md)
         assert not native.supports_prefix(lib, *case(2, 8, 40, dim))
     assert not native.supports_prefix(lib, q, k.transpose(1, 2).contiguous().transpose(1, 2), v)  # rows apart
     assert not native.supports_prefix(lib, q, k[:1], v[:1])  # another number of KV heads

@@ -54,7 +54,7 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
-PREFIX_HEAD_DIMS = (32, 64, 128)
+PREFIX_HEAD_DIMS = (32, 64)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _log = logging.getLogger("mmcache.native")
 
@@ -189,7 +189,7 @@ def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def supports_prefix(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``prefix_attention`` takes queries ``q`` (kv_heads, R, d) over keys and values ``k``/``v``
-    (kv_heads, S, d): bfloat16 on a CPU whose tile unit this process may use, d one of 32, 64, 128, each key
+    (kv_heads, S, d): bfloat16 on a CPU whose tile unit this process may use, d 32 or 64, each key
     and value row contiguous (heads may lie apart: a view of the pool)."""
     dim = q.shape[-1]
     return (bool(getattr(lib, "tiles", False)) and dim in PREFIX_HEAD_DIMS and q.device.type == "cpu"

@@ -359,7 +359,7 @@ static inline __m512 exp16(__m512 x) {
 }
 
 /* Prefix attention: R query rows per KV head over S keys that every row sees whole (no mask), on the tile unit
- * for both products. Per (KV head, block of 16 rows): scores S^T = K Q^T in tiles of 16 keys x 16 rows (keys as
+ * for both products, head size D of 32 or 64. Per (KV head, block of 16 rows): scores S^T = K Q^T in tiles of 16 keys x 16 rows (keys as
  * the A operand read in place, the rows' transpose packed once as B), a two-pass softmax down each column
  * (the maximum, then e^(scale (s - max)) summed in float32 and rounded to bfloat16 in key pairs, the B layout of
  * the second product), then out^T = V^T P^T in tiles of 16 dims x 16 rows over 32 keys at a time, V^T packed
@@ -377,57 +377,39 @@ static void prefix_block(const struct prefix_job *b, int64_t h, int64_t r0, floa
     const int nb = (int)(D / 32);
     const uint16_t *q = b->q + (h * b->R + r0) * D;
     const char *k = (const char *)(b->k + h * b->k_head);
-    uint16_t qt[4][16][32] __attribute__((aligned(64)));
+    uint16_t qt[2][16][32] __attribute__((aligned(64)));
     for (int c = 0; c < nb; c++)
         for (int r = 0; r < 16; r++)
             for (int g = 0; g < 16; g++)
                 for (int e = 0; e < 2; e++) qt[c][r][2 * g + e] = g < nr ? q[g * D + 32 * c + 2 * r + e] : 0;
     _tile_loadd(2, qt[0], 64);
     if (nb > 1) _tile_loadd(3, qt[1], 64);
-    if (nb > 2) _tile_loadd(4, qt[2], 64);
-    if (nb > 3) _tile_loadd(5, qt[3], 64);
-    uint16_t tail[16 * 128] __attribute__((aligned(64)));
+    uint16_t tail[16 * 64] __attribute__((aligned(64)));
     const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
     __m512 m = ninf; /* each row's largest score */
     int64_t t = 0;
     const int64_t ks = D * 2; /* bytes from one key row to the next */
-    if (nb <= 2) /* four blocks of 16 keys at a time in tiles 4..7, so the products overlap */
-        for (; t + 64 <= S; t += 64) {
-            const char *kr = k + t * ks;
-            _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-            _tile_loadd(0, kr, ks); _tile_dpbf16ps(4, 0, 2);
-            _tile_loadd(1, kr + 16 * ks, ks); _tile_dpbf16ps(5, 1, 2);
-            _tile_loadd(0, kr + 32 * ks, ks); _tile_dpbf16ps(6, 0, 2);
-            _tile_loadd(1, kr + 48 * ks, ks); _tile_dpbf16ps(7, 1, 2);
-            if (nb > 1) {
-                _tile_loadd(0, kr + 64, ks); _tile_dpbf16ps(4, 0, 3);
-                _tile_loadd(1, kr + 16 * ks + 64, ks); _tile_dpbf16ps(5, 1, 3);
-                _tile_loadd(0, kr + 32 * ks + 64, ks); _tile_dpbf16ps(6, 0, 3);
-                _tile_loadd(1, kr + 48 * ks + 64, ks); _tile_dpbf16ps(7, 1, 3);
-            }
-            _tile_stored(4, s + t * 16, 64); _tile_stored(5, s + (t + 16) * 16, 64);
-            _tile_stored(6, s + (t + 32) * 16, 64); _tile_stored(7, s + (t + 48) * 16, 64);
-            for (int64_t i = t; i < t + 64; i += 4)
-                m = _mm512_max_ps(_mm512_max_ps(m, _mm512_load_ps(s + i * 16)),
-                                  _mm512_max_ps(_mm512_max_ps(_mm512_load_ps(s + (i + 1) * 16),
-                                                              _mm512_load_ps(s + (i + 2) * 16)),
-                                                _mm512_load_ps(s + (i + 3) * 16)));
+    for (; t + 64 <= S; t += 64) { /* four blocks of 16 keys at a time in tiles 4..7, so the products overlap */
+        const char *kr = k + t * ks;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        _tile_loadd(0, kr, ks); _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(1, kr + 16 * ks, ks); _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(0, kr + 32 * ks, ks); _tile_dpbf16ps(6, 0, 2);
+        _tile_loadd(1, kr + 48 * ks, ks); _tile_dpbf16ps(7, 1, 2);
+        if (nb > 1) {
+            _tile_loadd(0, kr + 64, ks); _tile_dpbf16ps(4, 0, 3);
+            _tile_loadd(1, kr + 16 * ks + 64, ks); _tile_dpbf16ps(5, 1, 3);
+            _tile_loadd(0, kr + 32 * ks + 64, ks); _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, kr + 48 * ks + 64, ks); _tile_dpbf16ps(7, 1, 3);
         }
-    else /* D = 128: the query takes tiles 2..5, two blocks at a time in tiles 6 and 7 */
-        for (; t + 32 <= S; t += 32) {
-            const char *kr = k + t * ks;
-            _tile_zero(6); _tile_zero(7);
-            _tile_loadd(0, kr, ks); _tile_dpbf16ps(6, 0, 2);
-            _tile_loadd(1, kr + 16 * ks, ks); _tile_dpbf16ps(7, 1, 2);
-            _tile_loadd(0, kr + 64, ks); _tile_dpbf16ps(6, 0, 3);
-            _tile_loadd(1, kr + 16 * ks + 64, ks); _tile_dpbf16ps(7, 1, 3);
-            _tile_loadd(0, kr + 128, ks); _tile_dpbf16ps(6, 0, 4);
-            _tile_loadd(1, kr + 16 * ks + 128, ks); _tile_dpbf16ps(7, 1, 4);
-            _tile_loadd(0, kr + 192, ks); _tile_dpbf16ps(6, 0, 5);
-            _tile_loadd(1, kr + 16 * ks + 192, ks); _tile_dpbf16ps(7, 1, 5);
-            _tile_stored(6, s + t * 16, 64); _tile_stored(7, s + (t + 16) * 16, 64);
-            for (int64_t i = t; i < t + 32; i++) m = _mm512_max_ps(m, _mm512_load_ps(s + i * 16));
-        }
+        _tile_stored(4, s + t * 16, 64); _tile_stored(5, s + (t + 16) * 16, 64);
+        _tile_stored(6, s + (t + 32) * 16, 64); _tile_stored(7, s + (t + 48) * 16, 64);
+        for (int64_t i = t; i < t + 64; i += 4)
+            m = _mm512_max_ps(_mm512_max_ps(m, _mm512_load_ps(s + i * 16)),
+                              _mm512_max_ps(_mm512_max_ps(_mm512_load_ps(s + (i + 1) * 16),
+                                                          _mm512_load_ps(s + (i + 2) * 16)),
+                                            _mm512_load_ps(s + (i + 3) * 16)));
+    }
     for (; t < S; t += 16) { /* the rest one block at a time, the last keys zero-padded to a whole tile */
         const char *krow = k + t * ks;
         if (S - t < 16) {
@@ -438,8 +420,6 @@ static void prefix_block(const struct prefix_job *b, int64_t h, int64_t r0, floa
         _tile_loadd(0, krow, ks);
         _tile_dpbf16ps(1, 0, 2);
         if (nb > 1) { _tile_loadd(0, krow + 64, ks); _tile_dpbf16ps(1, 0, 3); }
-        if (nb > 2) { _tile_loadd(0, krow + 128, ks); _tile_dpbf16ps(1, 0, 4); }
-        if (nb > 3) { _tile_loadd(0, krow + 192, ks); _tile_dpbf16ps(1, 0, 5); }
         _tile_stored(1, s + t * 16, 64);
         for (int64_t i = t; i < t + 16 && i < S; i++) m = _mm512_max_ps(m, _mm512_load_ps(s + i * 16));
     }
@@ -455,27 +435,23 @@ static void prefix_block(const struct prefix_job *b, int64_t h, int64_t r0, floa
         __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 bfloat16 then e1's */
         _mm512_storeu_si512(pt + t * 16, _mm512_permutexvar_epi16(pairs, both));
     }
-    const int cs = 4; /* C tiles 4..7: dims d0 .. d0+63 */
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int nd = (int)((D - d0) / 16 < cs ? (D - d0) / 16 : cs);
-        _tile_zero(4);
-        if (nd > 1) _tile_zero(5);
-        if (nd > 2) _tile_zero(6);
-        if (nd > 3) _tile_zero(7);
-        const uint16_t *vt = b->vt + (h * D + d0) * SP;
-        for (int64_t t = 0; t < SP; t += 32) {
-            _tile_loadd(1, pt + t * 16, 64);
-            _tile_loadd(0, vt + t, SP * 2);
-            _tile_dpbf16ps(4, 0, 1);
-            if (nd > 1) { _tile_loadd(2, vt + 16 * SP + t, SP * 2); _tile_dpbf16ps(5, 2, 1); }
-            if (nd > 2) { _tile_loadd(3, vt + 32 * SP + t, SP * 2); _tile_dpbf16ps(6, 3, 1); }
-            if (nd > 3) { _tile_loadd(0, vt + 48 * SP + t, SP * 2); _tile_dpbf16ps(7, 0, 1); }
+    const uint16_t *vt = b->vt + h * D * SP; /* C tiles 4..7: dims 0..63 (4 and 5 only at D = 32) */
+    const int wide = D == 64;
+    _tile_zero(4);
+    _tile_zero(5);
+    if (wide) { _tile_zero(6); _tile_zero(7); }
+    for (int64_t t = 0; t < SP; t += 32) {
+        _tile_loadd(1, pt + t * 16, 64);
+        _tile_loadd(0, vt + t, SP * 2); _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, vt + 16 * SP + t, SP * 2); _tile_dpbf16ps(5, 2, 1);
+        if (wide) {
+            _tile_loadd(3, vt + 32 * SP + t, SP * 2); _tile_dpbf16ps(6, 3, 1);
+            _tile_loadd(0, vt + 48 * SP + t, SP * 2); _tile_dpbf16ps(7, 0, 1);
         }
-        _tile_stored(4, ot + (d0 + 0) * 16, 64);
-        if (nd > 1) _tile_stored(5, ot + (d0 + 16) * 16, 64);
-        if (nd > 2) _tile_stored(6, ot + (d0 + 32) * 16, 64);
-        if (nd > 3) _tile_stored(7, ot + (d0 + 48) * 16, 64);
     }
+    _tile_stored(4, ot, 64);
+    _tile_stored(5, ot + 256, 64);
+    if (wide) { _tile_stored(6, ot + 512, 64); _tile_stored(7, ot + 768, 64); }
     float l[16], mx[16];
     _mm512_storeu_ps(l, sum);
     _mm512_storeu_ps(mx, msc);
@@ -491,7 +467,7 @@ static void prefix_block(const struct prefix_job *b, int64_t h, int64_t r0, floa
 int mmc_prefix_attention(const void *q, const void *k, const void *v, int64_t H, int64_t R, int64_t S,
                          int64_t D, int64_t k_head, int64_t v_head, float scale, float *out, float *lse,
                          int nthreads) {
-    if (!amx_ready || D % 32 || D < 32 || D > 128 || S < 1 || R < 1) return 1;
+    if (!amx_ready || (D != 32 && D != 64) || S < 1 || R < 1 || H < 1) return 1;
     const int64_t SP = (S + 31) / 32 * 32;
     uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)(H * D * SP) * 2);
     if (!vt) return 2;
@@ -511,7 +487,7 @@ int mmc_prefix_attention(const void *q, const void *k, const void *v, int64_t H,
         }
         float *s = (float *)aligned_alloc(64, sizeof(float) * 16 * (size_t)SP);
         uint16_t *pt = (uint16_t *)aligned_alloc(64, 2 * 16 * (size_t)SP);
-        float *ot = (float *)aligned_alloc(64, sizeof(float) * 16 * 128);
+        float *ot = (float *)aligned_alloc(64, sizeof(float) * 16 * 64);
         if (!s || !pt || !ot) {
 #pragma omp atomic write
             failed = 1;
