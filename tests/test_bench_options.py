@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from benchmarks import REGISTRY, decode_step, hit_anatomy, openmp_runtimes, prefix_kernel
+from benchmarks import REGISTRY, decode_step, hit_anatomy, openmp_runtimes, chunk_kernel
 from benchmarks.runner import bench_parser
 from mmcache.cli import positive_int
 
@@ -36,8 +36,8 @@ def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
 
 @pytest.mark.parametrize("main, option", [(decode_step.main, "--rounds"), (decode_step.main, "--max-tokens"),
                                           (hit_anatomy.main, "--repeats"), (openmp_runtimes.main, "--pairs"),
-                                          (prefix_kernel.main, "--rounds"), (prefix_kernel.main, "--calls"),
-                                          (prefix_kernel.main, "--rows"), (prefix_kernel.main, "--keys")])
+                                          (chunk_kernel.main, "--rounds"), (chunk_kernel.main, "--calls"),
+                                          (chunk_kernel.main, "--group"), (chunk_kernel.main, "--kv-heads")])
 def test_the_scripts_refuse_a_zero_count(main, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main([option, "0"])

@@ -222,8 +222,8 @@ def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch, lib):
     aten = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
     monkeypatch.setenv(native.ENV_CHOICE, "require")
     compiled = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
-    prefix = "+native-prefix" if lib.tiles else ""
-    assert compiled.backend == aten.backend + "+native-decode" + prefix and compiled.fingerprint != aten.fingerprint
+    chunk = "+native-chunk" if lib.tiles else ""
+    assert compiled.backend == aten.backend + "+native-decode" + chunk and compiled.fingerprint != aten.fingerprint
     calls = []
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))

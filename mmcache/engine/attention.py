@@ -16,10 +16,11 @@ its own sequence only. Invariants:
   other (a chunk over a cached prefix) sees keys ``0 .. start + i`` from query ``i``. On CPU, outside a
   sliding window, that is computed as two unmasked flash-attention calls merged by their log-sum-exp: every
   query over the prefix ``0 .. start - 1`` (read from its pages with one ``index_select`` per layer), and
-  plain causal over the chunk's own new keys, so no float mask is built or read (in bfloat16, where the
-  engine's compiled library can use the tile unit, the prefix part runs on ``native.prefix_attention``
-  instead of ATen's flash kernel). Otherwise the segment reads
+  plain causal over the chunk's own new keys, so no float mask is built or read. Otherwise the segment reads
   all its pages and applies a bottom-right causal (and window) mask.
+* In bfloat16, where the engine's compiled library can use the tile unit (and no sliding window is in reach),
+  a prefill segment instead goes whole to ``native.chunk_attention``: every query over the cached prefix and,
+  causally, over the chunk's own keys, in one call per layer (no log-sum-exp merge).
 * Single-token segments (decodes) of one pool form one group. On CPU the group goes, in one call per layer,
   to the compiled kernel of ``native`` where it builds and takes the shape: it reads every sequence's pages
   where they lie, through its page table. Otherwise (ATen's path) each sequence of the group is attended
@@ -257,6 +258,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         out[g.rows] = o.reshape(n, heads, dim)
     gqa = heads != kv_heads
     for i, seg in enumerate(batch.segments):
+        if _on_chunk_kernel(batch, i, sliding_window, layer, q, k, v, out, scaling):
+            continue
         if seg.pages is None:
             ks, vs = k[:, seg.rows], v[:, seg.rows]
         else:
@@ -265,8 +268,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 n = -(-seg.start // batch.page_size)
                 ks = batch.read(cache[0], ("prefix", i), seg.pages[:n])[:, :seg.start]
                 vs = batch.read(cache[1], ("prefix", i), seg.pages[:n])[:, :seg.start]
-                out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling,
-                                             batch.kernel)
+                out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling)
                 continue
             ks = batch.read(cache[0], ("segment", i), seg.pages)[:, :seg.ctx_len]
             vs = batch.read(cache[1], ("segment", i), seg.pages)[:, :seg.ctx_len]
@@ -277,13 +279,38 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     return out[None], None
 
 
+def _on_chunk_kernel(batch: PagedBatch, index: int, window: int | None, layer: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, out: torch.Tensor, scale: float | None) -> bool:
+    """Segment ``index`` on ``native.chunk_attention`` (its cached prefix and its own keys in one call) when the
+    engine's compiled library takes it: bfloat16, no sliding window in reach, a head size the kernel has.
+    Writes the segment's rows of ``out`` and returns True; otherwise touches nothing and returns False."""
+    seg, lib = batch.segments[index], batch.kernel
+    if lib is None or not getattr(lib, "tiles", False) or (window is not None and seg.ctx_len > window):
+        return False
+    heads, _, dim = q.shape
+    kv_heads, n = k.shape[0], seg.q_len
+    stacked = q[:, seg.rows].reshape(kv_heads, -1, dim)
+    k_new, v_new = k[:, seg.rows], v[:, seg.rows]
+    k_prefix = v_prefix = None
+    if seg.start:
+        cache, first = seg.kv[layer], -(-seg.start // batch.page_size)
+        k_prefix = batch.read(cache[0], ("prefix", index), seg.pages[:first])[:, :seg.start]
+        v_prefix = batch.read(cache[1], ("prefix", index), seg.pages[:first])[:, :seg.start]
+    if not native.supports_chunk(lib, stacked, k_new, v_new, k_prefix, v_prefix):
+        return False
+    o, _ = native.chunk_attention(lib, stacked, k_prefix, v_prefix, k_new, v_new,
+                                  dim ** -0.5 if scale is None else scale)
+    out[seg.rows] = o.view(heads, n, dim).transpose(0, 1)
+    return True
+
+
 def _splits(seg: Segment, window: int | None, device: torch.device) -> bool:
     """Whether a chunk over a cached prefix takes the two-part path (CPU flash kernel, no window in reach)."""
     return device.type == "cpu" and (window is None or seg.ctx_len <= window)
 
 
 def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_new: torch.Tensor,
-                 v_new: torch.Tensor, scale: float | None, kernel=None) -> torch.Tensor:
+                 v_new: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Attention of a chunk's queries (heads, n, d) over a prefix every one of them sees whole
     (kv_heads, start, d) and over the chunk's own keys (kv_heads, n, d) causally; returns (n, heads, d).
 
@@ -291,16 +318,10 @@ def _over_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor
     prefix's weight ``exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2)``, in float32. For the prefix part the
     query heads that share a KV head are stacked into one run of rows per KV head (no mask, so rows are
     interchangeable), which gives the kernel longer query blocks; the causal part shares GQA heads in the kernel.
-    The prefix part runs on ``native.prefix_attention`` where ``kernel`` (the engine's compiled library) takes
-    the shape, on ATen's flash kernel otherwise.
     """
     heads, n, dim = q.shape
     kv_heads = k_prefix.shape[0]
-    stacked = q.reshape(kv_heads, -1, dim)
-    if kernel is not None and native.supports_prefix(kernel, stacked, k_prefix, v_prefix):
-        o1, l1 = native.prefix_attention(kernel, stacked, k_prefix, v_prefix, dim ** -0.5 if scale is None else scale)
-    else:
-        o1, l1 = _FLASH(stacked[None], k_prefix[None], v_prefix[None], scale=scale)
+    o1, l1 = _FLASH(q.reshape(1, kv_heads, -1, dim), k_prefix[None], v_prefix[None], scale=scale)
     o2, l2 = _FLASH(q[None], k_new[None], v_new[None], is_causal=True, scale=scale)
     share = torch.sigmoid(l1.reshape(heads, n) - l2[0]).unsqueeze(-1)
     mixed = torch.lerp(o2[0].float(), o1.reshape(heads, n, dim).float(), share)

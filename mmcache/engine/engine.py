@@ -79,13 +79,13 @@ class Engine:
         if config.tune_malloc:
             kernels.tune_malloc()
         # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
-        # (where the library can use the tile unit) bfloat16 chunks over a cached prefix on its prefix kernel.
+        # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel.
         decode_kernel = native.library() if a.device.type == "cpu" else None
         # Packed and plain linears, and the kernels and ATen, differ in the last bits, so the compute path is
         # part of the backend's name.
         self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
                         + ("+native-decode" if decode_kernel is not None else "")
-                        + ("+native-prefix" if getattr(decode_kernel, "tiles", False) else ""))
+                        + ("+native-chunk" if getattr(decode_kernel, "tiles", False) else ""))
         self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
                                        attention_backend=self.backend, page_size=config.page_size)
         elem = torch.empty(0, dtype=a.dtype).element_size()

@@ -1,5 +1,6 @@
 """The engine's compiled CPU kernels (``csrc/decode_attention.c``), built on first use: paged decode attention
-and, where the CPU has AMX tiles, the cached-prefix part of a bfloat16 prefill chunk (``prefix_attention``).
+and, where the CPU has AMX tiles, the attention of a bfloat16 prefill chunk over its cached prefix and its own
+keys (``chunk_attention``).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -19,16 +20,18 @@ place, so concurrent processes never load a half-written file.
 ``MMCACHE_NATIVE`` chooses: ``auto`` (default: use the kernel when it builds, else fall back to ATen and log
 why once), ``off`` (always ATen), ``require`` (raise ``NativeKernelUnavailable`` when it cannot be built).
 
-ATen's flash kernel, given a chunk's queries over a cached prefix (every query sees every prefix key), spends
-most of its time moving scores through memory for a head size of 64; ``prefix_attention`` runs both products on
-the tile unit in blocks of 16 query rows, keeps each block's running maximum while its scores are still in L1,
-and hands the probabilities to the second product already in the tile layout.
+For a head size of 64, ATen's flash kernel spends most of a prefill chunk's attention moving scores through
+memory, and a chunk over a cached prefix takes two of its calls (the prefix, then the chunk's own keys) merged
+by their log-sum-exps. ``chunk_attention`` does both parts in one call: both products on the tile unit in
+blocks of 16 query rows, each block's running maximum kept while its scores are still in L1, the causal mask
+applied only on the key blocks that need it, and the probabilities handed to the second product already in
+the tile layout.
 
 Invariants: ``decode_attention`` returns, for every sequence and KV head, a result that depends only on that
 sequence's queries, pages and bounds (so a decode gives the same bits alone or beside others, and with or
-without shared pages), in float32 arithmetic; ``prefix_attention`` returns for every query row a result that
-depends only on that row and the keys and values; shapes they do not take (``supports``, ``supports_prefix``)
-never reach them.
+without shared pages), in float32 arithmetic; ``chunk_attention`` returns for every query row a result that
+depends only on that row, its token and the keys and values; shapes they do not take (``supports``,
+``supports_chunk``) never reach them.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
-PREFIX_HEAD_DIMS = (32, 64)
+CHUNK_HEAD_DIMS = (32, 64)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _log = logging.getLogger("mmcache.native")
 
@@ -140,8 +143,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
-    fn = lib.mmc_prefix_attention
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    fn = lib.mmc_chunk_attention
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ptr, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
@@ -187,35 +191,52 @@ def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
             and 1 <= group <= MAX_GROUP and 16 <= dim <= MAX_HEAD_DIM and dim % 16 == 0)
 
 
-def supports_prefix(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``prefix_attention`` takes queries ``q`` (kv_heads, R, d) over keys and values ``k``/``v``
-    (kv_heads, S, d): bfloat16 on a CPU whose tile unit this process may use, d 32 or 64, each key
-    and value row contiguous (heads may lie apart: a view of the pool)."""
+def supports_chunk(lib: ctypes.CDLL, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                   k_prefix: torch.Tensor | None = None, v_prefix: torch.Tensor | None = None) -> bool:
+    """Whether ``chunk_attention`` takes queries ``q`` (kv_heads, G * n, d) with the chunk's own keys and values
+    ``k_new``/``v_new`` (kv_heads, n, d) and optionally cached ones ``k_prefix``/``v_prefix`` (kv_heads, S, d):
+    bfloat16 on a CPU whose tile unit this process may use, d 32 or 64, each key and value row contiguous
+    (heads may lie apart, and the chunk's own rows too: views of the pool and of the step's keys)."""
     dim = q.shape[-1]
-    return (bool(getattr(lib, "tiles", False)) and dim in PREFIX_HEAD_DIMS and q.device.type == "cpu"
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and k.device.type == v.device.type == "cpu"
-            and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[-1] == dim and k.shape[1] >= 1
-            and q.shape[1] >= 1 and k.stride()[1:] == v.stride()[1:] == (dim, 1))
+    if not (getattr(lib, "tiles", False) and dim in CHUNK_HEAD_DIMS and q.device.type == "cpu"
+            and q.dtype == torch.bfloat16 and q.dim() == 3):
+        return False
+    parts = [k_new, v_new] + ([] if k_prefix is None and v_prefix is None else [k_prefix, v_prefix])
+    if any(t is None or t.dim() != 3 or t.dtype != q.dtype or t.device.type != "cpu" or t.shape[0] != q.shape[0]
+           or t.shape[2] != dim or t.stride(2) != 1 or t.stride(1) < dim for t in parts):
+        return False
+    if k_prefix is not None and not k_prefix.stride(1) == v_prefix.stride(1) == dim:
+        return False
+    n = k_new.shape[1]
+    prefix_ok = len(parts) == 2 or (k_prefix.shape == v_prefix.shape and k_prefix.shape[1] >= 1)
+    return n >= 1 and v_new.shape == k_new.shape and q.shape[1] % n == 0 and q.shape[1] >= n and prefix_ok
 
 
-def prefix_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``R`` query rows per KV head over ``S`` keys that every row sees whole (no mask): the
-    cached-prefix part of a prefill chunk. ``q`` (kv_heads, R, d), ``k``/``v`` (kv_heads, S, d). Returns the
-    output (kv_heads, R, d) and each row's log-sum-exp of its scaled scores (kv_heads, R), both float32. The
-    caller checked ``supports_prefix``. Each row's result depends only on its own query and the keys and values
-    (the same bits in any company); the probabilities are rounded to bfloat16 for the second product, as ATen's
-    flash kernel rounds them for bfloat16 inputs."""
+def chunk_attention(lib: ctypes.CDLL, q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tensor | None,
+                    k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a prefill chunk of ``n`` tokens: ``q`` (kv_heads, G * n, d) holds each KV head's ``G`` query
+    heads one after another (row ``r`` is token ``r % n``); every row sees all ``S`` cached keys ``k_prefix``
+    (kv_heads, S, d; None when the chunk starts the sequence) and the chunk's own keys ``k_new`` (kv_heads, n, d)
+    up to its own token. Returns the output (kv_heads, G * n, d) and each row's log-sum-exp of its scaled
+    scores (kv_heads, G * n), both float32. The caller checked ``supports_chunk``. Each row's result depends
+    only on its own query, its token and the keys and values (the same bits in any company and on any number of
+    threads); the probabilities are rounded to bfloat16 for the second product, as ATen's flash kernel rounds
+    them for bfloat16 inputs."""
     kv_heads, rows, dim = q.shape
     q = q.contiguous()
     out = torch.empty(kv_heads, rows, dim, dtype=torch.float32)
     lse = torch.empty(kv_heads, rows, dtype=torch.float32)
-    rc = lib.mmc_prefix_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_heads, rows, k.shape[1], dim,
-                                  k.stride(0), v.stride(0), float(scale), out.data_ptr(), lse.data_ptr(),
-                                  threads or torch.get_num_threads())
+    cached = 0 if k_prefix is None else k_prefix.shape[1]
+    rc = lib.mmc_chunk_attention(q.data_ptr(), 0 if k_prefix is None else k_prefix.data_ptr(),
+                                 0 if v_prefix is None else v_prefix.data_ptr(), k_new.data_ptr(), v_new.data_ptr(),
+                                 kv_heads, rows, cached, k_new.shape[1], dim,
+                                 0 if k_prefix is None else k_prefix.stride(0),
+                                 0 if v_prefix is None else v_prefix.stride(0), k_new.stride(0), v_new.stride(0),
+                                 k_new.stride(1), v_new.stride(1), float(scale), out.data_ptr(), lse.data_ptr(), threads or torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"prefix kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, keys "
-                         f"{tuple(k.shape)}")
+        raise ValueError(f"chunk kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, cached keys "
+                         f"{cached}, own keys {tuple(k_new.shape)}")
     return out, lse
 
 

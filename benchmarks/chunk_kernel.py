@@ -1,0 +1,113 @@
+"""A prefill chunk's attention: the compiled chunk kernel against the engine's ATen path, alternating within one
+process.
+
+    python -m benchmarks.chunk_kernel --json chunk_kernel.json      # about 10 s
+
+Two cases on the Qwen2.5-0.5B shape (14 query heads over 2 KV heads, head size 64, bfloat16):
+
+* ``hit``: a hit's last page, 128 tokens over the 1,920 cached before it. ATen's path is two flash calls (every
+  query over the cached keys, then causally over the chunk's own) merged by their log-sum-exps.
+* ``cold``: a cold 2,048-token prompt, one causal flash call with grouped query heads.
+
+Both sides return the chunk's output in the engine's layout (tokens, heads, d) in bfloat16. Each round times
+``--calls`` calls of one side, then of the other (the first side alternates from round to round); the figures
+are the medians over rounds of the time per call, and the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from mmcache.cli import positive_int
+
+CASES = {"hit": (1920, 128), "cold": (0, 2048)}  # (cached tokens, chunk tokens)
+
+
+def _sides(lib, cached: int, tokens: int, kv_heads: int, group: int, dim: int, seed: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from mmcache.engine import attention, native
+
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    q = torch.randn(heads, tokens, dim, generator=g).bfloat16()  # (heads, tokens, d), as the engine's queries
+    kp = torch.randn(kv_heads, cached, dim, generator=g).bfloat16() if cached else None
+    vp = torch.randn(kv_heads, cached, dim, generator=g).bfloat16() if cached else None
+    kn = torch.randn(kv_heads, tokens, dim, generator=g).bfloat16()
+    vn = torch.randn(kv_heads, tokens, dim, generator=g).bfloat16()
+    scale = dim ** -0.5
+    if not native.supports_chunk(lib, q.reshape(kv_heads, -1, dim), kn, vn, kp, vp):
+        return {}
+
+    def kernel():
+        o, _ = native.chunk_attention(lib, q.reshape(kv_heads, -1, dim), kp, vp, kn, vn, scale)
+        return o.view(heads, tokens, dim).transpose(0, 1).to(torch.bfloat16)
+
+    def aten():
+        if kp is not None:
+            return attention._over_prefix(q, kp, vp, kn, vn, scale)
+        o = F.scaled_dot_product_attention(q[None], kn[None], vn[None], is_causal=True, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    return {"kernel": kernel, "aten": aten}
+
+
+def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: int, seed: int = 0) -> dict:
+    import torch
+
+    from mmcache.engine import native
+
+    cached, tokens = CASES[case]
+    lib = native.library()
+    sides = _sides(lib, cached, tokens, kv_heads, group, dim, seed) if lib is not None else {}
+    if not sides:
+        return {"skipped": f"the chunk kernel does not run here ({native.status()}, d {dim})"}
+    diff = float((sides["kernel"]().float() - sides["aten"]().float()).abs().max())
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name in (("kernel", "aten") if r % 2 == 0 else ("aten", "kernel")):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                sides[name]()
+            times[name].append((time.perf_counter() - t0) / calls)
+    return {"shape": {"cached": cached, "tokens": tokens, "kv_heads": kv_heads, "query_heads_per_kv_head": group,
+                      "head_dim": dim},
+            "threads": torch.get_num_threads(), "rounds": rounds, "calls_per_round": calls,
+            "kernel_s": statistics.median(times["kernel"]), "aten_s": statistics.median(times["aten"]),
+            "aten_over_kernel": statistics.median(a / b for a, b in zip(times["aten"], times["kernel"])),
+            "max_abs_difference": diff, "per_round_s": times}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_kernel", description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES))
+    p.add_argument("--kv-heads", type=positive_int, default=2)
+    p.add_argument("--group", type=positive_int, default=7, help="query heads per KV head")
+    p.add_argument("--dim", type=positive_int, default=64, help="head size: the kernel takes 32 and 64")
+    p.add_argument("--rounds", type=positive_int, default=11)
+    p.add_argument("--calls", type=positive_int, default=3, help="calls per side per round")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls)
+              for case in args.cases}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    for case, r in result.items():
+        if "skipped" in r:
+            print(f"{case}: {r['skipped']}")
+            continue
+        s = r["shape"]
+        print(f"{case}: {s['tokens']} tokens over {s['cached']} cached, {s['kv_heads']}x{s['query_heads_per_kv_head']} "
+              f"heads, d {s['head_dim']}: kernel {1e3 * r['kernel_s']:.3f} ms, ATen {1e3 * r['aten_s']:.3f} ms, "
+              f"ATen / kernel {r['aten_over_kernel']:.2f} (median of {r['rounds']} alternating rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
