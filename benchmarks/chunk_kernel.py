@@ -2,6 +2,7 @@
 process.
 
     python -m benchmarks.chunk_kernel --json chunk_kernel.json      # about 10 s
+    python -m benchmarks.chunk_kernel --engine 12 --json chunk_e2e.json   # whole requests, about 3 min
 
 Two cases on the Qwen2.5-0.5B shape (14 query heads over 2 KV heads, head size 64, bfloat16):
 
@@ -12,6 +13,12 @@ Two cases on the Qwen2.5-0.5B shape (14 query heads over 2 KV heads, head size 6
 Both sides return the chunk's output in the engine's layout (tokens, heads, d) in bfloat16. Each round times
 ``--calls`` calls of one side, then of the other (the first side alternates from round to round); the figures
 are the medians over rounds of the time per call, and the median of the per-round ratios.
+
+``--engine N`` measures whole requests instead: one engine (``--preset``, bfloat16, page 128), N pairs; in each
+pair, each side in turn (alternating which goes first) serves a fresh 2,048-token prompt cold and then again (a
+hit on 1,920 tokens), one output token each. The ATen side is the same engine with ``native.supports_chunk``
+answering no (a measuring device only, restored afterwards). Reported: medians per side and the medians of the
+per-pair ratios.
 """
 
 from __future__ import annotations
@@ -83,6 +90,47 @@ def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: 
             "max_abs_difference": diff, "per_round_s": times}
 
 
+def measure_engine(pairs: int, preset: str, seed: int = 0) -> dict:
+    import numpy as np
+
+    from mmcache.engine import Engine, EngineConfig, SamplingParams, native
+
+    eng = Engine.from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
+    if not eng.backend.endswith("+native-chunk"):
+        return {"skipped": f"the chunk kernel does not run here ({native.status()})"}
+    rng = np.random.default_rng(seed)
+    sampling = SamplingParams(max_tokens=1)
+
+    def serve(prompt) -> float:
+        t0 = time.perf_counter()
+        eng.generate([prompt], sampling)
+        return time.perf_counter() - t0
+
+    def prompt() -> list[int]:
+        return [int(x) for x in rng.integers(0, eng.adapter.vocab_size, 2048)]
+
+    serve(prompt())  # warm-up
+    real = native.supports_chunk
+    times = {side: {"cold": [], "hit": []} for side in ("kernel", "aten")}
+    try:
+        for r in range(pairs):
+            for side in (("kernel", "aten") if r % 2 == 0 else ("aten", "kernel")):
+                native.supports_chunk = real if side == "kernel" else (lambda *a, **kw: False)
+                p = prompt()
+                times[side]["cold"].append(serve(p))
+                times[side]["hit"].append(serve(p))
+    finally:
+        native.supports_chunk = real
+    out = {"preset": preset, "pairs": pairs, "per_pair_s": times}
+    for kind in ("cold", "hit"):
+        k, a = times["kernel"][kind], times["aten"][kind]
+        out[kind] = {"kernel_s": statistics.median(k), "aten_s": statistics.median(a),
+                     "aten_over_kernel": statistics.median(x / y for x, y in zip(a, k))}
+    out["same_vs_cold"] = {side: statistics.median(c / h for c, h in zip(t["cold"], t["hit"]))
+                           for side, t in times.items()}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_kernel", description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES))
@@ -91,8 +139,12 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=positive_int, default=64, help="head size: the kernel takes 32 and 64")
     p.add_argument("--rounds", type=positive_int, default=11)
     p.add_argument("--calls", type=positive_int, default=3, help="calls per side per round")
+    p.add_argument("--engine", type=positive_int, metavar="PAIRS", help="time whole requests instead (see above)")
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="the model preset of --engine")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if args.engine:
+        return _report_engine(measure_engine(args.engine, args.preset), args.json)
     result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls)
               for case in args.cases}
     if args.json:
@@ -106,6 +158,22 @@ def main(argv=None) -> int:
         print(f"{case}: {s['tokens']} tokens over {s['cached']} cached, {s['kv_heads']}x{s['query_heads_per_kv_head']} "
               f"heads, d {s['head_dim']}: kernel {1e3 * r['kernel_s']:.3f} ms, ATen {1e3 * r['aten_s']:.3f} ms, "
               f"ATen / kernel {r['aten_over_kernel']:.2f} (median of {r['rounds']} alternating rounds)")
+    return 0
+
+
+def _report_engine(result: dict, path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    if "skipped" in result:
+        print(result["skipped"])
+        return 0
+    for kind in ("cold", "hit"):
+        r = result[kind]
+        print(f"{kind}: kernel {r['kernel_s']:.3f} s, ATen {r['aten_s']:.3f} s, ATen / kernel "
+              f"{r['aten_over_kernel']:.3f} (median of {result['pairs']} pairs)")
+    s = result["same_vs_cold"]
+    print(f"same vs cold: kernel {s['kernel']:.2f}x, ATen {s['aten']:.2f}x")
     return 0
 
 
