@@ -285,9 +285,10 @@ def _on_chunk_kernel(batch: PagedBatch, index: int, window: int | None, layer: i
     engine's compiled library takes it: bfloat16, no sliding window in reach, a head size the kernel has.
     Writes the segment's rows of ``out`` and returns True; otherwise touches nothing and returns False."""
     seg, lib = batch.segments[index], batch.kernel
-    if lib is None or not getattr(lib, "tiles", False) or (window is not None and seg.ctx_len > window):
-        return False
     heads, _, dim = q.shape
+    if (lib is None or not getattr(lib, "tiles", False) or q.dtype != torch.bfloat16
+            or dim not in native.CHUNK_HEAD_DIMS or (window is not None and seg.ctx_len > window)):
+        return False
     kv_heads, n = k.shape[0], seg.q_len
     stacked = q[:, seg.rows].reshape(kv_heads, -1, dim)
     k_new, v_new = k[:, seg.rows], v[:, seg.rows]

@@ -114,7 +114,8 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"C compiler {cc} did not run: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), cc.encode(), version.encode(), _machine().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), cc.encode(), version.encode(),
+                 _machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     directory = directory or cache_dir()
@@ -233,7 +234,8 @@ def chunk_attention(lib: ctypes.CDLL, q: torch.Tensor, k_prefix: torch.Tensor | 
                                  kv_heads, rows, cached, k_new.shape[1], dim,
                                  0 if k_prefix is None else k_prefix.stride(0),
                                  0 if v_prefix is None else v_prefix.stride(0), k_new.stride(0), v_new.stride(0),
-                                 k_new.stride(1), v_new.stride(1), float(scale), out.data_ptr(), lse.data_ptr(), threads or torch.get_num_threads())
+                                 k_new.stride(1), v_new.stride(1), float(scale), out.data_ptr(), lse.data_ptr(),
+                                 threads or torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"chunk kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, cached keys "
                          f"{cached}, own keys {tuple(k_new.shape)}")

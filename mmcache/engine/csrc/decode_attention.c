@@ -361,14 +361,15 @@ static inline __m512 exp16(__m512 x) {
 
 /* Chunk attention: a prefill chunk of n tokens per sequence, its query heads stacked per KV head into R = G n
  * rows (row r is token r % n), over the S cached keys before the chunk, which every row sees whole, and the
- * chunk's own n keys, of which token i sees 0 .. i (causal); the cached keys' rows lie D apart, the chunk's
- * own kn_row and vn_row apart (the step's keys of all heads side by side). Both products run on the tile unit, head size D of
- * 32 or 64. Per (KV head, block of 16 rows): scores S^T = K Q^T in tiles of 16 keys x 16 rows (keys as the A
- * operand read in place, the rows' transpose packed once as B), each row's maximum taken while the scores are
- * still in L1; then e^(scale (s - max)) summed in float32 and rounded to bfloat16 in key pairs (the B layout of
- * the second product; ATen's flash kernel rounds them for bfloat16 inputs too), then out^T = V^T P^T in tiles
- * of 16 dims x 16 rows over 32 keys at a time, V^T packed once per call. Key blocks past the block's last
- * visible key are skipped. Writes out (float32, divided by the sum) and lse = scale max + log(sum). */
+ * chunk's own n keys, of which token i sees 0 .. i (causal). The cached keys' rows lie D apart, the chunk's own
+ * kn_row and vn_row apart (the step's keys of all heads side by side). Both products run on the tile unit,
+ * head size D of 32 or 64. Per (KV head, block of 16 rows): scores S^T = K Q^T in tiles of 16 keys x 16 rows
+ * (keys as the A operand read in place, the rows' transpose packed once as B), each row's maximum taken while
+ * the scores are still in L1; then e^(scale (s - max)) summed in float32 and rounded to bfloat16 in key pairs
+ * (the B layout of the second product; ATen's flash kernel rounds them for bfloat16 inputs too), then
+ * out^T = V^T P^T in tiles of 16 dims x 16 rows over 32 keys at a time, V^T packed once per call. Key blocks
+ * past the block's last visible key are skipped. Writes out (float32, divided by the sum) and
+ * lse = scale max + log(sum). */
 struct chunk_job {
     const uint16_t *q, *k, *v, *kn, *vn; /* k, v: the S cached keys; kn, vn: the chunk's own n */
     int64_t R, S, n, T, TP, D, k_head, v_head, kn_head, vn_head, kn_row, vn_row; /* strides in elements */
@@ -564,7 +565,8 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
                         int64_t R, int64_t S, int64_t n, int64_t D, int64_t k_head, int64_t v_head, int64_t kn_head,
                         int64_t vn_head, int64_t kn_row, int64_t vn_row, float scale, float *out, float *lse,
                         int nthreads) {
-    (void)kn_row, (void)vn_row, (void)q, (void)k, (void)v, (void)kn, (void)vn, (void)H, (void)R, (void)S, (void)n, (void)D, (void)k_head;
+    (void)kn_row, (void)vn_row, (void)q, (void)k, (void)v, (void)kn, (void)vn, (void)H, (void)R, (void)S, (void)n;
+    (void)D, (void)k_head;
     (void)v_head, (void)kn_head, (void)vn_head, (void)scale, (void)out, (void)lse, (void)nthreads;
     return 1;
 }
