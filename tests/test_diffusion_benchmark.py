@@ -36,4 +36,20 @@ def test_a_tiny_run_reports_exact_calls_and_identical_outputs():
         assert r["on"]["tokenizations"] == (unique + 1) * encoders  # each text once per adapter
         assert r["on"]["tokenization_memo_hits"] == (2 * 5 - unique - 1) * encoders
         assert r["targets"]["text_encoder_time_cut_runs"] == [r["targets"]["text_encoder_time_cut"]]  # one run
-    assert {row.metric for row in diffusion.table_rows(result)} >= {"t2v text-encoder calls", "t2i latency p50"}
+        t = r["targets"]
+        assert t["forward_cost_ratio"] > 0 and t["forward_cost_ratio_runs"] == [t["forward_cost_ratio"]]
+        calls = r["on"]["text_encoder_calls"] / r["off"]["text_encoder_calls"]
+        assert abs(t["text_encoder_paired_forward_time_cut"] - (1 - calls * t["forward_cost_ratio"])) < 1e-12
+    assert {row.metric for row in diffusion.table_rows(result)} >= {
+        "t2v text-encoder calls", "t2i latency p50", "t2i cost per forward, store on / off (paired by request)"}
+
+
+def test_forward_cost_is_paired_by_request_and_skips_requests_without_forwards():
+    # (forwards, seconds) per request: store off always encodes both prompts, store on only its misses
+    off = [(2, 2.0), (2, 2.0), (2, 4.0), (2, 2.0)]
+    on = [(2, 2.2), (0, 0.0), (1, 2.0), (1, 0.9)]
+    # per-forward ratios of the requests that ran one: 1.1, 1.0, 0.9
+    assert abs(diffusion.forward_cost_ratio(on, off) - 1.0) < 1e-12
+    # one slow forward moves a sum, not the median
+    assert abs(diffusion.forward_cost_ratio(on[:3] + [(1, 50.0)], off) - 1.1) < 1e-12
+    assert diffusion.forward_cost_ratio([(0, 0.0)] * 4, off) is None
