@@ -73,22 +73,29 @@ static inline __m256 sum8(const __m512 *a) {
     return _mm512_castps512_ps256(_mm512_shuffle_f32x4(f, f, _MM_SHUFFLE(0, 0, 2, 0)));
 }
 
-/* e^x for x <= 0: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to degree 7 (relative error ~1e-8). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f)); /* e^-104 is 0 in float32 after scaling */
-    __m256 n = _mm256_roundscale_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    return _mm256_scalef_ps(p, n);
+/* e^x for x <= 0 on 16 lanes: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to degree `degree`, 7
+ * (relative error ~1e-8) or 5 (~3e-6: enough for probabilities that are rounded to bfloat16, whose own error
+ * is ~4e-3). */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x, const int degree) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* e^-104 is 0 in float32 after scaling */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(degree >= 7 ? 1.0f / 5040 : 1.0f / 120);
+    if (degree >= 7) {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    }
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
+
+/* The same on 8 lanes, to degree 7 (the upper lanes are computed and dropped). */
+static inline __m256 exp8(__m256 x) { return _mm512_castps512_ps256(exp16(_mm512_castps256_ps512(x), 7)); }
 
 /* Scores of `count` consecutive key rows against G query rows, one row of GP floats each (the query's scores
  * in columns 0 .. G-1, zeros after). The general form: any D, the query rows read from L1 for every key. */
@@ -343,22 +350,6 @@ static void run_task(const struct job *b, int64_t j, int64_t h, float *s) {
 }
 
 #if defined(HAVE_AMX) && defined(__AVX512BF16__)
-/* e^x for x <= 0 on 16 lanes: exp8's method with the series to degree 5 (relative error ~3e-6; the results are
- * probabilities rounded to bfloat16, whose own error is ~4e-3). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 120);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Chunk attention: a prefill chunk of n tokens per sequence, its query heads stacked per KV head into R = G n
  * rows (row r is token r % n), over the S cached keys before the chunk, which every row sees whole, and the
  * chunk's own n keys, of which token i sees 0 .. i (causal). The cached keys' rows lie D apart, the chunk's own
@@ -469,8 +460,8 @@ static void chunk_block(const struct chunk_job *b, int64_t h, int64_t r0, float 
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < L32; i += 2) {
-        __m512 e0 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + i * 16), sc, msc));
-        __m512 e1 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + (i + 1) * 16), sc, msc));
+        __m512 e0 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + i * 16), sc, msc), 5);
+        __m512 e1 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + (i + 1) * 16), sc, msc), 5);
         sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
         __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 bfloat16 then e1's */
         _mm512_store_si512(pt + i * 16, _mm512_permutexvar_epi16(pairs, both));
