@@ -20,8 +20,9 @@ adapter sees it (``tokenizations``: the tokenization memos' misses) and keys hit
 ``text_encoder_calls`` counts real encoder forwards, all encoders together (forward hooks).
 ``forward_cost_ratio`` pairs the forwards by request: for each request that ran a forward with the store on,
 its store-on seconds per forward over the same request's store-off seconds per forward, then the median; the
-forward-time cut at that cost (``text_encoder_paired_forward_time_cut``) is what the summed cut reads when a
-few slow forwards among the store's fewer ones do not weigh in.
+forward-time cut at that cost (``text_encoder_paired_forward_time_cut``) is the summed forward cut's
+counterpart with each forward's cost paired by request, which the minute's drift and single slow forwards do
+not decide.
 
 The models are the tiny presets with a larger text encoder, so that the encoder's share is visible; the share
 a real deployment would see is estimated on paper (``estimate``) by counting FLOPs of the real configurations
@@ -141,7 +142,7 @@ def _targets(result: dict, runs: dict, unique: int, requests: int, encoders: int
     ``..._cut_runs`` lists each run's cut, the run-to-run spread. Beside the summed cuts,
     ``forward_cost_ratio`` (median over runs of ``forward_cost_ratio``) and the forward-time cut it implies,
     1 - (calls on / calls off) * ratio: the same cut with each forward's cost paired by request instead of
-    summed, which a few slow forwards do not move."""
+    summed."""
     calls = [unique + 1] * encoders
     target = 1 - (unique + 1) / (2 * requests)
     out = {"text_encoder_calls_per_encoder": calls, "text_encoder_time_cut_target": target,
