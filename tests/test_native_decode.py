@@ -226,11 +226,12 @@ def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch, lib):
 
     model, tok = build_model("tiny-qwen2", "float32")
     monkeypatch.setenv(native.ENV_CHOICE, "off")
-    aten = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
+    aten = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(page_size=16, num_pages=32))
     monkeypatch.setenv(native.ENV_CHOICE, "require")
     compiled = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
     chunk = "+native-chunk" if lib.tiles else ""
-    assert compiled.backend == aten.backend + "+native-decode" + chunk and compiled.fingerprint != aten.fingerprint
+    assert compiled.backend == aten.backend + "+native-decode" + chunk + "+native-norm"
+    assert compiled.fingerprint != aten.fingerprint and compiled.fingerprint.model_digest == aten.fingerprint.model_digest
     calls = []
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or real(*a))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, norms
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
 
 
@@ -84,6 +84,16 @@ class CausalLMAdapter:
         if type(head) is torch.nn.Linear:
             # The packed module keeps the head's Parameter, so a head tied to the embeddings stays tied.
             self.model.set_output_embeddings(kernels.PackedLinear(head))
+
+    def install_native_norms(self, lib) -> None:
+        """Run the decoder's Llama-family RMSNorms on the compiled kernel ``lib`` (see ``norms``)."""
+        if self.device.type == "cpu":
+            norms.install(self.decoder, lib)
+
+    @property
+    def num_native_norms(self) -> int:
+        """RMSNorms of the decoder computed by the compiled kernel (also when installed by another engine)."""
+        return norms.count(self.decoder)
 
     @property
     def num_packed_linears(self) -> int:

@@ -79,13 +79,17 @@ class Engine:
         if config.tune_malloc:
             kernels.tune_malloc()
         # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
-        # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel.
+        # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
+        # RMSNorms on its norm kernel (``norms``).
         decode_kernel = native.library() if a.device.type == "cpu" else None
+        if decode_kernel is not None and config.native_norms:
+            a.install_native_norms(decode_kernel)
         # Packed and plain linears, and the kernels and ATen, differ in the last bits, so the compute path is
         # part of the backend's name.
         self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
                         + ("+native-decode" if decode_kernel is not None else "")
-                        + ("+native-chunk" if getattr(decode_kernel, "tiles", False) else ""))
+                        + ("+native-chunk" if getattr(decode_kernel, "tiles", False) else "")
+                        + ("+native-norm" if a.num_native_norms else ""))
         self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
                                        attention_backend=self.backend, page_size=config.page_size)
         elem = torch.empty(0, dtype=a.dtype).element_size()

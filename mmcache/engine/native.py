@@ -1,6 +1,7 @@
-"""The engine's compiled CPU kernels (``csrc/decode_attention.c``), built on first use: paged decode attention
+"""The engine's compiled CPU kernels (``csrc/``), built on first use into one library: paged decode attention
 and, where the CPU has AMX tiles, the attention of a bfloat16 prefill chunk over its cached prefix and its own
-keys (``chunk_attention``).
+keys (``chunk_attention``), both in ``decode_attention.c``; and the Llama family's RMSNorm in one pass per row
+(``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -13,7 +14,7 @@ time with the machine's C compiler (``$CC``, else ``cc``; ``-O3 -march=native -f
 cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``, else ``~/.cache/mmcache``) and loaded with
 ``ctypes``; nothing beyond torch is imported. An engine asks for it once, when it is built (``Engine``), and
 names the choice in its attention backend. The library's name
-carries a digest of the source, the flags, the compiler's version and the CPU's model and flags, so a changed
+carries a digest of the sources, the flags, the compiler's version and the CPU's model and flags, so a changed
 source, compiler or machine builds anew, and a build is written under a temporary name and renamed into
 place, so concurrent processes never load a half-written file.
 
@@ -53,7 +54,9 @@ from ..errors import MmcacheError
 ENV_CHOICE = "MMCACHE_NATIVE"
 ENV_CACHE = "MMCACHE_CACHE_DIR"
 _CHOICES = ("auto", "off", "require")
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c")
+HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
@@ -114,8 +117,8 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"C compiler {cc} did not run: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), cc.encode(), version.encode(),
-                 _machine().encode()):
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(FLAGS + LIBS).encode(), cc.encode(),
+                 version.encode(), _machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     directory = directory or cache_dir()
@@ -125,14 +128,15 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), *LIBS], capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), *map(str, SOURCES), *LIBS], capture_output=True,
+                              text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"{cc} failed to run: {exc}") from exc
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         message = (done.stderr or done.stdout).strip().splitlines()
-        raise NativeKernelUnavailable(f"{cc} could not build {SOURCE.name}: " + " | ".join(message[:6]))
+        names = ", ".join(f.name for f in SOURCES)
+        raise NativeKernelUnavailable(f"{cc} could not build {names}: " + " | ".join(message[:6]))
     os.replace(partial, target)
     return target
 
@@ -147,6 +151,9 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.mmc_chunk_attention
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ptr, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mmc_rms_norm
+    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
@@ -265,4 +272,29 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torc
     if rc != 0:
         raise ValueError(f"decode kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, bounds "
                          f"{lo.tolist()} .. {hi.tolist()}")
+    return out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             threads: int | None = None) -> torch.Tensor:
+    """``weight * dtype(h * rsqrt(mean(h * h, -1) + eps))`` with ``h = float32(x)``, over ``x``'s last dimension:
+    the Llama family's RMSNorm in one pass per row. ``x`` and ``weight`` float32 or bfloat16 alike, on the CPU;
+    returns a new tensor of ``x``'s shape and dtype. A row's result depends only on that row (any company, any
+    number of threads); it may differ from the module's own forward in the last bit of a few elements (the sum
+    of squares is taken in another order)."""
+    cols = x.shape[-1]
+    if (x.dtype not in _DTYPES or weight.dtype != x.dtype or x.device.type != "cpu" or weight.device.type != "cpu"
+            or weight.shape != (cols,) or cols < 1):
+        raise ValueError(f"rms_norm takes float32 or bfloat16 CPU tensors with a weight of the last dimension's "
+                         f"size: got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    rows = x.reshape(-1, cols)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rc = lib.mmc_rms_norm(_DTYPES[x.dtype], rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else cols,
+                          weight.data_ptr(), rows.shape[0], cols, float(eps), out.data_ptr(),
+                          threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"rms_norm kernel refused its arguments (code {rc}): x {tuple(x.shape)}, eps {eps!r}")
     return out

@@ -30,33 +30,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__) || !defined(__AVX512BW__)
-#error "mmcache decode kernel needs AVX-512 (F, VL, DQ, BW)"
-#endif
-
-enum { F32 = 0, BF16 = 1 };
+#include "simd.h"
 
 #define MAX_G 16   /* query rows per KV head */
 #define MAX_D 512  /* head dimension, a multiple of 16 */
-
-static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int dtype) {
-    if (dtype == BF16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)p + i);
-}
-
-static inline __attribute__((always_inline)) void store16(void *p, int64_t i, __m512 x, const int dtype) {
-    if (dtype == BF16) { /* round to nearest even, as torch's float -> bfloat16 conversion */
-        __m512i b = _mm512_castps_si512(x);
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-        b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
-        return;
-    }
-    _mm512_storeu_ps((float *)p + i, x);
-}
 
 /* a[0..7] -> the eight sums of their 16 lanes, in order. */
 static inline __m256 sum8(const __m512 *a) {

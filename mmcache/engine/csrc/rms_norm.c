@@ -1,0 +1,107 @@
+/* RMS normalisation of a decoder's hidden states, as the Llama family of transformers computes it
+ * (LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm):
+ *
+ *     h = float32(x);  r = 1 / sqrt(mean(h * h) + eps);  out = weight * dtype(h * r)
+ *
+ * with the last product taken in float32 and rounded once to the input's type (for bfloat16, to nearest even,
+ * as torch multiplies two bfloat16 tensors). One pass per row instead of the seven tensor operations (and two
+ * float32 copies of the whole input) of the module's own forward.
+ *
+ * Layout: x and out (rows, cols), rows `stride` elements apart, contiguous within a row; weight (cols); all of
+ * one element type, float32 or bfloat16.
+ *
+ * Invariants: a row's result depends only on that row and the weight (the same bits whatever the number of
+ * rows or threads). The sum of squares is taken in float32 in this kernel's own order (four times 16 lanes, then
+ * across them), which may differ from torch's by an ulp, so a result may differ from the module's own forward in the
+ * last bit of a few elements: callers that compare runs bit for bit use the same path on both sides.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+static inline float scalar_load(const void *p, int64_t i, int dtype) {
+    if (dtype == BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline float round_to(float x, int dtype) { /* x rounded to the element type, returned widened */
+    if (dtype != BF16) return x;
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline void scalar_store(void *p, int64_t i, float x, int dtype) {
+    if (dtype == BF16) {
+        uint32_t bits;
+        x = round_to(x, dtype);
+        memcpy(&bits, &x, sizeof bits);
+        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+        return;
+    }
+    ((float *)p)[i] = x;
+}
+
+static inline __attribute__((always_inline)) __m512 round16(__m512 x, const int dtype) {
+    if (dtype != BF16) return x;
+    __m512i b = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline __attribute__((always_inline)) void norm_row(const void *x, const void *w, void *out, int64_t cols,
+                                                           float eps, const int dtype) {
+    const int64_t body = cols - cols % 16, quad = cols - cols % 64;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < quad; c += 64)
+        for (int j = 0; j < 4; j++) {
+            __m512 h = load16(x, c + 16 * j, dtype);
+            acc[j] = _mm512_fmadd_ps(h, h, acc[j]);
+        }
+    for (int64_t c = quad; c < body; c += 16) {
+        __m512 h = load16(x, c, dtype);
+        acc[0] = _mm512_fmadd_ps(h, h, acc[0]);
+    }
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    for (int64_t c = body; c < cols; c++) {
+        float h = scalar_load(x, c, dtype);
+        sum += h * h;
+    }
+    const float r = 1.0f / sqrtf(sum / (float)cols + eps);
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t c = 0; c < body; c += 16) {
+        __m512 y = round16(_mm512_mul_ps(load16(x, c, dtype), rv), dtype);
+        store16(out, c, _mm512_mul_ps(load16(w, c, dtype), y), dtype);
+    }
+    for (int64_t c = body; c < cols; c++)
+        scalar_store(out, c, scalar_load(w, c, dtype) * round_to(scalar_load(x, c, dtype) * r, dtype), dtype);
+}
+
+/* Returns 0, or 1 when the arguments are outside what this kernel handles. */
+int mmc_rms_norm(int dtype, const void *x, int64_t stride, const void *weight, int64_t rows, int64_t cols,
+                 float eps, void *out, int nthreads) {
+    if ((dtype != F32 && dtype != BF16) || rows < 0 || cols < 1 || stride < cols || !(eps >= 0.0f)) return 1;
+    const int64_t size = dtype == BF16 ? 2 : 4;
+    const char *xs = (const char *)x;
+    char *os = (char *)out;
+    /* Splitting a few rows among threads costs more than it saves. */
+    const int threads = rows * cols >= (1 << 16) && nthreads > 1 ? nthreads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t i = 0; i < rows; i++) {
+        if (dtype == BF16)
+            norm_row(xs + i * stride * size, weight, os + i * cols * size, cols, eps, BF16);
+        else
+            norm_row(xs + i * stride * size, weight, os + i * cols * size, cols, eps, F32);
+    }
+    return 0;
+}
