@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from benchmarks import REGISTRY, chunk_kernel, decode_step, hit_anatomy, norm_kernel, openmp_runtimes
+from benchmarks import REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes
 from benchmarks.runner import bench_parser
 from mmcache.cli import positive_int
 
@@ -38,8 +38,8 @@ def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
                                           (hit_anatomy.main, "--repeats"), (openmp_runtimes.main, "--pairs"),
                                           (chunk_kernel.main, "--rounds"), (chunk_kernel.main, "--calls"),
                                           (chunk_kernel.main, "--group"), (chunk_kernel.main, "--kv-heads"),
-                                          (norm_kernel.main, "--pairs"), (norm_kernel.main, "--batch"),
-                                          (norm_kernel.main, "--decode-tokens")])
+                                          (layer_kernels.main, "--pairs"), (layer_kernels.main, "--batch"),
+                                          (layer_kernels.main, "--decode-tokens")])
 def test_the_scripts_refuse_a_zero_count(main, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main([option, "0"])

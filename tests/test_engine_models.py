@@ -200,13 +200,13 @@ def test_packed_linears_compute_what_plain_linears_compute(name, monkeypatch):
     monkeypatch.setattr(kernels, "tune_malloc", lambda: calls.append(1) or True)
     plain_model, tok = build_model(name, "float32")
     plain = Engine(plain_model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False,
-                                                  tune_malloc=False, native_norms=False))
+                                                  tune_malloc=False, layer_kernels=False))
     assert plain.adapter.num_packed_linears == 0 and calls == []
     # the native kernels' paths are named apart
     assert plain.backend.removesuffix("+native-chunk").removesuffix("+native-decode") == ATTENTION_BACKEND
     model, _ = build_model(name, "float32")
     fresh = build_model(name, "float32")[0].state_dict()
-    packed = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, native_norms=False))
+    packed = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, layer_kernels=False))
     assert calls == [1]
     assert packed.adapter.num_packed_linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
     assert isinstance(model.model.layers[0].mlp, kernels.PackedGatedMLP)  # SiLU (llama), tanh-GELU (gemma)

@@ -113,7 +113,7 @@ def test_an_engine_runs_its_norms_on_the_kernel_and_names_them(native_kernel, mo
     tok = build_model("tiny-llama", "bfloat16")[1]
     on = Engine(build_model("tiny-llama", "bfloat16")[0], tok, EngineConfig(page_size=16, num_pages=64))
     off = Engine(build_model("tiny-llama", "bfloat16")[0], tok,
-                 EngineConfig(page_size=16, num_pages=64, native_norms=False))
+                 EngineConfig(page_size=16, num_pages=64, layer_kernels=False))
     assert on.backend == off.backend + "+native-norm" and on.fingerprint != off.fingerprint
     assert on.adapter.num_native_norms == 2 * on.adapter.num_layers + 1 and off.adapter.num_native_norms == 0
     calls.clear()  # construction probed each module once

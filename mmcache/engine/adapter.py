@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, norms
+from . import kernels, norms, rotary
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
 
 
@@ -85,10 +85,12 @@ class CausalLMAdapter:
             # The packed module keeps the head's Parameter, so a head tied to the embeddings stays tied.
             self.model.set_output_embeddings(kernels.PackedLinear(head))
 
-    def install_native_norms(self, lib) -> None:
-        """Run the decoder's Llama-family RMSNorms on the compiled kernel ``lib`` (see ``norms``)."""
+    def install_layer_kernels(self, lib) -> None:
+        """Run the decoder's Llama-family RMSNorms on the compiled kernel ``lib`` (see ``norms``), and its
+        rotary embedding (same bits; see ``rotary``)."""
         if self.device.type == "cpu":
             norms.install(self.decoder, lib)
+            rotary.install(self.decoder, lib)
 
     @property
     def num_native_norms(self) -> int:

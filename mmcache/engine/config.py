@@ -13,9 +13,9 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   running request is writing waits for it to be published instead of computing it too (see ``scheduler``).
   It acts only where full prompt pages are published as prefill writes them (``store_at="prefill"``);
   under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
-* ``packed_linears``, ``native_norms`` and ``tune_malloc`` only change speed (see ``kernels`` and ``norms``);
-  packed linears and the compiled norms change the last bits of results, so they are part of the
-  fingerprint's backend name.
+* ``packed_linears``, ``layer_kernels`` and ``tune_malloc`` only change speed (see ``kernels``, ``norms`` and
+  ``rotary``); packed linears and the compiled norms change the last bits of results, so they are part of
+  the fingerprint's backend name (the compiled rotary embedding keeps every bit).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class EngineConfig:
     packed_linears: bool = True  # pack the decoder's linear weights once for oneDNN (CPU; see kernels)
     tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
     defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
-    native_norms: bool = True  # the decoder's RMSNorms on the compiled kernel, where it builds (see norms)
+    layer_kernels: bool = True  # RMSNorms and rotary embedding on the compiled kernels (norms, rotary)
 
     def __post_init__(self):
         def check(ok: bool, msg: str):

@@ -80,10 +80,10 @@ class Engine:
             kernels.tune_malloc()
         # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
         # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
-        # RMSNorms on its norm kernel (``norms``).
+        # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
         decode_kernel = native.library() if a.device.type == "cpu" else None
-        if decode_kernel is not None and config.native_norms:
-            a.install_native_norms(decode_kernel)
+        if decode_kernel is not None and config.layer_kernels:
+            a.install_layer_kernels(decode_kernel)
         # Packed and plain linears, and the kernels and ATen, differ in the last bits, so the compute path is
         # part of the backend's name.
         self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")

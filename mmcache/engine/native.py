@@ -1,7 +1,8 @@
 """The engine's compiled CPU kernels (``csrc/``), built on first use into one library: paged decode attention
 and, where the CPU has AMX tiles, the attention of a bfloat16 prefill chunk over its cached prefix and its own
-keys (``chunk_attention``), both in ``decode_attention.c``; and the Llama family's RMSNorm in one pass per row
-(``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``).
+keys (``chunk_attention``), both in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
+(``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``); and its rotary position embedding, with the
+same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -55,7 +56,7 @@ ENV_CHOICE = "MMCACHE_NATIVE"
 ENV_CACHE = "MMCACHE_CACHE_DIR"
 _CHOICES = ("auto", "off", "require")
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
@@ -154,6 +155,10 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn = lib.mmc_rms_norm
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mmc_rotary
+    fn.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64,
+                   ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
@@ -298,3 +303,33 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     if rc != 0:
         raise ValueError(f"rms_norm kernel refused its arguments (code {rc}): x {tuple(x.shape)}, eps {eps!r}")
     return out
+
+
+def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           threads: int | None = None) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x`` (B, H, T, D) and ``cos``/``sin`` (B, T, D), each operation
+    rounded to the element type as torch rounds it, so the same bits as transformers' ``apply_rotary_pos_emb``
+    (with ``unsqueeze_dim=1``) gives for one of its two tensors. float32 or bfloat16 alike, on the CPU, D even,
+    each row contiguous (``x`` may be a view, such as the projections' transpose). Returns a tensor laid out
+    as ``x`` is (``torch.empty_like``), which is how torch lays out its own result for the attention modules'
+    inputs."""
+    if not rotary_takes(x, cos, sin):
+        raise ValueError(f"rotary takes x (B, H, T, D) and cos, sin (B, T, D) of one float32 or bfloat16 dtype on "
+                         f"the CPU, D even, rows contiguous: got x {tuple(x.shape)} {x.dtype}, cos "
+                         f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}")
+    out = torch.empty_like(x)
+    xs, os_, cs = x.stride(), out.stride(), cos.stride()
+    b, h, t, d = x.shape
+    rc = lib.mmc_rotary(_DTYPES[x.dtype], x.data_ptr(), xs[0], xs[1], xs[2], cos.data_ptr(), sin.data_ptr(), cs[0],
+                        cs[1], b, h, t, d, out.data_ptr(), os_[0], os_[1], os_[2], threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"rotary kernel refused its arguments (code {rc}): x {tuple(x.shape)}")
+    return out
+
+
+def rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rotary`` takes these tensors (see there)."""
+    return (x.dim() == 4 and cos.dim() == 3 and x.dtype in _DTYPES and cos.dtype == sin.dtype == x.dtype
+            and x.device.type == cos.device.type == sin.device.type == "cpu" and cos.shape == sin.shape
+            and cos.shape == (x.shape[0], x.shape[2], x.shape[3]) and x.shape[3] % 2 == 0 and x.shape[3] >= 2
+            and x.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin.stride())

@@ -17,47 +17,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "simd.h"
-
-static inline float scalar_load(const void *p, int64_t i, int dtype) {
-    if (dtype == BF16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline float round_to(float x, int dtype) { /* x rounded to the element type, returned widened */
-    if (dtype != BF16) return x;
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-static inline void scalar_store(void *p, int64_t i, float x, int dtype) {
-    if (dtype == BF16) {
-        uint32_t bits;
-        x = round_to(x, dtype);
-        memcpy(&bits, &x, sizeof bits);
-        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-        return;
-    }
-    ((float *)p)[i] = x;
-}
-
-static inline __attribute__((always_inline)) __m512 round16(__m512 x, const int dtype) {
-    if (dtype != BF16) return x;
-    __m512i b = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 
 static inline __attribute__((always_inline)) void norm_row(const void *x, const void *w, void *out, int64_t cols,
                                                            float eps, const int dtype) {

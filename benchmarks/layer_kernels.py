@@ -1,0 +1,199 @@
+"""The decoder's RMSNorms and rotary embedding on the compiled kernels against transformers' own code: whole
+requests and decode steps, paired within one process.
+
+    python -m benchmarks.layer_kernels --pairs 10 --json layer_kernels.json      # about 6 min
+
+Two engines on two copies of one preset's model (``--preset``, bfloat16, page 128, seeded alike, so the same
+weights): one with ``layer_kernels`` (the default), one without. The rotary embedding is replaced process-wide
+(``mmcache.engine.rotary``), so before each of its calls the ``torch`` side points the modeling module's
+function back at the original and the ``kernels`` side at the replacement.
+
+In each pair, each engine in turn (alternating which goes first) serves a fresh 2,048-token prompt cold, then
+again (a hit on 1,920 tokens), one output token each. Then both engines decode the same batch (``--batch``
+fresh prompts of ``--batch-prompt`` tokens, ``--decode-tokens`` greedy tokens each), stepping in turns, so
+that each of one engine's decode-only steps is paired with the other's adjacent one.
+
+Reported: medians per side (the decode figure is the median step of each pair's batch); the medians of the
+per-pair ratios (torch over kernels: above 1, the kernels are faster); the median ratio over all adjacent
+decode-step pairs; each engine's same-vs-cold ratio; and the time spent inside the norm modules (forward hooks
+on every RMSNorm) and inside the rotary embedding of a cold and of a hit request on each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from mmcache.cli import positive_int
+
+SIDES = ("kernels", "torch")
+KINDS = ("cold", "hit", "decode_step")
+
+
+class NormClock:
+    """Sums the wall time inside the RMSNorm modules under ``root`` (either kind) while installed; ``timed``
+    wraps a function so that its calls are summed in ``rotary_seconds``."""
+
+    def __init__(self, root):
+        self.seconds, self.rotary_seconds, self._t0 = 0.0, 0.0, 0.0
+        mods = [m for m in root.modules() if type(m).__name__.endswith("RMSNorm")]
+        self._handles = [h for m in mods for h in (m.register_forward_pre_hook(self._enter),
+                                                   m.register_forward_hook(self._leave))]
+
+    def timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.rotary_seconds += time.perf_counter() - t0
+        return call
+
+    def _enter(self, module, args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _leave(self, module, args, output) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_tokens: int, prompt_len: int = 2048,
+            seed: int = 0) -> dict:
+    import numpy as np
+
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, rotary
+
+    engines = {side: Engine.from_preset(preset, dtype="bfloat16",
+                                        config=EngineConfig(page_size=128, layer_kernels=side == "kernels"))
+               for side in SIDES}
+    decoder = engines["kernels"].adapter.decoder
+    homes = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "head_dim")}
+    home = next((h for h in homes if isinstance(getattr(h, rotary.NAME, None), rotary.NativeRotary)), None)
+    if not engines["kernels"].adapter.num_native_norms or home is None:
+        return {"skipped": "the compiled layer kernels do not run here (see `mmcache.engine.native.status()`)"}
+    rng = np.random.default_rng(seed)
+    vocab = engines["kernels"].adapter.vocab_size
+    clocks = {side: NormClock(eng.adapter.decoder) for side, eng in engines.items()}
+    replacement = getattr(home, rotary.NAME)
+    functions = {"kernels": clocks["kernels"].timed(replacement), "torch": clocks["torch"].timed(replacement.original)}
+
+    def use(side: str):
+        setattr(home, rotary.NAME, functions[side])
+        return engines[side]
+
+    def tokens(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(0, vocab, n)]
+
+    def serve(side, prompt, kind) -> float:
+        eng = use(side)
+        clocks[side].seconds = clocks[side].rotary_seconds = 0.0
+        t0 = time.perf_counter()
+        eng.generate([prompt], SamplingParams(max_tokens=1))
+        took = time.perf_counter() - t0
+        norm_times[side][kind].append(clocks[side].seconds)
+        rotary_times[side][kind].append(clocks[side].rotary_seconds)
+        return took
+
+    def decode_steps(order) -> dict:
+        """Both engines decode a batch each, stepping in turns (``order`` first in each turn): every turn in
+        which both steps only decoded gives a pair of adjacent steps."""
+        sp = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+        prompts = [tokens(batch_prompt) for _ in range(batch)]
+        for eng in engines.values():
+            for p in prompts:
+                eng.add_request(Request(p, sp))
+        steps = {side: [] for side in SIDES}
+        while any(e.has_unfinished() for e in engines.values()):
+            took = {}
+            for side in order:
+                eng = use(side)
+                before = eng.counters["prompt_tokens"]
+                t0 = time.perf_counter()
+                eng.step()
+                if eng.counters["prompt_tokens"] == before:
+                    took[side] = time.perf_counter() - t0
+            if len(took) == len(SIDES):
+                for side in SIDES:
+                    steps[side].append(took[side])
+        return steps
+
+    norm_times = {side: {"warm-up": [], "cold": [], "hit": []} for side in SIDES}
+    rotary_times = {side: {"warm-up": [], "cold": [], "hit": []} for side in SIDES}
+    times = {side: {kind: [] for kind in KINDS} for side in SIDES}
+    step_ratios = []
+    try:
+        for side in SIDES:
+            serve(side, tokens(256), "warm-up")
+        for r in range(pairs):
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            for side in order:
+                p = tokens(prompt_len)
+                times[side]["cold"].append(serve(side, p, "cold"))
+                times[side]["hit"].append(serve(side, p, "hit"))
+            steps = decode_steps(order)
+            for side in SIDES:
+                times[side]["decode_step"].append(statistics.median(steps[side]))
+            step_ratios += [t / k for k, t in zip(steps["kernels"], steps["torch"])]
+    finally:
+        setattr(home, rotary.NAME, replacement)
+        for clock in clocks.values():
+            clock.remove()
+    out = {"preset": preset, "pairs": pairs, "backends": {s: e.backend for s, e in engines.items()},
+           "decode_batch": {"requests": batch, "prompt_tokens": batch_prompt, "output_tokens": decode_tokens},
+           "per_pair_s": times}
+    for kind in KINDS:
+        k, t = times["kernels"][kind], times["torch"][kind]
+        out[kind] = {"kernels_s": statistics.median(k), "torch_s": statistics.median(t),
+                     "torch_over_kernels": statistics.median(b / a for a, b in zip(k, t))}
+    for kind in ("cold", "hit"):
+        out[kind].update({f"{part}_{side}_s": statistics.median(t[side][kind])
+                          for part, t in (("norms", norm_times), ("rotary", rotary_times)) for side in SIDES})
+    out["decode_step"]["torch_over_kernels_by_step"] = statistics.median(step_ratios)
+    out["decode_step"]["step_pairs"] = len(step_ratios)
+    out["same_vs_cold"] = {side: statistics.median(c / h for c, h in zip(t["cold"], t["hit"]))
+                           for side, t in times.items()}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=positive_int, default=10)
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--prompt-len", type=positive_int, default=2048, help="the cold and hit prompt's tokens")
+    p.add_argument("--batch", type=positive_int, default=8, help="requests of the decode batch")
+    p.add_argument("--batch-prompt", type=positive_int, default=256, help="prompt tokens of each of them")
+    p.add_argument("--decode-tokens", type=positive_int, default=16, help="output tokens of each of them")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    if args.decode_tokens < 2:
+        p.error("--decode-tokens must be at least 2 (the first token comes from the prompt's forward)")
+    result = measure(args.pairs, args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.prompt_len)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if "skipped" in result:
+        print(result["skipped"])
+        return 0
+    for kind in KINDS:
+        r = result[kind]
+        unit, scale = ("ms", 1e3) if kind == "decode_step" else ("s", 1)
+        inside = "".join(f"; inside the {part}: kernels {1e3 * r[f'{part}_kernels_s']:.1f} ms, torch "
+                         f"{1e3 * r[f'{part}_torch_s']:.1f} ms" for part in ("norms", "rotary") if f"{part}_torch_s" in r)
+        print(f"{kind}: kernels {scale * r['kernels_s']:.3f} {unit}, torch {scale * r['torch_s']:.3f} {unit}, "
+              f"torch / kernels {r['torch_over_kernels']:.3f} (median of {result['pairs']} pairs){inside}")
+    d = result["decode_step"]
+    print(f"decode steps paired one by one: torch / kernels {d['torch_over_kernels_by_step']:.3f} (median of "
+          f"{d['step_pairs']} adjacent pairs)")
+    s = result["same_vs_cold"]
+    print(f"same vs cold: kernels {s['kernels']:.2f}x, torch {s['torch']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
