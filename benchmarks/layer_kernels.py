@@ -184,7 +184,8 @@ def main(argv=None) -> int:
         r = result[kind]
         unit, scale = ("ms", 1e3) if kind == "decode_step" else ("s", 1)
         inside = "".join(f"; inside the {part}: kernels {1e3 * r[f'{part}_kernels_s']:.1f} ms, torch "
-                         f"{1e3 * r[f'{part}_torch_s']:.1f} ms" for part in ("norms", "rotary") if f"{part}_torch_s" in r)
+                         f"{1e3 * r[f'{part}_torch_s']:.1f} ms"
+                         for part in ("norms", "rotary") if f"{part}_torch_s" in r)
         print(f"{kind}: kernels {scale * r['kernels_s']:.3f} {unit}, torch {scale * r['torch_s']:.3f} {unit}, "
               f"torch / kernels {r['torch_over_kernels']:.3f} (median of {result['pairs']} pairs){inside}")
     d = result["decode_step"]
