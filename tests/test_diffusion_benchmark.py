@@ -53,3 +53,21 @@ def test_forward_cost_is_paired_by_request_and_skips_requests_without_forwards()
     # one slow forward moves a sum, not the median
     assert abs(diffusion.forward_cost_ratio(on[:3] + [(1, 50.0)], off) - 1.1) < 1e-12
     assert diffusion.forward_cost_ratio([(0, 0.0)] * 4, off) is None
+
+
+def test_the_text_encoder_size_is_chosen_and_recorded(monkeypatch):
+    """``--text-encoder`` picks the umT5/T5 shape the pipelines are built with (here checked without building
+    the large one: a stand-in shape of the same option) and the result records the choice."""
+    parser = bench_parser("diffusion", diffusion)
+    assert parser.parse_args([]).text_encoder == "bench"
+    assert diffusion.TEXT_ENCODERS["large"].d_model > diffusion.TEXT_ENCODERS["bench"].d_model
+    small = diffusion.UMT5Shape(d_model=48, num_layers=1, d_ff=64, num_heads=2, d_kv=24)
+    monkeypatch.setitem(diffusion.TEXT_ENCODERS, "large", small)
+    built = []
+    real = diffusion.tiny_wan_pipeline
+    monkeypatch.setattr(diffusion, "tiny_wan_pipeline", lambda preset: built.append(preset) or real(preset))
+    args = parser.parse_args(["--requests", "2", "--runs", "1", "--steps", "1", "--no-estimate", "--modes", "t2v",
+                              "--text-encoder", "large"])
+    result = diffusion.run(args)
+    assert built[0].text_encoder == small and result["t2v"]["shape"]["text_encoders"][0]["d_model"] == 48
+    assert result["config"]["text_encoder"] == "large" and result["t2v"]["on"]["bit_identical"]
