@@ -77,12 +77,13 @@ def _plain_signature(fn) -> bool:
 def install(root: nn.Module, lib: ctypes.CDLL) -> int:
     """Point ``apply_rotary_pos_emb`` of the modeling module of every attention module under ``root`` at
     ``NativeRotary`` where it reproduces the original (idempotent); returns how many modeling modules use it."""
-    done = set()
+    done, tried = set(), set()
     for module in root.modules():
         home = sys.modules.get(type(module).__module__)
         fn = getattr(home, NAME, None) if home is not None else None
-        if fn is None or home.__name__ in done or not hasattr(module, "head_dim"):
+        if fn is None or home.__name__ in tried or not hasattr(module, "head_dim"):
             continue
+        tried.add(home.__name__)
         if isinstance(fn, NativeRotary):
             done.add(home.__name__)
             continue
