@@ -317,6 +317,12 @@ def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         raise ValueError(f"rotary takes x (B, H, T, D) and cos, sin (B, T, D) of one float32 or bfloat16 dtype on "
                          f"the CPU, D even, rows contiguous: got x {tuple(x.shape)} {x.dtype}, cos "
                          f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}")
+    return rotary_taken(lib, x, cos, sin, threads)
+
+
+def rotary_taken(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 threads: int | None = None) -> torch.Tensor:
+    """``rotary`` for tensors the caller already checked with ``rotary_takes`` (the per-layer path)."""
     out = torch.empty_like(x)
     xs, os_, cs = x.stride(), out.stride(), cos.stride()
     b, h, t, d = x.shape

@@ -43,7 +43,7 @@ class NativeRotary:
     def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
         if (unsqueeze_dim == 1 and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
                 and native.rotary_takes(q, cos, sin) and native.rotary_takes(k, cos, sin)):
-            return native.rotary(self.lib, q, cos, sin), native.rotary(self.lib, k, cos, sin)
+            return native.rotary_taken(self.lib, q, cos, sin), native.rotary_taken(self.lib, k, cos, sin)
         return self.original(q, k, cos, sin, unsqueeze_dim)
 
 
