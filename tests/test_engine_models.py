@@ -224,6 +224,35 @@ def test_packed_linears_compute_what_plain_linears_compute(name, monkeypatch):
     assert packed.adapter.num_packed_linears == 2 * 7 + 1
 
 
+def test_a_model_serves_engines_of_one_compute_path():
+    """An engine replaces its model's modules in place (packed linears, the layer kernels' norms), so every
+    engine on one model object computes with the same modules: a second engine with the same settings shares
+    them, one asking for others is refused with a typed error before anything changes, and a copy of the
+    model may take other settings."""
+    import copy
+
+    from mmcache.engine import EngineConfigError
+
+    model, tok = build_model("tiny-qwen2", "float32")
+    spare = copy.deepcopy(model)
+    first = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False, layer_kernels=False))
+    prompts = [list(range(5, 45)), list(range(9, 30))]
+    before = [o.output_ids for o in first.generate(prompts, GREEDY)]
+    same = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False, layer_kernels=False))
+    assert same.backend == first.backend
+    for config in (EngineConfig(page_size=16, num_pages=64, layer_kernels=False),
+                   EngineConfig(page_size=16, num_pages=64, packed_linears=False)):
+        with pytest.raises(EngineConfigError, match="copy"):
+            Engine(model, tok, config)
+    modules = {name: type(m) for name, m in model.named_modules()}
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert first.adapter.num_packed_linears == 0 and first.adapter.num_native_norms == 0
+    assert [o.output_ids for o in first.generate(prompts, GREEDY)] == before
+    other = Engine(spare, tok, EngineConfig(page_size=16, num_pages=64))  # a copy takes other settings
+    assert other.adapter.num_packed_linears > 0 and other.backend != first.backend
+    assert {name: type(m) for name, m in model.named_modules()} == modules
+
+
 def test_transformers_builds_no_mask_for_the_paged_backend():
     from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
 

@@ -4,6 +4,8 @@ bfloat16 rounding, the same bits for a row in any company and on any number of t
 take, and used by the engine for bfloat16 prefill chunks, where cache-on logits stay bit-identical to
 cache-off."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,7 @@ def test_engine_tokens_on_the_kernel_and_on_aten_agree(lib, monkeypatch):
     outs = {}
     for mode in ("require", "off"):
         monkeypatch.setenv(native.ENV_CHOICE, mode)
-        eng = Engine(model, None, EngineConfig(page_size=16, num_pages=64))
+        # A copy each: an engine replaces the model's modules in place (and the norms only with the kernel).
+        eng = Engine(copy.deepcopy(model), None, EngineConfig(page_size=16, num_pages=64))
         outs[mode] = [o.output_ids for o in eng.generate([Request(p, sp) for p in prompts])]
     assert outs["require"] == outs["off"]

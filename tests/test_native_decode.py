@@ -205,11 +205,11 @@ def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, lib):
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
     from mmcache.engine.models import build_model
 
-    model, tok = build_model("tiny-qwen2", "float32")
     prompts = [[5 + i for i in range(40)], [5 + i for i in range(33)] + [7, 7, 7]]
     outs = {}
     for mode in ("require", "off"):
         monkeypatch.setenv(native.ENV_CHOICE, mode)
+        model, tok = build_model("tiny-qwen2", "float32")  # a model each: an engine replaces its modules
         eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=64))
         reqs = [Request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
         outs[mode] = [o.output_ids for o in eng.generate(reqs)]

@@ -20,6 +20,9 @@ import torch
 
 from . import kernels, norms, rotary
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
+from .config import EngineConfigError
+
+PATH_ATTR = "_mmcache_compute_path"  # set on a model by the first engine that installs its compute path
 
 
 class CausalLMAdapter:
@@ -73,6 +76,22 @@ class CausalLMAdapter:
             if sub is not None:
                 plan[key] = ATTENTION_BACKEND if sub is self.text_config else sub._attn_implementation
         return plan
+
+    def claim_compute_path(self, packed_linears: bool, layer_kernels: bool) -> None:
+        """Fix the modules this model computes with, before any is replaced: packed linears or not, the layer
+        kernels or not. Replacing modules changes the last bits of every engine's results on this model, so
+        the first engine's choice holds for the model object's life; an engine asking for another raises
+        ``EngineConfigError`` before changing anything (build it on a copy of the model)."""
+        wanted = {"packed_linears": packed_linears and kernels.available(self.device, self.dtype),
+                  "layer_kernels": layer_kernels and self.device.type == "cpu"}
+        held = getattr(self.model, PATH_ATTR, None)
+        if held is not None and held != wanted:
+            differ = ", ".join(f"{k}: {held[k]} there, {wanted[k]} here" for k in wanted if held[k] != wanted[k])
+            raise EngineConfigError(
+                f"this {type(self.model).__name__} object already serves an engine that computes with other "
+                f"modules ({differ}); an engine replaces the model's modules in place, so build this one on "
+                f"a copy (copy.deepcopy(model)) or with the same packed_linears and layer_kernels")
+        setattr(self.model, PATH_ATTR, wanted)
 
     def pack_linears(self) -> None:
         """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``)."""

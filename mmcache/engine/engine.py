@@ -56,7 +56,10 @@ class SamplingError(MmcacheError, RuntimeError):
 
 class Engine:
     """Serve a transformers decoder model (``model`` is taken over: its attention is routed to the paged
-    backend and, on CPU, its linears are packed). ``digest`` overrides the model digest of the fingerprint.
+    backend and, on CPU, its linears are packed and its norms may run on the compiled kernel). Every engine on
+    one model object computes with the same modules: one asking for other ``packed_linears`` or
+    ``layer_kernels`` than the first raises ``EngineConfigError`` (give it a copy of the model).
+    ``digest`` overrides the model digest of the fingerprint.
 
     ``generate`` / ``stream`` run a list of prompts to completion; ``add_request`` / ``step`` drive the engine
     one step at a time; ``abort``, ``metrics``, ``clear_cache`` and ``check_invariants`` complete the API.
@@ -74,14 +77,15 @@ class Engine:
         self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
         self.kv_dtype = a.dtype
         digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
-        if config.packed_linears:
-            a.pack_linears()
-        if config.tune_malloc:
-            kernels.tune_malloc()
         # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
         # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
         # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
         decode_kernel = native.library() if a.device.type == "cpu" else None
+        a.claim_compute_path(config.packed_linears, config.layer_kernels and decode_kernel is not None)
+        if config.packed_linears:
+            a.pack_linears()
+        if config.tune_malloc:
+            kernels.tune_malloc()
         if decode_kernel is not None and config.layer_kernels:
             a.install_layer_kernels(decode_kernel)
         # Packed and plain linears, and the kernels and ATen, differ in the last bits, so the compute path is
