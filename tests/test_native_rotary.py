@@ -113,7 +113,6 @@ def test_install_replaces_only_what_it_reproduces_and_uninstall_restores(native_
 def test_an_engine_installs_it_and_its_logits_keep_every_bit(native_kernel):
     """bfloat16, exact schedule, cache off: the same requests with transformers' function and with the
     replacement give logits equal bit for bit (the replacement changes speed, not results)."""
-    model, tok = build_model("tiny-llama", "bfloat16")
     before = modeling_llama.apply_rotary_pos_emb
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 512, size=n).tolist() for n in (9, 40)]
@@ -121,6 +120,7 @@ def test_an_engine_installs_it_and_its_logits_keep_every_bit(native_kernel):
     runs = {}
     try:
         for side in ("torch", "kernels"):
+            model, tok = build_model("tiny-llama", "bfloat16")  # a model each: the first engine sets it up
             eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, cache_mode="off"))
             assert isinstance(modeling_llama.apply_rotary_pos_emb, rotary.NativeRotary)
             if side == "torch":

@@ -22,7 +22,7 @@ from . import kernels, norms, rotary
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
 from .config import EngineConfigError
 
-PATH_ATTR = "_mmcache_compute_path"  # set on a model by the first engine that installs its compute path
+PATH_ATTR = "_mmcache_compute_path"  # set on a model by the first engine that sets up its modules
 
 
 class CausalLMAdapter:
@@ -77,21 +77,40 @@ class CausalLMAdapter:
                 plan[key] = ATTENTION_BACKEND if sub is self.text_config else sub._attn_implementation
         return plan
 
-    def claim_compute_path(self, packed_linears: bool, layer_kernels: bool) -> None:
-        """Fix the modules this model computes with, before any is replaced: packed linears or not, the layer
-        kernels or not. Replacing modules changes the last bits of every engine's results on this model, so
-        the first engine's choice holds for the model object's life; an engine asking for another raises
-        ``EngineConfigError`` before changing anything (build it on a copy of the model)."""
-        wanted = {"packed_linears": packed_linears and kernels.available(self.device, self.dtype),
-                  "layer_kernels": layer_kernels and self.device.type == "cpu"}
+    def claim_compute_path(self, requested: dict) -> dict | None:
+        """Fix the modules this model computes with before any is replaced. ``requested``: whether this engine
+        would pack the linears and install the layer kernels (its settings, where this process can).
+
+        Replacing modules changes the last bits of every engine's results on this model, so the first engine's
+        settings hold for the model object's life. Returns None for the first engine (it installs, then
+        records what it decided with ``record_compute_path``), or the first engine's record for a later one
+        with the same settings (it installs nothing and computes with what is there); an engine with other
+        settings raises ``EngineConfigError`` before changing anything (build it on a copy of the model)."""
         held = getattr(self.model, PATH_ATTR, None)
-        if held is not None and held != wanted:
-            differ = ", ".join(f"{k}: {held[k]} there, {wanted[k]} here" for k in wanted if held[k] != wanted[k])
+        if held is None:
+            setattr(self.model, PATH_ATTR, {"requested": dict(requested), "packing_skipped": None})
+            return None
+        if held["requested"] != requested:
+            differ = ", ".join(f"{k}: {held['requested'][k]} there, {requested[k]} here" for k in requested
+                               if held["requested"].get(k) != requested[k])
             raise EngineConfigError(
                 f"this {type(self.model).__name__} object already serves an engine that computes with other "
                 f"modules ({differ}); an engine replaces the model's modules in place, so build this one on "
                 f"a copy (copy.deepcopy(model)) or with the same packed_linears and layer_kernels")
-        setattr(self.model, PATH_ATTR, wanted)
+        return held
+
+    def record_compute_path(self, packing_skipped: str | None) -> None:
+        """What the first engine decided beyond its settings: why it left the linears unpacked, if it did."""
+        getattr(self.model, PATH_ATTR)["packing_skipped"] = packing_skipped
+
+    def bytes_to_pack(self) -> int:
+        """Bytes of the packed copies ``pack_linears`` would add (the plain weights stay): every linear of the
+        decoder layers and the head not packed yet."""
+        decoder = self.decoder
+        plain = [m for m in getattr(decoder, "layers", decoder).modules() if type(m) is torch.nn.Linear]
+        if type(self.lm_head) is torch.nn.Linear:
+            plain.append(self.lm_head)
+        return sum(m.weight.numel() * m.weight.element_size() for m in plain)
 
     def pack_linears(self) -> None:
         """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``)."""

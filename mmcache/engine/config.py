@@ -15,7 +15,8 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
 * ``packed_linears``, ``layer_kernels`` and ``tune_malloc`` only change speed (see ``kernels``, ``norms`` and
   ``rotary``); packed linears and the compiled norms change the last bits of results, so they are part of
-  the fingerprint's backend name (the compiled rotary embedding keeps every bit).
+  the fingerprint's backend name (the compiled rotary embedding keeps every bit). The packed copy is made
+  only where it fits in available memory beside the KV pool (``Engine.packing_skipped`` says why not).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class EngineConfig:
     schedule: str = "continuous"  # "continuous" | "serial" (one request at a time)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
-    packed_linears: bool = True  # pack the decoder's linear weights once for oneDNN (CPU; see kernels)
+    packed_linears: bool = True  # pack the decoder's linear weights once for oneDNN (CPU, where memory allows)
     tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
     defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
     layer_kernels: bool = True  # RMSNorms and rotary embedding on the compiled kernels (norms, rotary)

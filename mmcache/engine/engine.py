@@ -19,6 +19,7 @@ requests. Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,7 @@ from ..errors import DuplicateRequest, InvalidRequest, MmcacheError
 from ..manager import AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..pool import KVSpec
-from . import kernels, native
+from . import kernels, memory, native
 from .adapter import adapter_for
 from .attention import ATTENTION_BACKEND
 from .config import EngineConfig
@@ -40,6 +41,25 @@ from .runner import ModelRunner
 from .sampling import greedy_picks, guided, sample
 from .scheduler import Scheduler, SchedulerLimits
 from .sequence import CFG, MAIN, LiveRequest
+
+
+_log = logging.getLogger("mmcache.engine")
+PACKING_HEADROOM = 0.9  # pack only when the packed copy and the KV pool fit in this share of available memory
+
+
+def _packing_room(need: int, pool: int) -> str | None:
+    """None when the packed copy of the linears (``need`` bytes) and the KV pool fit in available memory with
+    headroom (or memory cannot be read); otherwise the reason not to pack."""
+    have = memory.available_bytes()
+    if have is None or need + pool <= PACKING_HEADROOM * have:
+        return None
+    return (f"the packed copy needs {_size(need)} and the KV pool {_size(pool)}, but only {_size(have)} is "
+            f"available; decodes and short prefills run slower on plain linears "
+            f"(EngineConfig(packed_linears=False) asks for this and silences the warning)")
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 class ForwardError(MmcacheError, RuntimeError):
@@ -77,17 +97,31 @@ class Engine:
         self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
         self.kv_dtype = a.dtype
         digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
+        elem = torch.empty(0, dtype=a.dtype).element_size()
+        self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
+        self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
         # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
         # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
         # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
         decode_kernel = native.library() if a.device.type == "cpu" else None
-        a.claim_compute_path(config.packed_linears, config.layer_kernels and decode_kernel is not None)
-        if config.packed_linears:
-            a.pack_linears()
+        requested = {"packed_linears": config.packed_linears and kernels.available(a.device, a.dtype),
+                     "layer_kernels": config.layer_kernels and decode_kernel is not None}
+        held = a.claim_compute_path(requested)
+        #: Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
+        #: the packed copy beside the KV pool), or None.
+        self.packing_skipped = held["packing_skipped"] if held else None
+        if held is None:  # the first engine on this model sets up its modules
+            if requested["packed_linears"]:
+                self.packing_skipped = _packing_room(a.bytes_to_pack(), self.page_bytes * self.num_pages)
+                if self.packing_skipped is None:
+                    a.pack_linears()
+                else:
+                    _log.warning("linears left unpacked: %s", self.packing_skipped)
+                a.record_compute_path(self.packing_skipped)
+            if requested["layer_kernels"]:
+                a.install_layer_kernels(decode_kernel)
         if config.tune_malloc:
             kernels.tune_malloc()
-        if decode_kernel is not None and config.layer_kernels:
-            a.install_layer_kernels(decode_kernel)
         # Packed and plain linears, and the kernels and ATen, differ in the last bits, so the compute path is
         # part of the backend's name.
         self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
@@ -96,9 +130,6 @@ class Engine:
                         + ("+native-norm" if a.num_native_norms else ""))
         self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
                                        attention_backend=self.backend, page_size=config.page_size)
-        elem = torch.empty(0, dtype=a.dtype).element_size()
-        self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
-        self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
         self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",

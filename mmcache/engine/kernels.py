@@ -10,7 +10,8 @@ activation and the product fused into them.
 
 Invariants:
 
-* The packed copy is made from the weights as they are when packing; an engine's model is frozen from then
+* The packed copy takes as much memory again as the weights it packs (the engine packs only where that fits,
+  see ``Engine.packing_skipped``). It is made from the weights as they are when packing; an engine's model is frozen from then
   on (an in-place weight change is not seen by the packed copy).
 * A fused MLP is installed only after it reproduced the module's own forward on a probe input; otherwise its
   linears are packed one by one.

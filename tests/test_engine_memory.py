@@ -1,0 +1,88 @@
+"""The engine packs its linears only where the packed copy fits in memory beside the KV pool: otherwise it runs
+on the plain linears, exactly as ``packed_linears=False`` does, says why, and later engines on the same model
+keep that choice. ``memory.available_bytes`` reads the system's and the control group's figures."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache.engine import Engine, EngineConfig, SamplingParams, memory
+from mmcache.engine.inspect import record_logits, rows_equal
+from mmcache.engine.models import build_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONFIG = dict(page_size=16, num_pages=64, layer_kernels=False)
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_available_bytes_takes_the_smaller_of_the_system_and_the_control_group(tmp_path):
+    meminfo = write(tmp_path / "meminfo", "MemTotal:  32000000 kB\nMemFree:  1000 kB\nMemAvailable:  20000000 kB\n")
+    none = tmp_path / "no-cgroup"
+    assert memory.available_bytes(meminfo, none) == 20000000 * 1024
+    v2 = tmp_path / "v2"
+    write(v2 / "memory.max", "8000000000\n")
+    write(v2 / "memory.current", "3000000000\n")
+    assert memory.available_bytes(meminfo, v2) == 5000000000  # the group's room is smaller
+    write(v2 / "memory.max", "max\n")  # no limit: the system's figure
+    assert memory.available_bytes(meminfo, v2) == 20000000 * 1024
+    v1 = tmp_path / "v1"
+    write(v1 / "memory" / "memory.limit_in_bytes", str((1 << 63) - 4096))  # v1's "no limit"
+    write(v1 / "memory" / "memory.usage_in_bytes", "123")
+    assert memory.available_bytes(meminfo, v1) == 20000000 * 1024
+    write(v1 / "memory" / "memory.limit_in_bytes", "1000")  # a group over its limit has no room
+    write(v1 / "memory" / "memory.usage_in_bytes", "5000")
+    assert memory.available_bytes(meminfo, v1) == 0
+
+
+def test_available_bytes_is_none_when_nothing_can_be_read(tmp_path):
+    assert memory.available_bytes(tmp_path / "missing", tmp_path / "missing-too") is None
+    garbage = write(tmp_path / "meminfo", "MemAvailable: lots\nnonsense\n")
+    assert memory.available_bytes(garbage, tmp_path) is None
+    v2 = tmp_path / "v2"
+    write(v2 / "memory.max", "-1\n")
+    write(v2 / "memory.current", "12\n")
+    assert memory.available_bytes(garbage, v2) is None
+
+
+def test_short_of_memory_the_engine_runs_exactly_as_with_packing_off(monkeypatch, caplog):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)
+    model, tok = build_model("tiny-qwen2", "float32")
+    with caplog.at_level(logging.WARNING, logger="mmcache.engine"):
+        short = Engine(model, tok, EngineConfig(**CONFIG))
+    assert short.adapter.num_packed_linears == 0
+    assert short.packing_skipped and "is available" in short.packing_skipped
+    assert any("linears left unpacked" in r.getMessage() for r in caplog.records)
+    plain = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
+    assert plain.packing_skipped is None and short.fingerprint == plain.fingerprint
+    rows = {id(short): record_logits(short), id(plain): record_logits(plain)}
+    prompts = [np.random.default_rng(2).integers(2, 512, size=n).tolist() for n in (9, 37)]
+    assert [o.output_ids for o in short.generate(prompts, GREEDY)] == [o.output_ids for o in
+                                                                      plain.generate(prompts, GREEDY)]
+    got, want = rows[id(short)], rows[id(plain)]
+    assert got.keys() == want.keys() and all(rows_equal(got, want, rid, GREEDY.max_tokens) for rid in want)
+
+    # A later engine with the same settings keeps the first one's choice, whatever memory says now.
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 50)
+    later = Engine(model, tok, EngineConfig(**CONFIG))
+    assert later.adapter.num_packed_linears == 0 and later.packing_skipped == short.packing_skipped
+    assert later.backend == short.backend
+
+
+@pytest.mark.parametrize("room", [None, 1 << 50])
+def test_with_room_or_no_figure_the_engine_packs(monkeypatch, room):
+    monkeypatch.setattr(memory, "available_bytes", lambda: room)
+    model, tok = build_model("tiny-qwen2", "float32")
+    need = Engine(build_model("tiny-qwen2", "float32")[0], tok,
+                  EngineConfig(packed_linears=False, **CONFIG)).adapter.bytes_to_pack()
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert need == sum(m.weight.numel() * 4 for m in linears) > 0  # every layer linear and the head, float32
+    eng = Engine(model, tok, EngineConfig(**CONFIG))
+    assert eng.packing_skipped is None and eng.adapter.num_packed_linears > 0
+    assert eng.adapter.bytes_to_pack() == 0  # nothing left to pack
