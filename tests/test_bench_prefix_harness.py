@@ -120,6 +120,9 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
             assert {"ttft_p50_s", "ttft_p90_s", "itl_p50_s", "throughput_tok_s", "matched_share"} <= set(e[w])
             assert e[w]["requests"] == 8 and [r["requests"] for r in e[w]["by_repeat"]] == [4, 4]
     assert result["engines"]["mmcache"]["probe"]["repeats"][0]["same_matched"] == 3 * PAGE
+    for name in ("mmcache", "mmcache_nocache"):  # the compute path each ran on is on record
+        meta = result["engines"][name]["meta"]
+        assert meta["backend"].startswith("mmcache_paged_sdpa") and meta["packing_skipped"] is None
     assert result["engines"]["mmcache_nocache"]["vllm_prefix_caching"]["matched_share"] == 0
     paired = result["workloads_paired"]
     assert set(paired) == {"over_mmcache_nocache", "over_transformers_cb"}
