@@ -6,7 +6,8 @@ import importlib
 
 import pytest
 
-from benchmarks import REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes
+from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes,
+                        projections)
 from benchmarks.runner import bench_parser
 from mmcache.cli import positive_int
 
@@ -39,7 +40,8 @@ def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
                                           (chunk_kernel.main, "--rounds"), (chunk_kernel.main, "--calls"),
                                           (chunk_kernel.main, "--group"), (chunk_kernel.main, "--kv-heads"),
                                           (layer_kernels.main, "--pairs"), (layer_kernels.main, "--batch"),
-                                          (layer_kernels.main, "--decode-tokens")])
+                                          (layer_kernels.main, "--decode-tokens"), (projections.main, "--hits"),
+                                          (projections.main, "--batch")])
 def test_the_scripts_refuse_a_zero_count(main, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main([option, "0"])

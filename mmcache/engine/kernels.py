@@ -1,20 +1,26 @@
-"""CPU fast paths: a decoder's linear layers with weights packed once for oneDNN, gated MLPs fused; and an
-allocator setting that keeps activation memory mapped between forwards (``tune_malloc``).
+"""CPU fast paths: a decoder's linear layers with weights packed once for oneDNN, gated MLPs fused, each
+attention module's query, key and value projections grouped into one product; and an allocator setting that
+keeps activation memory mapped between forwards (``tune_malloc``).
 
 ``torch.nn.functional.linear`` on CPU lays the weight out for oneDNN's blocked kernels on every call; for the
 row counts of a decode or a cached-prefix prefill that copy costs as much as the product. ``pack_linears``
-does it once: each ``nn.Linear`` of the decoder layers (and the LM head, see the adapter) becomes a ``PackedLinear`` that
-keeps its parameters (names, values and ``state_dict`` unchanged) and also holds the packed copy, and a
-gated MLP (``down(act(gate(x)) * up(x))`` with SiLU or tanh-GELU) runs as three packed products with the
-activation and the product fused into them.
+does it once: each ``nn.Linear`` of the decoder layers (and the LM head, see the adapter) becomes a
+``PackedLinear`` that keeps its parameters (names, values and ``state_dict`` unchanged) and also holds the
+packed copy; a gated MLP (``down(act(gate(x)) * up(x))`` with SiLU or tanh-GELU) runs as three packed
+products with the activation and the product fused into them; and the ``q_proj``, ``k_proj`` and ``v_proj``
+of an attention module (one input size, all with a bias or none) become ``PackedProjection`` parts of one
+``PackedProjections``: one product over their concatenated weights per input tensor, which reads the three
+weights in one pass and saves two calls (a few percent of a decode step or a hit, ``benchmarks/projections.py``).
 
 Invariants:
 
 * The packed copy takes as much memory again as the weights it packs (the engine packs only where that fits,
-  see ``Engine.packing_skipped``). It is made from the weights as they are when packing; an engine's model is frozen from then
-  on (an in-place weight change is not seen by the packed copy).
-* A fused MLP is installed only after it reproduced the module's own forward on a probe input; otherwise its
-  linears are packed one by one.
+  see ``Engine.packing_skipped``). It is made from the weights as they are when packing; an engine's model is
+  frozen from then on (an in-place weight change is not seen by the packed copy).
+* A fused MLP and grouped projections are installed only after they reproduced the modules' own forward on
+  probe inputs (within float rounding); otherwise the linears are packed one by one.
+* A group hands a part out from its kept product only for the very tensor object that product was computed
+  from, and keeps nothing once every part is out, so no activation outlives its forward.
 * Results are deterministic for a given input shape, like the unpacked path; they differ from it in the
   last bits, so cache-on and cache-off runs must use the same setting (the engine uses one for its life).
 """
@@ -90,6 +96,77 @@ class PackedGatedMLP(nn.Module):
         return ops._linear_pointwise(hidden, self.down_proj.packed, None, "none", [], "")
 
 
+class PackedProjections:
+    """The query, key and value projections of one attention module as one packed product over their
+    concatenated weights (one weight read and one call instead of three), handed out part by part.
+
+    Attention modules call ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on one tensor in turn: the first call
+    computes all three parts and keeps them; a later call on that same tensor object (``is``, never an equal
+    one) returns its kept part; a call on any other tensor computes afresh. The parts are column slices of
+    one result (views, rows ``sum(widths)`` apart). The kept parts are dropped once all are handed out."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        weight = torch.cat([m.weight.detach() for m in linears])
+        self.packed = _pack(weight)
+        has_bias = linears[0].bias is not None
+        self.bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+        self.widths = [m.out_features for m in linears]
+        self._x, self._parts, self._left = None, (), 0
+
+    def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self._x is not x or self._parts[i] is None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            self._x, self._parts, self._left = x, list(out.split(self.widths, dim=-1)), len(self.widths)
+        part, self._parts[i] = self._parts[i], None
+        self._left -= 1
+        if self._left == 0:
+            self._x, self._parts = None, ()
+        return part
+
+
+class PackedProjection(PackedLinear):
+    """One of the projections of a ``PackedProjections`` (its parameters unchanged, as ``PackedLinear``)."""
+
+    def __init__(self, linear: nn.Linear, group: PackedProjections, index: int):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = None  # the group holds the packed weight
+        self.group, self.index = group, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(self.index, x)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+_PROBE_ROWS = (1, 7, 128)
+
+
+def _projections(module: nn.Module) -> list[nn.Linear] | None:
+    parts = [getattr(module, n, None) for n in PROJECTIONS]
+    if not all(type(p) is nn.Linear for p in parts):
+        return None
+    if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
+        return None
+    return parts
+
+
+@torch.inference_mode()
+def _projections_match(parts: list[nn.Linear], group: PackedProjections) -> bool:
+    """Whether the grouped product reproduces each projection's own forward on probes of a few row counts
+    (within float rounding: oneDNN may block a wider product differently)."""
+    gen = torch.Generator().manual_seed(0)
+    w = parts[0].weight
+    tol = 1e-4 if w.dtype == torch.float32 else 3e-2
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, parts[0].in_features, generator=gen).to(w.dtype)
+        for i, p in enumerate(parts):
+            want, got = p(x).float(), group.part(i, x).float()
+            if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+                return False
+    return True
+
+
 def _fusable(mlp: nn.Module) -> tuple[str, str] | None:
     parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(type(p) is nn.Linear and p.bias is None for p in parts):
@@ -108,13 +185,20 @@ def _fused_matches(mlp: nn.Module, fused: PackedGatedMLP) -> bool:
 
 
 def pack_linears(layers: nn.Module) -> None:
-    """Pack every ``nn.Linear`` under ``layers``, fusing gated MLPs (idempotent)."""
+    """Pack every ``nn.Linear`` under ``layers``, fusing gated MLPs and grouping each attention module's
+    query, key and value projections (idempotent)."""
     for name, module in list(layers.named_modules()):
         act = _fusable(module)
         if act is not None:
             fused = PackedGatedMLP(module, *act)
             if _fused_matches(module, fused):
                 _replace(layers, name, fused)
+        parts = _projections(module)
+        if parts is not None:
+            group = PackedProjections(parts)
+            if _projections_match(parts, group):
+                for i, (attr, part) in enumerate(zip(PROJECTIONS, parts)):
+                    setattr(module, attr, PackedProjection(part, group, i))
     for name, module in list(layers.named_modules()):
         if type(module) is nn.Linear:
             _replace(layers, name, PackedLinear(module))
