@@ -10,7 +10,8 @@ Two cases on the Qwen2.5-0.5B shape (14 query heads over 2 KV heads, head size 6
   query over the cached keys, then causally over the chunk's own) merged by their log-sum-exps.
 * ``cold``: a cold 2,048-token prompt, one causal flash call with grouped query heads.
 
-Both sides return the chunk's output in the engine's layout (tokens, heads, d) in bfloat16. Each round times
+The kernel runs the way this CPU gives it (``way`` in the JSON): its products on the tile unit (AMX) or, on CPUs
+without tiles, on the vector unit (AVX-512 BF16). Both sides return the chunk's output in the engine's layout (tokens, heads, d) in bfloat16. Each round times
 ``--calls`` calls of one side, then of the other (the first side alternates from round to round); the figures
 are the medians over rounds of the time per call, and the median of the per-round ratios.
 
@@ -84,7 +85,8 @@ def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: 
             times[name].append((time.perf_counter() - t0) / calls)
     return {"shape": {"cached": cached, "tokens": tokens, "kv_heads": kv_heads, "query_heads_per_kv_head": group,
                       "head_dim": dim},
-            "threads": torch.get_num_threads(), "rounds": rounds, "calls_per_round": calls,
+            "way": native.chunk_way(lib, dim), "threads": torch.get_num_threads(), "rounds": rounds,
+            "calls_per_round": calls,
             "kernel_s": statistics.median(times["kernel"]), "aten_s": statistics.median(times["aten"]),
             "aten_over_kernel": statistics.median(a / b for a, b in zip(times["aten"], times["kernel"])),
             "max_abs_difference": diff, "per_round_s": times}
@@ -96,7 +98,7 @@ def measure_engine(pairs: int, preset: str, seed: int = 0) -> dict:
     from mmcache.engine import Engine, EngineConfig, SamplingParams, native
 
     eng = Engine.from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
-    if "native-chunk" not in eng.backend.split("+"):
+    if not any(part.startswith("native-chunk") for part in eng.backend.split("+")):
         return {"skipped": f"the chunk kernel does not run here ({native.status()})"}
     rng = np.random.default_rng(seed)
     sampling = SamplingParams(max_tokens=1)
@@ -121,7 +123,8 @@ def measure_engine(pairs: int, preset: str, seed: int = 0) -> dict:
                 times[side]["hit"].append(serve(p))
     finally:
         native.supports_chunk = real
-    out = {"preset": preset, "pairs": pairs, "per_pair_s": times}
+    out = {"preset": preset, "pairs": pairs, "way": native.chunk_way(native.library(), eng.adapter.head_dim),
+           "per_pair_s": times}
     for kind in ("cold", "hit"):
         k, a = times["kernel"][kind], times["aten"][kind]
         out[kind] = {"kernel_s": statistics.median(k), "aten_s": statistics.median(a),

@@ -9,8 +9,10 @@ from benchmarks import chunk_kernel
 
 
 def test_both_sides_are_timed_in_alternating_rounds_and_agree(tmp_path, native_kernel, monkeypatch):
-    if not native_kernel.tiles:
-        pytest.skip("the chunk kernel runs on the tile unit (AMX), which this CPU or kernel does not grant")
+    from mmcache.engine import native
+
+    if native.chunk_way(native_kernel, 64) is native.CHUNK_NONE:
+        pytest.skip("the chunk kernel needs AVX-512 BF16 or the tile unit (AMX), which this CPU does not have")
     monkeypatch.setattr(chunk_kernel, "CASES", {"hit": (64, 16), "cold": (0, 48)})
     out = tmp_path / "ck.json"
     assert chunk_kernel.main(["--group", "3", "--rounds", "3", "--calls", "1", "--json", str(out)]) == 0
@@ -22,6 +24,7 @@ def test_both_sides_are_timed_in_alternating_rounds_and_agree(tmp_path, native_k
         assert len(r["per_round_s"]["kernel"]) == len(r["per_round_s"]["aten"]) == 3
         assert r["kernel_s"] > 0 and r["aten_s"] > 0 and r["aten_over_kernel"] > 0
         assert r["max_abs_difference"] < 0.05  # the same attention, rounded apart
+        assert r["way"] == native.chunk_way(native_kernel, 64)
 
 
 def test_a_shape_the_kernel_does_not_take_is_reported_not_timed(tmp_path, capsys):
@@ -36,8 +39,8 @@ def test_engine_pairs_time_cold_and_hit_on_both_sides(tmp_path, native_kernel, m
     16-wide heads do not take the kernel): both sides serve every pair, and the measuring device comes off."""
     from mmcache.engine import native
 
-    if not native_kernel.tiles:
-        pytest.skip("the chunk kernel runs on the tile unit (AMX), which this CPU or kernel does not grant")
+    if native.chunk_way(native_kernel, 64) is native.CHUNK_NONE:
+        pytest.skip("the chunk kernel needs AVX-512 BF16 or the tile unit (AMX), which this CPU does not have")
     real = native.supports_chunk
     out = tmp_path / "e2e.json"
     assert chunk_kernel.main(["--engine", "2", "--preset", "small", "--json", str(out)]) == 0
@@ -46,3 +49,4 @@ def test_engine_pairs_time_cold_and_hit_on_both_sides(tmp_path, native_kernel, m
     for side in ("kernel", "aten"):
         assert len(r["per_pair_s"][side]["cold"]) == len(r["per_pair_s"][side]["hit"]) == 2
     assert r["hit"]["aten_over_kernel"] > 0 and r["same_vs_cold"]["kernel"] > 1
+    assert r["way"] == native.chunk_way(native_kernel, 64)

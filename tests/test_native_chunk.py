@@ -2,7 +2,8 @@
 every one of them sees whole, and causally over the chunk's own keys. Equal to float64 attention within one
 bfloat16 rounding, the same bits for a row in any company and on any number of threads, refusing what it cannot
 take, and used by the engine for bfloat16 prefill chunks, where cache-on logits stay bit-identical to
-cache-off."""
+cache-off. Each test runs on each way the kernel has on this CPU: the tile unit (AMX) and the vector unit
+(AVX-512 BF16)."""
 
 import copy
 
@@ -17,9 +18,23 @@ from mmcache.engine.inspect import record_logits
 
 @pytest.fixture
 def lib(native_kernel):
-    if not native_kernel.tiles:
-        pytest.skip("the chunk kernel runs on the tile unit (AMX), which this CPU or kernel does not grant")
+    if native.chunk_way(native_kernel, 64) is native.CHUNK_NONE:
+        pytest.skip("the chunk kernel needs AVX-512 BF16 or the tile unit (AMX), which this CPU does not have")
     return native_kernel
+
+
+@pytest.fixture(params=[native.CHUNK_TILES, native.CHUNK_VECTOR])
+def way(request, lib):
+    """``vector_only`` for the way under test; the tile unit's way is skipped where it is not granted."""
+    if request.param == native.CHUNK_TILES and native.chunk_way(lib, 64) is not native.CHUNK_TILES:
+        pytest.skip("the tile unit (AMX) is not granted on this CPU")
+    return {"vector_only": request.param == native.CHUNK_VECTOR}
+
+
+def ways_dims(lib, way, dim):
+    """Skip a head size the way under test does not take (the tile unit: 32 and 64)."""
+    if native.chunk_way(lib, dim, **way) is native.CHUNK_NONE:
+        pytest.skip(f"head size {dim} is not on this way")
 
 
 def case(kv_heads, group, n, cached, dim, seed=0):
@@ -62,13 +77,15 @@ def aten(q, kp, vp, kn, vn, scale):
     (2, 7, 128, 1920, 64),  # a hit's last page on the Qwen2.5-0.5B shape
     (2, 7, 300, 0, 64),  # a cold chunk
     (2, 7, 37, 50, 64),  # rows that straddle heads, keys that straddle tiles and sources
-    (1, 1, 16, 0, 32), (2, 3, 5, 7, 32), (1, 2, 1, 3, 64), (1, 4, 20, 64, 32)])
-def test_kernel_equals_float64_attention(lib, kv_heads, group, n, cached, dim):
+    (1, 1, 16, 0, 32), (2, 3, 5, 7, 32), (1, 2, 1, 3, 64), (1, 4, 20, 64, 32),
+    (2, 4, 128, 300, 128), (1, 3, 33, 40, 96)])  # the Llama 3 / Qwen2.5-7B head size, and Phi-3's
+def test_kernel_equals_float64_attention(lib, way, kv_heads, group, n, cached, dim):
     """The output within one bfloat16 rounding of the probabilities (about 2^-8 of the values) and no further
     from float64 than ATen's path with the same bfloat16 output, the log-sum-exp within float32 rounding."""
+    ways_dims(lib, way, dim)
     q, kp, vp, kn, vn = case(kv_heads, group, n, cached, dim)
     scale = dim ** -0.5
-    out, lse = native.chunk_attention(lib, q, kp, vp, kn, vn, scale)
+    out, lse = native.chunk_attention(lib, q, kp, vp, kn, vn, scale, **way)
     want, want_lse = reference(q, kp, vp, kn, vn, scale)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
     err = (out.bfloat16().double() - want).abs().max()
@@ -77,7 +94,7 @@ def test_kernel_equals_float64_attention(lib, kv_heads, group, n, cached, dim):
     assert (lse.double() - want_lse).abs().max() < 1e-4
 
 
-def test_keys_and_values_read_in_place_from_views(lib):
+def test_keys_and_values_read_in_place_from_views(lib, way):
     """Heads may lie apart (pages of the pool, the step's packed keys): the same bits as contiguous copies."""
     g = torch.Generator().manual_seed(1)
     pool = torch.randn(2, 2, 12, 16, 64, generator=g).bfloat16()  # (k/v, kv_heads, pages, page, d)
@@ -88,21 +105,24 @@ def test_keys_and_values_read_in_place_from_views(lib):
     q = torch.randn(2, 3 * 20, 64, generator=g).bfloat16()
     assert not kp.is_contiguous() and not kn.is_contiguous()
     assert native.supports_chunk(lib, q, kn, vn, kp, vp)
-    got = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125)
-    want = native.chunk_attention(lib, q, kp.contiguous(), vp.contiguous(), kn.contiguous(), vn.contiguous(), 0.125)
+    got = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, **way)
+    want = native.chunk_attention(lib, q, kp.contiguous(), vp.contiguous(), kn.contiguous(), vn.contiguous(), 0.125,
+                                  **way)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_a_row_gets_the_same_bits_in_any_company_and_on_any_threads(lib):
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_row_gets_the_same_bits_in_any_company_and_on_any_threads(lib, way, dim):
     """A row's result depends on its query and token only: computed with all of its chunk's rows, with one
     thread, or with only some of the chunk's query heads, the same bits."""
-    q, kp, vp, kn, vn = case(2, 5, 24, 70, 64, seed=2)
-    out, lse = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125)
-    one = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, threads=1)
+    ways_dims(lib, way, dim)
+    q, kp, vp, kn, vn = case(2, 5, 24, 70, dim, seed=2)
+    out, lse = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, **way)
+    one = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, threads=1, **way)
     assert torch.equal(one[0], out) and torch.equal(one[1], lse)
     for heads in (slice(0, 1), slice(1, 3), slice(4, 5)):  # query heads of each KV head, 24 rows apiece
         rows = slice(heads.start * 24, heads.stop * 24)
-        part, part_lse = native.chunk_attention(lib, q[:, rows], kp, vp, kn, vn, 0.125)
+        part, part_lse = native.chunk_attention(lib, q[:, rows], kp, vp, kn, vn, 0.125, **way)
         assert torch.equal(part, out[:, rows]) and torch.equal(part_lse, lse[:, rows])
 
 
@@ -110,8 +130,10 @@ def test_supports_only_what_the_kernel_takes(lib):
     q, kp, vp, kn, vn = case(2, 4, 8, 40, 64)
     assert native.supports_chunk(lib, q, kn, vn, kp, vp) and native.supports_chunk(lib, q, kn, vn)
     assert not native.supports_chunk(lib, q.float(), kn.float(), vn.float())  # bfloat16 only
-    for dim in (16, 48, 96, 128):  # 128: ATen's kernel is as fast there (benchmarks/RESULTS.md)
-        assert not native.supports_chunk(lib, *case(2, 4, 8, 0, dim)[::3], case(2, 4, 8, 0, dim)[4])
+    vector = native.chunk_way(lib, 64, vector_only=True) is native.CHUNK_VECTOR
+    for dim in (16, 48, 96, 128, 160):
+        takes = dim in (32, 64) or (vector and dim in (96, 128))  # the tile unit: 32 and 64 only
+        assert native.supports_chunk(lib, *case(2, 4, 8, 0, dim)[::3], case(2, 4, 8, 0, dim)[4]) == takes
     rows_apart = kn.transpose(1, 2).contiguous().transpose(1, 2)
     assert not native.supports_chunk(lib, q, rows_apart, vn)
     assert not native.supports_chunk(lib, q, kn[:1], vn[:1])  # another number of KV heads
@@ -121,24 +143,27 @@ def test_supports_only_what_the_kernel_takes(lib):
     assert not native.supports_chunk(lib, q, kn, vn, kp[:, :0], vp[:, :0])  # an empty prefix: pass None
     assert not native.supports_chunk(lib, q, kn, vn, kp, None)
 
-    class NoTiles:
-        tiles = False
+    class NoWay:  # a build without AVX-512 BF16 and without tiles
+        @staticmethod
+        def mmc_chunk_way(dim, vector_only):
+            return 0
 
-    assert not native.supports_chunk(NoTiles(), q, kn, vn, kp, vp)
+    assert not native.supports_chunk(NoWay(), q, kn, vn, kp, vp)
+    assert native.chunk_way(None, 64) is native.CHUNK_NONE
 
 
-def test_a_refused_call_raises_instead_of_writing(lib):
+def test_a_refused_call_raises_instead_of_writing(lib, way):
     q, kp, vp, kn, vn = case(2, 4, 8, 40, 48)  # a head size the kernel does not take, past the check
     with pytest.raises(ValueError, match="chunk kernel refused"):
-        native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125)
+        native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, **way)
 
 
-def head64_model():
+def head64_model(head_dim: int = 64):
     """A two-layer Qwen2 with 64-wide heads (the tiny presets' are 16 wide, which the kernel does not take)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=1024,
                       initializer_range=0.15, tie_word_embeddings=True, attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -147,14 +172,17 @@ def head64_model():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_engine_chunks_run_on_the_kernel_and_stay_bit_identical_to_cache_off(lib, monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_engine_chunks_run_on_the_kernel_and_stay_bit_identical_to_cache_off(lib, monkeypatch, head_dim):
     """bfloat16, exact schedule: with the cache on, later requests seed from the first one's pages and their
     chunks attend over them on the kernel; with it off, the same page-sized chunks attend over their own
     earlier pages on the kernel too. Every logits row is equal bit for bit."""
     calls = []
     real = native.chunk_attention
     monkeypatch.setattr(native, "chunk_attention", lambda *a, **kw: calls.append(a[2] is None) or real(*a, **kw))
-    model = head64_model()
+    if native.chunk_way(lib, head_dim) is native.CHUNK_NONE:
+        pytest.skip(f"no way of the kernel takes head size {head_dim} here")
+    model = head64_model(head_dim)
     rng = np.random.default_rng(0)
     prefix = rng.integers(2, 512, 56).tolist()
     prompts = [prefix + rng.integers(2, 512, n).tolist() for n in (20, 9, 30)] + [list(prefix)]
@@ -162,7 +190,8 @@ def test_engine_chunks_run_on_the_kernel_and_stay_bit_identical_to_cache_off(lib
     runs = {}
     for mode in ("on", "off"):
         eng = Engine(model, None, EngineConfig.exact(page_size=16, num_pages=64, cache_mode=mode))
-        assert "native-chunk" in eng.backend.split("+")
+        suffix = {native.CHUNK_TILES: "native-chunk", native.CHUNK_VECTOR: "native-chunk-vector"}
+        assert suffix[native.chunk_way(lib, head_dim)] in eng.backend.split("+")
         rec = record_logits(eng)
         calls.clear()
         outs = eng.generate([Request(p, sp, request_id=i) for i, p in enumerate(prompts)])

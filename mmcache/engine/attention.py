@@ -286,8 +286,8 @@ def _on_chunk_kernel(batch: PagedBatch, index: int, window: int | None, layer: i
     Writes the segment's rows of ``out`` and returns True; otherwise touches nothing and returns False."""
     seg, lib = batch.segments[index], batch.kernel
     heads, _, dim = q.shape
-    if (lib is None or not getattr(lib, "tiles", False) or q.dtype != torch.bfloat16
-            or dim not in native.CHUNK_HEAD_DIMS or (window is not None and seg.ctx_len > window)):
+    if (lib is None or q.dtype != torch.bfloat16 or native.chunk_way(lib, dim) is native.CHUNK_NONE
+            or (window is not None and seg.ctx_len > window)):
         return False
     kv_heads, n = k.shape[0], seg.q_len
     stacked = q[:, seg.rows].reshape(kv_heads, -1, dim)

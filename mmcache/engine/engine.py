@@ -45,6 +45,8 @@ from .sequence import CFG, MAIN, LiveRequest
 
 _log = logging.getLogger("mmcache.engine")
 PACKING_HEADROOM = 0.9  # pack only when the packed copy and the KV pool fit in this share of available memory
+# The chunk kernel's two ways differ in the last bits (their sums run in other orders), so each names the backend.
+_CHUNK_SUFFIX = {native.CHUNK_TILES: "+native-chunk", native.CHUNK_VECTOR: "+native-chunk-vector", native.CHUNK_NONE: ""}
 
 
 def _packing_room(need: int, pool: int) -> str | None:
@@ -126,7 +128,8 @@ class Engine:
         # part of the backend's name.
         self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
                         + ("+native-decode" if decode_kernel is not None else "")
-                        + ("+native-chunk" if getattr(decode_kernel, "tiles", False) else "")
+                        + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]
+                           if a.dtype == torch.bfloat16 else "")
                         + ("+native-norm" if a.num_native_norms else ""))
         self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
                                        attention_backend=self.backend, page_size=config.page_size)

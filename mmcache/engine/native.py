@@ -61,7 +61,9 @@ HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
 MAX_GROUP, MAX_HEAD_DIM = 16, 512
-CHUNK_HEAD_DIMS = (32, 64)
+#: What ``chunk_way`` returns: the chunk kernel's products on the tile unit (AMX), on the vector unit (AVX-512
+#: BF16 dot products, for CPUs without tiles), or not at all (ATen's path).
+CHUNK_TILES, CHUNK_VECTOR, CHUNK_NONE = "tiles", "vector", None
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _log = logging.getLogger("mmcache.native")
 
@@ -151,8 +153,10 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn = lib.mmc_chunk_attention
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ptr, ptr, ctypes.c_int]
+                   ptr, ptr, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.mmc_chunk_way.argtypes = [i64, ctypes.c_int]
+    lib.mmc_chunk_way.restype = ctypes.c_int
     fn = lib.mmc_rms_norm
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -204,14 +208,24 @@ def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
             and 1 <= group <= MAX_GROUP and 16 <= dim <= MAX_HEAD_DIM and dim % 16 == 0)
 
 
+def chunk_way(lib: ctypes.CDLL | None, dim: int, vector_only: bool = False) -> str | None:
+    """How ``chunk_attention`` runs a head size of ``dim`` in this process: ``CHUNK_TILES`` (d 32 or 64 where
+    the tile unit is granted), ``CHUNK_VECTOR`` (d a multiple of 32 up to 128, on CPUs with AVX-512 BF16), or
+    ``CHUNK_NONE``. ``vector_only`` leaves the tile unit out (what the tests compare it with)."""
+    if lib is None:
+        return CHUNK_NONE
+    return {2: CHUNK_TILES, 1: CHUNK_VECTOR}.get(lib.mmc_chunk_way(int(dim), int(vector_only)), CHUNK_NONE)
+
+
 def supports_chunk(lib: ctypes.CDLL, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                   k_prefix: torch.Tensor | None = None, v_prefix: torch.Tensor | None = None) -> bool:
+                   k_prefix: torch.Tensor | None = None, v_prefix: torch.Tensor | None = None,
+                   vector_only: bool = False) -> bool:
     """Whether ``chunk_attention`` takes queries ``q`` (kv_heads, G * n, d) with the chunk's own keys and values
     ``k_new``/``v_new`` (kv_heads, n, d) and optionally cached ones ``k_prefix``/``v_prefix`` (kv_heads, S, d):
-    bfloat16 on a CPU whose tile unit this process may use, d 32 or 64, each key and value row contiguous
-    (heads may lie apart, and the chunk's own rows too: views of the pool and of the step's keys)."""
+    bfloat16 on a CPU, a head size ``chunk_way`` takes, each key and value row contiguous (heads may lie apart,
+    and the chunk's own rows too: views of the pool and of the step's keys)."""
     dim = q.shape[-1]
-    if not (getattr(lib, "tiles", False) and dim in CHUNK_HEAD_DIMS and q.device.type == "cpu"
+    if not (chunk_way(lib, dim, vector_only) is not CHUNK_NONE and q.device.type == "cpu"
             and q.dtype == torch.bfloat16 and q.dim() == 3):
         return False
     parts = [k_new, v_new] + ([] if k_prefix is None and v_prefix is None else [k_prefix, v_prefix])
@@ -226,8 +240,8 @@ def supports_chunk(lib: ctypes.CDLL, q: torch.Tensor, k_new: torch.Tensor, v_new
 
 
 def chunk_attention(lib: ctypes.CDLL, q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tensor | None,
-                    k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
-                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    k_new: torch.Tensor, v_new: torch.Tensor, scale: float, threads: int | None = None,
+                    vector_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a prefill chunk of ``n`` tokens: ``q`` (kv_heads, G * n, d) holds each KV head's ``G`` query
     heads one after another (row ``r`` is token ``r % n``); every row sees all ``S`` cached keys ``k_prefix``
     (kv_heads, S, d; None when the chunk starts the sequence) and the chunk's own keys ``k_new`` (kv_heads, n, d)
@@ -247,7 +261,7 @@ def chunk_attention(lib: ctypes.CDLL, q: torch.Tensor, k_prefix: torch.Tensor | 
                                  0 if k_prefix is None else k_prefix.stride(0),
                                  0 if v_prefix is None else v_prefix.stride(0), k_new.stride(0), v_new.stride(0),
                                  k_new.stride(1), v_new.stride(1), float(scale), out.data_ptr(), lse.data_ptr(),
-                                 threads or torch.get_num_threads())
+                                 threads or torch.get_num_threads(), int(vector_only))
     if rc != 0:
         raise ValueError(f"chunk kernel refused its arguments (code {rc}): queries {tuple(q.shape)}, cached keys "
                          f"{cached}, own keys {tuple(k_new.shape)}")

@@ -326,25 +326,33 @@ static void run_task(const struct job *b, int64_t j, int64_t h, float *s) {
            b->D, b->S, b->scale, s, b->out + row, b->dtype);
 }
 
-#if defined(HAVE_AMX) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 /* Chunk attention: a prefill chunk of n tokens per sequence, its query heads stacked per KV head into R = G n
  * rows (row r is token r % n), over the S cached keys before the chunk, which every row sees whole, and the
  * chunk's own n keys, of which token i sees 0 .. i (causal). The cached keys' rows lie D apart, the chunk's own
- * kn_row and vn_row apart (the step's keys of all heads side by side). Both products run on the tile unit,
- * head size D of 32 or 64. Per (KV head, block of 16 rows): scores S^T = K Q^T in tiles of 16 keys x 16 rows
- * (keys as the A operand read in place, the rows' transpose packed once as B), each row's maximum taken while
- * the scores are still in L1; then e^(scale (s - max)) summed in float32 and rounded to bfloat16 in key pairs
- * (the B layout of the second product; ATen's flash kernel rounds them for bfloat16 inputs too), then
- * out^T = V^T P^T in tiles of 16 dims x 16 rows over 32 keys at a time, V^T packed once per call. Key blocks
- * past the block's last visible key are skipped. Writes out (float32, divided by the sum) and
- * lse = scale max + log(sum). */
+ * kn_row and vn_row apart (the step's keys of all heads side by side). Per (KV head, block of 16 rows): scores
+ * S^T = K Q^T, 16 keys x 16 rows at a time (the rows' transpose packed once per block, in dimension pairs),
+ * each row's maximum taken while the scores are still in L1; then e^(scale (s - max)) summed in float32 and
+ * rounded to bfloat16 in key pairs (ATen's flash kernel rounds them for bfloat16 inputs too), then
+ * out^T = V^T P^T, 16 dims x 16 rows at a time, the values packed once per call. Key blocks past the block's last
+ * visible key are skipped. Writes out (float32, divided by the sum) and lse = scale max + log(sum).
+ *
+ * The two products run one of two ways, chosen per call: on the tile unit (AMX; head size D of 32 or 64; keys
+ * as the A operand read in place), or on the vector unit with AVX-512 BF16 dot products (vdpbf16ps; each lane
+ * one of the block's rows, a key's or a value's dimension pair broadcast; D a multiple of 32 up to 128), for
+ * CPUs without tiles. Each way sums a score and an output in its own fixed order, so a row's bits depend on the
+ * way, its query, its token and the keys and values, never on the other rows of its call; a process takes the
+ * same way for every call of a shape. */
 struct chunk_job {
     const uint16_t *q, *k, *v, *kn, *vn; /* k, v: the S cached keys; kn, vn: the chunk's own n */
     int64_t R, S, n, T, TP, D, k_head, v_head, kn_head, vn_head, kn_row, vn_row; /* strides in elements */
     float scale;
-    uint16_t *vt; /* (H, D, TP): V transposed, cached keys then the chunk's, zero past T = S + n */
+    uint16_t *vt; /* per head D * TP values, cached keys then the chunk's, zero past T = S + n: on the tile unit
+                   * V^T (D, TP), on the vector unit key pairs (TP / 2, D, 2) */
     float *out, *lse;
 };
+
+#define CHUNK_MAX_D 128
 
 /* Key u of the concatenation (cached, then the chunk's own), u < T. */
 static inline const uint16_t *key_row(const struct chunk_job *b, int64_t h, int64_t u) {
@@ -368,30 +376,102 @@ static inline const char *key_rows(const struct chunk_job *b, int64_t h, int64_t
     return (const char *)tail;
 }
 
-static void chunk_block(const struct chunk_job *b, int64_t h, int64_t r0, float *s, uint16_t *pt, float *ot) {
-    const int64_t D = b->D, S = b->S, nr = b->R - r0 < 16 ? b->R - r0 : 16, ks = D * 2;
-    const int nb = (int)(D / 32);
+/* What one block of rows r0 .. r0+nr-1 sees. */
+struct chunk_rows {
+    int nr;
+    int32_t tok[16];  /* each row's token (rows past R: the last token, which sees everything) */
+    int64_t limit;    /* keys 0 .. limit-1 are visible to some row of the block */
+    int64_t masked;   /* keys from here on are hidden from some row */
+    int64_t L32;      /* limit rounded up to whole 32-key blocks */
+};
+
+/* The block's geometry, and its queries transposed in dimension pairs: qt[p] holds, for each of the 16 rows,
+ * dimensions 2p and 2p+1 (zero for rows past R). */
+static void chunk_rows_of(const struct chunk_job *b, int64_t h, int64_t r0, struct chunk_rows *w,
+                          uint16_t (*qt)[32]) {
+    const int64_t D = b->D;
+    w->nr = (int)(b->R - r0 < 16 ? b->R - r0 : 16);
     const uint16_t *q = b->q + (h * b->R + r0) * D;
-    uint16_t qt[2][16][32] __attribute__((aligned(64)));
-    for (int c = 0; c < nb; c++)
-        for (int r = 0; r < 16; r++)
-            for (int g = 0; g < 16; g++)
-                for (int e = 0; e < 2; e++) qt[c][r][2 * g + e] = g < nr ? q[g * D + 32 * c + 2 * r + e] : 0;
-    _tile_loadd(2, qt[0], 64);
-    if (nb > 1) _tile_loadd(3, qt[1], 64);
-    /* token of each row (rows past R: the last token, which sees everything) and what the block sees */
-    int32_t tok[16];
+    for (int64_t p = 0; p < D / 2; p++)
+        for (int g = 0; g < 16; g++)
+            for (int e = 0; e < 2; e++) qt[p][2 * g + e] = g < w->nr ? q[g * D + 2 * p + e] : 0;
     int64_t lo = b->n - 1, hi = 0;
     for (int g = 0; g < 16; g++) {
-        tok[g] = (int32_t)(g < nr ? (r0 + g) % b->n : b->n - 1);
-        if (g < nr && tok[g] < lo) lo = tok[g];
-        if (g < nr && tok[g] > hi) hi = tok[g];
+        w->tok[g] = (int32_t)(g < w->nr ? (r0 + g) % b->n : b->n - 1);
+        if (g < w->nr && w->tok[g] < lo) lo = w->tok[g];
+        if (g < w->nr && w->tok[g] > hi) hi = w->tok[g];
     }
-    const __m512i tokv = _mm512_loadu_si512(tok);
-    const int64_t limit = S + hi + 1, masked_from = S + lo + 1, L32 = (limit + 31) / 32 * 32;
-    uint16_t tail[16 * 64] __attribute__((aligned(64)));
+    w->limit = b->S + hi + 1;
+    w->masked = b->S + lo + 1;
+    w->L32 = (w->limit + 31) / 32 * 32;
+}
+
+/* Scores of keys t .. t+15 (already in s) hidden from rows whose token is before them set to -inf; returns the
+ * lanes' running maximum m updated with them. */
+static inline __m512 mask_and_max(const struct chunk_job *b, const struct chunk_rows *w, int64_t t, float *s,
+                                  __m512 m) {
+    const __m512i tokv = _mm512_loadu_si512(w->tok);
     const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
-    __m512 m = ninf; /* each row's largest visible score */
+    for (int64_t i = t; i < t + 16; i++) {
+        __m512 x = _mm512_load_ps(s + i * 16);
+        if (i >= w->masked) /* key i - S of the chunk, seen by rows whose token is at least that */
+            x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(i - b->S)), tokv), ninf);
+        _mm512_store_ps(s + i * 16, x);
+        m = _mm512_max_ps(m, x);
+    }
+    return m;
+}
+
+/* Scores s (keys 0 .. limit-1, each key 16 lanes, one per row) to probabilities pt in the second product's
+ * layout (each pair of keys: the 16 rows' two bfloat16 side by side); *sum gets each row's sum of e, *msc its
+ * scaled maximum. */
+static void chunk_softmax(const struct chunk_job *b, const struct chunk_rows *w, float *s, __m512 m,
+                          uint16_t *pt, __m512 *sum, __m512 *msc) {
+    const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t i = w->limit; i < w->L32; i++) _mm512_store_ps(s + i * 16, ninf);
+    const __m512 sc = _mm512_set1_ps(b->scale);
+    *msc = _mm512_mul_ps(m, sc);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < w->L32; i += 2) {
+        __m512 e0 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + i * 16), sc, *msc), 5);
+        __m512 e1 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + (i + 1) * 16), sc, *msc), 5);
+        total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 bfloat16 then e1's */
+        _mm512_store_si512(pt + i * 16, _mm512_permutexvar_epi16(pairs, both));
+    }
+    *sum = total;
+}
+
+/* ot (D x 16: out^T) divided by each row's sum into out, and each row's log-sum-exp. */
+static void chunk_finish(const struct chunk_job *b, const struct chunk_rows *w, int64_t h, int64_t r0,
+                         const float *ot, __m512 sum, __m512 msc) {
+    const int64_t D = b->D;
+    float l[16], mx[16];
+    _mm512_storeu_ps(l, sum);
+    _mm512_storeu_ps(mx, msc);
+    float *out = b->out + (h * b->R + r0) * D, *lse = b->lse + h * b->R + r0;
+    for (int g = 0; g < w->nr; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = ot[d * 16 + g] * inv;
+        lse[g] = mx[g] + logf(l[g]);
+    }
+}
+
+#if defined(HAVE_AMX)
+static void chunk_block_tiles(const struct chunk_job *b, int64_t h, int64_t r0, float *s, uint16_t *pt,
+                              float *ot) {
+    const int64_t D = b->D, S = b->S, ks = D * 2;
+    const int nb = (int)(D / 32);
+    uint16_t qt[CHUNK_MAX_D / 2][32] __attribute__((aligned(64)));
+    struct chunk_rows w;
+    chunk_rows_of(b, h, r0, &w, qt);
+    _tile_loadd(2, qt[0], 64);
+    if (nb > 1) _tile_loadd(3, qt[16], 64);
+    const int64_t limit = w.limit, masked_from = w.masked, L32 = w.L32;
+    uint16_t tail[16 * CHUNK_MAX_D] __attribute__((aligned(64)));
+    __m512 m = _mm512_set1_ps(-__builtin_inff()); /* each row's largest visible score */
     int64_t t = 0;
     /* four blocks of 16 cached keys at a time in tiles 4..7, so the products overlap */
     for (const char *k = (const char *)(b->k + h * b->k_head); t + 64 <= S && t + 64 <= masked_from; t += 64) {
@@ -423,26 +503,10 @@ static void chunk_block(const struct chunk_job *b, int64_t h, int64_t r0, float 
         _tile_dpbf16ps(1, 0, 2);
         if (nb > 1) { _tile_loadd(0, krow + 64, stride); _tile_dpbf16ps(1, 0, 3); }
         _tile_stored(1, s + t * 16, 64);
-        for (int64_t i = t; i < t + 16; i++) {
-            __m512 x = _mm512_load_ps(s + i * 16);
-            if (i >= masked_from) /* key i - S of the chunk, seen by rows whose token is at least that */
-                x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(i - S)), tokv), ninf);
-            _mm512_store_ps(s + i * 16, x);
-            m = _mm512_max_ps(m, x);
-        }
+        m = mask_and_max(b, &w, t, s, m);
     }
-    for (int64_t i = limit; i < L32; i++) _mm512_store_ps(s + i * 16, ninf);
-    const __m512 sc = _mm512_set1_ps(b->scale), msc = _mm512_mul_ps(m, sc);
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < L32; i += 2) {
-        __m512 e0 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + i * 16), sc, msc), 5);
-        __m512 e1 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + (i + 1) * 16), sc, msc), 5);
-        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 bfloat16 then e1's */
-        _mm512_store_si512(pt + i * 16, _mm512_permutexvar_epi16(pairs, both));
-    }
+    __m512 sum, msc;
+    chunk_softmax(b, &w, s, m, pt, &sum, &msc);
     const int64_t TP = b->TP;
     const uint16_t *vt = b->vt + h * D * TP; /* C tiles 4..7: dims 0..63 (4 and 5 only at D = 32) */
     const int wide = D == 64;
@@ -461,15 +525,68 @@ static void chunk_block(const struct chunk_job *b, int64_t h, int64_t r0, float 
     _tile_stored(4, ot, 64);
     _tile_stored(5, ot + 256, 64);
     if (wide) { _tile_stored(6, ot + 512, 64); _tile_stored(7, ot + 768, 64); }
-    float l[16], mx[16];
-    _mm512_storeu_ps(l, sum);
-    _mm512_storeu_ps(mx, msc);
-    float *out = b->out + (h * b->R + r0) * D, *lse = b->lse + h * b->R + r0;
-    for (int g = 0; g < nr; g++) {
-        const float inv = 1.0f / l[g];
-        for (int64_t d = 0; d < D; d++) out[g * D + d] = ot[d * 16 + g] * inv;
-        lse[g] = mx[g] + logf(l[g]);
+    chunk_finish(b, &w, h, r0, ot, sum, msc);
+}
+#endif /* HAVE_AMX */
+
+/* 16 keys' scores for the block's 16 rows: s[i][g] = sum over dimension pairs p of q_g . key i, p ascending. */
+static inline __attribute__((always_inline)) void vector_scores16(const uint16_t (*qt)[32], const int64_t pairs,
+                                                                  const char *krow, int64_t stride, float *s) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh qv = (__m512bh)_mm512_load_si512(qt[p]);
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], qv,
+                                      (__m512bh)_mm512_set1_epi32(*(const int32_t *)(krow + i * stride + 4 * p)));
     }
+    for (int i = 0; i < 16; i++) _mm512_store_ps(s + i * 16, acc[i]);
+}
+
+/* out^T for dims d0 .. d0+15 of the block's 16 rows: the sum over key pairs j < L32 / 2, j ascending, of the
+ * rows' probabilities of keys 2j, 2j+1 times those keys' values. */
+static inline __attribute__((always_inline)) void vector_mix16(const uint16_t *pt, const uint16_t *vp, int64_t D,
+                                                               int64_t d0, int64_t L32, float *ot) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const int32_t *vd = (const int32_t *)vp + d0; /* key pair j's dimensions d0 .. d0+15: one cache line */
+    for (int64_t j = 0; j < L32 / 2; j++, vd += D) {
+        const __m512bh pv = (__m512bh)_mm512_load_si512(pt + j * 32);
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], pv, (__m512bh)_mm512_set1_epi32(vd[i]));
+    }
+    for (int i = 0; i < 16; i++) _mm512_store_ps(ot + (d0 + i) * 16, acc[i]);
+}
+
+static void chunk_block_vector(const struct chunk_job *b, int64_t h, int64_t r0, float *s, uint16_t *pt,
+                               float *ot) {
+    const int64_t D = b->D;
+    uint16_t qt[CHUNK_MAX_D / 2][32] __attribute__((aligned(64)));
+    uint16_t tail[16 * CHUNK_MAX_D] __attribute__((aligned(64)));
+    struct chunk_rows w;
+    chunk_rows_of(b, h, r0, &w, qt);
+    __m512 m = _mm512_set1_ps(-__builtin_inff()); /* each row's largest visible score */
+    for (int64_t t = 0; t < w.limit; t += 16) {
+        int64_t stride;
+        const char *krow = key_rows(b, h, t, tail, &stride);
+        vector_scores16((const uint16_t(*)[32])qt, D / 2, krow, stride, s + t * 16);
+        m = mask_and_max(b, &w, t, s, m);
+    }
+    __m512 sum, msc;
+    chunk_softmax(b, &w, s, m, pt, &sum, &msc);
+    const uint16_t *vp = b->vt + h * D * b->TP;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) vector_mix16(pt, vp, D, d0, w.L32, ot);
+    chunk_finish(b, &w, h, r0, ot, sum, msc);
+}
+
+/* Which way a call with head size D runs: 2 on the tile unit, 1 on the vector unit, 0 neither (the caller uses
+ * another path). vector_only: never the tile unit (tests compare the two ways). */
+static int chunk_way(int64_t D, int vector_only) {
+#if defined(HAVE_AMX)
+    if (!vector_only && amx_ready && (D == 32 || D == 64)) return 2;
+#else
+    (void)vector_only;
+#endif
+    return D >= 32 && D <= CHUNK_MAX_D && D % 32 == 0 ? 1 : 0;
 }
 
 /* Returns 0; 1 when the shape is outside what this kernel handles; 2 when memory ran out. k and v may be null
@@ -477,9 +594,9 @@ static void chunk_block(const struct chunk_job *b, int64_t h, int64_t r0, float 
 int mmc_chunk_attention(const void *q, const void *k, const void *v, const void *kn, const void *vn, int64_t H,
                         int64_t R, int64_t S, int64_t n, int64_t D, int64_t k_head, int64_t v_head, int64_t kn_head,
                         int64_t vn_head, int64_t kn_row, int64_t vn_row, float scale, float *out, float *lse,
-                        int nthreads) {
-    if (!amx_ready || (D != 32 && D != 64) || S < 0 || n < 1 || R < 1 || R % n || H < 1 || (S && (!k || !v)))
-        return 1;
+                        int nthreads, int vector_only) {
+    const int way = chunk_way(D, vector_only);
+    if (!way || S < 0 || n < 1 || R < 1 || R % n || H < 1 || (S && (!k || !v))) return 1;
     const int64_t T = S + n, TP = (T + 31) / 32 * 32;
     uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)(H * D * TP) * 2);
     if (!vt) return 2;
@@ -491,36 +608,59 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < H * (TP / 32); i++) { /* V^T, 32 keys of one head at a time (read from L1) */
+        for (int64_t i = 0; i < H * (TP / 32); i++) { /* the values packed, 32 keys of one head at a time */
             const int64_t h = i / (TP / 32), t0 = i % (TP / 32) * 32;
-            uint16_t *dst = vt + h * D * TP + t0;
             const uint16_t *src[32];
             for (int j = 0; j < 32; j++)
                 src[j] = t0 + j < S ? job.v + h * v_head + (t0 + j) * D
                          : t0 + j < T ? job.vn + h * vn_head + (t0 + j - S) * vn_row : 0;
-            for (int64_t d = 0; d < D; d++) /* row d of V^T: 32 keys side by side */
-                for (int j = 0; j < 32; j++) dst[d * TP + j] = src[j] ? src[j][d] : 0;
+            if (way == 2) { /* V^T: row d holds the keys side by side (read from L1) */
+                uint16_t *dst = vt + h * D * TP + t0;
+                for (int64_t d = 0; d < D; d++)
+                    for (int j = 0; j < 32; j++) dst[d * TP + j] = src[j] ? src[j][d] : 0;
+            } else { /* pairs: for keys 2j, 2j+1, each dimension's two values side by side */
+                uint16_t *dst = vt + h * D * TP + t0 * D;
+                for (int j = 0; j < 32; j += 2, dst += 2 * D)
+                    for (int64_t d = 0; d < D; d++) {
+                        dst[2 * d] = src[j] ? src[j][d] : 0;
+                        dst[2 * d + 1] = src[j + 1] ? src[j + 1][d] : 0;
+                    }
+            }
         }
         float *sc = (float *)aligned_alloc(64, sizeof(float) * 16 * (size_t)TP);
         uint16_t *pt = (uint16_t *)aligned_alloc(64, 2 * 16 * (size_t)TP);
-        float *ot = (float *)aligned_alloc(64, sizeof(float) * 16 * 64);
+        float *ot = (float *)aligned_alloc(64, sizeof(float) * 16 * CHUNK_MAX_D);
         if (!sc || !pt || !ot) {
 #pragma omp atomic write
             failed = 1;
         }
-        struct __attribute__((aligned(64))) {
-            uint8_t palette, start_row, reserved[14];
-            uint16_t colsb[16];
-            uint8_t rows[16];
-        } cfg = {0};
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg);
+#if defined(HAVE_AMX)
+        if (way == 2) {
+            struct __attribute__((aligned(64))) {
+                uint8_t palette, start_row, reserved[14];
+                uint16_t colsb[16];
+                uint8_t rows[16];
+            } cfg = {0};
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+            _tile_loadconfig(&cfg);
+        }
+#endif
         /* Rows late in the chunk see more keys: hand the blocks out a few at a time. */
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < tasks; task++)
-            if (sc && pt && ot) chunk_block(&job, task / blocks, task % blocks * 16, sc, pt, ot);
-        _tile_release();
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!sc || !pt || !ot) continue;
+#if defined(HAVE_AMX)
+            if (way == 2) {
+                chunk_block_tiles(&job, task / blocks, task % blocks * 16, sc, pt, ot);
+                continue;
+            }
+#endif
+            chunk_block_vector(&job, task / blocks, task % blocks * 16, sc, pt, ot);
+        }
+#if defined(HAVE_AMX)
+        if (way == 2) _tile_release();
+#endif
         free(sc);
         free(pt);
         free(ot);
@@ -528,16 +668,20 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
     free(vt);
     return failed ? 2 : 0;
 }
+
+int mmc_chunk_way(int64_t D, int vector_only) { return chunk_way(D, vector_only); }
 #else
 int mmc_chunk_attention(const void *q, const void *k, const void *v, const void *kn, const void *vn, int64_t H,
                         int64_t R, int64_t S, int64_t n, int64_t D, int64_t k_head, int64_t v_head, int64_t kn_head,
                         int64_t vn_head, int64_t kn_row, int64_t vn_row, float scale, float *out, float *lse,
-                        int nthreads) {
+                        int nthreads, int vector_only) {
     (void)kn_row, (void)vn_row, (void)q, (void)k, (void)v, (void)kn, (void)vn, (void)H, (void)R, (void)S, (void)n;
-    (void)D, (void)k_head;
+    (void)D, (void)k_head, (void)vector_only;
     (void)v_head, (void)kn_head, (void)vn_head, (void)scale, (void)out, (void)lse, (void)nthreads;
     return 1;
 }
+
+int mmc_chunk_way(int64_t D, int vector_only) { (void)D, (void)vector_only; return 0; }
 #endif
 
 /* Called once after loading, before any other call: returns 1 where scores run on the tile unit (AMX), else 0. */
