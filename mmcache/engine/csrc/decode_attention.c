@@ -529,9 +529,11 @@ static void chunk_block_tiles(const struct chunk_job *b, int64_t h, int64_t r0, 
 }
 #endif /* HAVE_AMX */
 
-/* 16 keys' scores for the block's 16 rows: s[i][g] = sum over dimension pairs p of q_g . key i, p ascending. */
-static inline __attribute__((always_inline)) void vector_scores16(const uint16_t (*qt)[32], const int64_t pairs,
-                                                                  const char *krow, int64_t stride, float *s) {
+/* 16 keys' scores for the block's 16 rows: s[i][g] = sum over dimension pairs p of q_g . key i, p ascending.
+ * Returns m updated with them (the caller masks blocks some row may not see, and takes their maximum after). */
+static inline __attribute__((always_inline)) __m512 vector_scores16(const uint16_t (*qt)[32], const int64_t pairs,
+                                                                    const char *krow, int64_t stride, float *s,
+                                                                    __m512 m) {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
@@ -540,7 +542,11 @@ static inline __attribute__((always_inline)) void vector_scores16(const uint16_t
             acc[i] = _mm512_dpbf16_ps(acc[i], qv,
                                       (__m512bh)_mm512_set1_epi32(*(const int32_t *)(krow + i * stride + 4 * p)));
     }
-    for (int i = 0; i < 16; i++) _mm512_store_ps(s + i * 16, acc[i]);
+    for (int i = 0; i < 16; i++) {
+        _mm512_store_ps(s + i * 16, acc[i]);
+        m = _mm512_max_ps(m, acc[i]);
+    }
+    return m;
 }
 
 /* out^T for dims d0 .. d0+15 of the block's 16 rows: the sum over key pairs j < L32 / 2, j ascending, of the
@@ -568,8 +574,12 @@ static void chunk_block_vector(const struct chunk_job *b, int64_t h, int64_t r0,
     for (int64_t t = 0; t < w.limit; t += 16) {
         int64_t stride;
         const char *krow = key_rows(b, h, t, tail, &stride);
-        vector_scores16((const uint16_t(*)[32])qt, D / 2, krow, stride, s + t * 16);
-        m = mask_and_max(b, &w, t, s, m);
+        if (t + 16 <= w.masked) { /* every row sees these keys */
+            m = vector_scores16((const uint16_t(*)[32])qt, D / 2, krow, stride, s + t * 16, m);
+        } else {
+            vector_scores16((const uint16_t(*)[32])qt, D / 2, krow, stride, s + t * 16, m);
+            m = mask_and_max(b, &w, t, s, m);
+        }
     }
     __m512 sum, msc;
     chunk_softmax(b, &w, s, m, pt, &sum, &msc);
@@ -620,10 +630,15 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
                     for (int j = 0; j < 32; j++) dst[d * TP + j] = src[j] ? src[j][d] : 0;
             } else { /* pairs: for keys 2j, 2j+1, each dimension's two values side by side */
                 uint16_t *dst = vt + h * D * TP + t0 * D;
+                const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                    39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+                const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
                 for (int j = 0; j < 32; j += 2, dst += 2 * D)
-                    for (int64_t d = 0; d < D; d++) {
-                        dst[2 * d] = src[j] ? src[j][d] : 0;
-                        dst[2 * d + 1] = src[j + 1] ? src[j + 1][d] : 0;
+                    for (int64_t d = 0; d < D; d += 32) { /* D is a multiple of 32 on this way */
+                        const __m512i a = src[j] ? _mm512_loadu_si512(src[j] + d) : _mm512_setzero_si512();
+                        const __m512i c = src[j + 1] ? _mm512_loadu_si512(src[j + 1] + d) : _mm512_setzero_si512();
+                        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, lo, c));
+                        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, c));
                     }
             }
         }
