@@ -130,10 +130,12 @@ def test_supports_only_what_the_kernel_takes(lib):
     q, kp, vp, kn, vn = case(2, 4, 8, 40, 64)
     assert native.supports_chunk(lib, q, kn, vn, kp, vp) and native.supports_chunk(lib, q, kn, vn)
     assert not native.supports_chunk(lib, q.float(), kn.float(), vn.float())  # bfloat16 only
-    vector = native.chunk_way(lib, 64, vector_only=True) is native.CHUNK_VECTOR
-    for dim in (16, 48, 96, 128, 160):
-        takes = dim in (32, 64) or (vector and dim in (96, 128))  # the tile unit: 32 and 64 only
-        assert native.supports_chunk(lib, *case(2, 4, 8, 0, dim)[::3], case(2, 4, 8, 0, dim)[4]) == takes
+    tiles = native.chunk_way(lib, 64) is native.CHUNK_TILES
+    for dim in (16, 32, 48, 64, 96, 128, 160):
+        parts = case(2, 4, 8, 0, dim)[::3] + (case(2, 4, 8, 0, dim)[4],)
+        # where the tile unit is granted, 32 and 64 only (others stay on ATen); the vector way: 32 to 128
+        assert native.supports_chunk(lib, *parts) == (dim in ((32, 64) if tiles else (32, 64, 96, 128)))
+        assert native.supports_chunk(lib, *parts, vector_only=True) == (dim in (32, 64, 96, 128))
     rows_apart = kn.transpose(1, 2).contiguous().transpose(1, 2)
     assert not native.supports_chunk(lib, q, rows_apart, vn)
     assert not native.supports_chunk(lib, q, kn[:1], vn[:1])  # another number of KV heads

@@ -1,6 +1,7 @@
 """The engine's compiled CPU kernels (``csrc/``), built on first use into one library: paged decode attention
-and, where the CPU has AMX tiles, the attention of a bfloat16 prefill chunk over its cached prefix and its own
-keys (``chunk_attention``), both in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
+and the attention of a bfloat16 prefill chunk over its cached prefix and its own keys (``chunk_attention``, its
+products on the AMX tile unit where the CPU grants it, else with AVX-512 BF16 dot products: ``chunk_way``), both
+in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
 (``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``); and its rotary position embedding, with the
 same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``).
 
@@ -10,7 +11,7 @@ pages as one tensor. The kernel here attends every decoding sequence of a step i
 keys and values where they lie in the page pool through each sequence's page table, in parallel over
 (sequence, KV head).
 
-It is C with AVX-512 intrinsics (and AMX tiles for bfloat16 scores where the CPU has them), compiled at run
+It is C with AVX-512 intrinsics (AVX-512 BF16 and AMX tiles for bfloat16 where the CPU has them), compiled at run
 time with the machine's C compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into a per-user
 cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``, else ``~/.cache/mmcache``) and loaded with
 ``ctypes``; nothing beyond torch is imported. An engine asks for it once, when it is built (``Engine``), and
@@ -24,10 +25,12 @@ why once), ``off`` (always ATen), ``require`` (raise ``NativeKernelUnavailable``
 
 For a head size of 64, ATen's flash kernel spends most of a prefill chunk's attention moving scores through
 memory, and a chunk over a cached prefix takes two of its calls (the prefix, then the chunk's own keys) merged
-by their log-sum-exps. ``chunk_attention`` does both parts in one call: both products on the tile unit in
-blocks of 16 query rows, each block's running maximum kept while its scores are still in L1, the causal mask
-applied only on the key blocks that need it, and the probabilities handed to the second product already in
-the tile layout.
+by their log-sum-exps. ``chunk_attention`` does both parts in one call: both products in blocks of 16 query
+rows, each block's running maximum kept while its scores are still in L1, the causal mask applied only on the
+key blocks that need it, and the probabilities handed to the second product already in its layout. The
+products run on the tile unit (head sizes 32 and 64) where the CPU grants it, else on the vector unit with
+AVX-512 BF16 dot products, one lane per query row (head sizes 32 to 128); each way has its own summation
+order, so the backend names it.
 
 Invariants: ``decode_attention`` returns, for every sequence and KV head, a result that depends only on that
 sequence's queries, pages and bounds (so a decode gives the same bits alone or beside others, and with or
@@ -210,8 +213,9 @@ def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def chunk_way(lib: ctypes.CDLL | None, dim: int, vector_only: bool = False) -> str | None:
     """How ``chunk_attention`` runs a head size of ``dim`` in this process: ``CHUNK_TILES`` (d 32 or 64 where
-    the tile unit is granted), ``CHUNK_VECTOR`` (d a multiple of 32 up to 128, on CPUs with AVX-512 BF16), or
-    ``CHUNK_NONE``. ``vector_only`` leaves the tile unit out (what the tests compare it with)."""
+    the tile unit is granted; other sizes there stay on ATen), ``CHUNK_VECTOR`` (d a multiple of 32 up to 128,
+    on CPUs with AVX-512 BF16 and no granted tile unit), or ``CHUNK_NONE``. ``vector_only`` asks for the vector
+    way whatever the CPU grants (what the tests compare the tile way with)."""
     if lib is None:
         return CHUNK_NONE
     return {2: CHUNK_TILES, 1: CHUNK_VECTOR}.get(lib.mmc_chunk_way(int(dim), int(vector_only)), CHUNK_NONE)
