@@ -11,9 +11,10 @@ Two cases on the Qwen2.5-0.5B shape (14 query heads over 2 KV heads, head size 6
 * ``cold``: a cold 2,048-token prompt, one causal flash call with grouped query heads.
 
 The kernel runs the way this CPU gives it (``way`` in the JSON): its products on the tile unit (AMX) or, on CPUs
-without tiles, on the vector unit (AVX-512 BF16). Both sides return the chunk's output in the engine's layout (tokens, heads, d) in bfloat16. Each round times
-``--calls`` calls of one side, then of the other (the first side alternates from round to round); the figures
-are the medians over rounds of the time per call, and the median of the per-round ratios.
+without tiles, on the vector unit (AVX-512 BF16). Both sides return the chunk's output in the engine's layout
+(tokens, heads, d) in bfloat16. Each round times ``--calls`` calls of one side, then of the other (the first
+side alternates from round to round); the figures are the medians over rounds of the time per call, and the
+median of the per-round ratios.
 
 ``--engine N`` measures whole requests instead: one engine (``--preset``, bfloat16, page 128), N pairs; in each
 pair, each side in turn (alternating which goes first) serves a fresh 2,048-token prompt cold and then again (a

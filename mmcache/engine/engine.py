@@ -46,7 +46,8 @@ from .sequence import CFG, MAIN, LiveRequest
 _log = logging.getLogger("mmcache.engine")
 PACKING_HEADROOM = 0.9  # pack only when the packed copy and the KV pool fit in this share of available memory
 # The chunk kernel's two ways differ in the last bits (their sums run in other orders), so each names the backend.
-_CHUNK_SUFFIX = {native.CHUNK_TILES: "+native-chunk", native.CHUNK_VECTOR: "+native-chunk-vector", native.CHUNK_NONE: ""}
+_CHUNK_SUFFIX = {native.CHUNK_TILES: "+native-chunk", native.CHUNK_VECTOR: "+native-chunk-vector",
+                 native.CHUNK_NONE: ""}
 
 
 def _packing_room(need: int, pool: int) -> str | None:
