@@ -31,7 +31,7 @@ def way(request, lib):
     return {"vector_only": request.param == native.CHUNK_VECTOR}
 
 
-def ways_dims(lib, way, dim):
+def skip_unless_taken(lib, way, dim):
     """Skip a head size the way under test does not take (the tile unit: 32 and 64)."""
     if native.chunk_way(lib, dim, **way) is native.CHUNK_NONE:
         pytest.skip(f"head size {dim} is not on this way")
@@ -82,7 +82,7 @@ def aten(q, kp, vp, kn, vn, scale):
 def test_kernel_equals_float64_attention(lib, way, kv_heads, group, n, cached, dim):
     """The output within one bfloat16 rounding of the probabilities (about 2^-8 of the values) and no further
     from float64 than ATen's path with the same bfloat16 output, the log-sum-exp within float32 rounding."""
-    ways_dims(lib, way, dim)
+    skip_unless_taken(lib, way, dim)
     q, kp, vp, kn, vn = case(kv_heads, group, n, cached, dim)
     scale = dim ** -0.5
     out, lse = native.chunk_attention(lib, q, kp, vp, kn, vn, scale, **way)
@@ -115,7 +115,7 @@ def test_keys_and_values_read_in_place_from_views(lib, way):
 def test_a_row_gets_the_same_bits_in_any_company_and_on_any_threads(lib, way, dim):
     """A row's result depends on its query and token only: computed with all of its chunk's rows, with one
     thread, or with only some of the chunk's query heads, the same bits."""
-    ways_dims(lib, way, dim)
+    skip_unless_taken(lib, way, dim)
     q, kp, vp, kn, vn = case(2, 5, 24, 70, dim, seed=2)
     out, lse = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, **way)
     one = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, threads=1, **way)
