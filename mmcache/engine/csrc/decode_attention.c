@@ -1,7 +1,7 @@
 /* Paged decode attention for CPUs with AVX-512: one query token per sequence, its keys and values read where
- * they lie in the page pool (no gather, no padding, no mask). Also, on CPUs with AMX tiles, the prefix part of
- * a bfloat16 prefill chunk over its cached prefix and its own keys (mmc_chunk_attention, near the end of this
- * file).
+ * they lie in the page pool (no gather, no padding, no mask). Also, on CPUs with AMX tiles or AVX-512 BF16, the
+ * attention of a bfloat16 prefill chunk over its cached prefix and its own keys (mmc_chunk_attention, near the
+ * end of this file).
  *
  * Built and loaded at run time by mmcache/engine/native.py; the engine falls back to ATen when this file cannot
  * be compiled (no C compiler, no AVX-512).
