@@ -143,7 +143,9 @@ def test_the_kernel_builds_where_the_machine_can_run_it(monkeypatch, fresh_state
     assert native.build().exists()
     lib = native.library()
     assert lib is not None
-    assert native.status() == ("native (AMX scores)" if lib.tiles else "native")
+    vector = native.chunk_way(lib, 64) == native.CHUNK_VECTOR
+    assert native.status() == ("native (AMX scores)" if lib.tiles
+                               else "native (prefill chunks on AVX-512 BF16)" if vector else "native")
     assert not lib.tiles or {"amx_tile", "amx_bf16"} <= set(flags)  # tiles only where the CPU has them
     # ... and wherever it has them (Linux grants them on request since 5.16), so that the chunk kernel's tests,
     # which skip without tiles, cannot hide a kernel that stopped asking for them.

@@ -189,11 +189,14 @@ def library() -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """What decode attention runs on in this process: ``native``, or ``aten (why)``."""
+    """What decode attention runs on in this process: ``native`` (with what the tile unit or AVX-512 BF16 adds:
+    AMX scores and prefill chunks on the tile unit, or prefill chunks on the vector way), or ``aten (why)``."""
     try:
         lib = library()
         if lib is not None:
-            return "native (AMX scores)" if lib.tiles else "native"
+            if lib.tiles:
+                return "native (AMX scores)"
+            return "native (prefill chunks on AVX-512 BF16)" if chunk_way(lib, 64) is CHUNK_VECTOR else "native"
         return f"aten ({_state.get('why') or ENV_CHOICE + '=off'})"
     except (NativeKernelUnavailable, NativeConfigError) as exc:
         return f"aten ({exc})"
