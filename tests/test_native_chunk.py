@@ -109,6 +109,16 @@ def test_keys_and_values_read_in_place_from_views(lib, way):
     want = native.chunk_attention(lib, q, kp.contiguous(), vp.contiguous(), kn.contiguous(), vn.contiguous(), 0.125,
                                   **way)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the chunk's own keys and values with their rows apart too, as in a projection's output (tokens, k/v,
+    # heads, d): the vector way copies such key rows before its products
+    packed = torch.randn(40, 2, 2, 64, generator=g).bfloat16()  # 40 tokens: keys 96 .. 111 lie in them alone
+    kn, vn = packed[:, 0].transpose(0, 1), packed[:, 1].transpose(0, 1)
+    q = torch.randn(2, 3 * 40, 64, generator=g).bfloat16()
+    assert kn.stride(1) == 256 and native.supports_chunk(lib, q, kn, vn, kp, vp)
+    got = native.chunk_attention(lib, q, kp, vp, kn, vn, 0.125, **way)
+    want = native.chunk_attention(lib, q, kp.contiguous(), vp.contiguous(), kn.contiguous(), vn.contiguous(), 0.125,
+                                  **way)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("dim", [64, 128])
