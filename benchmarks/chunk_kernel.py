@@ -3,6 +3,7 @@ process.
 
     python -m benchmarks.chunk_kernel --json chunk_kernel.json      # about 10 s
     python -m benchmarks.chunk_kernel --engine 12 --json chunk_e2e.json   # whole requests, about 3 min
+    python -m benchmarks.chunk_kernel --against HEAD~1 --json ab.json    # this tree's kernel against a revision's
 
 Two cases on the Qwen2.5-0.5B shape (14 query heads over 2 KV heads, head size 64, bfloat16):
 
@@ -15,6 +16,12 @@ without tiles, on the vector unit (AVX-512 BF16). Both sides return the chunk's 
 (tokens, heads, d) in bfloat16. Each round times ``--calls`` calls of one side, then of the other (the first
 side alternates from round to round); the figures are the medians over rounds of the time per call, and the
 median of the per-round ratios.
+
+``--against REV`` times this checkout's kernel against the same kernel built from the sources at git revision
+``REV`` instead of against ATen, in one process on the same inputs (``against_over_kernel``: above 1 when this
+checkout's is faster; ``same_bits``: whether both returned identical outputs). This machine's speed moves by up
+to 1.7x between minutes, so two invocations of the benchmark, one per revision, cannot resolve a change of a
+few percent; alternating both libraries call by call can.
 
 ``--engine N`` measures whole requests instead: one engine (``--preset``, bfloat16, page 128), N pairs; in each
 pair, each side in turn (alternating which goes first) serves a fresh 2,048-token prompt cold and then again (a
@@ -66,7 +73,36 @@ def _sides(lib, cached: int, tokens: int, kv_heads: int, group: int, dim: int, s
     return {"kernel": kernel, "aten": aten}
 
 
-def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: int, seed: int = 0) -> dict:
+def library_at(rev: str):
+    """The compiled kernels built from the sources at git revision ``rev`` of this checkout (``--against``)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from mmcache.engine import native
+
+    root = Path(native.__file__).resolve().parents[2]
+    where = Path(tempfile.mkdtemp(prefix="mmcache-kernels-"))
+    try:
+        for f in native.SOURCES + native.HEADERS:
+            rel = f.resolve().relative_to(root).as_posix()
+            got = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], capture_output=True)
+            if got.returncode != 0:
+                raise SystemExit(f"--against {rev}: cannot read {rel} there: {got.stderr.decode().strip()}")
+            (where / f.name).write_bytes(got.stdout)
+        try:  # a loaded library outlives its file
+            return native.load(native.build(directory=where, sources=tuple(where / f.name for f in native.SOURCES)))
+        except (native.NativeKernelUnavailable, OSError, AttributeError) as exc:
+            raise SystemExit(f"--against {rev}: its kernels do not build or load here: {exc}") from exc
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: int, seed: int = 0,
+            against: tuple | None = None) -> dict:
+    """One case, the kernel against ATen's path, or with ``against = (rev, library)`` against that library's
+    kernel on the same inputs."""
     import torch
 
     from mmcache.engine import native
@@ -76,21 +112,31 @@ def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: 
     sides = _sides(lib, cached, tokens, kv_heads, group, dim, seed) if lib is not None else {}
     if not sides:
         return {"skipped": f"the chunk kernel does not run here ({native.status()}, d {dim})"}
-    diff = float((sides["kernel"]().float() - sides["aten"]().float()).abs().max())
+    other = "aten"
+    if against is not None:
+        other = "against"
+        theirs = _sides(against[1], cached, tokens, kv_heads, group, dim, seed)
+        if not theirs:
+            return {"skipped": f"the chunk kernel at {against[0]} does not take d {dim} here"}
+        sides = {"kernel": sides["kernel"], "against": theirs["kernel"]}
+    mine, base = sides["kernel"](), sides[other]()
     times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
-        for name in (("kernel", "aten") if r % 2 == 0 else ("aten", "kernel")):
+        for name in (("kernel", other) if r % 2 == 0 else (other, "kernel")):
             t0 = time.perf_counter()
             for _ in range(calls):
                 sides[name]()
             times[name].append((time.perf_counter() - t0) / calls)
-    return {"shape": {"cached": cached, "tokens": tokens, "kv_heads": kv_heads, "query_heads_per_kv_head": group,
-                      "head_dim": dim},
-            "way": native.chunk_way(lib, dim), "threads": torch.get_num_threads(), "rounds": rounds,
-            "calls_per_round": calls,
-            "kernel_s": statistics.median(times["kernel"]), "aten_s": statistics.median(times["aten"]),
-            "aten_over_kernel": statistics.median(a / b for a, b in zip(times["aten"], times["kernel"])),
-            "max_abs_difference": diff, "per_round_s": times}
+    out = {"shape": {"cached": cached, "tokens": tokens, "kv_heads": kv_heads, "query_heads_per_kv_head": group,
+                     "head_dim": dim},
+           "way": native.chunk_way(lib, dim), "threads": torch.get_num_threads(), "rounds": rounds,
+           "calls_per_round": calls, "kernel_s": statistics.median(times["kernel"]),
+           f"{other}_s": statistics.median(times[other]),
+           f"{other}_over_kernel": statistics.median(a / b for a, b in zip(times[other], times["kernel"])),
+           "max_abs_difference": float((mine.float() - base.float()).abs().max()), "per_round_s": times}
+    if against is not None:
+        out.update(against=against[0], same_bits=bool(torch.equal(mine, base)))
+    return out
 
 
 def measure_engine(pairs: int, preset: str, seed: int = 0) -> dict:
@@ -140,16 +186,19 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES))
     p.add_argument("--kv-heads", type=positive_int, default=2)
     p.add_argument("--group", type=positive_int, default=7, help="query heads per KV head")
-    p.add_argument("--dim", type=positive_int, default=64, help="head size: the kernel takes 32 and 64")
+    p.add_argument("--dim", type=positive_int, default=64,
+                   help="head size: 32 to 128 on the vector way, 32 and 64 on the tile unit")
     p.add_argument("--rounds", type=positive_int, default=11)
     p.add_argument("--calls", type=positive_int, default=3, help="calls per side per round")
+    p.add_argument("--against", metavar="REV", help="time against the kernel at this git revision instead of ATen")
     p.add_argument("--engine", type=positive_int, metavar="PAIRS", help="time whole requests instead (see above)")
     p.add_argument("--preset", default="qwen2.5-0.5b", help="the model preset of --engine")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if args.engine:
         return _report_engine(measure_engine(args.engine, args.preset), args.json)
-    result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls)
+    against = (args.against, library_at(args.against)) if args.against else None
+    result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls, against=against)
               for case in args.cases}
     if args.json:
         with open(args.json, "w") as f:
@@ -159,9 +208,12 @@ def main(argv=None) -> int:
             print(f"{case}: {r['skipped']}")
             continue
         s = r["shape"]
+        other, name = ("against", f"at {r['against']}") if "against" in r else ("aten", "ATen")
+        bits = f", same bits: {'yes' if r['same_bits'] else 'no'}" if "against" in r else ""
         print(f"{case}: {s['tokens']} tokens over {s['cached']} cached, {s['kv_heads']}x{s['query_heads_per_kv_head']} "
-              f"heads, d {s['head_dim']}: kernel {1e3 * r['kernel_s']:.3f} ms, ATen {1e3 * r['aten_s']:.3f} ms, "
-              f"ATen / kernel {r['aten_over_kernel']:.2f} (median of {r['rounds']} alternating rounds)")
+              f"heads, d {s['head_dim']}: kernel {1e3 * r['kernel_s']:.3f} ms, {name} {1e3 * r[other + '_s']:.3f} "
+              f"ms, {name} / kernel {r[other + '_over_kernel']:.2f} (median of {r['rounds']} alternating "
+              f"rounds){bits}")
     return 0
 
 

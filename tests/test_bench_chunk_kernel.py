@@ -50,3 +50,39 @@ def test_engine_pairs_time_cold_and_hit_on_both_sides(tmp_path, native_kernel, m
         assert len(r["per_pair_s"][side]["cold"]) == len(r["per_pair_s"][side]["hit"]) == 2
     assert r["hit"]["aten_over_kernel"] > 0 and r["same_vs_cold"]["kernel"] > 1
     assert r["way"] == native.chunk_way(native_kernel, 64)
+
+
+def _git_checkout() -> bool:
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(chunk_kernel.__file__).resolve().parents[1]
+    return bool(shutil.which("git")) and subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                                         capture_output=True).returncode == 0
+
+
+def test_against_a_revision_times_both_builds_on_the_same_inputs(tmp_path, native_kernel, monkeypatch):
+    """``--against REV`` builds the kernel from the revision's sources and alternates it with this tree's."""
+    from mmcache.engine import native
+
+    if native.chunk_way(native_kernel, 64) is native.CHUNK_NONE:
+        pytest.skip("the chunk kernel needs AVX-512 BF16 or the tile unit (AMX), which this CPU does not have")
+    if not _git_checkout():
+        pytest.skip("not a git checkout")
+    monkeypatch.setattr(chunk_kernel, "CASES", {"hit": (64, 16)})
+    out = tmp_path / "ab.json"
+    assert chunk_kernel.main(["--against", "HEAD", "--group", "3", "--rounds", "2", "--calls", "1",
+                              "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["hit"]
+    assert r["against"] == "HEAD" and isinstance(r["same_bits"], bool)
+    assert len(r["per_round_s"]["kernel"]) == len(r["per_round_s"]["against"]) == 2
+    assert r["kernel_s"] > 0 and r["against_s"] > 0 and r["against_over_kernel"] > 0
+    assert r["max_abs_difference"] < 0.05 and "aten_s" not in r
+
+
+def test_against_a_revision_that_does_not_exist_says_so(native_kernel):
+    if not _git_checkout():
+        pytest.skip("not a git checkout")
+    with pytest.raises(SystemExit, match="--against no-such-revision: cannot read"):
+        chunk_kernel.main(["--against", "no-such-revision", "--cases", "hit"])

@@ -106,12 +106,19 @@ def _machine() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def build(compiler: str | None = None, directory: Path | None = None) -> Path:
+def build(compiler: str | None = None, directory: Path | None = None,
+          sources: tuple[Path, ...] | None = None) -> Path:
     """Compile the kernel (or find it already compiled) and return the library's path.
+
+    ``sources``: other copies of ``SOURCES`` (in that order, the headers of ``HEADERS`` beside them), such as
+    an earlier revision's to measure against (``benchmarks/chunk_kernel.py --against``); by default this
+    package's own.
 
     Raises ``NativeKernelUnavailable`` with the reason: not Linux on x86-64, no compiler, or the compiler's own
     message (for example the source's ``#error`` on a CPU without AVX-512).
     """
+    sources = tuple(sources or SOURCES)
+    headers = tuple(sources[0].with_name(h.name) for h in HEADERS)
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise NativeKernelUnavailable(f"the decode kernel is built for Linux on x86-64, not {sys.platform} "
                                       f"on {platform.machine()}")
@@ -123,7 +130,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"C compiler {cc} did not run: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(FLAGS + LIBS).encode(), cc.encode(),
+    for part in (*(f.read_bytes() for f in sources + headers), " ".join(FLAGS + LIBS).encode(), cc.encode(),
                  version.encode(), _machine().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -134,20 +141,21 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", str(partial), *map(str, SOURCES), *LIBS], capture_output=True,
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), *map(str, sources), *LIBS], capture_output=True,
                               text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"{cc} failed to run: {exc}") from exc
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         message = (done.stderr or done.stdout).strip().splitlines()
-        names = ", ".join(f.name for f in SOURCES)
+        names = ", ".join(f.name for f in sources)
         raise NativeKernelUnavailable(f"{cc} could not build {names}: " + " | ".join(message[:6]))
     os.replace(partial, target)
     return target
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (from ``build``) with its functions' argument types declared."""
     lib = ctypes.CDLL(str(path))
     fn = lib.mmc_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -179,7 +187,7 @@ def library() -> ctypes.CDLL | None:
         return None
     if "lib" not in _state:
         try:
-            _state["lib"], _state["why"] = _load(build()), None
+            _state["lib"], _state["why"] = load(build()), None
         except (NativeKernelUnavailable, OSError) as exc:
             _state["lib"], _state["why"] = None, str(exc)
             _log.info("decode kernel unavailable, using ATen: %s", exc)
