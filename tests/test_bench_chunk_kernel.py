@@ -62,6 +62,16 @@ def _git_checkout() -> bool:
                                                          capture_output=True).returncode == 0
 
 
+def _sources_as_committed() -> bool:
+    import subprocess
+
+    from mmcache.engine import native
+
+    root = native.CSRC.resolve().parents[2]
+    return subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", str(native.CSRC)],
+                          capture_output=True).returncode == 0
+
+
 def test_against_a_revision_times_both_builds_on_the_same_inputs(tmp_path, native_kernel, monkeypatch):
     """``--against REV`` builds the kernel from the revision's sources and alternates it with this tree's."""
     from mmcache.engine import native
@@ -76,6 +86,8 @@ def test_against_a_revision_times_both_builds_on_the_same_inputs(tmp_path, nativ
                               "--json", str(out)]) == 0
     r = json.loads(out.read_text())["hit"]
     assert r["against"] == "HEAD" and isinstance(r["same_bits"], bool)
+    if _sources_as_committed():  # two builds of the same sources: the same bits
+        assert r["same_bits"] and r["max_abs_difference"] == 0
     assert len(r["per_round_s"]["kernel"]) == len(r["per_round_s"]["against"]) == 2
     assert r["kernel_s"] > 0 and r["against_s"] > 0 and r["against_over_kernel"] > 0
     assert r["max_abs_difference"] < 0.05 and "aten_s" not in r
