@@ -26,7 +26,9 @@ few percent; alternating both libraries call by call can.
 ``--engine N`` measures whole requests instead: one engine (``--preset``, bfloat16, page 128), N pairs; in each
 pair, each side in turn (alternating which goes first) serves a fresh 2,048-token prompt cold and then again (a
 hit on 1,920 tokens), one output token each. The ATen side is the same engine with ``native.supports_chunk``
-answering no (a measuring device only, restored afterwards). Reported: medians per side and the medians of the
+answering no (a measuring device only, restored afterwards); with ``--against REV``, the other side is the same
+engine with the revision's library as its attention kernels (decode and chunk; the norms and the rotary
+embedding stay on this tree's). Reported: medians per side and the medians of the
 per-pair ratios.
 """
 
@@ -139,7 +141,9 @@ def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: 
     return out
 
 
-def measure_engine(pairs: int, preset: str, seed: int = 0) -> dict:
+def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None = None) -> dict:
+    """Whole requests on the kernel against ATen's path, or with ``against = (rev, library)`` against that
+    library's attention kernels (decode and chunk; the norms and rotary embedding stay this tree's)."""
     import numpy as np
 
     from mmcache.engine import Engine, EngineConfig, SamplingParams, native
@@ -159,23 +163,29 @@ def measure_engine(pairs: int, preset: str, seed: int = 0) -> dict:
         return [int(x) for x in rng.integers(0, eng.adapter.vocab_size, 2048)]
 
     serve(prompt())  # warm-up
-    real = native.supports_chunk
-    times = {side: {"cold": [], "hit": []} for side in ("kernel", "aten")}
+    real, mine = native.supports_chunk, eng.runner.decode_kernel
+    other = "aten" if against is None else "against"
+    times = {side: {"cold": [], "hit": []} for side in ("kernel", other)}
     try:
         for r in range(pairs):
-            for side in (("kernel", "aten") if r % 2 == 0 else ("aten", "kernel")):
-                native.supports_chunk = real if side == "kernel" else (lambda *a, **kw: False)
+            for side in (("kernel", other) if r % 2 == 0 else (other, "kernel")):
+                if against is None:
+                    native.supports_chunk = real if side == "kernel" else (lambda *a, **kw: False)
+                else:
+                    eng.runner.decode_kernel = mine if side == "kernel" else against[1]
                 p = prompt()
                 times[side]["cold"].append(serve(p))
                 times[side]["hit"].append(serve(p))
     finally:
-        native.supports_chunk = real
+        native.supports_chunk, eng.runner.decode_kernel = real, mine
     out = {"preset": preset, "pairs": pairs, "way": native.chunk_way(native.library(), eng.adapter.head_dim),
            "per_pair_s": times}
+    if against is not None:
+        out["against"] = against[0]
     for kind in ("cold", "hit"):
-        k, a = times["kernel"][kind], times["aten"][kind]
-        out[kind] = {"kernel_s": statistics.median(k), "aten_s": statistics.median(a),
-                     "aten_over_kernel": statistics.median(x / y for x, y in zip(a, k))}
+        k, a = times["kernel"][kind], times[other][kind]
+        out[kind] = {"kernel_s": statistics.median(k), f"{other}_s": statistics.median(a),
+                     f"{other}_over_kernel": statistics.median(x / y for x, y in zip(a, k))}
     out["same_vs_cold"] = {side: statistics.median(c / h for c, h in zip(t["cold"], t["hit"]))
                            for side, t in times.items()}
     return out
@@ -195,9 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen2.5-0.5b", help="the model preset of --engine")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    if args.engine:
-        return _report_engine(measure_engine(args.engine, args.preset), args.json)
     against = (args.against, library_at(args.against)) if args.against else None
+    if args.engine:
+        return _report_engine(measure_engine(args.engine, args.preset, against=against), args.json)
     result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls, against=against)
               for case in args.cases}
     if args.json:
@@ -224,12 +234,13 @@ def _report_engine(result: dict, path: str | None) -> int:
     if "skipped" in result:
         print(result["skipped"])
         return 0
+    other, name = ("against", f"at {result['against']}") if "against" in result else ("aten", "ATen")
     for kind in ("cold", "hit"):
         r = result[kind]
-        print(f"{kind}: kernel {r['kernel_s']:.3f} s, ATen {r['aten_s']:.3f} s, ATen / kernel "
-              f"{r['aten_over_kernel']:.3f} (median of {result['pairs']} pairs)")
+        print(f"{kind}: kernel {r['kernel_s']:.3f} s, {name} {r[other + '_s']:.3f} s, {name} / kernel "
+              f"{r[other + '_over_kernel']:.3f} (median of {result['pairs']} pairs)")
     s = result["same_vs_cold"]
-    print(f"same vs cold: kernel {s['kernel']:.2f}x, ATen {s['aten']:.2f}x")
+    print(f"same vs cold: kernel {s['kernel']:.2f}x, {name} {s[other]:.2f}x")
     return 0
 
 

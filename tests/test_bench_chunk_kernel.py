@@ -98,3 +98,40 @@ def test_against_a_revision_that_does_not_exist_says_so(native_kernel):
         pytest.skip("not a git checkout")
     with pytest.raises(SystemExit, match="--against no-such-revision: cannot read"):
         chunk_kernel.main(["--against", "no-such-revision", "--cases", "hit"])
+
+
+def test_engine_pairs_against_a_revision_swap_the_attention_library_and_put_it_back(tmp_path, native_kernel,
+                                                                                    monkeypatch):
+    """``--engine N --against REV``: each pair serves on this tree's library and on the revision's, the
+    engine's own library is back afterwards, and ATen is not involved."""
+    from mmcache.engine import Engine, native
+
+    if native.chunk_way(native_kernel, 64) is native.CHUNK_NONE:
+        pytest.skip("the chunk kernel needs AVX-512 BF16 or the tile unit (AMX), which this CPU does not have")
+    if not _git_checkout():
+        pytest.skip("not a git checkout")
+    engines, used = [], []
+    real_init = Engine.__init__
+
+    def keep(self, *a, **kw):
+        real_init(self, *a, **kw)
+        engines.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", keep)
+    real_chunk = native.chunk_attention
+
+    def spy(lib, *a, **kw):
+        used.append(lib)
+        return real_chunk(lib, *a, **kw)
+
+    monkeypatch.setattr(native, "chunk_attention", spy)
+    out = tmp_path / "e2e_ab.json"
+    assert chunk_kernel.main(["--engine", "2", "--preset", "small", "--against", "HEAD", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["against"] == "HEAD" and set(r["per_pair_s"]) == {"kernel", "against"}
+    for side in ("kernel", "against"):
+        assert len(r["per_pair_s"][side]["cold"]) == len(r["per_pair_s"][side]["hit"]) == 2
+    assert r["hit"]["against_over_kernel"] > 0 and "aten_s" not in r["hit"]
+    (eng,) = engines
+    assert eng.runner.decode_kernel is native_kernel  # put back
+    assert native_kernel in used and any(lib is not native_kernel for lib in used)  # both libraries served
