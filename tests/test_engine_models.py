@@ -82,8 +82,13 @@ def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
         assert cli_main(sampled) == 0
         runs.append([json.loads(x)["output_ids"] for x in capsys.readouterr().out.strip().splitlines()[-2:]])
     assert runs[0] == runs[1] and all(len(ids) == 6 for ids in runs[0])  # the seed fixes the draws
-    assert cli_main(["generate", "--preset", "tiny", "--top-p", "0", "a cat"]) == 0  # a bad value: typed error
+    assert cli_main(["generate", "--preset", "tiny", "--top-p", "0", "a cat"]) == 1  # a bad value: typed error
     assert "top_p" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    # one bad prompt among good ones: every line printed, in order, and the command says it failed
+    assert cli_main(["generate", "--preset", "tiny", "--max-tokens", "2", "a cat", "", "a dog"]) == 1
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
+    assert [x["error"] is None for x in lines] == [True, False, True] and "empty" in lines[1]["error"]
+    assert len(lines[0]["output_ids"]) == len(lines[2]["output_ids"]) == 2
 
     with pytest.raises(ModelLoadError):
         Engine.from_pretrained(tmp_path / "missing")

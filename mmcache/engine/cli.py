@@ -3,6 +3,9 @@
     mmcache export-model PRESET DIR [--dtype bfloat16]     write an embedded preset as a Hugging Face folder
     mmcache generate (--preset NAME | --model DIR) PROMPT ... [--max-tokens N] [--temperature T] [--top-k K]
                      [--top-p P] [--seed S] [--cache-mode on|off|shadow]
+
+``generate`` prints one JSON line per prompt, in order, a failed request's with its typed error; it exits 1
+when any request failed (the others' lines are printed all the same), else 0.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.set_defaults(func=export_main)
 
-    g = sub.add_parser("generate", help="generate from text prompts with the reference engine")
+    g = sub.add_parser("generate", help="generate from text prompts with the reference engine",
+                       description="One JSON line per prompt, in order; a failed request's line carries its "
+                                   "error, and the command then exits 1.")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=list(PRESETS))
     src.add_argument("--model", metavar="DIR", help="a local Hugging Face model folder")
@@ -61,8 +66,10 @@ def generate_main(args: argparse.Namespace) -> int:
         eng = Engine.from_pretrained(args.model, dtype=args.dtype or "bfloat16", config=config)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
+    failed = False
     for out in eng.generate(args.prompts, sampling):
+        failed |= out.error is not None
         print(json.dumps({"request_id": out.request_id, "text": out.text, "output_ids": out.output_ids,
                           "finish_reason": out.finish_reason, "matched_tokens": out.matched_tokens,
                           "error": str(out.error) if out.error else None}))
-    return 0
+    return 1 if failed else 0
