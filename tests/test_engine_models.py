@@ -55,6 +55,11 @@ def test_tokenizer_training_is_deterministic_and_lossless():
 def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert cli_main(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a folder")
+    capsys.readouterr()
+    assert cli_main(["export-model", "tiny", str(in_the_way)]) == 1  # a clear line, not a traceback
+    assert "cannot write" in capsys.readouterr().err and in_the_way.read_text() == "not a folder"
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / f).is_file(), f
     from transformers import AutoModelForCausalLM, AutoTokenizer

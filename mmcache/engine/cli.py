@@ -5,13 +5,15 @@
                      [--top-p P] [--seed S] [--cache-mode on|off|shadow]
 
 ``generate`` prints one JSON line per prompt, in order, a failed request's with its typed error; it exits 1
-when any request failed (the others' lines are printed all the same), else 0.
+when any request failed (the others' lines are printed all the same), else 0. ``export-model`` exits 1 with
+one line on stderr when the folder cannot be made or written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .models import DTYPES
 from .presets import PRESETS
@@ -49,7 +51,11 @@ def register(sub) -> None:
 def export_main(args: argparse.Namespace) -> int:
     from .models import export_model
 
-    out = export_model(args.preset, args.dir, args.dtype)
+    try:
+        out = export_model(args.preset, args.dir, args.dtype)
+    except OSError as e:  # the folder cannot be made or written (a file in the way, no permission, no space)
+        print(f"mmcache export-model: cannot write {args.dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.preset} ({args.dtype}) to {out}")
     return 0
 
