@@ -18,6 +18,7 @@ import importlib
 import sys
 
 from . import openmp
+from .errors import MmcacheError
 
 
 def positive_int(text: str) -> int:
@@ -58,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except MmcacheError as e:  # a typed error of this project (a model folder that does not load, a bad
+        # setting): one line naming it, not a traceback
+        print(f"mmcache {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -97,6 +97,10 @@ def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
 
     with pytest.raises(ModelLoadError):
         Engine.from_pretrained(tmp_path / "missing")
+    capsys.readouterr()
+    assert cli_main(["generate", "--model", str(tmp_path / "missing"), "a cat"]) == 1  # one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("mmcache generate: ModelLoadError: ") and "no config.json" in err
 
 
 def test_fingerprint_names_model_weights_dtype_backend_and_page_size():
