@@ -110,7 +110,7 @@ class CausalLMAdapter:
         plain = [m for m in getattr(decoder, "layers", decoder).modules() if type(m) is torch.nn.Linear]
         if type(self.lm_head) is torch.nn.Linear:
             plain.append(self.lm_head)
-        return sum(m.weight.numel() * m.weight.element_size() for m in plain)
+        return sum(kernels.packed_bytes(m.weight) for m in plain)
 
     def pack_linears(self) -> None:
         """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``)."""

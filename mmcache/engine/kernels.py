@@ -14,8 +14,8 @@ weights in one pass and saves two calls (a few percent of a decode step or a hit
 
 Invariants:
 
-* The packed copy takes as much memory again as the weights it packs (the engine packs only where that fits,
-  see ``Engine.packing_skipped``). It is made from the weights as they are when packing; an engine's model is
+* The packed copy takes as much memory again as the weights it packs, twice as much for bfloat16 weights
+  packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It is made from the weights as they are when packing; an engine's model is
   frozen from then on (an in-place weight change is not seen by the packed copy).
 * A fused MLP and grouped projections are installed only after they reproduced the modules' own forward on
   probe inputs (within float rounding); otherwise the linears are packed one by one.
@@ -60,8 +60,69 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
             and dtype in (torch.float32, torch.bfloat16))
 
 
+def widened(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are packed as float32 here: bfloat16 on a CPU where oneDNN has no bfloat16
+    path (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has neither, and there ATen's own
+    bfloat16 product runs several times slower than float32)."""
+    return dtype == torch.bfloat16 and not _packs(dtype)
+
+
+def packed_bytes(weight: torch.Tensor) -> int:
+    """Bytes of the packed copy of ``weight``."""
+    return weight.numel() * (4 if widened(weight.dtype) else weight.element_size())
+
+
+_PACKS: dict[torch.dtype, bool] = {}
+
+
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of ``dtype`` on this CPU: asked once per process, by packing a small one
+    (the operation itself is the test, so no list of CPU features can disagree with it)."""
+    if dtype not in _PACKS:
+        try:
+            _pack(torch.zeros(16, 16, dtype=dtype))
+            _PACKS[dtype] = True
+        except RuntimeError:
+            _PACKS[dtype] = False
+    return _PACKS[dtype]
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+class PackedWeight:
+    """A weight (and bias) laid out once for oneDNN, and products with it.
+
+    Where oneDNN computes in the weight's own dtype on this CPU, the copy keeps that dtype. A bfloat16 weight
+    on a CPU without oneDNN's bfloat16 path is kept as float32 (``widened``): each product takes its bfloat16
+    input widened to float32 (exactly), multiplies and accumulates in float32, as bfloat16 hardware does, and
+    rounds the result to bfloat16 once, so the module still takes and returns bfloat16. It differs from ATen's
+    bfloat16 product only in the order of the float32 sums."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.dtype = weight.dtype
+        self.widened = widened(weight.dtype)
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        if self.widened:
+            weight, bias = weight.float(), None if bias is None else bias.float()
+        self.packed, self.bias = _pack(weight), bias
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as this weight's products take it."""
+        return x.float() if self.widened else x
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """A product's result in the module's dtype."""
+        return y.to(self.dtype) if self.widened else y
+
+    def product(self, x: torch.Tensor, attr: str = "none", algorithm: str = "") -> torch.Tensor:
+        """``attr(x @ weight^T + bias)`` on an input already passed through ``input``, not yet ``output``."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.product(self.input(x)))
 
 
 class PackedLinear(nn.Linear):
@@ -72,10 +133,10 @@ class PackedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = _pack(linear.weight)  # a plain attribute: not a parameter, not in state_dict
+        self.packed = PackedWeight(linear.weight, linear.bias)  # a plain attribute: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.packed(x)
 
 
 class PackedGatedMLP(nn.Module):
@@ -90,10 +151,12 @@ class PackedGatedMLP(nn.Module):
         self.attr, self.algorithm = attr, algorithm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.mkldnn
-        gate = ops._linear_pointwise(x, self.gate_proj.packed, None, self.attr, [], self.algorithm)
-        hidden = ops._linear_pointwise.binary(x, gate, self.up_proj.packed, None, "mul")
-        return ops._linear_pointwise(hidden, self.down_proj.packed, None, "none", [], "")
+        # Widened weights keep the two intermediate activations in float32 (rounded to bfloat16 only at the end).
+        gate_w, up_w, down_w = self.gate_proj.packed, self.up_proj.packed, self.down_proj.packed
+        x = gate_w.input(x)
+        gate = gate_w.product(x, self.attr, self.algorithm)
+        hidden = torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w.packed, None, "mul")
+        return down_w.output(down_w.product(hidden))
 
 
 class PackedProjections:
@@ -106,16 +169,15 @@ class PackedProjections:
     one result (views, rows ``sum(widths)`` apart). The kept parts are dropped once all are handed out."""
 
     def __init__(self, linears: list[nn.Linear]):
-        weight = torch.cat([m.weight.detach() for m in linears])
-        self.packed = _pack(weight)
         has_bias = linears[0].bias is not None
-        self.bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+        self.packed = PackedWeight(torch.cat([m.weight.detach() for m in linears]),
+                                   torch.cat([m.bias.detach() for m in linears]) if has_bias else None)
         self.widths = [m.out_features for m in linears]
         self._x, self._parts, self._left = None, (), 0
 
     def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self._x is not x or self._parts[i] is None:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out = self.packed(x)
             self._x, self._parts, self._left = x, list(out.split(self.widths, dim=-1)), len(self.widths)
         part, self._parts[i] = self._parts[i], None
         self._left -= 1
