@@ -125,27 +125,29 @@ def test_a_group_the_kernel_does_not_take_runs_on_aten(monkeypatch):
 
 
 def test_the_kernel_builds_where_the_machine_can_run_it(monkeypatch, fresh_state):
-    """Not a skip where it matters: on Linux x86-64 with AVX-512 and a C compiler (the development and CI
-    machines) the kernel must build and load, so a source that stops compiling fails here instead of quietly
-    sending every other kernel test to a skip."""
+    """Not a skip where it matters: on Linux x86-64 with AVX-512 or AVX2 and FMA, and a C compiler (the
+    development and CI machines) the kernel must build and load, on the CPU's widest vectors, so a source that
+    stops compiling fails here instead of quietly sending every other kernel test to a skip."""
     import platform
     import sys
 
     try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+        flags = set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split())
     except (OSError, StopIteration):
-        flags = []
-    needed = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+        flags = set()
+    wide = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if sys.platform != "linux" or platform.machine() != "x86_64" or not needed <= set(flags) or not compiler:
-        pytest.skip("not Linux x86-64 with AVX-512 and a C compiler: the kernel is not expected to build")
+    if (sys.platform != "linux" or platform.machine() != "x86_64" or not compiler
+            or not (wide or {"avx2", "fma"} <= flags)):
+        pytest.skip("not Linux x86-64 with AVX-512 or AVX2, and a C compiler: the kernel is not expected to build")
     monkeypatch.setenv(native.ENV_CHOICE, "auto")
     assert native.build().exists()
     lib = native.library()
-    assert lib is not None
+    assert lib is not None and lib.lanes == (16 if wide else 8)
     vector = native.chunk_way(lib, 64) == native.CHUNK_VECTOR
     assert native.status() == ("native (AMX scores)" if lib.tiles
-                               else "native (prefill chunks on AVX-512 BF16)" if vector else "native")
+                               else "native (prefill chunks on AVX-512 BF16)" if vector
+                               else "native" if wide else "native (AVX2)")
     assert not lib.tiles or {"amx_tile", "amx_bf16"} <= set(flags)  # tiles only where the CPU has them
     # ... and wherever it has them (Linux grants them on request since 5.16), so that the chunk kernel's tests,
     # which skip without tiles, cannot hide a kernel that stopped asking for them.

@@ -15,8 +15,9 @@ weights in one pass and saves two calls (a few percent of a decode step or a hit
 Invariants:
 
 * The packed copy takes as much memory again as the weights it packs, twice as much for bfloat16 weights
-  packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It is made from the weights as they are when packing; an engine's model is
-  frozen from then on (an in-place weight change is not seen by the packed copy).
+  packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It
+  is made from the weights as they are when packing; an engine's model is frozen from then on (an in-place
+  weight change is not seen by the packed copy).
 * A fused MLP and grouped projections are installed only after they reproduced the modules' own forward on
   probe inputs (within float rounding); otherwise the linears are packed one by one.
 * A group hands a part out from its kept product only for the very tensor object that product was computed

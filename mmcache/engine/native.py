@@ -11,7 +11,9 @@ pages as one tensor. The kernel here attends every decoding sequence of a step i
 keys and values where they lie in the page pool through each sequence's page table, in parallel over
 (sequence, KV head).
 
-It is C with AVX-512 intrinsics (AVX-512 BF16 and AMX tiles for bfloat16 where the CPU has them), compiled at run
+It is C on vectors of the CPU's widest float32 lanes (``csrc/simd.h``: 16 with AVX-512, else 8 with AVX2 and FMA,
+as on AMD Zen 2 and 3 or Intel Haswell to Comet Lake), plus AVX-512 BF16 and AMX tiles for bfloat16 where the CPU
+has them; on an AVX-512 CPU the AVX2 path is not compiled. It is compiled at run
 time with the machine's C compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into a per-user
 cache (``$MMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mmcache``, else ``~/.cache/mmcache``) and loaded with
 ``ctypes``; nothing beyond torch is imported. An engine asks for it once, when it is built (``Engine``), and
@@ -115,7 +117,7 @@ def build(compiler: str | None = None, directory: Path | None = None,
     package's own.
 
     Raises ``NativeKernelUnavailable`` with the reason: not Linux on x86-64, no compiler, or the compiler's own
-    message (for example the source's ``#error`` on a CPU without AVX-512).
+    message (for example the source's ``#error`` on a CPU with neither AVX-512 nor AVX2 and FMA).
     """
     sources = tuple(sources or SOURCES)
     headers = tuple(sources[0].with_name(h.name) for h in HEADERS)
@@ -177,6 +179,8 @@ def load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
+    # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
+    lib.lanes = int(lib.mmc_lanes()) if hasattr(lib, "mmc_lanes") else 16
     return lib
 
 
@@ -198,13 +202,16 @@ def library() -> ctypes.CDLL | None:
 
 def status() -> str:
     """What decode attention runs on in this process: ``native`` (with what the tile unit or AVX-512 BF16 adds:
-    AMX scores and prefill chunks on the tile unit, or prefill chunks on the vector way), or ``aten (why)``."""
+    AMX scores and prefill chunks on the tile unit, or prefill chunks on the vector way; or that the kernel
+    runs on AVX2's 8 lanes), or ``aten (why)``."""
     try:
         lib = library()
         if lib is not None:
             if lib.tiles:
                 return "native (AMX scores)"
-            return "native (prefill chunks on AVX-512 BF16)" if chunk_way(lib, 64) is CHUNK_VECTOR else "native"
+            if chunk_way(lib, 64) is CHUNK_VECTOR:
+                return "native (prefill chunks on AVX-512 BF16)"
+            return "native" if lib.lanes == 16 else "native (AVX2)"
         return f"aten ({_state.get('why') or ENV_CHOICE + '=off'})"
     except (NativeKernelUnavailable, NativeConfigError) as exc:
         return f"aten ({exc})"

@@ -1,10 +1,10 @@
-/* Paged decode attention for CPUs with AVX-512: one query token per sequence, its keys and values read where
- * they lie in the page pool (no gather, no padding, no mask). Also, on CPUs with AMX tiles or AVX-512 BF16, the
- * attention of a bfloat16 prefill chunk over its cached prefix and its own keys (mmc_chunk_attention, near the
- * end of this file).
+/* Paged decode attention for x86 CPUs with AVX-512 or AVX2 (vectors of VL lanes, simd.h): one query token per
+ * sequence, its keys and values read where they lie in the page pool (no gather, no padding, no mask). Also, on
+ * CPUs with AMX tiles or AVX-512 BF16, the attention of a bfloat16 prefill chunk over its cached prefix and its
+ * own keys (mmc_chunk_attention, near the end of this file).
  *
  * Built and loaded at run time by mmcache/engine/native.py; the engine falls back to ATen when this file cannot
- * be compiled (no C compiler, no AVX-512).
+ * be compiled (no C compiler, neither AVX-512 nor AVX2 with FMA).
  *
  * Layout (all contiguous, element type float32 or bfloat16 alike for q, the pools and out):
  *   q      (n, H, G, D)     queries grouped by KV head: G query heads read KV head h
@@ -35,7 +35,9 @@
 
 #define MAX_G 16   /* query rows per KV head */
 #define MAX_D 512  /* head dimension, a multiple of 16 */
+#define MIX_ROWS (VL == 16 ? 7 : 3) /* query rows per block of the weighted sum of values (at most 7) */
 
+#if VL == 16
 /* a[0..7] -> the eight sums of their 16 lanes, in order. */
 static inline __m256 sum8(const __m512 *a) {
     __m512 b[4], c[2];
@@ -74,6 +76,38 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x, const int de
 
 /* The same on 8 lanes, to degree 7 (the upper lanes are computed and dropped). */
 static inline __m256 exp8(__m256 x) { return _mm512_castps512_ps256(exp16(_mm512_castps256_ps512(x), 7)); }
+#else
+/* a[0..7] -> the eight sums of their 8 lanes, in order. */
+static inline __m256 sum8(const __m256 *a) {
+    __m256 b0 = _mm256_hadd_ps(a[0], a[1]), b1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 b2 = _mm256_hadd_ps(a[4], a[5]), b3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3); /* a[0..3] in each half, then a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+/* e^x for x <= 0 on 8 lanes to degree 7, as exp16 does it on 16; 2^n applied in two steps of at most 2^-75
+ * each, so that results below 2^-126 come out as float32's subnormals, as with exp16's scalef. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1); /* n = half + (n - half), both >= -75 */
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+#endif
 
 /* Scores of `count` consecutive key rows against G query rows, one row of GP floats each (the query's scores
  * in columns 0 .. G-1, zeros after). The general form: any D, the query rows read from L1 for every key. */
@@ -83,8 +117,8 @@ static inline __attribute__((always_inline)) void score_keys(const void *q, cons
     const int GP = G <= 8 ? 8 : 16;
     const size_t stride = (size_t)D * (dtype == BF16 ? 2 : 4);
     for (int64_t i = 0; i < count; i++, krow += stride, s += GP) {
-        __m512 acc[MAX_G];
-        for (int g = 0; g < GP; g++) acc[g] = _mm512_setzero_ps();
+        vf acc[MAX_G];
+        for (int g = 0; g < GP; g++) acc[g] = vf_zero();
 #if defined(__AVX512BF16__)
         if (dtype == BF16) { /* bfloat16 pairs multiplied and summed in float32 */
             for (int d = 0; d < D; d += 32) {
@@ -99,9 +133,9 @@ static inline __attribute__((always_inline)) void score_keys(const void *q, cons
 #endif
         {
             (void)q;
-            for (int d = 0; d < D; d += 16) {
-                __m512 kc = load16(krow, d, dtype);
-                for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), kc, acc[g]);
+            for (int d = 0; d < D; d += VL) {
+                vf kc = vf_load(krow, d, dtype);
+                for (int g = 0; g < G; g++) acc[g] = vf_fmadd(vf_loadu(qf + g * D + d), kc, acc[g]);
             }
         }
         for (int h = 0; h < GP; h += 8) _mm256_storeu_ps(s + h, _mm256_mul_ps(sum8(acc + h), _mm256_set1_ps(scale)));
@@ -156,29 +190,29 @@ static const score_fn SCORE_BF16_D64[9] = {0, score_d64_1, score_d64_2, score_d6
                                            score_d64_6, score_d64_7, score_d64_8};
 #endif
 
-/* out rows g0 .. g0+NG-1, dims d0 .. d0+16*NC-1: the sum over positions of p[t][g] v[t][d], divided by l[g]. */
+/* out rows g0 .. g0+NG-1, dims d0 .. d0+VL*NC-1: the sum over positions of p[t][g] v[t][d], divided by l[g]. */
 static inline __attribute__((always_inline)) void mix_block(const float *p, int GP, int g0, const int NG,
                                                             int64_t d0, const int NC, const char *v, int64_t D,
                                                             int64_t S, const int64_t *pages, int64_t lo,
                                                             int64_t hi, const float *l, void *out, const int dtype) {
     const size_t esize = dtype == BF16 ? 2 : 4;
-    __m512 acc[7][4];
+    vf acc[7][4];
     for (int i = 0; i < NG; i++)
-        for (int c = 0; c < NC; c++) acc[i][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NC; c++) acc[i][c] = vf_zero();
     const float *pt = p + g0;
     for (int64_t t = lo; t < hi;) {
         int64_t page = pages[t / S], off = t % S, end = hi - t < S - off ? hi : t + (S - off);
         const char *row = v + ((page * S + off) * D + d0) * esize;
         for (; t < end; t++, pt += GP, row += D * esize) {
             for (int c = 0; c < NC; c++) {
-                __m512 vc = load16(row, 16 * c, dtype);
-                for (int i = 0; i < NG; i++) acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(pt[i]), vc, acc[i][c]);
+                vf vc = vf_load(row, VL * c, dtype);
+                for (int i = 0; i < NG; i++) acc[i][c] = vf_fmadd(vf_set1(pt[i]), vc, acc[i][c]);
             }
         }
     }
     for (int i = 0; i < NG; i++) {
-        __m512 inv = _mm512_set1_ps(1.0f / l[g0 + i]);
-        for (int c = 0; c < NC; c++) store16(out, (g0 + i) * D + d0 + 16 * c, _mm512_mul_ps(acc[i][c], inv), dtype);
+        vf inv = vf_set1(1.0f / l[g0 + i]);
+        for (int c = 0; c < NC; c++) vf_store(out, (g0 + i) * D + d0 + VL * c, vf_mul(acc[i][c], inv), dtype);
     }
 }
 
@@ -262,7 +296,7 @@ static void attend(const void *q, const char *k, const char *v, const int64_t *p
     if (dtype == F32) /* bfloat16 queries are read as they are */
 #endif
         for (int g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qf + g * D + d, load16(q, g * D + d, dtype));
+            for (int64_t d = 0; d < D; d += VL) vf_storeu(qf + g * D + d, vf_load(q, g * D + d, dtype));
 #if defined(HAVE_AMX)
     const int tiles = amx_ready && dtype == BF16 && D % 32 == 0 && D <= 192 && hi - lo >= 16;
     if (tiles) amx_begin((const uint16_t *)q, G, (int)D);
@@ -299,10 +333,11 @@ static void attend(const void *q, const char *k, const char *v, const int64_t *p
         }
         _mm256_storeu_ps(l + h, sum);
     }
-    /* Query rows in blocks of at most 7 (as even as possible), dims in blocks of 64: at most 28 accumulators. */
-    const int blocks = (G + 6) / 7, per = (G + blocks - 1) / blocks;
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        int nc = (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+    /* Query rows in blocks of at most MIX_ROWS (as even as possible), dims in blocks of 4 VL: at most 4 MIX_ROWS
+     * accumulators, within the vector registers (32 with AVX-512, 16 with AVX2). */
+    const int blocks = (G + MIX_ROWS - 1) / MIX_ROWS, per = (G + blocks - 1) / blocks;
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * VL) {
+        int nc = (int)((D - d0) / VL < 4 ? (D - d0) / VL : 4);
         for (int g0 = 0; g0 < G; g0 += per) {
             int ng = G - g0 < per ? G - g0 : per;
             mix_fn mix = dtype == BF16 ? MIX_BF16[ng - 1][nc - 1] : MIX_F32[ng - 1][nc - 1];
@@ -719,6 +754,9 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
 
 int mmc_chunk_way(int64_t D, int vector_only) { (void)D, (void)vector_only; return 0; }
 #endif
+
+/* float32 lanes per vector in this build: 16 (AVX-512) or 8 (AVX2). */
+int mmc_lanes(void) { return VL; }
 
 /* Called once after loading, before any other call: returns 1 where scores run on the tile unit (AMX), else 0. */
 int mmc_init(void) {

@@ -11,9 +11,10 @@
  * one element type, float32 or bfloat16.
  *
  * Invariants: a row's result depends only on that row and the weight (the same bits whatever the number of
- * rows or threads). The sum of squares is taken in float32 in this kernel's own order (four times 16 lanes, then
- * across them), which may differ from torch's by an ulp, so a result may differ from the module's own forward in the
- * last bit of a few elements: callers that compare runs bit for bit use the same path on both sides.
+ * rows or threads). The sum of squares is taken in float32 in this kernel's own order (four vectors of VL
+ * lanes, then across them, see simd.h), which may differ from torch's by an ulp, so a result may differ from the
+ * module's own forward in the last bit of a few elements: callers that compare runs bit for bit use the same path
+ * on both sides.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,27 +23,27 @@
 
 static inline __attribute__((always_inline)) void norm_row(const void *x, const void *w, void *out, int64_t cols,
                                                            float eps, const int dtype) {
-    const int64_t body = cols - cols % 16, quad = cols - cols % 64;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t c = 0; c < quad; c += 64)
+    const int64_t body = cols - cols % VL, quad = cols - cols % (4 * VL);
+    vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+    for (int64_t c = 0; c < quad; c += 4 * VL)
         for (int j = 0; j < 4; j++) {
-            __m512 h = load16(x, c + 16 * j, dtype);
-            acc[j] = _mm512_fmadd_ps(h, h, acc[j]);
+            vf h = vf_load(x, c + VL * j, dtype);
+            acc[j] = vf_fmadd(h, h, acc[j]);
         }
-    for (int64_t c = quad; c < body; c += 16) {
-        __m512 h = load16(x, c, dtype);
-        acc[0] = _mm512_fmadd_ps(h, h, acc[0]);
+    for (int64_t c = quad; c < body; c += VL) {
+        vf h = vf_load(x, c, dtype);
+        acc[0] = vf_fmadd(h, h, acc[0]);
     }
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    float sum = vf_sum(vf_add(vf_add(acc[0], acc[1]), vf_add(acc[2], acc[3])));
     for (int64_t c = body; c < cols; c++) {
         float h = scalar_load(x, c, dtype);
         sum += h * h;
     }
     const float r = 1.0f / sqrtf(sum / (float)cols + eps);
-    const __m512 rv = _mm512_set1_ps(r);
-    for (int64_t c = 0; c < body; c += 16) {
-        __m512 y = round16(_mm512_mul_ps(load16(x, c, dtype), rv), dtype);
-        store16(out, c, _mm512_mul_ps(load16(w, c, dtype), y), dtype);
+    const vf rv = vf_set1(r);
+    for (int64_t c = 0; c < body; c += VL) {
+        vf y = vf_round(vf_mul(vf_load(x, c, dtype), rv), dtype);
+        vf_store(out, c, vf_mul(vf_load(w, c, dtype), y), dtype);
     }
     for (int64_t c = body; c < cols; c++)
         scalar_store(out, c, scalar_load(w, c, dtype) * round_to(scalar_load(x, c, dtype) * r, dtype), dtype);

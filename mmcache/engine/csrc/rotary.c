@@ -22,16 +22,16 @@ static inline __attribute__((always_inline)) void rotate_row(const void *x, cons
                                                              int64_t D, const int dtype) {
     const int64_t half = D / 2;
     int64_t j = 0;
-    if (half % 16 == 0)
-        for (; j < half; j += 16) {
-            const __m512 x1 = load16(x, j, dtype), x2 = load16(x, j + half, dtype);
-            const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), x2); /* exact: -x2 */
-            const __m512 a1 = round16(_mm512_mul_ps(x1, load16(c, j, dtype)), dtype);
-            const __m512 b1 = round16(_mm512_mul_ps(neg, load16(s, j, dtype)), dtype);
-            const __m512 a2 = round16(_mm512_mul_ps(x2, load16(c, j + half, dtype)), dtype);
-            const __m512 b2 = round16(_mm512_mul_ps(x1, load16(s, j + half, dtype)), dtype);
-            store16(o, j, _mm512_add_ps(a1, b1), dtype);
-            store16(o, j + half, _mm512_add_ps(a2, b2), dtype);
+    if (half % VL == 0)
+        for (; j < half; j += VL) {
+            const vf x1 = vf_load(x, j, dtype), x2 = vf_load(x, j + half, dtype);
+            const vf neg = vf_sub(vf_zero(), x2); /* exact: -x2 */
+            const vf a1 = vf_round(vf_mul(x1, vf_load(c, j, dtype)), dtype);
+            const vf b1 = vf_round(vf_mul(neg, vf_load(s, j, dtype)), dtype);
+            const vf a2 = vf_round(vf_mul(x2, vf_load(c, j + half, dtype)), dtype);
+            const vf b2 = vf_round(vf_mul(x1, vf_load(s, j + half, dtype)), dtype);
+            vf_store(o, j, vf_add(a1, b1), dtype);
+            vf_store(o, j + half, vf_add(a2, b2), dtype);
         }
     for (; j < half; j++) {
         const float x1 = scalar_load(x, j, dtype), x2 = scalar_load(x, j + half, dtype);

@@ -1,19 +1,37 @@
-/* Vector helpers shared by the engine's compiled kernels (decode_attention.c, rms_norm.c): 16 lanes of float32
- * loaded from float32 or bfloat16, and stored back rounding to nearest even as torch converts; the same for
- * single elements. */
+/* Vector helpers shared by the engine's compiled kernels (decode_attention.c, rms_norm.c, rotary.c): a vector
+ * `vf` of VL float32 lanes, the CPU's widest (16 with AVX-512 F/VL/DQ/BW, else 8 with AVX2 and FMA), its
+ * arithmetic, loads from float32 or bfloat16 (widened exactly) and stores back rounding to nearest even as
+ * torch converts; the same for single elements.
+ *
+ * Every operation is the same float32 operation on each lane on either width, so a kernel written on `vf`
+ * computes the same bits on both wherever its order of operations does not depend on VL; where it does (sums
+ * across lanes, blocks of VL), each width keeps its own fixed order. */
 #ifndef MMC_SIMD_H
 #define MMC_SIMD_H
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__) || !defined(__AVX512BW__)
-#error "mmcache's compiled kernels need AVX-512 (F, VL, DQ, BW)"
-#endif
-
 enum { F32 = 0, BF16 = 1 };
 
-static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int dtype) {
+#define MMC_INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define VL 16
+typedef __m512 vf;
+
+MMC_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+MMC_INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
+MMC_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+MMC_INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+MMC_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+MMC_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a * b + c, rounded once */
+MMC_INLINE vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+MMC_INLINE void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+MMC_INLINE float vf_sum(vf x) { return _mm512_reduce_add_ps(x); }
+
+/* Elements i .. i+VL-1 of p (float32 or bfloat16) as float32. */
+MMC_INLINE vf vf_load(const void *p, int64_t i, const int dtype) {
     if (dtype == BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -21,8 +39,8 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_
     return _mm512_loadu_ps((const float *)p + i);
 }
 
-/* x rounded to the element type (bfloat16: to nearest even, as torch converts), kept as 16 float32 lanes. */
-static inline __attribute__((always_inline)) __m512 round16(__m512 x, const int dtype) {
+/* x rounded to the element type (bfloat16: to nearest even, as torch converts), kept as float32 lanes. */
+MMC_INLINE vf vf_round(vf x, const int dtype) {
     if (dtype != BF16) return x;
     __m512i b = _mm512_castps_si512(x);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -30,14 +48,62 @@ static inline __attribute__((always_inline)) __m512 round16(__m512 x, const int 
     return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
-static inline __attribute__((always_inline)) void store16(void *p, int64_t i, __m512 x, const int dtype) {
+MMC_INLINE void vf_store(void *p, int64_t i, vf x, const int dtype) {
     if (dtype == BF16) {
-        __m512i b = _mm512_castps_si512(round16(x, BF16));
+        __m512i b = _mm512_castps_si512(vf_round(x, BF16));
         _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
         return;
     }
     _mm512_storeu_ps((float *)p + i, x);
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+
+MMC_INLINE vf vf_zero(void) { return _mm256_setzero_ps(); }
+MMC_INLINE vf vf_set1(float x) { return _mm256_set1_ps(x); }
+MMC_INLINE vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+MMC_INLINE vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+MMC_INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+MMC_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+MMC_INLINE vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
+MMC_INLINE void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
+MMC_INLINE float vf_sum(vf x) { /* halves, then pairs, then the last two */
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+MMC_INLINE vf vf_load(const void *p, int64_t i, const int dtype) {
+    if (dtype == BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+MMC_INLINE vf vf_round(vf x, const int dtype) {
+    if (dtype != BF16) return x;
+    __m256i b = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+MMC_INLINE void vf_store(void *p, int64_t i, vf x, const int dtype) {
+    if (dtype == BF16) {
+        __m256i b = _mm256_srli_epi32(_mm256_castps_si256(vf_round(x, BF16)), 16); /* each lane < 2^16 */
+        b = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), _MM_SHUFFLE(3, 1, 2, 0)); /* 8 halves in order */
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(b));
+        return;
+    }
+    _mm256_storeu_ps((float *)p + i, x);
+}
+
+#else
+#error "mmcache's compiled kernels need AVX-512 (F, VL, DQ, BW) or AVX2 with FMA"
+#endif
 
 /* The same for single elements. */
 static inline float scalar_load(const void *p, int64_t i, int dtype) {
