@@ -101,9 +101,11 @@ class PackedWeight:
     rounds the result to bfloat16 once, so the module still takes and returns bfloat16. It differs from ATen's
     bfloat16 product only in the order of the float32 sums."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool | None = None):
+        """``widen``: pack a bfloat16 weight as float32 or not whatever this CPU's oneDNN does (measuring only:
+        ``benchmarks/widened_linears.py``); by default as ``widened`` says."""
         self.dtype = weight.dtype
-        self.widened = widened(weight.dtype)
+        self.widened = widened(weight.dtype) if widen is None else widen and weight.dtype == torch.bfloat16
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
         if self.widened:
