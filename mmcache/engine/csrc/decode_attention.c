@@ -37,6 +37,27 @@
 #define MAX_D 512  /* head dimension, a multiple of 16 */
 #define MIX_ROWS (VL == 16 ? 7 : 3) /* query rows per block of the weighted sum of values (at most 7) */
 
+/* e^x for x <= 0 on VL lanes: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to degree `degree`, 7
+ * (relative error ~1e-8) or 5 (~3e-6: enough for probabilities that are rounded to bfloat16, whose own error
+ * is ~4e-3). */
+static inline __attribute__((always_inline)) vf vf_exp(vf x, const int degree) {
+    x = vf_max(x, vf_set1(-104.0f)); /* e^-104 is 0 in float32 after scaling */
+    vf n = vf_rint(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);
+    r = vf_fnmadd(n, vf_set1(1.428606765330187045e-06f), r);
+    vf p = vf_set1(degree >= 7 ? 1.0f / 5040 : 1.0f / 120);
+    if (degree >= 7) {
+        p = vf_fmadd(p, r, vf_set1(1.0f / 720));
+        p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+    }
+    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+    p = vf_fmadd(p, r, vf_set1(0.5f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    return vf_scale2(p, n);
+}
+
 #if VL == 16
 /* a[0..7] -> the eight sums of their 16 lanes, in order. */
 static inline __m256 sum8(const __m512 *a) {
@@ -53,29 +74,8 @@ static inline __m256 sum8(const __m512 *a) {
     return _mm512_castps512_ps256(_mm512_shuffle_f32x4(f, f, _MM_SHUFFLE(0, 0, 2, 0)));
 }
 
-/* e^x for x <= 0 on 16 lanes: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to degree `degree`, 7
- * (relative error ~1e-8) or 5 (~3e-6: enough for probabilities that are rounded to bfloat16, whose own error
- * is ~4e-3). */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x, const int degree) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* e^-104 is 0 in float32 after scaling */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(degree >= 7 ? 1.0f / 5040 : 1.0f / 120);
-    if (degree >= 7) {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    }
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* The same on 8 lanes, to degree 7 (the upper lanes are computed and dropped). */
-static inline __m256 exp8(__m256 x) { return _mm512_castps512_ps256(exp16(_mm512_castps256_ps512(x), 7)); }
+static inline __m256 exp8(__m256 x) { return _mm512_castps512_ps256(vf_exp(_mm512_castps256_ps512(x), 7)); }
 #else
 /* a[0..7] -> the eight sums of their 8 lanes, in order. */
 static inline __m256 sum8(const __m256 *a) {
@@ -85,28 +85,7 @@ static inline __m256 sum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
 }
 
-/* e^x for x <= 0 on 8 lanes to degree 7, as exp16 does it on 16; 2^n applied in two steps of at most 2^-75
- * each, so that results below 2^-126 come out as float32's subnormals, as with exp16's scalef. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1); /* n = half + (n - half), both >= -75 */
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
+static inline __m256 exp8(__m256 x) { return vf_exp(x, 7); }
 #endif
 
 /* Scores of `count` consecutive key rows against G query rows, one row of GP floats each (the query's scores
@@ -471,8 +450,8 @@ static void chunk_softmax(const struct chunk_job *b, const struct chunk_rows *w,
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 total = _mm512_setzero_ps();
     for (int64_t i = 0; i < w->L32; i += 2) {
-        __m512 e0 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + i * 16), sc, *msc), 5);
-        __m512 e1 = exp16(_mm512_fmsub_ps(_mm512_load_ps(s + (i + 1) * 16), sc, *msc), 5);
+        __m512 e0 = vf_exp(_mm512_fmsub_ps(_mm512_load_ps(s + i * 16), sc, *msc), 5);
+        __m512 e1 = vf_exp(_mm512_fmsub_ps(_mm512_load_ps(s + (i + 1) * 16), sc, *msc), 5);
         total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
         __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 bfloat16 then e1's */
         _mm512_store_si512(pt + i * 16, _mm512_permutexvar_epi16(pairs, both));

@@ -26,6 +26,10 @@ MMC_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 MMC_INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 MMC_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 MMC_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a * b + c, rounded once */
+MMC_INLINE vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
+MMC_INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+MMC_INLINE vf vf_rint(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); } /* to nearest even */
+MMC_INLINE vf vf_scale2(vf x, vf n) { return _mm512_scalef_ps(x, n); } /* x * 2^n, n a whole number */
 MMC_INLINE vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
 MMC_INLINE void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
 MMC_INLINE float vf_sum(vf x) { return _mm512_reduce_add_ps(x); }
@@ -67,6 +71,17 @@ MMC_INLINE vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 MMC_INLINE vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 MMC_INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 MMC_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+MMC_INLINE vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+MMC_INLINE vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+MMC_INLINE vf vf_rint(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* x * 2^n for whole n in -150 .. 127 and x in [0.5, 2]: in two steps of 2^h and 2^(n-h), h = floor(n / 2), each a
+ * normal float32, so that products under 2^-126 come out subnormal as with AVX-512's scalef. */
+MMC_INLINE vf vf_scale2(vf x, vf n) {
+    __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23));
+    __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(x, a), b);
+}
 MMC_INLINE vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
 MMC_INLINE void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
 MMC_INLINE float vf_sum(vf x) { /* halves, then pairs, then the last two */
