@@ -81,6 +81,7 @@ def test_an_engine_on_widened_linears_packs_fuses_groups_and_stays_bit_exact(wid
     assert eng.adapter.num_packed_linears > 0 and isinstance(layer.mlp, kernels.PackedGatedMLP)
     assert isinstance(layer.self_attn.q_proj, kernels.PackedProjection)
     assert layer.mlp.gate_proj.packed.widened and layer.self_attn.q_proj.group.packed.widened
+    assert "+onednn-packed-f32" in eng.backend
     assert [o.matched_tokens for o in runs["on"][1]] == [0, 32, 32]
     for i in range(len(prompts)):
         a, b = runs["on"][0][i], runs["off"][0][i]

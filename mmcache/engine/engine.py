@@ -125,9 +125,10 @@ class Engine:
                 a.install_layer_kernels(decode_kernel)
         if config.tune_malloc:
             kernels.tune_malloc()
-        # Packed and plain linears, and the kernels and ATen, differ in the last bits, so the compute path is
-        # part of the backend's name.
-        self.backend = (ATTENTION_BACKEND + ("+onednn-packed" if a.num_packed_linears else "")
+        # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
+        # in the last bits, so the compute path is part of the backend's name.
+        packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
+        self.backend = (ATTENTION_BACKEND + packed
                         + ("+native-decode" if decode_kernel is not None else "")
                         + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]
                            if a.dtype == torch.bfloat16 else "")
