@@ -32,10 +32,11 @@ import torch
 from mmcache.cli import positive_int
 
 
-def _layer_products(preset: str) -> tuple[dict, object]:
+def _layer_products(preset: str) -> dict:
+    """One decoder layer's products of the preset in bfloat16: name -> (weight, bias)."""
     from mmcache.engine.models import build_model
 
-    model, tok = build_model(preset, "bfloat16")
+    model, _ = build_model(preset, "bfloat16")
     layer = model.model.layers[0]
     att, mlp = layer.self_attn, layer.mlp
     weights = {
@@ -46,7 +47,7 @@ def _layer_products(preset: str) -> tuple[dict, object]:
         "gate": (mlp.gate_proj.weight.detach(), None),
         "down": (mlp.down_proj.weight.detach(), None),
     }
-    return weights, tok
+    return weights
 
 
 def _timed(fn, x, calls: int) -> float:
@@ -59,7 +60,7 @@ def _timed(fn, x, calls: int) -> float:
 def measure_products(preset: str, rows: list[int], rounds: int, calls: int, seed: int = 0) -> dict:
     from mmcache.engine import kernels
 
-    weights, _ = _layer_products(preset)
+    weights = _layer_products(preset)
     native = not kernels.widened(torch.bfloat16)
     gen = torch.Generator().manual_seed(seed)
     out: dict = {}
