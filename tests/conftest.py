@@ -66,8 +66,8 @@ def hf_vlm_logits():
 
 def _require_native_kernel(monkeypatch):
     """``MMCACHE_NATIVE=require`` for the test, and the loaded kernel; a skip, with the reason, only where the
-    kernel cannot be built (no C compiler, neither AVX-512 nor AVX2). That is never the case on the development and CI
-    machines: ``test_native_decode.py::test_the_kernel_builds_where_the_machine_can_run_it`` fails there
+    kernel cannot be built (no C compiler, neither AVX-512 nor AVX2). That is never the case on the development
+    and CI machines: ``test_native_decode.py::test_the_kernel_builds_where_the_machine_can_run_it`` fails there
     instead of skipping, so a kernel that stops building cannot hide behind these skips."""
     from mmcache.engine import native
 
