@@ -236,8 +236,10 @@ def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch, lib):
     aten = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(page_size=16, num_pages=32))
     monkeypatch.setenv(native.ENV_CHOICE, "require")
     compiled = Engine(model, tok, EngineConfig(page_size=16, num_pages=32))
-    # float32 with heads 16 wide: no way of the chunk kernel takes it, so no chunk suffix
-    assert compiled.backend == aten.backend + "+native-decode" + "+native-norm"
+    # float32 with heads 16 wide: no way of the chunk kernel takes it, so no chunk suffix; the row kernel where
+    # the library is its AVX2 build
+    rows = "+native-rows" if native.row_products(native.library()) else ""
+    assert compiled.backend == aten.backend + rows + "+native-decode" + "+native-norm"
     assert compiled.fingerprint != aten.fingerprint and compiled.fingerprint.model_digest == aten.fingerprint.model_digest
     calls = []
     real = native.decode_attention

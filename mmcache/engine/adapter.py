@@ -79,7 +79,8 @@ class CausalLMAdapter:
 
     def claim_compute_path(self, requested: dict) -> dict | None:
         """Fix the modules this model computes with before any is replaced. ``requested``: whether this engine
-        would pack the linears and install the layer kernels (its settings, where this process can).
+        would pack the linears (with products of few rows on the row kernel or not) and install the layer
+        kernels (its settings, where this process can).
 
         Replacing modules changes the last bits of every engine's results on this model, so the first engine's
         settings hold for the model object's life. Returns None for the first engine (it installs, then
@@ -96,7 +97,7 @@ class CausalLMAdapter:
             raise EngineConfigError(
                 f"this {type(self.model).__name__} object already serves an engine that computes with other "
                 f"modules ({differ}); an engine replaces the model's modules in place, so build this one on "
-                f"a copy (copy.deepcopy(model)) or with the same packed_linears and layer_kernels")
+                f"a copy (copy.deepcopy(model)) or with the same packed_linears, row_products and layer_kernels")
         return held
 
     def record_compute_path(self, packing_skipped: str | None) -> None:
@@ -112,16 +113,17 @@ class CausalLMAdapter:
             plain.append(self.lm_head)
         return sum(kernels.packed_bytes(m.weight) for m in plain)
 
-    def pack_linears(self) -> None:
-        """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``)."""
+    def pack_linears(self, rows=None) -> None:
+        """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``); ``rows``:
+        the compiled library for products of few rows (``kernels.PackedWeight``), or None."""
         if not kernels.available(self.device, self.dtype):
             return
         decoder = self.decoder
-        kernels.pack_linears(getattr(decoder, "layers", decoder))
+        kernels.pack_linears(getattr(decoder, "layers", decoder), rows)
         head = self.lm_head
         if type(head) is torch.nn.Linear:
             # The packed module keeps the head's Parameter, so a head tied to the embeddings stays tied.
-            self.model.set_output_embeddings(kernels.PackedLinear(head))
+            self.model.set_output_embeddings(kernels.PackedLinear(head, rows))
 
     def install_layer_kernels(self, lib) -> None:
         """Run the decoder's Llama-family RMSNorms on the compiled kernel ``lib`` (see ``norms``), and its
@@ -134,6 +136,13 @@ class CausalLMAdapter:
     def num_native_norms(self) -> int:
         """RMSNorms of the decoder computed by the compiled kernel (also when installed by another engine)."""
         return norms.count(self.decoder)
+
+    @property
+    def num_row_product_linears(self) -> int:
+        """Packed linears of the decoder and head whose products of few rows run on the compiled row kernel."""
+        head = self.lm_head
+        return kernels.count_on_rows(self.decoder) + (isinstance(head, kernels.PackedLinear)
+                                                      and head.packed.rows is not None)
 
     @property
     def num_packed_linears(self) -> int:

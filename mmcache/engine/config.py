@@ -13,9 +13,10 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   running request is writing waits for it to be published instead of computing it too (see ``scheduler``).
   It acts only where full prompt pages are published as prefill writes them (``store_at="prefill"``);
   under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
-* ``packed_linears``, ``layer_kernels`` and ``tune_malloc`` only change speed (see ``kernels``, ``norms`` and
-  ``rotary``); packed linears and the compiled norms change the last bits of results, so they are part of
-  the fingerprint's backend name (the compiled rotary embedding keeps every bit). The packed copy is made
+* ``packed_linears``, ``row_products``, ``layer_kernels`` and ``tune_malloc`` only change speed (see
+  ``kernels``, ``native``, ``norms`` and ``rotary``); packed linears, the row kernel and the compiled norms
+  change the last bits of results, so they are part of the fingerprint's backend name (the compiled rotary
+  embedding keeps every bit). The packed copy is made
   only where it fits in available memory beside the KV pool (``Engine.packing_skipped`` says why not).
 """
 
@@ -51,6 +52,8 @@ class EngineConfig:
     tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
     defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
     layer_kernels: bool = True  # RMSNorms and rotary embedding on the compiled kernels (norms, rotary)
+    row_products: bool = True  # packed linears' products of few rows on the compiled kernel where it is the
+    #                            AVX2 build (kernels.PackedWeight, native.row_products); needs packed_linears
 
     def __post_init__(self):
         def check(ok: bool, msg: str):

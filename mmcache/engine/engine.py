@@ -107,8 +107,10 @@ class Engine:
         # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
         # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
         decode_kernel = native.library() if a.device.type == "cpu" else None
-        requested = {"packed_linears": config.packed_linears and kernels.available(a.device, a.dtype),
-                     "layer_kernels": config.layer_kernels and decode_kernel is not None}
+        packs = config.packed_linears and kernels.available(a.device, a.dtype)
+        rows = decode_kernel if packs and config.row_products and native.row_products(decode_kernel) else None
+        requested = {"packed_linears": packs, "layer_kernels": config.layer_kernels and decode_kernel is not None,
+                     "row_products": rows is not None}
         held = a.claim_compute_path(requested)
         #: Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
         #: the packed copy beside the KV pool), or None.
@@ -117,7 +119,7 @@ class Engine:
             if requested["packed_linears"]:
                 self.packing_skipped = _packing_room(a.bytes_to_pack(), self.page_bytes * self.num_pages)
                 if self.packing_skipped is None:
-                    a.pack_linears()
+                    a.pack_linears(rows)
                 else:
                     _log.warning("linears left unpacked: %s", self.packing_skipped)
                 a.record_compute_path(self.packing_skipped)
@@ -128,6 +130,7 @@ class Engine:
         # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
         # in the last bits, so the compute path is part of the backend's name.
         packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
+        packed += "+native-rows" if a.num_row_product_linears else ""
         self.backend = (ATTENTION_BACKEND + packed
                         + ("+native-decode" if decode_kernel is not None else "")
                         + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]

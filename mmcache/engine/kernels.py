@@ -11,6 +11,9 @@ products with the activation and the product fused into them; and the ``q_proj``
 of an attention module (one input size, all with a bias or none) become ``PackedProjection`` parts of one
 ``PackedProjections``: one product over their concatenated weights per input tensor, which reads the three
 weights in one pass and saves two calls (a few percent of a decode step or a hit, ``benchmarks/projections.py``).
+Where the engine asks for it (``EngineConfig.row_products``, on AVX2 builds of the compiled library), products
+of at most ``native.ROW_PRODUCT_ROWS`` rows (a decode step's) run on the compiled row kernel instead, which
+reads the module's own weight in place in its own dtype (``native.linear``; ``benchmarks/row_products.py``).
 
 Invariants:
 
@@ -24,6 +27,7 @@ Invariants:
   from, and keeps nothing once every part is out, so no activation outlives its forward.
 * Results are deterministic for a given input shape, like the unpacked path; they differ from it in the
   last bits, so cache-on and cache-off runs must use the same setting (the engine uses one for its life).
+  On the row kernel a row's result depends only on that row (any company, any number of threads).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import ctypes.util
 
 import torch
 from torch import nn
+
+from . import native
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -101,16 +107,21 @@ class PackedWeight:
     rounds the result to bfloat16 once, so the module still takes and returns bfloat16. It differs from ATen's
     bfloat16 product only in the order of the float32 sums."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, widen: bool | None = None,
+                 rows=None):
         """``widen``: pack a bfloat16 weight as float32 or not whatever this CPU's oneDNN does (measuring only:
-        ``benchmarks/widened_linears.py``); by default as ``widened`` says."""
+        ``benchmarks/widened_linears.py``); by default as ``widened`` says. ``rows``: the compiled library
+        (``native.library()``) to compute products of at most ``native.ROW_PRODUCT_ROWS`` rows with, reading
+        ``weight`` itself in its own dtype (float32, or bfloat16 where widened); None: oneDNN for every product."""
         self.dtype = weight.dtype
         self.widened = widened(weight.dtype) if widen is None else widen and weight.dtype == torch.bfloat16
-        weight = weight.detach()
+        self.plain = weight = weight.detach()
         bias = None if bias is None else bias.detach()
         if self.widened:
             weight, bias = weight.float(), None if bias is None else bias.float()
         self.packed, self.bias = _pack(weight), bias
+        takes = self.widened or weight.dtype == torch.float32
+        self.rows = rows if takes and self.plain.is_contiguous() else None
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's products take it."""
@@ -120,8 +131,15 @@ class PackedWeight:
         """A product's result in the module's dtype."""
         return y.to(self.dtype) if self.widened else y
 
+    def on_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``product`` of ``x`` runs on the compiled row kernel (few rows, and one was given)."""
+        return self.rows is not None and x.numel() <= native.ROW_PRODUCT_ROWS * x.shape[-1]
+
     def product(self, x: torch.Tensor, attr: str = "none", algorithm: str = "") -> torch.Tensor:
-        """``attr(x @ weight^T + bias)`` on an input already passed through ``input``, not yet ``output``."""
+        """``attr(x @ weight^T + bias)`` on an input already passed through ``input``, not yet ``output``. The
+        row kernel takes only ``attr="none"`` (callers check ``on_rows`` and apply their activation)."""
+        if attr == "none" and self.on_rows(x):
+            return native.linear(self.rows, x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,12 +149,12 @@ class PackedWeight:
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` computed from a weight packed once for oneDNN."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, rows=None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = PackedWeight(linear.weight, linear.bias)  # a plain attribute: not in state_dict
+        self.packed = PackedWeight(linear.weight, linear.bias, rows=rows)  # a plain attribute: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x)
@@ -145,11 +163,11 @@ class PackedLinear(nn.Linear):
 class PackedGatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` as three packed products: act fused into gate, the product into up."""
 
-    def __init__(self, mlp: nn.Module, attr: str, algorithm: str):
+    def __init__(self, mlp: nn.Module, attr: str, algorithm: str, rows=None):
         super().__init__()
-        self.gate_proj = PackedLinear(mlp.gate_proj)
-        self.up_proj = PackedLinear(mlp.up_proj)
-        self.down_proj = PackedLinear(mlp.down_proj)
+        self.gate_proj = PackedLinear(mlp.gate_proj, rows)
+        self.up_proj = PackedLinear(mlp.up_proj, rows)
+        self.down_proj = PackedLinear(mlp.down_proj, rows)
         self.act_fn = mlp.act_fn
         self.attr, self.algorithm = attr, algorithm
 
@@ -157,8 +175,11 @@ class PackedGatedMLP(nn.Module):
         # Widened weights keep the two intermediate activations in float32 (rounded to bfloat16 only at the end).
         gate_w, up_w, down_w = self.gate_proj.packed, self.up_proj.packed, self.down_proj.packed
         x = gate_w.input(x)
-        gate = gate_w.product(x, self.attr, self.algorithm)
-        hidden = torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w.packed, None, "mul")
+        if gate_w.on_rows(x):  # few rows on the row kernel: the activation and the product after it
+            hidden = self.act_fn(gate_w.product(x)).mul_(up_w.product(x))
+        else:
+            gate = gate_w.product(x, self.attr, self.algorithm)
+            hidden = torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w.packed, None, "mul")
         return down_w.output(down_w.product(hidden))
 
 
@@ -171,10 +192,10 @@ class PackedProjections:
     one) returns its kept part; a call on any other tensor computes afresh. The parts are column slices of
     one result (views, rows ``sum(widths)`` apart). The kept parts are dropped once all are handed out."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], rows=None):
         has_bias = linears[0].bias is not None
         self.packed = PackedWeight(torch.cat([m.weight.detach() for m in linears]),
-                                   torch.cat([m.bias.detach() for m in linears]) if has_bias else None)
+                                   torch.cat([m.bias.detach() for m in linears]) if has_bias else None, rows=rows)
         self.widths = [m.out_features for m in linears]
         self._x, self._parts, self._left = None, (), 0
 
@@ -249,28 +270,34 @@ def _fused_matches(mlp: nn.Module, fused: PackedGatedMLP) -> bool:
     return bool(torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())))
 
 
-def pack_linears(layers: nn.Module) -> None:
+def pack_linears(layers: nn.Module, rows=None) -> None:
     """Pack every ``nn.Linear`` under ``layers``, fusing gated MLPs and grouping each attention module's
-    query, key and value projections (idempotent)."""
+    query, key and value projections (idempotent). ``rows``: see ``PackedWeight``."""
     for name, module in list(layers.named_modules()):
         act = _fusable(module)
         if act is not None:
-            fused = PackedGatedMLP(module, *act)
+            fused = PackedGatedMLP(module, *act, rows=rows)
             if _fused_matches(module, fused):
                 _replace(layers, name, fused)
         parts = _projections(module)
         if parts is not None:
-            group = PackedProjections(parts)
+            group = PackedProjections(parts, rows)
             if _projections_match(parts, group):
                 for i, (attr, part) in enumerate(zip(PROJECTIONS, parts)):
                     setattr(module, attr, PackedProjection(part, group, i))
     for name, module in list(layers.named_modules()):
         if type(module) is nn.Linear:
-            _replace(layers, name, PackedLinear(module))
+            _replace(layers, name, PackedLinear(module, rows))
 
 
 def count_packed(module: nn.Module) -> int:
     return sum(isinstance(m, PackedLinear) for m in module.modules())
+
+
+def count_on_rows(module: nn.Module) -> int:
+    """Packed linears under ``module`` whose products of few rows run on the compiled row kernel."""
+    return sum(isinstance(m, PackedLinear) and (m.packed or m.group.packed).rows is not None
+               for m in module.modules())
 
 
 def _replace(root: nn.Module, dotted: str, new: nn.Module) -> None:

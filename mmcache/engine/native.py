@@ -3,7 +3,9 @@ and the attention of a bfloat16 prefill chunk over its cached prefix and its own
 products on the AMX tile unit where the CPU grants it, else with AVX-512 BF16 dot products: ``chunk_way``), both
 in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
 (``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``); and its rotary position embedding, with the
-same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``).
+same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``); and, on
+AVX2 builds, the linear products of a decode step's few rows with a weight read in place in its own dtype
+(``linear``, ``linear.c``, used by ``kernels.PackedWeight`` where ``row_products`` says so).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -61,7 +63,7 @@ ENV_CHOICE = "MMCACHE_NATIVE"
 ENV_CACHE = "MMCACHE_CACHE_DIR"
 _CHOICES = ("auto", "off", "require")
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c", CSRC / "linear.c")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
@@ -176,6 +178,9 @@ def load(path: Path) -> ctypes.CDLL:
     fn = lib.mmc_rotary
     fn.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64,
                    ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mmc_linear
+    fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
@@ -375,3 +380,43 @@ def rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and x.device.type == cos.device.type == sin.device.type == "cpu" and cos.shape == sin.shape
             and cos.shape == (x.shape[0], x.shape[2], x.shape[3]) and x.shape[3] % 2 == 0 and x.shape[3] >= 2
             and x.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin.stride())
+
+
+ROW_PRODUCT_ROWS = 16  # products of at most this many rows go to ``linear`` where ``row_products`` says so
+
+
+def row_products(lib: ctypes.CDLL | None) -> bool:
+    """Whether the engine computes products of at most ``ROW_PRODUCT_ROWS`` rows with ``linear``: where the
+    library is its AVX2 build (8 lanes). There oneDNN has no bfloat16 path (bfloat16 weights go through a
+    float32 copy, twice the bytes per decode step) and its float32 product at these row counts reads the
+    weight well under the memory's speed; on AVX-512 builds oneDNN's own products were not slower
+    (``benchmarks/row_products.py`` measures both)."""
+    return lib is not None and lib.lanes == 8
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` in float32 for ``x`` (..., K) float32, ``weight`` (N, K) float32 or bfloat16 (read
+    in place; bfloat16 widened exactly), ``bias`` (N) float32 or None; returns (..., N) float32. Element (m, n)
+    depends only on row m of ``x``, row n of ``weight`` and ``bias[n]`` (the same bits in any company and on
+    any number of threads): float32 sums in the kernel's fixed order (``csrc/linear.c``)."""
+    if (x.dtype != torch.float32 or weight.dtype not in _DTYPES or weight.dim() != 2 or x.dim() < 1
+            or x.shape[-1] != weight.shape[1] or weight.shape[1] < 1 or weight.shape[0] < 1
+            or x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)
+                                      or bias.device.type != "cpu"))):
+        raise ValueError(f"linear takes x (..., K) float32, a contiguous weight (N, K) float32 or bfloat16 and a "
+                         f"float32 bias (N) or None, on the CPU: got x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    n = weight.shape[0]
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    bias = None if bias is None else bias.contiguous()
+    rc = lib.mmc_linear(_DTYPES[weight.dtype], rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
+                        n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                        threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"linear kernel refused its arguments (code {rc}): x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    return out.view(*x.shape[:-1], n)
