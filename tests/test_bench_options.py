@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes,
-                        projections)
+                        projections, row_products)
 from benchmarks.runner import bench_parser
 from mmcache.cli import positive_int
 
@@ -41,7 +41,8 @@ def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
                                           (chunk_kernel.main, "--group"), (chunk_kernel.main, "--kv-heads"),
                                           (layer_kernels.main, "--pairs"), (layer_kernels.main, "--batch"),
                                           (layer_kernels.main, "--decode-tokens"), (projections.main, "--hits"),
-                                          (projections.main, "--batch")])
+                                          (projections.main, "--batch"), (row_products.main, "--rounds"),
+                                          (row_products.main, "--batch"), (row_products.main, "--tokens")])
 def test_the_scripts_refuse_a_zero_count(main, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main([option, "0"])

@@ -25,19 +25,25 @@
 #include "simd.h"
 
 #define WROWS 4                    /* weight rows per block */
+#define AHEAD 2                    /* blocks between the one computed and the one prefetched */
 #define XROWS (VL == 16 ? 6 : 3)   /* input rows per pass over a block: WROWS * XROWS accumulators in registers
                                     * (12 of AVX2's 16, with the 4 weight vectors; x is read by the multiply-adds) */
 
-/* Rows x[0 .. nx-1] (nx <= XROWS) times weight rows w[0 .. nw-1] (nw <= WROWS), into o[i][j]. */
+/* Rows x[0 .. nx-1] (nx <= XROWS) times weight rows w[0 .. nw-1] (nw <= WROWS), into o[i][j]. next: the weight
+ * rows of a later block (the same nw rows apart), asked of the memory while this one is computed, or null. Rows
+ * of 1-2 KB (a 0.5B model's K of 896) are too short for the hardware prefetcher to find each in time: at one
+ * row of x, asking two blocks ahead took a (151936, 896) bfloat16 product from 14 to 17.6 GB/s on Zen 3. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const char *w, int64_t wrow,
-                                                        const int nx, const int nw, float o[XROWS][WROWS],
-                                                        const int dtype) {
+                                                        const char *next, const int nx, const int nw,
+                                                        float o[XROWS][WROWS], const int dtype) {
     vf acc[XROWS][WROWS];
     for (int i = 0; i < nx; i++)
         for (int j = 0; j < nw; j++) acc[i][j] = vf_zero();
-    const int64_t body = K - K % VL;
+    const int64_t body = K - K % VL, size = dtype == BF16 ? 2 : 4, line = 64 / size; /* elements per cache line */
     for (int64_t k = 0; k < body; k += VL) {
         vf wv[WROWS];
+        if (next && k % line == 0)
+            for (int j = 0; j < nw; j++) _mm_prefetch(next + j * wrow + k * size, _MM_HINT_T0);
         for (int j = 0; j < nw; j++) wv[j] = vf_load(w + j * wrow, k, dtype);
         for (int i = 0; i < nx; i++) {
             const vf xv = vf_loadu(x + i * K + k);
@@ -52,21 +58,31 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         }
 }
 
-/* Weight rows n0 .. n0+nw-1 against every row of x. */
+/* Weight rows n0 .. n0+nw-1 against every row of x (next: see block; asked for in the first pass only). */
 static inline __attribute__((always_inline)) void rows_of(const float *x, int64_t M, int64_t K, const char *w,
-                                                          int64_t wrow, const int nw, const float *bias,
-                                                          float *out, int64_t N, int64_t n0, const int dtype) {
+                                                          int64_t wrow, const char *next, const int nw,
+                                                          const float *bias, float *out, int64_t N, int64_t n0,
+                                                          const int dtype) {
     float o[XROWS][WROWS];
     int64_t m = 0;
-    for (; m + XROWS <= M; m += XROWS) {
-        block(x + m * K, K, w, wrow, XROWS, nw, o, dtype);
+    for (; m + XROWS <= M; m += XROWS, next = 0) {
+        block(x + m * K, K, w, wrow, next, XROWS, nw, o, dtype);
         for (int i = 0; i < XROWS; i++)
             for (int j = 0; j < nw; j++) out[(m + i) * N + n0 + j] = o[i][j] + (bias ? bias[n0 + j] : 0.0f);
     }
-    for (; m < M; m++) {
-        block(x + m * K, K, w, wrow, 1, nw, o, dtype);
-        for (int j = 0; j < nw; j++) out[m * N + n0 + j] = o[0][j] + (bias ? bias[n0 + j] : 0.0f);
+    const int rest = (int)(M - m); /* the rows left, in one pass (nx a constant in each copy) */
+    switch (rest) {
+    case 1: block(x + m * K, K, w, wrow, next, 1, nw, o, dtype); break;
+    case 2: block(x + m * K, K, w, wrow, next, 2, nw, o, dtype); break;
+#if XROWS > 3
+    case 3: block(x + m * K, K, w, wrow, next, 3, nw, o, dtype); break;
+    case 4: block(x + m * K, K, w, wrow, next, 4, nw, o, dtype); break;
+    case 5: block(x + m * K, K, w, wrow, next, 5, nw, o, dtype); break;
+#endif
+    default: return;
     }
+    for (int i = 0; i < rest; i++)
+        for (int j = 0; j < nw; j++) out[(m + i) * N + n0 + j] = o[i][j] + (bias ? bias[n0 + j] : 0.0f);
 }
 
 static void product(const float *x, int64_t M, int64_t K, const char *w, int64_t N, const float *bias,
@@ -74,9 +90,10 @@ static void product(const float *x, int64_t M, int64_t K, const char *w, int64_t
     const int64_t wrow = K * (dtype == BF16 ? 2 : 4), blocks = N / WROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int64_t b = 0; b < blocks; b++)
-        rows_of(x, M, K, w + b * WROWS * wrow, wrow, WROWS, bias, out, N, b * WROWS, dtype);
+        rows_of(x, M, K, w + b * WROWS * wrow, wrow, b + AHEAD < blocks ? w + (b + AHEAD) * WROWS * wrow : 0,
+                WROWS, bias, out, N, b * WROWS, dtype);
     for (int64_t n = blocks * WROWS; n < N; n++) /* the last N % WROWS weight rows one at a time */
-        rows_of(x, M, K, w + n * wrow, wrow, 1, bias, out, N, n, dtype);
+        rows_of(x, M, K, w + n * wrow, wrow, 0, 1, bias, out, N, n, dtype);
 }
 
 /* Returns 0, or 1 when the arguments are outside what this kernel handles. */

@@ -1,0 +1,168 @@
+"""Products of a decode step's few rows: oneDNN's packed product against the compiled row kernel
+(``native.linear``), paired in one process.
+
+    python -m benchmarks.row_products --json row_products.json      # about 8 min on a 2-core AVX2 machine
+
+Where the compiled library is its AVX2 build, packed linears compute products of at most
+``native.ROW_PRODUCT_ROWS`` rows on the row kernel (``EngineConfig.row_products``); this measures what that buys.
+
+* Products: each distinct product of one decoder layer of ``--preset`` in ``--dtype`` (the query, key and value
+  projections as the engine groups them, the output projection, the MLP's gate or up, its down) and the LM head,
+  at each row count of ``--rows``. Sides: ``onednn`` (``kernels.PackedWeight`` as the engine packs it: bfloat16
+  weights widened to float32 where oneDNN has no bfloat16 path) and ``kernel`` (the same with the row kernel).
+  Each of ``--rounds`` rounds times ``--calls`` calls of each side, alternating which goes first; reported:
+  each side's median per call and the median over rounds of ``onednn``'s time over ``kernel``'s. ``layer`` sums
+  one layer's products (the gate's shape twice: gate and up); ``step`` is ``layer`` times the number of layers
+  plus the head: the linears of one decode step.
+* Decode: two engines on two copies of the model, ``row_products`` off and on; ``--pairs`` times, a fresh batch
+  of ``--batch`` requests (prompts of ``--prompt-len`` tokens) decodes ``--tokens`` tokens on each, alternating
+  which goes first; reported: each side's median inter-token latency (over every token after the first of every
+  request of the batch), and the median over pairs of off over on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from mmcache.cli import positive_int
+
+
+def _products(preset: str, dtype: torch.dtype) -> tuple[dict, int]:
+    """One decoder layer's products and the LM head: name -> (weight, bias); and the number of layers."""
+    from mmcache.engine.models import build_model
+
+    model, _ = build_model(preset, str(dtype).removeprefix("torch."))
+    layer = model.model.layers[0]
+    att, mlp = layer.self_attn, layer.mlp
+
+    def cat(parts):
+        return None if parts[0] is None else torch.cat(parts).detach()
+
+    weights = {"qkv": (cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+                       cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])),
+               "o": (att.o_proj.weight.detach(), cat([att.o_proj.bias])),
+               "gate": (mlp.gate_proj.weight.detach(), None),
+               "down": (mlp.down_proj.weight.detach(), None),
+               "head": (model.get_output_embeddings().weight.detach(), None)}
+    return weights, len(model.model.layers)
+
+
+def _timed(fn, x, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - t0) / calls
+
+
+def measure_products(preset: str, dtype: torch.dtype, rows: list[int], rounds: int, calls: int,
+                     seed: int = 0) -> dict:
+    from mmcache.engine import kernels, native
+
+    lib = native.library()
+    if lib is None:
+        raise SystemExit(f"the compiled library is not available here: {native.status()}")
+    weights, layers = _products(preset, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict = {}
+    for n in rows:
+        per_shape: dict = {}
+        for name, (w, b) in weights.items():
+            sides = {"onednn": kernels.PackedWeight(w, b), "kernel": kernels.PackedWeight(w, b, rows=lib)}
+            if sides["kernel"].rows is None:
+                raise SystemExit(f"the row kernel does not take {dtype} weights that oneDNN packs as they are")
+            x = torch.randn(n, w.shape[1], generator=gen).to(dtype)
+            for fn in sides.values():  # first calls (allocations, oneDNN's kernel choice) not timed
+                fn(x)
+            times = {side: [] for side in sides}
+            for r in range(rounds):
+                for side in (("onednn", "kernel") if r % 2 == 0 else ("kernel", "onednn")):
+                    times[side].append(_timed(sides[side], x, calls))
+            per_shape[name] = times
+        count = {"qkv": 1, "o": 1, "gate": 2, "down": 1}
+        per_shape["layer"] = {side: [sum(c * per_shape[s][side][r] for s, c in count.items())
+                                     for r in range(rounds)] for side in ("onednn", "kernel")}
+        per_shape["step"] = {side: [layers * per_shape["layer"][side][r] + per_shape["head"][side][r]
+                                    for r in range(rounds)] for side in ("onednn", "kernel")}
+        out[str(n)] = {name: {"onednn_s": statistics.median(t["onednn"]), "kernel_s": statistics.median(t["kernel"]),
+                              "onednn_over_kernel": statistics.median(a / b for a, b in zip(t["onednn"], t["kernel"]))}
+                       for name, t in per_shape.items()}
+    return {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
+            "widened": kernels.widened(dtype), "library": native.status(), "rounds": rounds, "calls": calls,
+            "rows": out}
+
+
+def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, tokens: int, prompt_len: int,
+                   seed: int = 0) -> dict:
+    import numpy as np
+
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.models import build_model
+
+    engines = {}
+    for side, on in (("off", False), ("on", True)):
+        model, tok = build_model(preset, str(dtype).removeprefix("torch."))
+        engines[side] = Engine(model, tok, EngineConfig(page_size=128, row_products=on, max_num_seqs=batch))
+    rng = np.random.default_rng(seed)
+    vocab = engines["off"].adapter.vocab_size
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    itl = {side: [] for side in engines}
+    for i in range(pairs):
+        prompts = [rng.integers(2, vocab, size=prompt_len).tolist() for _ in range(batch)]
+        for side in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            outs = engines[side].generate([Request(p, params) for p in prompts])
+            gaps = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
+            itl[side].append(statistics.median(gaps))
+    return {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "pairs": pairs, "batch": batch,
+            "tokens": tokens, "prompt_len": prompt_len,
+            "on_backend": engines["on"].backend, "off_backend": engines["off"].backend, "itl_p50_s": itl,
+            "off_s": statistics.median(itl["off"]), "on_s": statistics.median(itl["on"]),
+            "off_over_on": statistics.median(a / b for a, b in zip(itl["off"], itl["on"]))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.row_products", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--rows", default="1,4,8,16", help="comma-separated row counts of the products")
+    p.add_argument("--rounds", type=positive_int, default=6)
+    p.add_argument("--calls", type=positive_int, default=3, help="calls per side and round")
+    p.add_argument("--pairs", type=positive_int, default=4, help="decode pairs")
+    p.add_argument("--batch", type=positive_int, default=8, help="requests decoding together")
+    p.add_argument("--tokens", type=positive_int, default=32, help="tokens per request")
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--no-decode", action="store_true", help="products only")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    try:
+        rows = [positive_int(r) for r in args.rows.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--rows: {exc}")
+    dtype = getattr(torch, args.dtype)
+    result = {"products": measure_products(args.preset, dtype, rows, args.rounds, args.calls)}
+    if not args.no_decode:
+        result["decode"] = measure_decode(args.preset, dtype, args.pairs, args.batch, args.tokens, args.prompt_len)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    prod = result["products"]
+    print(f"products ({prod['preset']}, {prod['dtype']}, widened for oneDNN: {prod['widened']}; {prod['library']}), "
+          f"median of {prod['rounds']} rounds:")
+    for n, summary in prod["rows"].items():
+        for name, r in summary.items():
+            print(f"  {n:>3} rows {name:>5}: onednn {1e3 * r['onednn_s']:8.2f} ms, kernel {1e3 * r['kernel_s']:8.2f} ms,"
+                  f" onednn / kernel {r['onednn_over_kernel']:.2f}")
+    if "decode" in result:
+        r = result["decode"]
+        print(f"decode ({r['batch']} requests, {r['tokens']} tokens, {r['pairs']} pairs): ITL p50 off "
+              f"{1e3 * r['off_s']:.1f} ms, on {1e3 * r['on_s']:.1f} ms, off / on {r['off_over_on']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
