@@ -80,6 +80,7 @@ def test_few_rows_go_to_the_kernel_and_more_to_onednn(native_kernel, widen):
     on_rows = kernels.PackedWeight(linear.weight, linear.bias, widen=widen, rows=native_kernel)
     onednn = kernels.PackedWeight(linear.weight, linear.bias, widen=widen)
     assert on_rows.rows is native_kernel and onednn.rows is None
+    assert onednn.plain is None  # without the row kernel no reference to the weight (or a group's copy) is kept
     limit = native.ROW_PRODUCT_ROWS
     for rows in (1, 5, limit, limit + 1, 64):
         x = torch.randn(1, rows, 96).to(dtype)
@@ -128,6 +129,11 @@ def test_an_engine_on_the_row_kernel_names_it_and_stays_bit_exact(row_products_e
     if dtype == "bfloat16":  # as on an AVX2 CPU: bfloat16 weights widened for oneDNN, read as they are here
         monkeypatch.setattr(kernels, "_PACKS", {torch.bfloat16: False})
     model, tok = build_model("tiny", dtype)
+    probe = Engine(build_model("tiny", dtype)[0], tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False))
+    qkv = [getattr(layer.self_attn, n).weight for layer in model.model.layers for n in kernels.PROJECTIONS]
+    # the room asked for packing counts the groups' concatenated weights, which the row kernel reads
+    assert (probe.adapter.bytes_to_pack(rows=True) - probe.adapter.bytes_to_pack()
+            == sum(w.numel() * w.element_size() for w in qkv) > 0)
     rng = np.random.default_rng(5)
     prefix = rng.integers(2, 512, size=40).tolist()
     prompts = [prefix + rng.integers(2, 512, size=n).tolist() for n in (9, 21)] + [list(prefix)]

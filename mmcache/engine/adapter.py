@@ -104,14 +104,18 @@ class CausalLMAdapter:
         """What the first engine decided beyond its settings: why it left the linears unpacked, if it did."""
         getattr(self.model, PATH_ATTR)["packing_skipped"] = packing_skipped
 
-    def bytes_to_pack(self) -> int:
+    def bytes_to_pack(self, rows: bool = False) -> int:
         """Bytes of the packed copies ``pack_linears`` would add (the plain weights stay): every linear of the
-        decoder layers and the head not packed yet."""
+        decoder layers and the head not packed yet; with ``rows`` (the row kernel), also the query, key and
+        value weights once more (a group's concatenated weight, which the row kernel reads)."""
         decoder = self.decoder
-        plain = [m for m in getattr(decoder, "layers", decoder).modules() if type(m) is torch.nn.Linear]
+        layers = getattr(decoder, "layers", decoder)
+        plain = [m for m in layers.modules() if type(m) is torch.nn.Linear]
         if type(self.lm_head) is torch.nn.Linear:
             plain.append(self.lm_head)
-        return sum(kernels.packed_bytes(m.weight) for m in plain)
+        grouped = [getattr(m, n) for m in layers.modules() if kernels.groupable(m) for n in kernels.PROJECTIONS]
+        return (sum(kernels.packed_bytes(m.weight) for m in plain)
+                + (sum(m.weight.numel() * m.weight.element_size() for m in grouped) if rows else 0))
 
     def pack_linears(self, rows=None) -> None:
         """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``); ``rows``:

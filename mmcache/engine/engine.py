@@ -117,7 +117,8 @@ class Engine:
         self.packing_skipped = held["packing_skipped"] if held else None
         if held is None:  # the first engine on this model sets up its modules
             if requested["packed_linears"]:
-                self.packing_skipped = _packing_room(a.bytes_to_pack(), self.page_bytes * self.num_pages)
+                self.packing_skipped = _packing_room(a.bytes_to_pack(rows is not None),
+                                                     self.page_bytes * self.num_pages)
                 if self.packing_skipped is None:
                     a.pack_linears(rows)
                 else:

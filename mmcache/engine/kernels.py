@@ -115,13 +115,14 @@ class PackedWeight:
         ``weight`` itself in its own dtype (float32, or bfloat16 where widened); None: oneDNN for every product."""
         self.dtype = weight.dtype
         self.widened = widened(weight.dtype) if widen is None else widen and weight.dtype == torch.bfloat16
-        self.plain = weight = weight.detach()
+        weight = weight.detach()
         bias = None if bias is None else bias.detach()
+        takes = (self.widened or weight.dtype == torch.float32) and weight.is_contiguous()
+        self.rows = rows if takes else None
+        self.plain = weight if self.rows is not None else None  # kept only for the row kernel
         if self.widened:
             weight, bias = weight.float(), None if bias is None else bias.float()
         self.packed, self.bias = _pack(weight), bias
-        takes = self.widened or weight.dtype == torch.float32
-        self.rows = rows if takes and self.plain.is_contiguous() else None
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's products take it."""
@@ -251,6 +252,11 @@ def _projections_match(parts: list[nn.Linear], group: PackedProjections) -> bool
             if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
                 return False
     return True
+
+
+def groupable(module: nn.Module) -> bool:
+    """Whether ``pack_linears`` would try to group ``module``'s query, key and value projections."""
+    return _projections(module) is not None
 
 
 def _fusable(mlp: nn.Module) -> tuple[str, str] | None:

@@ -2,8 +2,8 @@
  *
  *     out[m][n] = sum over k of x[m][k] * w[n][k]  (+ bias[n])
  *
- * x (M, K) float32, rows K apart; w (N, K) float32 or bfloat16, rows K apart (nn.Linear's own layout, so the
- * module's weight is read in place and no copy is kept); bias (N) float32 or null; out (M, N) float32.
+ * x (M, K) float32, rows K apart; w (N, K) float32 or bfloat16, rows K apart (nn.Linear's own layout, so a
+ * module's weight is read in place); bias (N) float32 or null; out (M, N) float32.
  *
  * Why: on a CPU whose oneDNN has no bfloat16 path (AVX2 without AVX-512), the engine multiplies bfloat16
  * weights through a float32 copy (kernels.PackedWeight, "widened"), so a decode step reads twice the weight's
@@ -17,8 +17,8 @@
  * Invariants: out[m][n] depends only on row m of x, row n of w and bias[n], never on M, the other rows or the
  * number of threads: a fixed order of float32 sums (lane j of a vector accumulates k = j, j + VL, j + 2 VL ...
  * by fused multiply-adds, k ascending; the lanes then summed as simd.h's vf_sum does; the K % VL last elements
- * added after, k ascending; the bias last). The products of widened bfloat16 values are exact in float32, so
- * the only rounding is in the sums.
+ * added after, k ascending; the bias last). Each multiply-add rounds once; where x holds widened bfloat16
+ * values (a bfloat16 model's activations), the products themselves are exact in float32.
  */
 #include <stdint.h>
 
