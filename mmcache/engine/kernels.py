@@ -20,7 +20,9 @@ Invariants:
 * The packed copy takes as much memory again as the weights it packs, twice as much for bfloat16 weights
   packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It
   is made from the weights as they are when packing; an engine's model is frozen from then on (an in-place
-  weight change is not seen by the packed copy).
+  weight change is not seen by the packed copy, though the row kernel, which reads a module's own weight,
+  would see it: products of few and of many rows would then disagree). With the row kernel a group of
+  projections also keeps its concatenated weight (counted by ``Engine``'s packing room).
 * A fused MLP and grouped projections are installed only after they reproduced the modules' own forward on
   probe inputs (within float rounding); otherwise the linears are packed one by one.
 * A group hands a part out from its kept product only for the very tensor object that product was computed
