@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, positive_ints
 
 
 def _products(preset: str, dtype: torch.dtype) -> tuple[dict, int]:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.row_products", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--rows", default="1,4,8,16", help="comma-separated row counts of the products")
+    p.add_argument("--rows", type=positive_ints, default="1,4,8,16", help="comma-separated row counts of the products")
     p.add_argument("--rounds", type=positive_int, default=6)
     p.add_argument("--calls", type=positive_int, default=3, help="calls per side and round")
     p.add_argument("--pairs", type=positive_int, default=4, help="decode pairs")
@@ -139,10 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-decode", action="store_true", help="products only")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    try:
-        rows = [positive_int(r) for r in args.rows.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        p.error(f"--rows: {exc}")
+    rows = args.rows
     dtype = getattr(torch, args.dtype)
     result = {"products": measure_products(args.preset, dtype, rows, args.rounds, args.calls)}
     if not args.no_decode:

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, positive_ints
 
 
 def _layer_products(preset: str) -> dict:
@@ -130,7 +130,7 @@ def measure_requests(preset: str, pairs: int, prompt_len: int, seed: int = 0) ->
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.widened_linears", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-0.5b")
-    p.add_argument("--rows", default="8,128,2048", help="comma-separated row counts of the products")
+    p.add_argument("--rows", type=positive_ints, default="8,128,2048", help="comma-separated row counts of the products")
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--calls", type=positive_int, default=3, help="calls per side and round")
     p.add_argument("--pairs", type=positive_int, default=3, help="whole-request pairs")
@@ -138,10 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-requests", action="store_true", help="products only")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    try:
-        rows = [positive_int(r) for r in args.rows.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        p.error(f"--rows: {exc}")
+    rows = args.rows
     result = {"products": measure_products(args.preset, rows, args.rounds, args.calls)}
     if not args.no_requests:
         result["requests"] = measure_requests(args.preset, args.pairs, args.prompt_len)

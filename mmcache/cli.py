@@ -33,6 +33,11 @@ def positive_int(text: str) -> int:
     return n
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type`` for a comma-separated list of counts (``positive_int`` each)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")
 
 

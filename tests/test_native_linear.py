@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mmcache.engine import Engine, EngineConfig, EngineConfigError, Request, SamplingParams, kernels, native
-from mmcache.engine.inspect import record_logits
+from mmcache.engine.inspect import exact_runs, record_logits, rows_equal
 from mmcache.engine.models import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),
@@ -137,19 +137,11 @@ def test_an_engine_on_the_row_kernel_names_it_and_stays_bit_exact(row_products_e
     rng = np.random.default_rng(5)
     prefix = rng.integers(2, 512, size=40).tolist()
     prompts = [prefix + rng.integers(2, 512, size=n).tolist() for n in (9, 21)] + [list(prefix)]
-    runs = {}
-    for mode in ("on", "off"):
-        eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, cache_mode=mode))
-        rows = record_logits(eng)
-        outs = eng.generate([Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)])
-        runs[mode] = (rows, outs, eng)
+    runs = exact_runs(model, tok, prompts, GREEDY, page_size=16, num_pages=64)
     eng = runs["on"][2]
     assert "+native-rows" in eng.backend and eng.adapter.num_row_product_linears == eng.adapter.num_packed_linears > 0
     assert [o.matched_tokens for o in runs["on"][1]] == [0, 32, 32]
-    for i in range(len(prompts)):
-        a, b = runs["on"][0][i], runs["off"][0][i]
-        assert len(a) == len(b) == GREEDY.max_tokens
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(rows_equal(runs["on"][0], runs["off"][0], i, GREEDY.max_tokens) for i in range(len(prompts)))
     # Another setting on the same model object is refused before anything changes; a copy takes it.
     with pytest.raises(EngineConfigError, match="row_products"):
         Engine(model, tok, EngineConfig(page_size=16, num_pages=64, row_products=False))

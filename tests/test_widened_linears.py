@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, kernels
-from mmcache.engine.inspect import record_logits
+from mmcache.engine.inspect import exact_runs, record_logits, rows_equal
 from mmcache.engine.models import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),
@@ -70,12 +70,7 @@ def test_an_engine_on_widened_linears_packs_fuses_groups_and_stays_bit_exact(wid
     rng = np.random.default_rng(3)
     prefix = rng.integers(2, 512, size=40).tolist()
     prompts = [prefix + rng.integers(2, 512, size=n).tolist() for n in (9, 21)] + [list(prefix)]
-    runs = {}
-    for mode in ("on", "off"):
-        eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, cache_mode=mode))
-        rows = record_logits(eng)
-        outs = eng.generate([Request(p, GREEDY, request_id=i) for i, p in enumerate(prompts)])
-        runs[mode] = (rows, outs, eng)
+    runs = exact_runs(model, tok, prompts, GREEDY, page_size=16, num_pages=64)
     eng = runs["on"][2]
     layer = model.model.layers[0]
     assert eng.adapter.num_packed_linears > 0 and isinstance(layer.mlp, kernels.PackedGatedMLP)
@@ -83,10 +78,7 @@ def test_an_engine_on_widened_linears_packs_fuses_groups_and_stays_bit_exact(wid
     assert layer.mlp.gate_proj.packed.widened and layer.self_attn.q_proj.group.packed.widened
     assert "+onednn-packed-f32" in eng.backend
     assert [o.matched_tokens for o in runs["on"][1]] == [0, 32, 32]
-    for i in range(len(prompts)):
-        a, b = runs["on"][0][i], runs["off"][0][i]
-        assert len(a) == len(b) == GREEDY.max_tokens
-        assert all(torch.equal(x, y) for x, y in zip(a, b)), [x.dtype for x in a]
+    assert all(rows_equal(runs["on"][0], runs["off"][0], i, GREEDY.max_tokens) for i in range(len(prompts)))
 
     # Within bfloat16 rounding of the same model on plain (ATen bfloat16) linears.
     plain_model, _ = build_model("tiny", "bfloat16")
