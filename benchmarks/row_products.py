@@ -1,7 +1,7 @@
 """Products of a decode step's few rows: oneDNN's packed product against the compiled row kernel
 (``native.linear``), paired in one process.
 
-    python -m benchmarks.row_products --json row_products.json      # about 8 min on a 2-core AVX2 machine
+    python -m benchmarks.row_products --json row_products.json      # about 3 min on a 2-core AVX2 machine
 
 Where the compiled library is its AVX2 build, packed linears compute products of at most
 ``native.ROW_PRODUCT_ROWS`` rows on the row kernel (``EngineConfig.row_products``); this measures what that buys.
@@ -14,10 +14,11 @@ Where the compiled library is its AVX2 build, packed linears compute products of
   each side's median per call and the median over rounds of ``onednn``'s time over ``kernel``'s. ``layer`` sums
   one layer's products (the gate's shape twice: gate and up); ``step`` is ``layer`` times the number of layers
   plus the head: the linears of one decode step.
-* Decode: two engines on two copies of the model, ``row_products`` off and on; ``--pairs`` times, a fresh batch
-  of ``--batch`` requests (prompts of ``--prompt-len`` tokens) decodes ``--tokens`` tokens on each, alternating
-  which goes first; reported: each side's median inter-token latency (over every token after the first of every
-  request of the batch), and the median over pairs of off over on.
+* Decode (where the engine uses the kernel: AVX2 builds): two engines on two copies of the model,
+  ``row_products`` off and on; ``--pairs`` times, a fresh batch of ``--batch`` requests (prompts of
+  ``--prompt-len`` tokens) decodes ``--tokens`` tokens on each, alternating which goes first; reported: each
+  side's median inter-token latency (over every token after the first of every request of the batch), and the
+  median over pairs of off over on.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
     for side, on in (("off", False), ("on", True)):
         model, tok = build_model(preset, str(dtype).removeprefix("torch."))
         engines[side] = Engine(model, tok, EngineConfig(page_size=128, row_products=on, max_num_seqs=batch))
+    if not engines["on"].adapter.num_row_product_linears:
+        raise SystemExit("the engine does not use the row kernel here (only on the compiled library's AVX2 build, "
+                         "native.row_products); run with --no-decode to time the products alone")
     rng = np.random.default_rng(seed)
     vocab = engines["off"].adapter.vocab_size
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -152,8 +156,8 @@ def main(argv=None) -> int:
           f"median of {prod['rounds']} rounds:")
     for n, summary in prod["rows"].items():
         for name, r in summary.items():
-            print(f"  {n:>3} rows {name:>5}: onednn {1e3 * r['onednn_s']:8.2f} ms, kernel {1e3 * r['kernel_s']:8.2f} ms,"
-                  f" onednn / kernel {r['onednn_over_kernel']:.2f}")
+            print(f"  {n:>3} rows {name:>5}: onednn {1e3 * r['onednn_s']:8.2f} ms, "
+                  f"kernel {1e3 * r['kernel_s']:8.2f} ms, onednn / kernel {r['onednn_over_kernel']:.2f}")
     if "decode" in result:
         r = result["decode"]
         print(f"decode ({r['batch']} requests, {r['tokens']} tokens, {r['pairs']} pairs): ITL p50 off "

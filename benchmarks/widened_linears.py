@@ -130,7 +130,8 @@ def measure_requests(preset: str, pairs: int, prompt_len: int, seed: int = 0) ->
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.widened_linears", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2.5-0.5b")
-    p.add_argument("--rows", type=positive_ints, default="8,128,2048", help="comma-separated row counts of the products")
+    p.add_argument("--rows", type=positive_ints, default="8,128,2048",
+                   help="comma-separated row counts of the products")
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--calls", type=positive_int, default=3, help="calls per side and round")
     p.add_argument("--pairs", type=positive_int, default=3, help="whole-request pairs")

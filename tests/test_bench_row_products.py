@@ -45,3 +45,9 @@ def test_both_sides_are_timed_per_shape_and_the_decodes_in_pairs(lib, monkeypatc
 def test_a_bad_row_count_is_refused():
     with pytest.raises(SystemExit):
         row_products.main(["--rows", "8,0", "--no-decode"])
+
+
+def test_the_decode_pairs_are_refused_where_the_engine_would_not_use_the_kernel(lib, monkeypatch):
+    monkeypatch.setattr(native, "row_products", lambda library: False)  # as on an AVX-512 build
+    with pytest.raises(SystemExit, match="does not use the row kernel"):
+        row_products.measure_decode("tiny-qwen2", torch.float32, pairs=1, batch=2, tokens=3, prompt_len=8)

@@ -21,7 +21,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def case(m, k, n, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=g), (torch.randn(n, k, generator=g) * 0.05).to(dtype), torch.randn(n, generator=g)
+    x, w = torch.randn(m, k, generator=g), (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    return x, w, torch.randn(n, generator=g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

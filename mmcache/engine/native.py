@@ -389,8 +389,8 @@ def row_products(lib: ctypes.CDLL | None) -> bool:
     """Whether the engine computes products of at most ``ROW_PRODUCT_ROWS`` rows with ``linear``: where the
     library is its AVX2 build (8 lanes). There oneDNN has no bfloat16 path (bfloat16 weights go through a
     float32 copy, twice the bytes per decode step) and its float32 product at these row counts reads the
-    weight well under the memory's speed; on AVX-512 builds oneDNN's own products were not slower
-    (``benchmarks/row_products.py`` measures both)."""
+    weight well under the memory's speed (``benchmarks/row_products.py``). On AVX-512 builds oneDNN keeps
+    them: it has its own bfloat16 products there, and this kernel has not been measured against them."""
     return lib is not None and lib.lanes == 8
 
 
