@@ -1,6 +1,7 @@
-"""The compiled row kernel (``native.linear``) and its use by packed linears (``kernels.PackedWeight``, the
-engine's ``row_products``): float32 products of a weight read in place (bfloat16 widened exactly), a row's bits
-independent of its company and of the thread count, typed refusals, products of few rows routed to it and more
+"""The compiled row kernel (``native.linear``, ``native.RowWeight``) and its use by packed linears
+(``kernels.PackedWeight``, the engine's ``row_products``): float32 products of a weight laid out in panels in its
+own dtype (bfloat16 widened exactly), a row's bits independent of its company, of the panel its column falls in
+and of the thread count, typed refusals, products of few rows routed to it and more
 rows to oneDNN, the fused MLP on it, and an engine on it that names it and stays bit-exact with the cache on and
 off. The engine uses it only on AVX2 builds (``native.row_products``); these tests ask for it on every machine."""
 
@@ -26,7 +27,8 @@ def case(m, k, n, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n", [(1, 896, 130), (3, 64, 8), (7, 37, 5), (16, 200, 9), (2, 5, 1), (40, 48, 4)])
+@pytest.mark.parametrize("m,k,n", [(1, 896, 130), (3, 64, 8), (7, 37, 5), (16, 200, 9), (2, 5, 1), (40, 48, 4),
+                                   (2, 33, 70), (13, 24, 48)])
 def test_the_kernel_computes_the_product_in_float32(native_kernel, dtype, m, k, n):
     x, w, b = case(m, k, n, dtype)
     exact = x.double() @ w.double().T + b.double()
@@ -60,12 +62,30 @@ def test_bad_arguments_are_refused_with_a_typed_error(native_kernel):
     with pytest.raises(ValueError, match="linear takes"):
         native.linear(native_kernel, x[:, :31], w, b)  # K differs
     with pytest.raises(ValueError, match="linear takes"):
-        native.linear(native_kernel, x, w.t().contiguous().t(), b)  # not contiguous: the kernel reads in place
-    with pytest.raises(ValueError, match="linear takes"):
         native.linear(native_kernel, x, w, b[:3])
     with pytest.raises(ValueError, match="linear takes"):
-        native.linear(native_kernel, x, w.half(), b)
+        native.linear(native_kernel, x, w, b.double())
+    for bad in (w.half(), w[0], w[:0], w.unsqueeze(0)):
+        with pytest.raises(ValueError, match="a row weight is"):
+            native.linear(native_kernel, x, bad, b)
     assert native.linear(native_kernel, x[:0], w, b).shape == (0, 4)
+    # a weight laid out from a strided view is the same weight
+    strided = w.t().contiguous().t()
+    assert torch.equal(native.linear(native_kernel, x, strided, b), native.linear(native_kernel, x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_weight_is_a_padded_copy_in_the_weights_own_dtype(native_kernel, dtype):
+    x, w, b = case(4, 40, 37, dtype, seed=2)
+    laid = native.RowWeight(native_kernel, w)
+    width = native_kernel.mmc_row_panel()
+    assert laid.panels.dtype == dtype and laid.panels.shape == (-(-37 // width), 40, width)
+    assert laid.nbytes == laid.panels.numel() * w.element_size() >= w.numel() * w.element_size()
+    before = native.linear(native_kernel, x, laid, b)
+    assert torch.equal(before, native.linear(native_kernel, x, w, b))
+    w.mul_(2)  # a copy: the weight's later changes are not seen
+    assert torch.equal(native.linear(native_kernel, x, laid, b), before)
+    assert int((laid.panels[-1] != 0).sum()) <= (37 % width or width) * 40  # the padding is zeros
 
 
 def test_the_engine_uses_it_where_the_library_is_the_avx2_build(native_kernel):
@@ -81,7 +101,7 @@ def test_few_rows_go_to_the_kernel_and_more_to_onednn(native_kernel, widen):
     on_rows = kernels.PackedWeight(linear.weight, linear.bias, widen=widen, rows=native_kernel)
     onednn = kernels.PackedWeight(linear.weight, linear.bias, widen=widen)
     assert on_rows.rows is native_kernel and onednn.rows is None
-    assert onednn.plain is None  # without the row kernel no reference to the weight (or a group's copy) is kept
+    assert onednn.row_weight is None  # without the row kernel no second copy is made
     limit = native.ROW_PRODUCT_ROWS
     for rows in (1, 5, limit, limit + 1, 64):
         x = torch.randn(1, rows, 96).to(dtype)
@@ -101,7 +121,9 @@ def test_a_bfloat16_weight_that_onednn_packs_as_it_is_stays_off_the_kernel(nativ
     packed = kernels.PackedWeight(w, None, widen=False, rows=native_kernel)
     assert packed.rows is None  # the kernel takes float32 inputs: a bfloat16 product stays on oneDNN
     assert kernels.PackedWeight(w, None, widen=True, rows=native_kernel).rows is native_kernel
-    assert kernels.PackedWeight(w.t(), None, widen=True, rows=native_kernel).rows is None  # read in place only
+    strided = kernels.PackedWeight(w.t(), None, widen=True, rows=native_kernel)  # laid out from a copy
+    x = torch.randn(2, 8)
+    assert strided.rows is native_kernel and torch.equal(strided.product(x), native.linear(native_kernel, x, w.t()))
 
 
 def test_the_fused_mlp_on_the_kernel_applies_its_activation_between_the_products(native_kernel):
@@ -131,10 +153,10 @@ def test_an_engine_on_the_row_kernel_names_it_and_stays_bit_exact(row_products_e
         monkeypatch.setattr(kernels, "_PACKS", {torch.bfloat16: False})
     model, tok = build_model("tiny", dtype)
     probe = Engine(build_model("tiny", dtype)[0], tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False))
-    qkv = [getattr(layer.self_attn, n).weight for layer in model.model.layers for n in kernels.PROJECTIONS]
-    # the room asked for packing counts the groups' concatenated weights, which the row kernel reads
+    weights = [m.weight for m in model.model.layers.modules() if type(m) is nn.Linear] + [model.lm_head.weight]
+    # the room asked for packing counts each weight's copy for the row kernel, in the weight's own dtype
     assert (probe.adapter.bytes_to_pack(rows=True) - probe.adapter.bytes_to_pack()
-            == sum(w.numel() * w.element_size() for w in qkv) > 0)
+            == sum(w.numel() * w.element_size() for w in weights) > 0)
     rng = np.random.default_rng(5)
     prefix = rng.integers(2, 512, size=40).tolist()
     prompts = [prefix + rng.integers(2, 512, size=n).tolist() for n in (9, 21)] + [list(prefix)]

@@ -106,16 +106,15 @@ class CausalLMAdapter:
 
     def bytes_to_pack(self, rows: bool = False) -> int:
         """Bytes of the packed copies ``pack_linears`` would add (the plain weights stay): every linear of the
-        decoder layers and the head not packed yet; with ``rows`` (the row kernel), also the query, key and
-        value weights once more (a group's concatenated weight, which the row kernel reads)."""
+        decoder layers and the head not packed yet; with ``rows`` (the row kernel), also each of those weights
+        once more in its own dtype (``native.RowWeight``, which the row kernel reads)."""
         decoder = self.decoder
         layers = getattr(decoder, "layers", decoder)
         plain = [m for m in layers.modules() if type(m) is torch.nn.Linear]
         if type(self.lm_head) is torch.nn.Linear:
             plain.append(self.lm_head)
-        grouped = [getattr(m, n) for m in layers.modules() if kernels.groupable(m) for n in kernels.PROJECTIONS]
-        return (sum(kernels.packed_bytes(m.weight) for m in plain)
-                + (sum(m.weight.numel() * m.weight.element_size() for m in grouped) if rows else 0))
+        return sum(kernels.packed_bytes(m.weight) + (m.weight.numel() * m.weight.element_size() if rows else 0)
+                   for m in plain)
 
     def pack_linears(self, rows=None) -> None:
         """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``); ``rows``:

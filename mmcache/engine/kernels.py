@@ -12,17 +12,18 @@ of an attention module (one input size, all with a bias or none) become ``Packed
 ``PackedProjections``: one product over their concatenated weights per input tensor, which reads the three
 weights in one pass and saves two calls (a few percent of a decode step or a hit, ``benchmarks/projections.py``).
 Where the engine asks for it (``EngineConfig.row_products``, on AVX2 builds of the compiled library), products
-of at most ``native.ROW_PRODUCT_ROWS`` rows (a decode step's) run on the compiled row kernel instead, which
-reads the module's own weight in place in its own dtype (``native.linear``; ``benchmarks/row_products.py``).
+of at most ``native.ROW_PRODUCT_ROWS`` rows (a decode step's) run on the compiled row kernel instead, from a
+second copy of the weight laid out for it in the weight's own dtype (``native.RowWeight``, ``native.linear``;
+``benchmarks/row_products.py``).
 
 Invariants:
 
 * The packed copy takes as much memory again as the weights it packs, twice as much for bfloat16 weights
   packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It
   is made from the weights as they are when packing; an engine's model is frozen from then on (an in-place
-  weight change is not seen by the packed copy, though the row kernel, which reads a module's own weight,
-  would see it: products of few and of many rows would then disagree). With the row kernel a group of
-  projections also keeps its concatenated weight (counted by ``Engine``'s packing room).
+  weight change is not seen by the packed copies). With the row kernel every packed weight has a second copy,
+  laid out for it in the weight's own dtype (as many bytes as the weight; counted by ``Engine``'s packing
+  room).
 * A fused MLP and grouped projections are installed only after they reproduced the modules' own forward on
   probe inputs (within float rounding); otherwise the linears are packed one by one.
 * A group hands a part out from its kept product only for the very tensor object that product was computed
@@ -113,15 +114,16 @@ class PackedWeight:
                  rows=None):
         """``widen``: pack a bfloat16 weight as float32 or not whatever this CPU's oneDNN does (measuring only:
         ``benchmarks/widened_linears.py``); by default as ``widened`` says. ``rows``: the compiled library
-        (``native.library()``) to compute products of at most ``native.ROW_PRODUCT_ROWS`` rows with, reading
-        ``weight`` itself in its own dtype (float32, or bfloat16 where widened); None: oneDNN for every product."""
+        (``native.library()``) to compute products of at most ``native.ROW_PRODUCT_ROWS`` rows with, from a copy
+        of ``weight`` laid out for it in its own dtype (float32, or bfloat16 where widened); None: oneDNN for
+        every product."""
         self.dtype = weight.dtype
         self.widened = widened(weight.dtype) if widen is None else widen and weight.dtype == torch.bfloat16
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
-        takes = (self.widened or weight.dtype == torch.float32) and weight.is_contiguous()
+        takes = self.widened or weight.dtype == torch.float32
         self.rows = rows if takes else None
-        self.plain = weight if self.rows is not None else None  # kept only for the row kernel
+        self.row_weight = native.RowWeight(rows, weight) if self.rows is not None else None
         if self.widened:
             weight, bias = weight.float(), None if bias is None else bias.float()
         self.packed, self.bias = _pack(weight), bias
@@ -142,7 +144,7 @@ class PackedWeight:
         """``attr(x @ weight^T + bias)`` on an input already passed through ``input``, not yet ``output``. The
         row kernel takes only ``attr="none"`` (callers check ``on_rows`` and apply their activation)."""
         if attr == "none" and self.on_rows(x):
-            return native.linear(self.rows, x, self.plain, self.bias)
+            return native.linear(self.rows, x, self.row_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,11 +256,6 @@ def _projections_match(parts: list[nn.Linear], group: PackedProjections) -> bool
             if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
                 return False
     return True
-
-
-def groupable(module: nn.Module) -> bool:
-    """Whether ``pack_linears`` would try to group ``module``'s query, key and value projections."""
-    return _projections(module) is not None
 
 
 def _fusable(mlp: nn.Module) -> tuple[str, str] | None:

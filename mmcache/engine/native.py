@@ -4,8 +4,9 @@ products on the AMX tile unit where the CPU grants it, else with AVX-512 BF16 do
 in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
 (``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``); and its rotary position embedding, with the
 same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``); and, on
-AVX2 builds, the linear products of a decode step's few rows with a weight read in place in its own dtype
-(``linear``, ``linear.c``, used by ``kernels.PackedWeight`` where ``row_products`` says so).
+AVX2 builds, the linear products of a decode step's few rows with a weight laid out once for them in its own
+dtype (``linear`` and ``RowWeight``, ``linear.c``, used by ``kernels.PackedWeight`` where ``row_products`` says
+so).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -182,6 +183,10 @@ def load(path: Path) -> ctypes.CDLL:
     fn = lib.mmc_linear
     fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.mmc_pack_rows
+    fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    lib.mmc_row_panel.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
     # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
@@ -382,41 +387,68 @@ def rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and x.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin.stride())
 
 
-ROW_PRODUCT_ROWS = 16  # products of at most this many rows go to ``linear`` where ``row_products`` says so
+ROW_PRODUCT_ROWS = 64  # products of at most this many rows go to ``linear`` where ``row_products`` says so
 
 
 def row_products(lib: ctypes.CDLL | None) -> bool:
     """Whether the engine computes products of at most ``ROW_PRODUCT_ROWS`` rows with ``linear``: where the
     library is its AVX2 build (8 lanes). There oneDNN has no bfloat16 path (bfloat16 weights go through a
     float32 copy, twice the bytes per decode step) and its float32 product at these row counts reads the
-    weight well under the memory's speed (``benchmarks/row_products.py``). On AVX-512 builds oneDNN keeps
-    them: it has its own bfloat16 products there, and this kernel has not been measured against them."""
+    weight under the memory's speed and computes under the CPU's multiply-add rate (the kernel was ahead of it
+    up to 64 rows on an AMD Zen 3, at par from 128: ``benchmarks/row_products.py``). On AVX-512 builds oneDNN
+    keeps them: it has its own bfloat16 products there, and this kernel has not been measured against them."""
     return lib is not None and lib.lanes == 8
 
 
-def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+class RowWeight:
+    """A weight (N, K) float32 or bfloat16 laid out once for ``linear``, in its own dtype: panels of
+    ``lib.mmc_row_panel()`` output columns (16 on AVX2, 32 on AVX-512), k-major, so that a product streams each
+    panel once and meets every input row with it in registers (``csrc/linear.c``). As many bytes as the weight,
+    padded to whole panels; a copy made when built (a later in-place change of the weight is not seen)."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, threads: int | None = None):
+        if (weight.dtype not in _DTYPES or weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] < 1
+                or weight.device.type != "cpu"):
+            raise ValueError(f"a row weight is a (N, K) float32 or bfloat16 tensor on the CPU: got "
+                             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        weight = weight.detach().contiguous()
+        self.n, self.k = weight.shape
+        self.dtype = weight.dtype
+        width = int(lib.mmc_row_panel())
+        self.panels = torch.empty(-(-self.n // width), self.k, width, dtype=weight.dtype)
+        rc = lib.mmc_pack_rows(_DTYPES[weight.dtype], weight.data_ptr(), self.n, self.k, self.panels.data_ptr(),
+                               threads or torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the row kernel could not lay out a weight {tuple(weight.shape)} (code {rc})")
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: RowWeight | torch.Tensor, bias: torch.Tensor | None = None,
            threads: int | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` in float32 for ``x`` (..., K) float32, ``weight`` (N, K) float32 or bfloat16 (read
-    in place; bfloat16 widened exactly), ``bias`` (N) float32 or None; returns (..., N) float32. Element (m, n)
-    depends only on row m of ``x``, row n of ``weight`` and ``bias[n]`` (the same bits in any company and on
-    any number of threads): float32 sums in the kernel's fixed order (``csrc/linear.c``)."""
-    if (x.dtype != torch.float32 or weight.dtype not in _DTYPES or weight.dim() != 2 or x.dim() < 1
-            or x.shape[-1] != weight.shape[1] or weight.shape[1] < 1 or weight.shape[0] < 1
-            or x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)
+    """``x @ weight^T + bias`` in float32 for ``x`` (..., K) float32, ``weight`` a ``RowWeight`` (or a (N, K)
+    float32 or bfloat16 tensor, laid out for this call), ``bias`` (N) float32 or None; returns (..., N) float32.
+    Element (m, n) depends only on row m of ``x``, row n of the weight and ``bias[n]`` (the same bits in any
+    company and on any number of threads): a float32 multiply-add per k, k ascending, then the bias
+    (``csrc/linear.c``); bfloat16 weights are widened exactly."""
+    if isinstance(weight, torch.Tensor):
+        weight = RowWeight(lib, weight, threads)
+    if (x.dtype != torch.float32 or x.dim() < 1 or x.shape[-1] != weight.k or x.device.type != "cpu"
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.n,)
                                       or bias.device.type != "cpu"))):
-        raise ValueError(f"linear takes x (..., K) float32, a contiguous weight (N, K) float32 or bfloat16 and a "
-                         f"float32 bias (N) or None, on the CPU: got x {tuple(x.shape)} {x.dtype}, weight "
-                         f"{tuple(weight.shape)} {weight.dtype}, bias "
+        raise ValueError(f"linear takes x (..., K) float32 and a float32 bias (N) or None, on the CPU, for a "
+                         f"weight (N, K) = {(weight.n, weight.k)}: got x {tuple(x.shape)} {x.dtype}, bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    n = weight.shape[0]
+    n = weight.n
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     bias = None if bias is None else bias.contiguous()
-    rc = lib.mmc_linear(_DTYPES[weight.dtype], rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
-                        n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+    rc = lib.mmc_linear(_DTYPES[weight.dtype], rows.data_ptr(), rows.shape[0], rows.shape[1],
+                        weight.panels.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(),
                         threads or torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"linear kernel refused its arguments (code {rc}): x {tuple(x.shape)}, weight "
-                         f"{tuple(weight.shape)}")
+                         f"{(weight.n, weight.k)}")
     return out.view(*x.shape[:-1], n)

@@ -1,5 +1,5 @@
-/* Vector helpers shared by the engine's compiled kernels (decode_attention.c, rms_norm.c, rotary.c): a vector
- * `vf` of VL float32 lanes, the CPU's widest (16 with AVX-512 F/VL/DQ/BW, else 8 with AVX2 and FMA), its
+/* Vector helpers shared by the engine's compiled kernels (decode_attention.c, linear.c, rms_norm.c, rotary.c):
+ * a vector `vf` of VL float32 lanes, the CPU's widest (16 with AVX-512 F/VL/DQ/BW, else 8 with AVX2 and FMA), its
  * arithmetic, loads from float32 or bfloat16 (widened exactly) and stores back rounding to nearest even as
  * torch converts; the same for single elements.
  *
@@ -41,6 +41,14 @@ MMC_INLINE vf vf_load(const void *p, int64_t i, const int dtype) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* 2 VL bfloat16 laid out in pairs (element 2c holds column c, element 2c + 1 column c + VL) as float32 columns
+ * 0 .. VL-1 (lo) and VL .. 2 VL-1 (hi), exactly: one load, a shift and a mask. */
+MMC_INLINE void vf_load_pairs(const void *p, vf *lo, vf *hi) {
+    __m512i a = _mm512_loadu_si512(p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
 /* x rounded to the element type (bfloat16: to nearest even, as torch converts), kept as float32 lanes. */
@@ -96,6 +104,12 @@ MMC_INLINE vf vf_load(const void *p, int64_t i, const int dtype) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)p + i);
+}
+
+MMC_INLINE void vf_load_pairs(const void *p, vf *lo, vf *hi) { /* as the AVX-512 one */
+    __m256i a = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(a, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
 MMC_INLINE vf vf_round(vf x, const int dtype) {
