@@ -407,7 +407,8 @@ def in_process_player(name: str, runner, load_s: float, method: ProbeMethod = Pr
     meta = {"load_s": load_s, "settings": getattr(runner, "settings", None) or _config_dict(runner)}
     engine = getattr(runner, "engine", None)
     if hasattr(engine, "backend"):  # mmcache's engines: the compute path, and why the linears were not packed
-        meta.update(backend=engine.backend, packing_skipped=engine.packing_skipped)
+        meta.update(backend=engine.backend, packing_skipped=engine.packing_skipped,
+                    row_products_skipped=engine.row_products_skipped)
 
     def final() -> dict:
         if hasattr(runner, "engine") and hasattr(runner.engine, "metrics"):

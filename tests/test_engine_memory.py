@@ -1,6 +1,6 @@
 """The engine packs its linears only where the packed copy fits in memory beside the KV pool: otherwise it runs
 on the plain linears, exactly as ``packed_linears=False`` does, says why, and later engines on the same model
-keep that choice. ``memory.available_bytes`` reads the system's and the control group's figures."""
+keep that choice; where only the row kernel's copies do not fit, it packs without them. ``memory.available_bytes`` reads the system's and the control group's figures."""
 
 import logging
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmcache.engine import Engine, EngineConfig, SamplingParams, memory
+from mmcache.engine.engine import PACKING_HEADROOM
 from mmcache.engine.inspect import record_logits, rows_equal
 from mmcache.engine.models import build_model
 
@@ -86,3 +87,32 @@ def test_with_room_or_no_figure_the_engine_packs(monkeypatch, room):
     eng = Engine(model, tok, EngineConfig(**CONFIG))
     assert eng.packing_skipped is None and eng.adapter.num_packed_linears > 0
     assert eng.adapter.bytes_to_pack() == 0  # nothing left to pack
+
+
+def test_short_of_room_for_the_row_kernels_copies_the_engine_packs_without_them(monkeypatch, caplog):
+    from mmcache.engine import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip(f"the compiled library is not available here: {native.status()}")
+    monkeypatch.setattr(native, "row_products", lambda lib: lib is not None)  # as on an AVX2 build
+    model, tok = build_model("tiny-qwen2", "float32")
+    probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
+    pool = probe.page_bytes * probe.num_pages
+    packed, with_rows = probe.adapter.bytes_to_pack(), probe.adapter.bytes_to_pack(rows=True)
+    assert with_rows > packed > 0
+    room = int(((packed + with_rows) // 2 + pool) / PACKING_HEADROOM)  # the packed copy fits, the row copies not
+    monkeypatch.setattr(memory, "available_bytes", lambda: room)
+    with caplog.at_level(logging.WARNING, logger="mmcache.engine"):
+        eng = Engine(model, tok, EngineConfig(**CONFIG))
+    assert eng.packing_skipped is None and eng.adapter.num_packed_linears > 0
+    assert eng.adapter.num_row_product_linears == 0 and "+native-rows" not in eng.backend
+    assert eng.row_products_skipped and "is available" in eng.row_products_skipped
+    assert any("row kernel left out" in r.getMessage() for r in caplog.records)
+    # a later engine with the same settings keeps the choice, whatever memory says now
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 50)
+    later = Engine(model, tok, EngineConfig(**CONFIG))
+    assert later.row_products_skipped == eng.row_products_skipped and later.backend == eng.backend
+    # with room for both, both
+    roomy = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(**CONFIG))
+    assert roomy.row_products_skipped is None and "+native-rows" in roomy.backend

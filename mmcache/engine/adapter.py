@@ -89,7 +89,8 @@ class CausalLMAdapter:
         settings raises ``EngineConfigError`` before changing anything (build it on a copy of the model)."""
         held = getattr(self.model, PATH_ATTR, None)
         if held is None:
-            setattr(self.model, PATH_ATTR, {"requested": dict(requested), "packing_skipped": None})
+            setattr(self.model, PATH_ATTR, {"requested": dict(requested), "packing_skipped": None,
+                                            "row_products_skipped": None})
             return None
         if held["requested"] != requested:
             differ = ", ".join(f"{k}: {held['requested'][k]} there, {requested[k]} here" for k in requested
@@ -100,9 +101,11 @@ class CausalLMAdapter:
                 f"a copy (copy.deepcopy(model)) or with the same packed_linears, row_products and layer_kernels")
         return held
 
-    def record_compute_path(self, packing_skipped: str | None) -> None:
-        """What the first engine decided beyond its settings: why it left the linears unpacked, if it did."""
-        getattr(self.model, PATH_ATTR)["packing_skipped"] = packing_skipped
+    def record_compute_path(self, packing_skipped: str | None, row_products_skipped: str | None = None) -> None:
+        """What the first engine decided beyond its settings: why it left the linears unpacked, or the row
+        kernel's copies out, if it did."""
+        held = getattr(self.model, PATH_ATTR)
+        held["packing_skipped"], held["row_products_skipped"] = packing_skipped, row_products_skipped
 
     def bytes_to_pack(self, rows: bool = False) -> int:
         """Bytes of the packed copies ``pack_linears`` would add (the plain weights stay): every linear of the

@@ -17,7 +17,8 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   ``kernels``, ``native``, ``norms`` and ``rotary``); packed linears, the row kernel and the compiled norms
   change the last bits of results, so they are part of the fingerprint's backend name (the compiled rotary
   embedding keeps every bit). The packed copy is made
-  only where it fits in available memory beside the KV pool (``Engine.packing_skipped`` says why not).
+  only where it fits in available memory beside the KV pool (``Engine.packing_skipped`` says why not); the row
+  kernel's copy too, else the linears are packed without it (``Engine.row_products_skipped``).
 """
 
 from __future__ import annotations

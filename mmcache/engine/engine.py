@@ -115,15 +115,21 @@ class Engine:
         #: Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
         #: the packed copy beside the KV pool), or None.
         self.packing_skipped = held["packing_skipped"] if held else None
+        #: Why the row kernel's copies of the weights were left out although ``row_products`` asked for them
+        #: (they did not fit beside the packed copy and the KV pool; the packed copy alone did), or None.
+        self.row_products_skipped = held["row_products_skipped"] if held else None
         if held is None:  # the first engine on this model sets up its modules
             if requested["packed_linears"]:
-                self.packing_skipped = _packing_room(a.bytes_to_pack(rows is not None),
-                                                     self.page_bytes * self.num_pages)
+                pool = self.page_bytes * self.num_pages
+                self.packing_skipped = _packing_room(a.bytes_to_pack(rows is not None), pool)
+                if self.packing_skipped and rows is not None and _packing_room(a.bytes_to_pack(), pool) is None:
+                    self.row_products_skipped, self.packing_skipped, rows = self.packing_skipped, None, None
+                    _log.warning("row kernel left out (packed linears alone fit): %s", self.row_products_skipped)
                 if self.packing_skipped is None:
                     a.pack_linears(rows)
                 else:
                     _log.warning("linears left unpacked: %s", self.packing_skipped)
-                a.record_compute_path(self.packing_skipped)
+                a.record_compute_path(self.packing_skipped, self.row_products_skipped)
             if requested["layer_kernels"]:
                 a.install_layer_kernels(decode_kernel)
         if config.tune_malloc:
