@@ -1,6 +1,7 @@
 """The engine packs its linears only where the packed copy fits in memory beside the KV pool: otherwise it runs
 on the plain linears, exactly as ``packed_linears=False`` does, says why, and later engines on the same model
-keep that choice; where only the row kernel's copies do not fit, it packs without them. ``memory.available_bytes`` reads the system's and the control group's figures."""
+keep that choice; where only the row kernel's copies do not fit, it packs without them.
+``memory.available_bytes`` reads the system's and the control group's figures."""
 
 import logging
 
