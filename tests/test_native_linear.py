@@ -85,6 +85,13 @@ def test_a_row_weight_is_a_padded_copy_in_the_weights_own_dtype(native_kernel, d
     assert torch.equal(before, native.linear(native_kernel, x, w, b))
     w.mul_(2)  # a copy: the weight's later changes are not seen
     assert torch.equal(native.linear(native_kernel, x, laid, b), before)
+    own = native.RowWeight(native_kernel, w.div_(2), b)  # a row weight with its own bias: called, or through linear
+    assert torch.equal(own(x), before) and torch.equal(native.linear(native_kernel, x, own), before)
+    with pytest.raises(ValueError, match="not both"):
+        native.linear(native_kernel, x, own, b)
+    assert laid.with_bias(b).panels is laid.panels and laid.bias is None  # the panels shared, not copied
+    with pytest.raises(ValueError, match="float32 bias"):
+        native.RowWeight(native_kernel, w, b[:3])
     assert int((laid.panels[-1] != 0).sum()) <= (37 % width or width) * 40  # the padding is zeros
 
 

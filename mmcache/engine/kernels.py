@@ -123,10 +123,10 @@ class PackedWeight:
         bias = None if bias is None else bias.detach()
         takes = self.widened or weight.dtype == torch.float32
         self.rows = rows if takes else None
-        self.row_weight = native.RowWeight(rows, weight) if self.rows is not None else None
-        if self.widened:
-            weight, bias = weight.float(), None if bias is None else bias.float()
-        self.packed, self.bias = _pack(weight), bias
+        if self.widened or self.rows is not None:
+            bias = None if bias is None else bias.float()  # both take a float32 bias (no copy when it is one)
+        self.row_weight = native.RowWeight(rows, weight, bias) if self.rows is not None else None
+        self.packed, self.bias = _pack(weight.float() if self.widened else weight), bias
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as this weight's products take it."""
@@ -144,7 +144,7 @@ class PackedWeight:
         """``attr(x @ weight^T + bias)`` on an input already passed through ``input``, not yet ``output``. The
         row kernel takes only ``attr="none"`` (callers check ``on_rows`` and apply their activation)."""
         if attr == "none" and self.on_rows(x):
-            return native.linear(self.rows, x, self.row_weight, self.bias)
+            return self.row_weight(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ depends only on that row, its token and the keys and values; shapes they do not 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import logging
@@ -400,13 +401,25 @@ def row_products(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and lib.lanes == 8
 
 
-class RowWeight:
-    """A weight (N, K) float32 or bfloat16 laid out once for ``linear``, in its own dtype: panels of
-    ``lib.mmc_row_panel()`` output columns (16 on AVX2, 32 on AVX-512), k-major, so that a product streams each
-    panel once and meets every input row with it in registers (``csrc/linear.c``). As many bytes as the weight,
-    padded to whole panels; a copy made when built (a later in-place change of the weight is not seen)."""
+def _row_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.dtype != torch.float32 or bias.shape != (n,) or bias.device.type != "cpu":
+        raise ValueError(f"linear takes a float32 bias (N) = ({n},) on the CPU or None: got {tuple(bias.shape)} "
+                         f"{bias.dtype} on {bias.device}")
+    return bias.detach().contiguous()
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, threads: int | None = None):
+
+class RowWeight:
+    """A weight (N, K) float32 or bfloat16 laid out once for ``linear``, in its own dtype, and its bias (N)
+    float32 or None: panels of ``lib.mmc_row_panel()`` output columns (16 on AVX2, 32 on AVX-512), k-major, so
+    that a product streams each panel once and meets every input row with it in registers (``csrc/linear.c``).
+    As many bytes as the weight, padded to whole panels; a copy made when built (a later in-place change of the
+    weight is not seen). Called on ``x`` (..., K) float32, returns ``x @ weight^T + bias`` (..., N) float32;
+    only ``x`` is checked per call (a decode step makes about five calls per layer)."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 threads: int | None = None):
         if (weight.dtype not in _DTYPES or weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] < 1
                 or weight.device.type != "cpu"):
             raise ValueError(f"a row weight is a (N, K) float32 or bfloat16 tensor on the CPU: got "
@@ -414,41 +427,56 @@ class RowWeight:
         weight = weight.detach().contiguous()
         self.n, self.k = weight.shape
         self.dtype = weight.dtype
+        self.bias = _row_bias(bias, self.n)
         width = int(lib.mmc_row_panel())
         self.panels = torch.empty(-(-self.n // width), self.k, width, dtype=weight.dtype)
         rc = lib.mmc_pack_rows(_DTYPES[weight.dtype], weight.data_ptr(), self.n, self.k, self.panels.data_ptr(),
                                threads or torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the row kernel could not lay out a weight {tuple(weight.shape)} (code {rc})")
+        self._fn, self._code = lib.mmc_linear, _DTYPES[weight.dtype]
 
     @property
     def nbytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
+    def with_bias(self, bias: torch.Tensor | None) -> RowWeight:
+        """The same panels (shared, not copied) with another bias."""
+        other = copy.copy(self)
+        other.bias = _row_bias(bias, self.n)
+        return other
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        if x.dtype is not torch.float32 or x.dim() < 1 or x.shape[-1] != self.k or not x.is_cpu:
+            raise ValueError(f"linear takes x (..., K) float32 on the CPU for a weight (N, K) = "
+                             f"{(self.n, self.k)}: got x {tuple(x.shape)} {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        rc = self._fn(self._code, rows.data_ptr(), m, self.k, self.panels.data_ptr(), self.n,
+                      None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                      threads or torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"linear kernel refused its arguments (code {rc}): x {tuple(x.shape)}, weight "
+                             f"{(self.n, self.k)}")
+        return out if x.dim() == 2 else out.view(x.shape[:-1] + (self.n,))
+
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: RowWeight | torch.Tensor, bias: torch.Tensor | None = None,
            threads: int | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` in float32 for ``x`` (..., K) float32, ``weight`` a ``RowWeight`` (or a (N, K)
-    float32 or bfloat16 tensor, laid out for this call), ``bias`` (N) float32 or None; returns (..., N) float32.
-    Element (m, n) depends only on row m of ``x``, row n of the weight and ``bias[n]`` (the same bits in any
-    company and on any number of threads): a float32 multiply-add per k, k ascending, then the bias
-    (``csrc/linear.c``); bfloat16 weights are widened exactly."""
-    if isinstance(weight, torch.Tensor):
-        weight = RowWeight(lib, weight, threads)
-    if (x.dtype != torch.float32 or x.dim() < 1 or x.shape[-1] != weight.k or x.device.type != "cpu"
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.n,)
-                                      or bias.device.type != "cpu"))):
-        raise ValueError(f"linear takes x (..., K) float32 and a float32 bias (N) or None, on the CPU, for a "
-                         f"weight (N, K) = {(weight.n, weight.k)}: got x {tuple(x.shape)} {x.dtype}, bias "
-                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    n = weight.n
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    bias = None if bias is None else bias.contiguous()
-    rc = lib.mmc_linear(_DTYPES[weight.dtype], rows.data_ptr(), rows.shape[0], rows.shape[1],
-                        weight.panels.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                        threads or torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"linear kernel refused its arguments (code {rc}): x {tuple(x.shape)}, weight "
-                         f"{(weight.n, weight.k)}")
-    return out.view(*x.shape[:-1], n)
+    float32 or bfloat16 tensor, laid out for this call), ``bias`` (N) float32 or None (or the row weight's own);
+    returns (..., N) float32. Element (m, n) depends only on row m of ``x``, row n of the weight and ``bias[n]``
+    (the same bits in any company and on any number of threads): a float32 multiply-add per k, k ascending,
+    then the bias (``csrc/linear.c``); bfloat16 weights are widened exactly."""
+    if isinstance(weight, RowWeight):
+        if bias is None:
+            return weight(x, threads)
+        if weight.bias is not None:
+            raise ValueError("linear takes a bias or a row weight with one, not both")
+        weight = weight.with_bias(bias)
+    else:
+        weight = RowWeight(lib, weight, bias, threads)
+    return weight(x, threads)
