@@ -90,12 +90,10 @@ def test_with_room_or_no_figure_the_engine_packs(monkeypatch, room):
     assert eng.adapter.bytes_to_pack() == 0  # nothing left to pack
 
 
-def test_short_of_room_for_the_row_kernels_copies_the_engine_packs_without_them(monkeypatch, caplog):
+def test_short_of_room_for_the_row_kernels_copies_the_engine_packs_without_them(native_kernel, monkeypatch,
+                                                                                  caplog):
     from mmcache.engine import native
 
-    lib = native.library()
-    if lib is None:
-        pytest.skip(f"the compiled library is not available here: {native.status()}")
     monkeypatch.setattr(native, "row_products", lambda lib: lib is not None)  # as on an AVX2 build
     model, tok = build_model("tiny-qwen2", "float32")
     probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
