@@ -20,6 +20,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="run benchmarks and print the comparison table",
                        description="mmcache bench [NAME] [--json PATH] [--quick] [NAME's options]. Without NAME, "
                                    "every benchmark runs in quick mode. Benchmarks: " + ", ".join(REGISTRY))
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON (also accepted after NAME)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="NAME and its options")
     p.set_defaults(func=main)
 
@@ -48,6 +49,9 @@ def main(args) -> int:
     print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
     print(f"[mmcache] decode attention: {native.status()} (MMCACHE_NATIVE, see README)", file=sys.stderr)
     rest = list(args.rest)
+    if args.json:  # given before NAME (`mmcache bench --json PATH [NAME ...]`): hand it on with the rest
+        at = 1 if rest and rest[0] in REGISTRY else 0
+        rest[at:at] = ["--json", args.json]
     if rest and rest[0] in REGISTRY:
         name = rest.pop(0)
         module = importlib.import_module(REGISTRY[name])

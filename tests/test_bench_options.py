@@ -3,12 +3,17 @@ builds or measures anything."""
 
 import argparse
 import importlib
+import json
+import sys
+import types
 
 import pytest
 
+from benchmarks import runner
 from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes,
                         projections, row_products)
 from benchmarks.runner import bench_parser
+from mmcache.cli import main as cli
 from mmcache.cli import positive_int
 
 COUNTS = {"core": ["--repeats", "--tokens"], "prefix": ["--page-size"],
@@ -47,3 +52,24 @@ def test_the_scripts_refuse_a_zero_count(main, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main([option, "0"])
     assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_json_is_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
+    """`mmcache bench --json PATH` (every benchmark, quick) and `mmcache bench --json PATH NAME` write the same
+    file as `mmcache bench NAME --json PATH`; a stand-in benchmark records how it was run."""
+    fake = types.ModuleType("fake_bench")
+    fake.DESCRIPTION = "a stand-in"
+    fake.add_arguments = lambda p: p.add_argument("--size", type=positive_int, default=1)
+    fake.run = lambda opts: {"quick": opts.quick, "size": opts.size}
+    fake.table_rows = lambda result: []
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setattr(runner, "REGISTRY", {"fake": "fake_bench"})
+    for argv, expect in ((["bench", "--json", "{}"], {"fake": {"quick": True, "size": 1}}),
+                         (["bench", "--json", "{}", "fake", "--size", "3"], {"quick": False, "size": 3}),
+                         (["bench", "fake", "--json", "{}", "--size", "2"], {"quick": False, "size": 2})):
+        out = tmp_path / f"{len(argv)}-{argv[1]}.json"
+        assert cli([a.format(out) for a in argv]) == 0
+        assert json.loads(out.read_text()) == expect
+    with pytest.raises(SystemExit) as exc:
+        cli(["bench", "--json"])
+    assert exc.value.code == 2

@@ -106,7 +106,7 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     for name in prefix.Shape.__dataclass_fields__:
         v = getattr(shape, name)
         sizes += ["--" + name.replace("_", "-"), f"{v[0]}:{v[1]}" if isinstance(v, tuple) else str(v)]
-    rc = bench_runner.main(argparse.Namespace(rest=[
+    rc = bench_runner.main(argparse.Namespace(json=None, rest=[
         "prefix", "--preset", "tiny", "--dtype", "float32", "--page-size", str(PAGE), "--json", str(out),
         "--engines", "mmcache,mmcache_nocache,transformers_cb",
         "--workloads", "vllm_prefix_caching,generated_shared_prefix", "--workdir", str(workdir)] + sizes))
@@ -139,7 +139,8 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
 def test_bad_shapes_fail_before_anything_runs(bad, says, tmp_path, capsys):
     """A shape the workloads cannot take is refused with its typed error's message and exit code 2, before a
     model is exported into the work folder."""
-    rc = bench_runner.main(argparse.Namespace(rest=["prefix", "--quick", "--workdir", str(tmp_path)] + bad))
+    rest = ["prefix", "--quick", "--workdir", str(tmp_path)] + bad
+    rc = bench_runner.main(argparse.Namespace(json=None, rest=rest))
     err = capsys.readouterr().err
     assert rc == 2 and "WorkloadShapeError" in err and says in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing exported
