@@ -1,4 +1,7 @@
-"""``mmcache bench``: run one benchmark with its options, or every registered one in quick mode."""
+"""``mmcache bench``: run one benchmark with its options, or every registered one in quick mode.
+
+In quick mode a benchmark that fails is reported (its error in the JSON under its name, a line on stderr)
+and the others still run and print; the command then exits 1."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
@@ -70,15 +74,28 @@ def main(args) -> int:
     allp = argparse.ArgumentParser(prog="mmcache bench")
     allp.add_argument("--json", metavar="PATH", help="write every result as one JSON object")
     opts = allp.parse_args(rest)
-    results, rows = {}, []
+    results, rows, failed = {}, [], []
     for name, modname in REGISTRY.items():
-        module = importlib.import_module(modname)
-        bopts = bench_parser(name, module).parse_args(["--quick"])
         t0 = time.perf_counter()
         print(f"[{name}] running (quick)...", file=sys.stderr, flush=True)
-        results[name] = module.run(bopts)
+        try:
+            module = importlib.import_module(modname)
+            result = module.run(bench_parser(name, module).parse_args(["--quick"]))
+            named = module.table_rows(result)
+        except Exception as e:  # one benchmark's failure must not lose the others' figures: say it, go on
+            if not isinstance(e, MmcacheError):
+                traceback.print_exc()
+            failed.append(f"{name} ({type(e).__name__}: {e})")
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"[{name}] FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            continue
+        results[name] = result
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        rows += module.table_rows(results[name])
+        rows += named
     _write(opts.json, results)
     print(render(rows))
+    if failed:
+        print("mmcache bench: failed: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0

@@ -73,3 +73,35 @@ def test_json_is_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli(["bench", "--json"])
     assert exc.value.code == 2
+
+
+def test_a_failing_benchmark_does_not_lose_the_others(tmp_path, monkeypatch, capsys):
+    """In quick mode every benchmark runs even when one before it raises; the table has the others' rows, the
+    JSON the failure's message under its name, and the command exits 1."""
+    from benchmarks.table import Row
+    from mmcache.errors import MmcacheError
+
+    def module(name, run):
+        m = types.ModuleType(name)
+        m.DESCRIPTION, m.add_arguments, m.run = name, lambda p: None, run
+        m.table_rows = lambda result: [Row(name, "a figure", result["value"], "s")]
+        monkeypatch.setitem(sys.modules, name, m)
+        return name
+
+    def typed(opts):
+        raise MmcacheError("no peer here")
+
+    def bug(opts):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(runner, "REGISTRY", {"first": module("typed_bench", typed), "second": module(
+        "good_bench", lambda opts: {"value": 2.5}), "third": module("buggy_bench", bug)})
+    out = tmp_path / "all.json"
+    assert cli(["bench", "--json", str(out)]) == 1
+    assert json.loads(out.read_text()) == {"first": {"error": "MmcacheError: no peer here"},
+                                           "second": {"value": 2.5},
+                                           "third": {"error": "ZeroDivisionError: a bug"}}
+    captured = capsys.readouterr()
+    assert "good_bench" in captured.out and "typed_bench" not in captured.out
+    assert "failed: first (MmcacheError: no peer here); third (ZeroDivisionError: a bug)" in captured.err
+    assert "Traceback" in captured.err and captured.err.count("Traceback") == 1  # the bug's, not the typed one's
