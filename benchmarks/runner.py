@@ -25,6 +25,8 @@ def register(sub) -> None:
                        description="mmcache bench [NAME] [--json PATH] [--quick] [NAME's options]. Without NAME, "
                                    "every benchmark runs in quick mode. Benchmarks: " + ", ".join(REGISTRY))
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (also accepted after NAME)")
+    p.add_argument("--quick", action="store_true",
+                   help="NAME's small configuration (also accepted after NAME; without NAME every benchmark is quick)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="NAME and its options")
     p.set_defaults(func=main)
 
@@ -53,9 +55,12 @@ def main(args) -> int:
     print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
     print(f"[mmcache] decode attention: {native.status()} (MMCACHE_NATIVE, see README)", file=sys.stderr)
     rest = list(args.rest)
-    if args.json:  # given before NAME (`mmcache bench --json PATH [NAME ...]`): hand it on with the rest
-        at = 1 if rest and rest[0] in REGISTRY else 0
+    # Options given before NAME (`mmcache bench --json PATH --quick NAME ...`) go on with the rest.
+    at = 1 if rest and rest[0] in REGISTRY else 0
+    if args.json:
         rest[at:at] = ["--json", args.json]
+    if args.quick and at:
+        rest[at:at] = ["--quick"]
     if rest and rest[0] in REGISTRY:
         name = rest.pop(0)
         module = importlib.import_module(REGISTRY[name])

@@ -54,9 +54,10 @@ def test_the_scripts_refuse_a_zero_count(main, option, capsys):
     assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
 
 
-def test_json_is_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
+def test_options_are_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
     """`mmcache bench --json PATH` (every benchmark, quick) and `mmcache bench --json PATH NAME` write the same
-    file as `mmcache bench NAME --json PATH`; a stand-in benchmark records how it was run."""
+    file as `mmcache bench NAME --json PATH`, and `--quick` before NAME counts as after it; a stand-in benchmark
+    records how it was run."""
     fake = types.ModuleType("fake_bench")
     fake.DESCRIPTION = "a stand-in"
     fake.add_arguments = lambda p: p.add_argument("--size", type=positive_int, default=1)
@@ -66,7 +67,9 @@ def test_json_is_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "REGISTRY", {"fake": "fake_bench"})
     for argv, expect in ((["bench", "--json", "{}"], {"fake": {"quick": True, "size": 1}}),
                          (["bench", "--json", "{}", "fake", "--size", "3"], {"quick": False, "size": 3}),
-                         (["bench", "fake", "--json", "{}", "--size", "2"], {"quick": False, "size": 2})):
+                         (["bench", "fake", "--json", "{}", "--size", "2"], {"quick": False, "size": 2}),
+                         (["bench", "--quick", "--json", "{}", "fake"], {"quick": True, "size": 1}),
+                         (["bench", "--quick", "--json", "{}"], {"fake": {"quick": True, "size": 1}})):
         out = tmp_path / f"{len(argv)}-{argv[1]}.json"
         assert cli([a.format(out) for a in argv]) == 0
         assert json.loads(out.read_text()) == expect

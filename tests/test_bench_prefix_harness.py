@@ -1,7 +1,6 @@
 """The prefix benchmark's harness on the tiny preset: mmcache and transformers runners, the bit-exact check,
 a whole ``mmcache bench prefix`` run, and the vLLM peer's failure paths."""
 
-import argparse
 import json
 import sys
 
@@ -11,6 +10,7 @@ from benchmarks import prefix
 from benchmarks import runner as bench_runner
 from benchmarks import text_workloads as tw
 from benchmarks.peers import protocol, vllm_cpu
+from mmcache.cli import main as cli
 
 PAGE = 16
 SHAPE = prefix.Shape(probe_repeats=1, probe_len=4 * PAGE, probe_shared=3 * PAGE, vpc_prefix_len=2 * PAGE,
@@ -31,8 +31,6 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_dir(workdir):
     """The tiny preset exported where a whole run with ``--workdir`` looks for it first."""
-    from mmcache.cli import main as cli
-
     out = workdir / "model-tiny-float32"
     assert cli(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0
     return str(out)
@@ -106,10 +104,9 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     for name in prefix.Shape.__dataclass_fields__:
         v = getattr(shape, name)
         sizes += ["--" + name.replace("_", "-"), f"{v[0]}:{v[1]}" if isinstance(v, tuple) else str(v)]
-    rc = bench_runner.main(argparse.Namespace(json=None, rest=[
-        "prefix", "--preset", "tiny", "--dtype", "float32", "--page-size", str(PAGE), "--json", str(out),
-        "--engines", "mmcache,mmcache_nocache,transformers_cb",
-        "--workloads", "vllm_prefix_caching,generated_shared_prefix", "--workdir", str(workdir)] + sizes))
+    rc = cli(["bench", "prefix", "--preset", "tiny", "--dtype", "float32", "--page-size", str(PAGE), "--json", str(out),
+              "--engines", "mmcache,mmcache_nocache,transformers_cb",
+              "--workloads", "vllm_prefix_caching,generated_shared_prefix", "--workdir", str(workdir)] + sizes)
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["bit_exact"] is True
@@ -139,8 +136,7 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
 def test_bad_shapes_fail_before_anything_runs(bad, says, tmp_path, capsys):
     """A shape the workloads cannot take is refused with its typed error's message and exit code 2, before a
     model is exported into the work folder."""
-    rest = ["prefix", "--quick", "--workdir", str(tmp_path)] + bad
-    rc = bench_runner.main(argparse.Namespace(json=None, rest=rest))
+    rc = cli(["bench", "prefix", "--quick", "--workdir", str(tmp_path)] + bad)
     err = capsys.readouterr().err
     assert rc == 2 and "WorkloadShapeError" in err and says in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing exported
