@@ -1,7 +1,8 @@
 """``mmcache bench``: run one benchmark with its options, or every registered one in quick mode.
 
 In quick mode a benchmark that fails is reported (its error in the JSON under its name, a line on stderr)
-and the others still run and print; the command then exits 1."""
+and the others still run and print; the command then exits 1. The JSON is rewritten after each benchmark, so a
+run cut short keeps what it measured."""
 
 from __future__ import annotations
 
@@ -39,12 +40,17 @@ def bench_parser(name: str, module) -> argparse.ArgumentParser:
     return p
 
 
-def _write(path: str | None, result: dict) -> None:
+def _write(path: str | None, result: dict, say: bool = True) -> None:
+    """``result`` as JSON at ``path`` (nothing when None), replacing the file whole: a run stopped while it
+    writes leaves the previous content, never a truncated one."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
+        part = f"{path}.part"
+        with open(part, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
-        print(f"wrote {path}", file=sys.stderr)
+        os.replace(part, path)
+        if say:
+            print(f"wrote {path}", file=sys.stderr)
 
 
 def main(args) -> int:
@@ -94,10 +100,11 @@ def main(args) -> int:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"[{name}] FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}",
                   file=sys.stderr, flush=True)
-            continue
-        results[name] = result
-        print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        rows += named
+        else:
+            results[name] = result
+            print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            rows += named
+        _write(opts.json, results, say=False)  # after each benchmark: a run cut short keeps what it measured
     _write(opts.json, results)
     print(render(rows))
     if failed:

@@ -80,7 +80,7 @@ def test_options_are_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
 
 def test_a_failing_benchmark_does_not_lose_the_others(tmp_path, monkeypatch, capsys):
     """In quick mode every benchmark runs even when one before it raises; the table has the others' rows, the
-    JSON the failure's message under its name, and the command exits 1."""
+    JSON the failure's message under its name (written after each benchmark), and the command exits 1."""
     from benchmarks.table import Row
     from mmcache.errors import MmcacheError
 
@@ -94,16 +94,21 @@ def test_a_failing_benchmark_does_not_lose_the_others(tmp_path, monkeypatch, cap
     def typed(opts):
         raise MmcacheError("no peer here")
 
-    def bug(opts):
+    out = tmp_path / "all.json"
+    seen = []
+
+    def bug(opts):  # by now the file holds the first two benchmarks' results
+        seen.append(json.loads(out.read_text()))
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(runner, "REGISTRY", {"first": module("typed_bench", typed), "second": module(
         "good_bench", lambda opts: {"value": 2.5}), "third": module("buggy_bench", bug)})
-    out = tmp_path / "all.json"
     assert cli(["bench", "--json", str(out)]) == 1
     assert json.loads(out.read_text()) == {"first": {"error": "MmcacheError: no peer here"},
                                            "second": {"value": 2.5},
                                            "third": {"error": "ZeroDivisionError: a bug"}}
+    assert seen == [{"first": {"error": "MmcacheError: no peer here"}, "second": {"value": 2.5}}]
+    assert [p.name for p in tmp_path.iterdir()] == ["all.json"]  # no partial file left
     captured = capsys.readouterr()
     assert "good_bench" in captured.out and "typed_bench" not in captured.out
     assert "failed: first (MmcacheError: no peer here); third (ZeroDivisionError: a bug)" in captured.err
