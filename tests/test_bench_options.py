@@ -113,3 +113,21 @@ def test_a_failing_benchmark_does_not_lose_the_others(tmp_path, monkeypatch, cap
     assert "good_bench" in captured.out and "typed_bench" not in captured.out
     assert "failed: first (MmcacheError: no peer here); third (ZeroDivisionError: a bug)" in captured.err
     assert "Traceback" in captured.err and captured.err.count("Traceback") == 1  # the bug's, not the typed one's
+
+
+@pytest.mark.parametrize("name", [None, "fake"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_anything_runs(name, tmp_path, monkeypatch, capsys):
+    ran = []
+    fake = types.ModuleType("fake_bench")
+    fake.DESCRIPTION, fake.add_arguments = "a stand-in", lambda p: None
+    fake.run, fake.table_rows = lambda opts: ran.append(opts) or {}, lambda result: []
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setattr(runner, "REGISTRY", {"fake": "fake_bench"})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    assert cli(["bench", "--json", str(blocker / "out.json")] + ([name] if name else [])) == 2
+    assert ran == [] and "cannot write" in capsys.readouterr().err
+    existing = tmp_path / "earlier.json"  # a writable path is checked without touching what it holds
+    existing.write_text("earlier")
+    assert runner._writable(str(existing)) and existing.read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "earlier.json"]
