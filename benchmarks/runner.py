@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 
+from mmcache.cli import writable
 from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
 
@@ -53,21 +54,6 @@ def _write(path: str | None, result: dict, say: bool = True) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
-def _writable(path: str | None) -> bool:
-    """Whether ``path`` (None: no file asked for) can be written, found out before anything is measured, with
-    a line on stderr when not; the file itself is not touched."""
-    if path:
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(f"{path}.part", "w"):
-                pass
-            os.remove(f"{path}.part")
-        except OSError as e:
-            print(f"mmcache bench: cannot write {path}: {e.strerror or e}", file=sys.stderr)
-            return False
-    return True
-
-
 def main(args) -> int:
     import torch  # noqa: F401  (loads torch's OpenMP library, so the line below can name it)
 
@@ -86,7 +72,7 @@ def main(args) -> int:
         name = rest.pop(0)
         module = importlib.import_module(REGISTRY[name])
         opts = bench_parser(name, module).parse_args(rest)
-        if not _writable(opts.json):
+        if not writable(opts.json, "mmcache bench"):
             return 2
         try:
             result = module.run(opts)
@@ -102,7 +88,7 @@ def main(args) -> int:
     allp = argparse.ArgumentParser(prog="mmcache bench")
     allp.add_argument("--json", metavar="PATH", help="write every result as one JSON object")
     opts = allp.parse_args(rest)
-    if not _writable(opts.json):
+    if not writable(opts.json, "mmcache bench"):
         return 2
     results, rows, failed = {}, [], []
     for name, modname in REGISTRY.items():

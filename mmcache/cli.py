@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import openmp
@@ -36,6 +37,22 @@ def positive_int(text: str) -> int:
 def positive_ints(text: str) -> list[int]:
     """An argparse ``type`` for a comma-separated list of counts (``positive_int`` each)."""
     return [positive_int(part) for part in text.split(",")]
+
+
+def writable(path: str | None, prog: str) -> bool:
+    """Whether the output file ``path`` (None: none asked for) can be written, found out before a long run
+    rather than after it: its folder is made, a temporary file beside it written and removed, the file itself
+    not touched. When not, says so on stderr as ``prog: cannot write PATH: reason``."""
+    if path:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(f"{path}.part", "w"):
+                pass
+            os.remove(f"{path}.part")
+        except OSError as e:
+            print(f"{prog}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+            return False
+    return True
 
 
 SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")

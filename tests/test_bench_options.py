@@ -14,7 +14,7 @@ from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_
                         projections, row_products)
 from benchmarks.runner import bench_parser
 from mmcache.cli import main as cli
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
 
 COUNTS = {"core": ["--repeats", "--tokens"], "prefix": ["--page-size"],
           "vlm": ["--page-size", "--num-pages", "--threads"],
@@ -129,5 +129,5 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_anything_runs(name
     assert ran == [] and "cannot write" in capsys.readouterr().err
     existing = tmp_path / "earlier.json"  # a writable path is checked without touching what it holds
     existing.write_text("earlier")
-    assert runner._writable(str(existing)) and existing.read_text() == "earlier"
+    assert writable(str(existing), "test") and existing.read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "earlier.json"]

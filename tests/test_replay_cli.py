@@ -68,6 +68,18 @@ def test_malformed_trace_fails_before_anything_is_replayed(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_replay(tmp_path, capsys, monkeypatch):
+    from mmcache.replay import cli as replay_cli
+
+    trace = write_trace(tmp_path / "t.jsonl", records(3))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(replay_cli, "run_sweep", lambda *a, **k: pytest.fail("replayed"))
+    assert main(["replay", str(trace), "--json", str(tmp_path / "a-file" / "r.json")]) == 2
+    assert "mmcache replay: cannot write" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--sweep", "--plot", str(tmp_path / "a-file" / "p.png")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "t.jsonl"]
+
+
 def test_plot_without_sweep_is_refused(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", records(3))
     assert main(["replay", str(trace), "--plot", str(tmp_path / "p.png")]) == 2

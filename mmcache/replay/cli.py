@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli import positive_int
+from ..cli import positive_int, writable
 from ..errors import MmcacheError
 from ..manager import STORE_AT
 from .costmodel import CostModel
@@ -117,6 +117,8 @@ def main(args) -> int:
         return 2
     if args.plot and not can_plot():  # refused before the replay, not after it
         print("mmcache replay: --plot needs matplotlib (pip install 'mmcache[bench]')", file=sys.stderr)
+        return 2
+    if not (writable(args.json, "mmcache replay") and writable(args.plot, "mmcache replay")):
         return 2
     if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
         print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
