@@ -35,12 +35,13 @@ per-pair ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
+
+from .runner import write_json
 
 CASES = {"hit": (1920, 128), "cold": (0, 2048)}  # (cached tokens, chunk tokens)
 
@@ -205,14 +206,14 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen2.5-0.5b", help="the model preset of --engine")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if not writable(args.json, p.prog):
+        return 2
     against = (args.against, library_at(args.against)) if args.against else None
     if args.engine:
         return _report_engine(measure_engine(args.engine, args.preset, against=against), args.json)
     result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls, against=against)
               for case in args.cases}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     for case, r in result.items():
         if "skipped" in r:
             print(f"{case}: {r['skipped']}")
@@ -228,9 +229,7 @@ def main(argv=None) -> int:
 
 
 def _report_engine(result: dict, path: str | None) -> int:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(path, result)
     if "skipped" in result:
         print(result["skipped"])
         return 0

@@ -19,12 +19,13 @@ Shapes (Qwen2.5-0.5B shape, bf16, page 128 by default):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
+
+from .runner import write_json
 
 SHAPES = ("shared", "own")
 SIDES = ("kernel", "aten")
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
+    if not writable(args.json, ap.prog):
+        return 2
     args.shapes = [s for s in args.shapes.split(",") if s]
     for s in args.shapes:
         if s not in SHAPES:
@@ -137,10 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shape}: decode step kernel {m['kernel']['step_s'] * 1e3:.1f} ms (attention "
               f"{m['kernel']['attention_s'] * 1e3:.1f}), ATen {m['aten']['step_s'] * 1e3:.1f} ms (attention "
               f"{m['aten']['attention_s'] * 1e3:.1f}); steps {r['steps']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size,
-                       "rounds": args.rounds, "shapes": result}, f, indent=1)
+    write_json(args.json, {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size,
+                           "rounds": args.rounds, "shapes": result})
     return 0
 
 

@@ -21,12 +21,13 @@ their shares of the hit.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
+
+from .runner import write_json
 
 FIGURES = ("cold_s", "hit_s", "linears_cold_s", "linears_hit_s")
 
@@ -154,15 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
+    if not writable(args.json, ap.prog):
+        return 2
     result = run(args)
     for i, r in enumerate(result["repeats"]):
         print(f"repeat {i + 1}: cold {r['cold_s']:.3f} s, hit {r['hit_s']:.3f} s; linears "
               f"{r['linears_cold_s']:.3f} / {r['linears_hit_s']:.3f} s", flush=True)
     for k, v in result["ratios"].items():
         print(f"{k:24s} {v:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

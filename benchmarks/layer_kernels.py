@@ -22,12 +22,13 @@ on every RMSNorm) and inside the rotary embedding of a cold and of a hit request
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
+
+from .runner import write_json
 
 SIDES = ("kernels", "torch")
 KINDS = ("cold", "hit", "decode_step")
@@ -171,12 +172,12 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tokens", type=positive_int, default=16, help="output tokens of each of them")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if not writable(args.json, p.prog):
+        return 2
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prompt's forward)")
     result = measure(args.pairs, args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.prompt_len)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     if "skipped" in result:
         print(result["skipped"])
         return 0

@@ -20,8 +20,10 @@ import subprocess
 import sys
 import time
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
 from mmcache.openmp import ENV_CHOICE, find_intel_openmp, loaded_runtime
+
+from .runner import write_json
 
 
 FIGURES = ("cold_s", "hit_s", "itl_s")
@@ -105,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args)))
         return 0
+    if not writable(args.json, p.prog):
+        return 2
     result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
+    write_json(args.json, result)
     print(json.dumps(result["gnu_over_intel"], indent=1))
     return 0
 

@@ -21,12 +21,13 @@ faster).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int
+from mmcache.cli import positive_int, writable
+
+from .runner import write_json
 
 SIDES = ("grouped", "separate")
 
@@ -102,12 +103,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=positive_int, default=2048, help="tokens of each of those prompts")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if not writable(args.json, p.prog):
+        return 2
     if args.decode_tokens < 3:
         p.error("--decode-tokens must be at least 3 (two decode steps make one pair)")
     result = measure(args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.hits, args.prompt_len)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     if "skipped" in result:
         print(result["skipped"])
         return 0

@@ -24,14 +24,15 @@ Where the compiled library is its AVX2 build, packed linears compute products of
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
-from mmcache.cli import positive_int, positive_ints
+from mmcache.cli import positive_int, positive_ints, writable
+
+from .runner import write_json
 
 
 def _products(preset: str, dtype: torch.dtype) -> tuple[dict, int]:
@@ -143,14 +144,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-decode", action="store_true", help="products only")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if not writable(args.json, p.prog):
+        return 2
     rows = args.rows
     dtype = getattr(torch, args.dtype)
     result = {"products": measure_products(args.preset, dtype, rows, args.rounds, args.calls)}
     if not args.no_decode:
         result["decode"] = measure_decode(args.preset, dtype, args.pairs, args.batch, args.tokens, args.prompt_len)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     prod = result["products"]
     print(f"products ({prod['preset']}, {prod['dtype']}, widened for oneDNN: {prod['widened']}; {prod['library']}), "
           f"median of {prod['rounds']} rounds:")

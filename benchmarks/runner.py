@@ -41,7 +41,7 @@ def bench_parser(name: str, module) -> argparse.ArgumentParser:
     return p
 
 
-def _write(path: str | None, result: dict, say: bool = True) -> None:
+def write_json(path: str | None, result: dict, say: bool = True) -> None:
     """``result`` as JSON at ``path`` (nothing when None), replacing the file whole: a run stopped while it
     writes leaves the previous content, never a truncated one."""
     if path:
@@ -79,7 +79,7 @@ def main(args) -> int:
         except MmcacheError as e:  # bad options or a peer that cannot run: a clear line, not a traceback
             print(f"mmcache bench {name}: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
-        _write(opts.json, result)
+        write_json(opts.json, result)
         print(render(module.table_rows(result)))
         return 0
     if rest and not rest[0].startswith("-"):
@@ -109,8 +109,8 @@ def main(args) -> int:
             results[name] = result
             print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             rows += named
-        _write(opts.json, results, say=False)  # after each benchmark: a run cut short keeps what it measured
-    _write(opts.json, results)
+        write_json(opts.json, results, say=False)  # after each benchmark: a run cut short keeps what it measured
+    write_json(opts.json, results)
     print(render(rows))
     if failed:
         print("mmcache bench: failed: " + "; ".join(failed), file=sys.stderr)

@@ -22,14 +22,15 @@ Where oneDNN has no bfloat16 path (AVX2-only CPUs), the engine packs a bfloat16 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
-from mmcache.cli import positive_int, positive_ints
+from mmcache.cli import positive_int, positive_ints, writable
+
+from .runner import write_json
 
 
 def _layer_products(preset: str) -> dict:
@@ -139,13 +140,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-requests", action="store_true", help="products only")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if not writable(args.json, p.prog):
+        return 2
     rows = args.rows
     result = {"products": measure_products(args.preset, rows, args.rounds, args.calls)}
     if not args.no_requests:
         result["requests"] = measure_requests(args.preset, args.pairs, args.prompt_len)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     prod = result["products"]
     print(f"products ({prod['preset']}, bfloat16; oneDNN packs bfloat16 here: {prod['oneDNN_packs_bfloat16']}), "
           f"median of {prod['rounds']} rounds:")

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import runner
 from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes,
-                        projections, row_products)
+                        projections, row_products, widened_linears)
 from benchmarks.runner import bench_parser
 from mmcache.cli import main as cli
 from mmcache.cli import positive_int, writable
@@ -131,3 +131,18 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_anything_runs(name
     existing.write_text("earlier")
     assert writable(str(existing), "test") and existing.read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "earlier.json"]
+
+
+SCRIPTS = (chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes, projections, row_products,
+           widened_linears)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__.rsplit(".", 1)[1])
+def test_the_scripts_refuse_a_json_path_that_cannot_be_written_before_measuring(script, tmp_path, monkeypatch,
+                                                                               capsys):
+    for name in ("measure", "measure_engine", "run"):
+        if hasattr(script, name):
+            monkeypatch.setattr(script, name, lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "a-file").write_text("")
+    assert script.main(["--json", str(tmp_path / "a-file" / "out.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
