@@ -45,6 +45,8 @@ def writable(path: str | None, prog: str) -> bool:
     not touched. When not, says so on stderr as ``prog: cannot write PATH: reason``."""
     if path:
         try:
+            if os.path.isdir(path):
+                raise IsADirectoryError(21, "Is a directory")
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(f"{path}.part", "w"):
                 pass

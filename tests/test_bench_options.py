@@ -130,6 +130,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_anything_runs(name
     existing = tmp_path / "earlier.json"  # a writable path is checked without touching what it holds
     existing.write_text("earlier")
     assert writable(str(existing), "test") and existing.read_text() == "earlier"
+    assert not writable(str(tmp_path), "test") and "Is a directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "earlier.json"]
 
 
