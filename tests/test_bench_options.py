@@ -1,5 +1,6 @@
-"""Every benchmark refuses a count of zero or less on its command line (argparse: exit code 2), before it
-builds or measures anything."""
+"""The benchmarks' command lines: a count of zero or less is refused (argparse: exit code 2) and so is an
+output file that cannot be written, before anything is built or measured; options may come before the
+benchmark's name; in a run of every benchmark one that fails does not lose the others' figures."""
 
 import argparse
 import importlib
@@ -9,9 +10,8 @@ import types
 
 import pytest
 
-from benchmarks import runner
 from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes,
-                        projections, row_products, widened_linears)
+                        projections, row_products, runner, widened_linears)
 from benchmarks.runner import bench_parser
 from mmcache.cli import main as cli
 from mmcache.cli import positive_int, writable
