@@ -1,0 +1,133 @@
+"""VLM requests under a random mix of everything at once, in a pool small enough to preempt and a store small
+enough to evict: images shared between requests and turns, corrupt image bytes, two salts, second turns with
+another image, aborts, forwards that raise and cache clears, all between steps of one engine.
+
+After every operation ``VLMEngine.check_invariants`` holds (page owner counts, the store's budget, exact hold
+counts); every request ends exactly once; once nothing runs every page is free or owned by the index alone and
+no store entry is held; and every token a request produced, however it ended, is the token the same request
+produces alone on a roomy engine with an ample store (a request that ended early produced a prefix of it).
+"""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmcache.engine import Engine, EngineConfig, ForwardError, SamplingParams
+from mmcache.engine.vlm import VLMEngine, VLMRequest
+from mmcache.engine.vlm_presets import build_vlm
+from mmcache.errors import AllocationFailed, MediaDecodeError
+from mmcache.store import EncoderOutputStore
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
+
+P = 16
+QUESTIONS = ("What is in this image?", "Describe the colours.", "How many objects are there?")
+
+
+@pytest.fixture(scope="module")
+def crops(datasets_dir) -> list[bytes]:
+    """Six distinct real images: two crops of each of three photos, as PNG."""
+    out = []
+    for name in ("coffee.png", "chelsea.png", "astronaut.png"):
+        image = Image.open(datasets_dir / "images" / name).convert("RGB")
+        w, h = image.size
+        for box in ((0, 0, w * 2 // 3, h * 2 // 3), (w // 3, h // 3, w, h)):
+            buf = io.BytesIO()
+            image.crop(box).save(buf, format="PNG")
+            out.append(buf.getvalue())
+    return out
+
+
+def draw_request(rng, n: int, crops: list[bytes]) -> VLMRequest:
+    """One image (now and then corrupt bytes) and a question; sometimes a second turn with another image."""
+    image = crops[rng.integers(len(crops))] if rng.random() > 0.05 else b"\x89PNG but not one"
+    content = [{"type": "image", "image": image}, {"type": "text", "text": QUESTIONS[rng.integers(len(QUESTIONS))]}]
+    messages = [{"role": "system", "content": "You look at photos."}, {"role": "user", "content": content}]
+    if rng.random() < 0.3:
+        messages += [{"role": "assistant", "content": "A photo."},
+                     {"role": "user", "content": [{"type": "image", "image": crops[rng.integers(len(crops))]},
+                                                  {"type": "text", "text": "And this one?"}]}]
+    sampling = SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=0.0, ignore_eos=True)
+    return VLMRequest(messages, sampling=sampling, request_id=f"r{n}", salt=(b"", b"tenant")[rng.integers(2)])
+
+
+@pytest.mark.parametrize("name,seed", [("tiny-llava", 102), ("tiny-qwen2-vl", 103)])
+def test_random_vlm_traffic_keeps_every_invariant_lease_and_token(name, seed, crops):
+    preset = build_vlm(name)
+    rng = np.random.default_rng(seed)
+    engine = Engine(preset.model, None, EngineConfig(
+        page_size=P, num_pages=int(rng.integers(8, 14)), max_num_seqs=int(rng.integers(2, 5)),
+        max_tokens_per_step=4 * P, prefill_chunk_tokens=2 * P, store_at=("prefill", "teardown")[rng.integers(2)]))
+    vlm = VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(int(rng.integers(1, 4)) * 20_000)))
+    run = engine.runner.run
+    raise_next = {"on": False}
+
+    def flaky(works):
+        if raise_next["on"]:
+            raise_next["on"] = False
+            raise RuntimeError("injected failure")
+        return run(works)
+
+    engine.runner.run = flaky
+    requests, finished, tokens = {}, {}, {}
+
+    def take(events):
+        for ev in events:
+            assert ev.request_id not in finished, f"{ev.request_id} ended twice or streamed after its end"
+            if ev.finished:
+                finished[ev.request_id] = ev.output
+            else:
+                tokens.setdefault(ev.request_id, []).append(ev.token_id)
+
+    for n in range(80):
+        op = rng.random()
+        if op < 0.35:
+            request = draw_request(rng, n, crops)
+            requests[request.request_id] = request
+            vlm.add_request(request)
+        elif op < 0.41 and engine._live:
+            assert vlm.abort(sorted(engine._live)[rng.integers(len(engine._live))])
+        elif op < 0.44:
+            raise_next["on"] = True
+        elif op < 0.46:
+            engine.clear_cache()
+        else:
+            take(vlm.step())
+        vlm.check_invariants()
+    while vlm.has_unfinished():
+        take(vlm.step())
+        vlm.check_invariants()
+    take(vlm.step())
+
+    # Every request ended once; the pools are whole and the store holds nothing for anyone.
+    assert set(finished) == set(requests)
+    assert vlm.metrics()["encoder"]["requests_holding"] == 0
+    for label, m in engine.managers.items():
+        assert m.num_requests == 0, label
+        np.testing.assert_array_equal(m.pool.refcount, m.index.in_index.astype(np.int32))
+
+    # Every token is the one the request produces alone.
+    reference = VLMEngine(Engine(preset.model, None, EngineConfig(page_size=P, num_pages=512,
+                                                                  prefill_chunk_tokens=2 * P)),
+                          preset.prompt_builder(EncoderOutputStore(1 << 30)))
+    ends = set()
+    for rid, out in finished.items():
+        ends.add(out.finish_reason if out.error is None else type(out.error).__name__)
+        assert out.output_ids == tokens.get(rid, []), rid  # the streamed tokens are the output
+        if isinstance(out.error, MediaDecodeError):
+            assert out.output_ids == [], rid
+            continue
+        request = requests[rid]
+        want = reference.generate([VLMRequest(request.messages, sampling=request.sampling, salt=request.salt)])[0]
+        if out.finish_reason == "length":
+            assert out.output_ids == want.output_ids, rid
+        else:
+            assert out.output_ids == want.output_ids[:len(out.output_ids)], rid
+            assert out.finish_reason == "abort" or isinstance(out.error, (ForwardError, AllocationFailed)), out
+    # The mix reached the hard paths, not only the easy one.
+    m = vlm.metrics()
+    assert {"length", "abort", "ForwardError", "MediaDecodeError"} <= ends, ends
+    assert m["engine"]["preemptions"] > 0 and m["main"]["hit_pages"] > 0 and m["encoder"]["hits"] > 0
+    assert m["encoder"]["evictions"] + m["encoder"]["bypasses"] > 0
