@@ -4,6 +4,8 @@ After every scenario the pools are whole: ``check_invariants`` passes and, once 
 either free or owned by the prefix index alone.
 """
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,49 @@ def test_abort_running_and_waiting_requests(tiny):
     assert finished["a"].finish_reason == "length"
     assert finished["a"].output_ids == eng.generate([ps[0]], greedy(20))[0].output_ids
     assert eng.metrics()["main"]["stored_pages"] > 0  # the aborted request's computed pages were kept
+    assert_pools_whole(eng)
+
+
+class _AbortAfterCopy(list):
+    """The engine's event list, which, once armed, has another thread abort a request after ``step`` copied the
+    events and before it clears them: the interleaving a thread switch between those two lines would give."""
+
+    def __init__(self, eng: Engine):
+        super().__init__()
+        self.eng, self.victim, self.thread, self.aborted = eng, None, None, []
+
+    def __iter__(self):
+        yield from self.copy()  # list.copy does not go through __iter__
+        if self.victim is not None:
+            victim, self.victim = self.victim, None
+            self.thread = threading.Thread(target=lambda: self.aborted.append(self.eng.abort(victim)))
+            self.thread.start()
+            self.thread.join(timeout=0.2)  # done at once unless step holds the engine's lock
+
+
+def test_an_abort_from_another_thread_during_a_step_is_never_lost(tiny):
+    eng = engine(tiny)
+    events = eng._events = _AbortAfterCopy(eng)  # before any request takes it as its sink
+    ids = [eng.add_request(p, greedy(30), request_id=r) for p, r in zip(prompts(2, seed=5), "ab")]
+    ended: dict = {}
+
+    def take(evs):
+        for ev in evs:
+            if ev.finished:
+                assert ev.request_id not in ended, f"{ev.request_id} ended twice"
+                ended[ev.request_id] = ev.output
+
+    for _ in range(4):
+        take(eng.step())
+    events.victim = "a"  # still running: 30 tokens asked, a few made
+    take(eng.step())
+    events.thread.join()
+    assert events.aborted == [True]
+    while eng.has_unfinished():
+        take(eng.step())
+    take(eng.step())  # an abort that came after the last step
+    assert set(ended) == set(ids), "the aborted request's end was dropped"
+    assert ended["a"].finish_reason == "abort" and ended["b"].finish_reason == "length"
     assert_pools_whole(eng)
 
 

@@ -219,9 +219,10 @@ class Engine:
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
-        self._step()
-        events = list(self._events)
-        self._events.clear()  # cleared in place: live requests hold this list as their sink
+        with self._lock:  # an abort from another thread appends under the lock: none lands between copy and clear
+            self._step()
+            events = list(self._events)
+            self._events.clear()  # cleared in place: live requests hold this list as their sink
         return events
 
     def has_unfinished(self) -> bool:
