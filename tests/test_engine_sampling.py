@@ -61,6 +61,19 @@ def test_a_request_seed_fixes_its_draws_and_top_k_1_is_greedy():
         int(torch.argmax(logits))}
 
 
+@pytest.mark.parametrize("kw", [{}, {"top_k": 5}, {"top_p": 0.5}, {"top_k": 5, "top_p": 0.9}])
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-12])
+def test_a_vanishing_temperature_draws_the_maximum_never_nan(temperature, kw):
+    # Scaled first, logits of 2-30 divided by 1e-38 or less overflow float32 to inf, and inf - inf made every
+    # weight NaN: the draw fell on the last token of the vocabulary.
+    logits = torch.linspace(-30.0, 2.0, 600)[torch.randperm(600, generator=torch.Generator().manual_seed(1))]
+    gen = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=temperature, **kw)
+    assert {sample(logits, sp, gen) for _ in range(50)} == {int(torch.argmax(logits))}
+    tied = torch.tensor([1.0, 30.0, -4.0, 30.0, float("-inf")])  # in the limit the tied maxima share the draw
+    assert {sample(tied, SamplingParams(temperature=temperature), gen) for _ in range(200)} == {1, 3}
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_logits_raise_under_random_sampling(bad):
     logits = torch.zeros(10)

@@ -11,6 +11,8 @@ Invariants:
 * Top-k, then top-p within the top-k tokens' probability; the kept tokens' probabilities are renormalised.
 * Logits with a NaN, or without a finite maximum, raise ``RuntimeError`` under random sampling; greedy
   selection takes the ``argmax`` as it is.
+* Any temperature > 0 gives finite weights: logits are shifted by their maximum before they are divided, so
+  as the temperature goes to 0 the draw goes to the maximum (ties shared evenly), never to NaN.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     top = torch.max(logits)
     if not (torch.isfinite(top) and not torch.isnan(logits).any()):
         raise RuntimeError(f"cannot sample from logits with NaN or no finite maximum (max {float(top)})")
-    logits = logits / params.temperature
+    # Shifted so the maximum is exactly 0 before scaling: a tiny temperature sends the rest to -inf (the greedy
+    # limit) instead of overflowing the maximum itself to inf and every weight to NaN.
+    logits = (logits - top) / params.temperature
     vocab = logits.numel()
     k = params.top_k if 0 < params.top_k < vocab else vocab
     if params.top_p < 1.0:
