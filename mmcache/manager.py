@@ -213,6 +213,10 @@ class AllocationManager:
         ``salt``. Matches whole pages, at most ``(len(prompt) - 1) // page_size`` of them, so one prompt
         token is left to compute. Afterwards ``seq_len == matched_tokens`` and ``position_id_start == 0``.
         """
+        try:
+            hash(request_id)
+        except TypeError:
+            raise InvalidRequest(f"request_id must be hashable, got {type(request_id).__name__}") from None
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, media, salt, request_id)
         elif self.mode != "off" and len(prompt.names) != len(prompt.ids) // self.page_size:

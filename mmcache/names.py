@@ -150,8 +150,8 @@ def as_token_array(token_ids: Any, request_id: object = None) -> np.ndarray:
         raise InvalidRequest(f"token ids must be 1-D, got shape {arr.shape}", request_id)
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}", request_id)
-    if arr.dtype == np.bool_:
-        raise InvalidRequest("token ids must be integers, got bool", request_id)
+    if arr.dtype == np.bool_ or (isinstance(token_ids, (list, tuple)) and bool in map(type, token_ids)):
+        raise InvalidRequest("token ids must be integers, got bool", request_id)  # [True, 3] becomes [1, 3]
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
         raise InvalidRequest(f"token ids must lie in [0, {MAX_TOKEN_ID}]", request_id)
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)

@@ -201,6 +201,8 @@ def test_bad_input_gets_a_typed_error_and_leaves_the_others_alone(tiny):
         Request(good, SamplingParams(temperature=float("nan"))),
         Request(good, greedy(), negative_prompt=[]),
         Request(good, greedy(), negative_prompt=[5, 6], guidance_scale=float("inf")),
+        Request([3, True, 4], greedy()),  # a bool among ids (numpy would read it as 1)
+        Request(good, greedy(), request_id=["not", "hashable"]),
     ]
     outs = eng.generate([Request(good, greedy(), request_id="good")] + bad
                         + [Request([5, 6], greedy(), request_id="good")])

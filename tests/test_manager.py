@@ -232,6 +232,8 @@ def _same(a, b):
     (lambda m: m.admit("new", [1.5, 2.5]), InvalidRequest),
     (lambda m: m.admit("new", [[1, 2]]), InvalidRequest),
     (lambda m: m.admit("new", [-3]), InvalidRequest),
+    (lambda m: m.admit("new", [1, True]), InvalidRequest),
+    (lambda m: m.admit(["not", "hashable"], [1, 2]), InvalidRequest),
     (lambda m: m.admit("new", [1, 2], media=[MediaItem(b"d" * 16, 5)]), InvalidRequest),
     (lambda m: m.reserve("live", -1), InvalidRequest),
     (lambda m: m.reserve("live", 2.0), InvalidRequest),

@@ -43,6 +43,10 @@ class Intake:
 
     def live(self, req: Request, rid, arrival: float) -> LiveRequest:
         """The request's live state, or ``InvalidRequest``."""
+        try:
+            hash(rid)
+        except TypeError:
+            raise InvalidRequest(f"request_id must be hashable, got {type(rid).__name__}") from None
         if not isinstance(req.sampling, SamplingParams):
             raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
         req.sampling.validate(rid)
