@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,14 @@ def _negatives(negative: object, batch: int, what: str = "negative_prompt") -> l
 def _int_at_least(value: object, low: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise InvalidRequest(f"{what} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _guidance_scale(value: object) -> float | int:
+    """The request's guidance scale, refused unless a finite real number (the pipelines compare it with 1 to
+    decide whether the negative branch runs, and would raise a bare ``TypeError`` or run unguided on NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"guidance_scale must be a finite number, got {value!r}")
     return value
 
 
@@ -211,7 +220,7 @@ class CachedWanPipeline(_CachedPipeline):
         prompts = _prompt_list(prompt, "prompt")
         max_length = _int_at_least(self._arg(kwargs, "max_sequence_length"), 1, "max_sequence_length")
         n = _int_at_least(self._arg(kwargs, "num_videos_per_prompt"), 1, "num_videos_per_prompt")
-        guidance = self._arg(kwargs, "guidance_scale")
+        guidance = _guidance_scale(self._arg(kwargs, "guidance_scale"))
         # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.
         negatives = _negatives(negative_prompt, len(prompts)) if guidance > 1.0 else None
         place = {"dtype": self.pipe.text_encoder.dtype, "device": self.execution_device()}
@@ -273,7 +282,7 @@ class CachedSD3Pipeline(_CachedPipeline):
         n = _int_at_least(self._arg(kwargs, "num_images_per_prompt"), 1, "num_images_per_prompt")
         clip_skip = self._arg(kwargs, "clip_skip")
         hidden_layer = -2 if clip_skip is None else -(_int_at_least(clip_skip, 0, "clip_skip") + 2)
-        guidance = self._arg(kwargs, "guidance_scale")
+        guidance = _guidance_scale(self._arg(kwargs, "guidance_scale"))
         negatives = None
         if guidance > 1:  # StableDiffusion3Pipeline.do_classifier_free_guidance
             neg_2 = kwargs.pop("negative_prompt_2", None) or negative_prompt

@@ -214,6 +214,16 @@ def test_bad_sd3_arguments_are_refused(sd3, kwargs):
         CachedSD3Pipeline(sd3, None).prepare("a red fox", NEG, **kwargs)
 
 
+@pytest.mark.parametrize("scale", [None, "5", float("nan"), float("inf"), True])
+def test_a_guidance_scale_that_is_not_a_finite_number_is_refused_before_any_encoding(wan, sd3, scale):
+    store = EncoderOutputStore(1 << 24)
+    with ForwardCounter(wan.text_encoder, sd3.text_encoder) as fc:
+        for wrapper in (CachedWanPipeline(wan, store), CachedSD3Pipeline(sd3, store)):
+            with pytest.raises(InvalidRequest, match="guidance_scale"):
+                wrapper.prepare("a red fox", NEG, guidance_scale=scale)
+    assert fc.total == 0 and len(store) == 0
+
+
 def test_text_encoders_with_lora_layers_are_refused(wan, monkeypatch):
     monkeypatch.setattr(wan.text_encoder, "_hf_peft_config_loaded", True, raising=False)
     with pytest.raises(InvalidRequest):
