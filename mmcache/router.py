@@ -44,13 +44,14 @@ class RouterConfig:
     min_load: float = 4
 
     def __post_init__(self):
-        if not self.replicas or len(set(self.replicas)) != len(self.replicas):
-            raise InvalidRequest(f"replicas must be distinct and non-empty, got {self.replicas!r}")
+        if (not isinstance(self.replicas, (tuple, list)) or not self.replicas
+                or not all(isinstance(r, str) for r in self.replicas) or len(set(self.replicas)) != len(self.replicas)):
+            raise InvalidRequest(f"replicas must be distinct strings, at least one, got {self.replicas!r}")
         if isinstance(self.depth_pages, bool) or not isinstance(self.depth_pages, int) or self.depth_pages < 1:
             raise InvalidRequest(f"depth_pages must be a positive int, got {self.depth_pages!r}")
-        if not 1 <= self.load_factor < float("inf"):
+        if not (_real(self.load_factor) and 1 <= self.load_factor < float("inf")):
             raise InvalidRequest(f"load_factor must be a finite number >= 1, got {self.load_factor!r}")
-        if not 0 <= self.min_load < float("inf"):
+        if not (_real(self.min_load) and 0 <= self.min_load < float("inf")):
             raise InvalidRequest(f"min_load must be a finite number >= 0, got {self.min_load!r}")
 
     @classmethod
@@ -59,6 +60,18 @@ class RouterConfig:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidRequest(f"replica count must be a positive int, got {count!r}")
         return cls(tuple(str(i) for i in range(count)), **kwargs)
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _page_names(names) -> np.ndarray:
+    arr = np.asarray(names)
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0)):
+        raise InvalidRequest(f"page names must be a 1-D array of unsigned 64-bit names, got {arr.dtype} "
+                             f"of shape {arr.shape}")
+    return arr
 
 
 class ReplicaRouter:
@@ -74,6 +87,7 @@ class ReplicaRouter:
 
     def routing_name(self, names: np.ndarray) -> int | None:
         """The page name a prompt is routed by, or None when the prompt has no full page."""
+        names = _page_names(names)
         if len(names) == 0:
             return None
         return int(names[min(self.config.depth_pages, len(names)) - 1])
@@ -97,6 +111,8 @@ class ReplicaRouter:
         """The replica for a prompt with page names ``names`` given each replica's current load."""
         if len(loads) != self.num_replicas:
             raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")
+        if not all(_real(x) and 0 <= x < float("inf") for x in loads):  # NaN fails the comparison too
+            raise InvalidRequest(f"loads must be finite numbers >= 0, got {list(loads)!r}")
         name = self.routing_name(names)
         order = list(range(self.num_replicas)) if name is None else self.ranking(name)
         first = order[0]

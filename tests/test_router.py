@@ -113,7 +113,9 @@ def test_routing_is_a_pure_function_of_names_and_loads():
 @pytest.mark.parametrize("kwargs", [dict(replicas=()), dict(replicas=("a", "a")),
                                     dict(replicas=("a",), depth_pages=0), dict(replicas=("a",), min_load=-1),
                                     dict(replicas=("a",), load_factor=0.5),
-                                    dict(replicas=("a",), load_factor=float("nan"))])
+                                    dict(replicas=("a",), load_factor=float("nan")),
+                                    dict(replicas=("a", 3)), dict(replicas="ab"), dict(replicas=("a",), load_factor="2"),
+                                    dict(replicas=("a",), min_load=None), dict(replicas=("a",), min_load=True)])
 def test_bad_config_is_refused(kwargs):
     with pytest.raises(InvalidRequest):
         RouterConfig(**kwargs)
@@ -122,3 +124,20 @@ def test_bad_config_is_refused(kwargs):
 def test_wrong_number_of_loads_is_refused():
     with pytest.raises(InvalidRequest):
         ReplicaRouter(RouterConfig.numbered(2)).route(names_of(np.arange(PAGE)), [0, 0, 0])
+
+
+@pytest.mark.parametrize("loads", [[float("nan"), 1, 2], [1, 2, float("nan")], [float("inf")] * 3, [-1, 0, 0],
+                                   ["a", 1, 2], [None, 1, 2], [True, 0, 0]])
+def test_loads_that_are_not_finite_non_negative_numbers_are_refused(loads):
+    # NaN used to route silently (to whichever replica the comparisons happened to leave), others raised TypeError.
+    with pytest.raises(InvalidRequest, match="loads"):
+        ReplicaRouter(RouterConfig.numbered(3)).route(names_of(np.arange(PAGE)), loads)
+
+
+@pytest.mark.parametrize("names", [np.array([1.5]), np.array([-1]), np.array([[1, 2]]), ["x"]])
+def test_page_names_that_are_not_a_vector_of_names_are_refused(names):
+    router = ReplicaRouter(RouterConfig.numbered(3))
+    with pytest.raises(InvalidRequest, match="page names"):
+        router.route(names, [0, 0, 0])
+    with pytest.raises(InvalidRequest, match="page names"):
+        router.preferred(names)
