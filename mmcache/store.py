@@ -37,6 +37,8 @@ from .names import Namer
 
 def store_key(encoder_fingerprint: str | bytes, content_digest: bytes, salt: bytes | str | None = b"") -> bytes:
     """16-byte key of an encoder output; every field is length-prefixed so none can bleed into another."""
+    if not isinstance(encoder_fingerprint, (str, bytes, bytearray)) or not encoder_fingerprint:
+        raise InvalidRequest(f"encoder fingerprint must be a non-empty str or bytes, got {encoder_fingerprint!r}")
     fp = encoder_fingerprint.encode("utf-8") if isinstance(encoder_fingerprint, str) else bytes(encoder_fingerprint)
     if not isinstance(content_digest, (bytes, bytearray)) or not content_digest:
         raise InvalidRequest("content digest must be non-empty bytes")
@@ -53,6 +55,15 @@ class OutputSpec:
     """What an encoder declares it produces: per output name, a shape (``None`` = any size) and a dtype."""
 
     tensors: Mapping[str, tuple[tuple, torch.dtype]]
+
+    def __post_init__(self):
+        for name, declared in (self.tensors.items() if isinstance(self.tensors, Mapping) else [(None, None)]):
+            ok = isinstance(name, str) and isinstance(declared, tuple) and len(declared) == 2
+            shape, dtype = declared if ok else ((), None)
+            if not (ok and isinstance(shape, tuple) and isinstance(dtype, torch.dtype) and all(
+                    w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0) for w in shape)):
+                raise InvalidRequest(f"an output spec maps names to (shape of ints or None, torch.dtype), got "
+                                     f"{name!r}: {declared!r}")
 
     def check(self, key: bytes, outputs: Mapping[str, torch.Tensor]) -> None:
         if set(outputs) != set(self.tensors):
@@ -115,6 +126,11 @@ class Lease:
         self.release()
 
 
+def _check_key(key) -> None:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != 16:
+        raise InvalidRequest("store keys are the 16-byte digests made by store_key")
+
+
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or a copy when it is a view into a larger storage: the budget counts what stays alive."""
     if t.untyped_storage().nbytes() > t.numel() * t.element_size():
@@ -164,8 +180,7 @@ class EncoderOutputStore:
         If an entry already exists it is kept and returned. If the outputs cannot fit, the lease carries
         them with ``bypassed=True`` and nothing is stored.
         """
-        if not isinstance(key, (bytes, bytearray)) or len(key) != 16:
-            raise InvalidRequest("store keys are the 16-byte digests made by store_key")
+        _check_key(key)
         if not isinstance(outputs, Mapping) or not outputs:
             raise StoreEntryRejected(bytes(key).hex(), "outputs must be a non-empty mapping of name to tensor")
         if spec is not None:
@@ -173,6 +188,8 @@ class EncoderOutputStore:
         for name, t in outputs.items():
             if not isinstance(t, torch.Tensor):
                 raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise StoreEntryRejected(key.hex(), f"meta must be a mapping, got {type(meta).__name__}")
         outs = {k: _compact(v.detach()) for k, v in outputs.items()}
         meta = dict(meta or {})
         size = _nbytes(outs)
@@ -214,8 +231,9 @@ class EncoderOutputStore:
         """The held entry for ``key``, running ``compute() -> (outputs, meta)`` on a miss.
 
         Concurrent callers with the same key wait for one computation. An exception from ``compute``
-        propagates to its caller and stores nothing.
+        propagates to its caller and stores nothing. A malformed key is refused before anything is computed.
         """
+        _check_key(key)
         while True:
             with self._lock:
                 self.metrics.lookups += 1
@@ -230,7 +248,10 @@ class EncoderOutputStore:
             with self._lock:
                 self.metrics.lookups -= 1  # the retry counts as one lookup, not two
         try:
-            outputs, meta = compute()
+            result = compute()
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise StoreEntryRejected(key.hex(), f"compute must return (outputs, meta), got {type(result).__name__}")
+            outputs, meta = result
             with self._lock:
                 self.metrics.computes += 1
             return self.put(key, outputs, meta, spec)

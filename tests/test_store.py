@@ -135,3 +135,32 @@ def test_views_into_larger_storage_are_compacted_so_the_budget_is_honest():
     whole = torch.zeros(4, 4)
     with store.put(key(2), {"features": whole}) as lease:
         assert lease.outputs["features"].data_ptr() == whole.data_ptr()  # compact tensors are not copied
+
+
+def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_nothing():
+    store = EncoderOutputStore(10_000)
+    ran = []
+
+    def compute():
+        ran.append(1)
+        return entry(4)
+
+    with pytest.raises(InvalidRequest):  # refused before the (expensive) compute runs
+        store.get_or_compute(b"short", compute)
+    assert ran == []
+    for bad in (None, 7, ""):
+        with pytest.raises(InvalidRequest):
+            store_key(bad, media_digest(b"x"))
+    for bad in ({"features": ((8,), "float32")}, {"features": ((8.0,), torch.float32)}, {"features": (8, torch.float32)},
+                {3: ((8,), torch.float32)}, [("features", ((8,), torch.float32))]):
+        with pytest.raises(InvalidRequest):
+            OutputSpec(bad)
+    with pytest.raises(StoreEntryRejected):
+        store.put(key(1), {"features": torch.zeros(2)}, meta=[("placeholders", 2)])
+    for result in (None, {"features": torch.zeros(2)}, (entry(2), {}, {})):
+        with pytest.raises(StoreEntryRejected, match="compute must return"):
+            store.get_or_compute(key(2), lambda result=result: result)
+    assert len(store) == 0 and not store._computing
+    with store.get_or_compute(key(2), compute) as lease:  # the next caller computes
+        assert not lease.hit and ran == [1]
+    store.check_invariants()
