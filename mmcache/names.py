@@ -72,6 +72,9 @@ def _plain(value: Any) -> Any:
     raise InvalidRequest(f"parameter value of type {type(value).__name__} has no canonical encoding")
 
 
+MEDIA_DIGEST_BYTES = 16  # media_digest's size, and the least a MediaItem accepts
+
+
 def media_digest(raw: bytes | bytearray | memoryview, params: Mapping[str, Any] | None = None) -> bytes:
     """16-byte digest of a media item: xxh3_128 over the bytes as sent, then the canonical parameters.
 
@@ -103,8 +106,8 @@ class Fingerprint:
     namer_version: int = NAMER_VERSION
 
     def __post_init__(self):
-        if self.page_size <= 0:
-            raise InvalidRequest(f"page_size must be positive, got {self.page_size}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) or self.page_size <= 0:
+            raise InvalidRequest(f"page_size must be a positive int, got {self.page_size!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise InvalidRequest(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
 
@@ -118,15 +121,19 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class MediaItem:
-    """A media item in a prompt: its digest and the absolute position of its first placeholder token."""
+    """A media item in a prompt: its digest and the absolute position of its first placeholder token.
+
+    The digest is ``media_digest``'s 16 bytes or any longer digest: nothing checks a media item against stored
+    data the way token ids are checked, so a shorter one could make two images share pages."""
 
     digest: bytes
     position: int
 
     def __post_init__(self):
-        if not isinstance(self.digest, (bytes, bytearray)) or len(self.digest) == 0:
-            raise InvalidRequest("media digest must be non-empty bytes")
-        if not isinstance(self.position, (int, np.integer)) or self.position < 0:
+        if not isinstance(self.digest, (bytes, bytearray)) or len(self.digest) < MEDIA_DIGEST_BYTES:
+            raise InvalidRequest(f"media digest must be at least {MEDIA_DIGEST_BYTES} bytes (128 bits), got "
+                                 f"{self.digest!r:.60}")
+        if isinstance(self.position, bool) or not isinstance(self.position, (int, np.integer)) or self.position < 0:
             raise InvalidRequest(f"media position must be a non-negative int, got {self.position!r}")
 
 

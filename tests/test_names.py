@@ -94,3 +94,18 @@ def test_fingerprint_validation():
         Fingerprint(model_digest="m", kv_dtype="x", attention_backend="y", page_size=0)
     with pytest.raises(InvalidRequest):
         Fingerprint(model_digest="m", kv_dtype="x", attention_backend="y", page_size=4, tp_rank=2, tp_size=2)
+
+
+@pytest.mark.parametrize("digest,position", [(b"short", 0), (b"", 0), ("a" * 16, 0), (b"d" * 16, -1), (b"d" * 16, 1.5),
+                                             (b"d" * 16, True)])
+def test_media_items_refuse_digests_under_128_bits_and_bad_positions(digest, position):
+    # Nothing verifies a media item against stored data, so a short digest could let two images share pages.
+    with pytest.raises(InvalidRequest):
+        MediaItem(digest, position)
+    assert MediaItem(media_digest(b"x"), 3).position == 3 and MediaItem(bytes(32), 0)  # 16 bytes or more
+
+
+@pytest.mark.parametrize("page_size", [0, -4, True, 4.0])
+def test_fingerprint_refuses_a_page_size_that_is_not_a_positive_int(page_size):
+    with pytest.raises(InvalidRequest):
+        Fingerprint(model_digest="m", kv_dtype="x", attention_backend="y", page_size=page_size)
