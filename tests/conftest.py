@@ -1,5 +1,6 @@
 """Shared test settings: deterministic torch, a bounded hypothesis profile, the repository's data folder."""
 
+import io
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,63 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def photo_crops(datasets_dir):
+    """``fn(names)`` -> two crops (the top-left and bottom-right two thirds) of each named photo in
+    ``datasets/images``, as PNG bytes: distinct real images."""
+    from PIL import Image
+
+    def fn(names) -> list[bytes]:
+        out = []
+        for name in names:
+            image = Image.open(datasets_dir / "images" / name).convert("RGB")
+            w, h = image.size
+            for box in ((0, 0, w * 2 // 3, h * 2 // 3), (w // 3, h // 3, w, h)):
+                buf = io.BytesIO()
+                image.crop(box).save(buf, format="PNG")
+                out.append(buf.getvalue())
+        return out
+
+    return fn
+
+
+class Traffic:
+    """Random-traffic bookkeeping for one engine: ``fail_next_forward()`` makes its next forward raise;
+    ``take(events)`` records streamed tokens and each request's end, failing if a request ends twice or streams
+    after its end."""
+
+    def __init__(self, engine):
+        self.finished: dict = {}
+        self.tokens: dict = {}
+        self._fail = False
+        run = engine.runner.run
+
+        def flaky(works):
+            if self._fail:
+                self._fail = False
+                raise RuntimeError("injected failure")
+            return run(works)
+
+        engine.runner.run = flaky
+
+    def fail_next_forward(self) -> None:
+        self._fail = True
+
+    def take(self, events) -> None:
+        for ev in events:
+            assert ev.request_id not in self.finished, f"{ev.request_id} ended twice or streamed after its end"
+            if ev.finished:
+                self.finished[ev.request_id] = ev.output
+            else:
+                self.tokens.setdefault(ev.request_id, []).append(ev.token_id)
+
+
+@pytest.fixture
+def traffic():
+    """``traffic(engine)`` -> a ``Traffic`` wired into that engine's forwards."""
+    return Traffic
 
 
 @pytest.fixture

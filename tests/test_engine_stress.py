@@ -48,7 +48,7 @@ def draw_bad(rng, n: int) -> Request:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed):
+def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed, traffic):
     rng = np.random.default_rng(seed)
     model, tok = tiny
     prefixes = [rng.integers(2, VOCAB, size=int(rng.integers(PAGE, 4 * PAGE))).tolist() for _ in range(3)]
@@ -56,25 +56,8 @@ def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed):
     eng = Engine(model, tok, EngineConfig(page_size=PAGE, num_pages=int(rng.integers(8, 13)), cfg_num_pages=10,
                                           max_num_seqs=int(rng.integers(2, 6)), max_tokens_per_step=4 * PAGE,
                                           prefill_chunk_tokens=2 * PAGE))
-    runner_run = eng.runner.run
-    raise_next = {"on": False}
-
-    def flaky(works):
-        if raise_next["on"]:
-            raise_next["on"] = False
-            raise RuntimeError("injected failure")
-        return runner_run(works)
-
-    eng.runner.run = flaky
-    requests, finished, tokens = {}, {}, {}
-
-    def take(events):
-        for ev in events:
-            assert ev.request_id not in finished, f"{ev.request_id} ended twice or streamed after its end"
-            if ev.finished:
-                finished[ev.request_id] = ev.output
-            else:
-                tokens.setdefault(ev.request_id, []).append(ev.token_id)
+    t = traffic(eng)
+    requests = {}
 
     for n in range(90):
         op = rng.random()
@@ -88,18 +71,19 @@ def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed):
             victim = sorted(eng._live)[rng.integers(len(eng._live))]
             assert eng.abort(victim)
         elif op < 0.45:
-            raise_next["on"] = True
+            t.fail_next_forward()
         elif op < 0.47:
             eng.clear_cache()
         else:
-            take(eng.step())
+            t.take(eng.step())
         eng.check_invariants()
     while eng.has_unfinished():
-        take(eng.step())
+        t.take(eng.step())
         eng.check_invariants()
-    take(eng.step())  # events of requests refused after the last step
+    t.take(eng.step())  # events of requests refused after the last step
 
     # Every request ended once; the pools are whole.
+    finished, tokens = t.finished, t.tokens
     bad = {rid for rid in finished if str(rid).startswith("bad")}
     assert set(finished) == set(requests) | bad
     assert all(finished[rid].finish_reason == "error" and isinstance(finished[rid].error, InvalidRequest)

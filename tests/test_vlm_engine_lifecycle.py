@@ -16,12 +16,10 @@ owned by the prefix index alone and no entry is held.
   future, and ``add_request`` reports a refusal through ``step``.
 """
 
-import io
 import time
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from mmcache.engine import Engine, EngineConfig, ForwardError, Request, SamplingParams
 from mmcache.engine.vlm import VLMEngine, VLMRequest
@@ -47,17 +45,9 @@ def llava():
 
 
 @pytest.fixture(scope="module")
-def crops(datasets_dir) -> list[bytes]:
+def crops(photo_crops) -> list[bytes]:
     """Eight distinct real images: two crops of each of the four photos, as PNG."""
-    out = []
-    for name in ("coffee.png", "chelsea.png", "astronaut.png", "extreme_ironing.jpg"):
-        image = Image.open(datasets_dir / "images" / name).convert("RGB")
-        w, h = image.size
-        for box in ((0, 0, w * 2 // 3, h * 2 // 3), (w // 3, h // 3, w, h)):
-            buf = io.BytesIO()
-            image.crop(box).save(buf, format="PNG")
-            out.append(buf.getvalue())
-    return out
+    return photo_crops(("coffee.png", "chelsea.png", "astronaut.png", "extreme_ironing.jpg"))
 
 
 def front(preset, store_bytes=1 << 24, **config) -> VLMEngine:

@@ -8,11 +8,8 @@ no store entry is held; and every token a request produced, however it ended, is
 produces alone on a roomy engine with an ample store (a request that ended early produced a prefix of it).
 """
 
-import io
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from mmcache.engine import Engine, EngineConfig, ForwardError, SamplingParams
 from mmcache.engine.vlm import VLMEngine, VLMRequest
@@ -27,17 +24,9 @@ QUESTIONS = ("What is in this image?", "Describe the colours.", "How many object
 
 
 @pytest.fixture(scope="module")
-def crops(datasets_dir) -> list[bytes]:
+def crops(photo_crops) -> list[bytes]:
     """Six distinct real images: two crops of each of three photos, as PNG."""
-    out = []
-    for name in ("coffee.png", "chelsea.png", "astronaut.png"):
-        image = Image.open(datasets_dir / "images" / name).convert("RGB")
-        w, h = image.size
-        for box in ((0, 0, w * 2 // 3, h * 2 // 3), (w // 3, h // 3, w, h)):
-            buf = io.BytesIO()
-            image.crop(box).save(buf, format="PNG")
-            out.append(buf.getvalue())
-    return out
+    return photo_crops(("coffee.png", "chelsea.png", "astronaut.png"))
 
 
 def draw_request(rng, n: int, crops: list[bytes]) -> VLMRequest:
@@ -54,32 +43,15 @@ def draw_request(rng, n: int, crops: list[bytes]) -> VLMRequest:
 
 
 @pytest.mark.parametrize("name,seed", [("tiny-llava", 102), ("tiny-qwen2-vl", 103)])
-def test_random_vlm_traffic_keeps_every_invariant_lease_and_token(name, seed, crops):
+def test_random_vlm_traffic_keeps_every_invariant_lease_and_token(name, seed, crops, traffic):
     preset = build_vlm(name)
     rng = np.random.default_rng(seed)
     engine = Engine(preset.model, None, EngineConfig(
         page_size=P, num_pages=int(rng.integers(8, 14)), max_num_seqs=int(rng.integers(2, 5)),
         max_tokens_per_step=4 * P, prefill_chunk_tokens=2 * P, store_at=("prefill", "teardown")[rng.integers(2)]))
     vlm = VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(int(rng.integers(1, 4)) * 20_000)))
-    run = engine.runner.run
-    raise_next = {"on": False}
-
-    def flaky(works):
-        if raise_next["on"]:
-            raise_next["on"] = False
-            raise RuntimeError("injected failure")
-        return run(works)
-
-    engine.runner.run = flaky
-    requests, finished, tokens = {}, {}, {}
-
-    def take(events):
-        for ev in events:
-            assert ev.request_id not in finished, f"{ev.request_id} ended twice or streamed after its end"
-            if ev.finished:
-                finished[ev.request_id] = ev.output
-            else:
-                tokens.setdefault(ev.request_id, []).append(ev.token_id)
+    t = traffic(engine)
+    requests = {}
 
     for n in range(80):
         op = rng.random()
@@ -90,18 +62,19 @@ def test_random_vlm_traffic_keeps_every_invariant_lease_and_token(name, seed, cr
         elif op < 0.41 and engine._live:
             assert vlm.abort(sorted(engine._live)[rng.integers(len(engine._live))])
         elif op < 0.44:
-            raise_next["on"] = True
+            t.fail_next_forward()
         elif op < 0.46:
             engine.clear_cache()
         else:
-            take(vlm.step())
+            t.take(vlm.step())
         vlm.check_invariants()
     while vlm.has_unfinished():
-        take(vlm.step())
+        t.take(vlm.step())
         vlm.check_invariants()
-    take(vlm.step())
+    t.take(vlm.step())
 
     # Every request ended once; the pools are whole and the store holds nothing for anyone.
+    finished, tokens = t.finished, t.tokens
     assert set(finished) == set(requests)
     assert vlm.metrics()["encoder"]["requests_holding"] == 0
     for label, m in engine.managers.items():
