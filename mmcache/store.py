@@ -57,11 +57,9 @@ class OutputSpec:
     tensors: Mapping[str, tuple[tuple, torch.dtype]]
 
     def __post_init__(self):
-        for name, declared in (self.tensors.items() if isinstance(self.tensors, Mapping) else [(None, None)]):
-            ok = isinstance(name, str) and isinstance(declared, tuple) and len(declared) == 2
-            shape, dtype = declared if ok else ((), None)
-            if not (ok and isinstance(shape, tuple) and isinstance(dtype, torch.dtype) and all(
-                    w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0) for w in shape)):
+        items = self.tensors.items() if isinstance(self.tensors, Mapping) else [(None, self.tensors)]
+        for name, declared in items:
+            if not (isinstance(name, str) and _declaration(declared)):
                 raise InvalidRequest(f"an output spec maps names to (shape of ints or None, torch.dtype), got "
                                      f"{name!r}: {declared!r}")
 
@@ -76,6 +74,15 @@ class OutputSpec:
                 raise StoreEntryRejected(key.hex(), f"output {name!r} has dtype {t.dtype}, declared {dtype}")
             if len(t.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, t.shape)):
                 raise StoreEntryRejected(key.hex(), f"output {name!r} has shape {tuple(t.shape)}, declared {shape}")
+
+
+def _declaration(declared) -> bool:
+    """Whether ``declared`` is ``(shape, dtype)``: a tuple of sizes (ints >= 0, or None for any) and a dtype."""
+    if not (isinstance(declared, tuple) and len(declared) == 2):
+        return False
+    shape, dtype = declared
+    return isinstance(shape, tuple) and isinstance(dtype, torch.dtype) and all(
+        w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0) for w in shape)
 
 
 @dataclass

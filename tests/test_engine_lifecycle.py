@@ -91,27 +91,21 @@ class _AbortAfterCopy(list):
             self.thread.join(timeout=0.2)  # done at once unless step holds the engine's lock
 
 
-def test_an_abort_from_another_thread_during_a_step_is_never_lost(tiny):
+def test_an_abort_from_another_thread_during_a_step_is_never_lost(tiny, traffic):
     eng = engine(tiny)
     events = eng._events = _AbortAfterCopy(eng)  # before any request takes it as its sink
     ids = [eng.add_request(p, greedy(30), request_id=r) for p, r in zip(prompts(2, seed=5), "ab")]
-    ended: dict = {}
-
-    def take(evs):
-        for ev in evs:
-            if ev.finished:
-                assert ev.request_id not in ended, f"{ev.request_id} ended twice"
-                ended[ev.request_id] = ev.output
-
+    t = traffic(eng)
     for _ in range(4):
-        take(eng.step())
+        t.take(eng.step())
     events.victim = "a"  # still running: 30 tokens asked, a few made
-    take(eng.step())
+    t.take(eng.step())
     events.thread.join()
     assert events.aborted == [True]
     while eng.has_unfinished():
-        take(eng.step())
-    take(eng.step())  # an abort that came after the last step
+        t.take(eng.step())
+    t.take(eng.step())  # an abort that came after the last step
+    ended = t.finished
     assert set(ended) == set(ids), "the aborted request's end was dropped"
     assert ended["a"].finish_reason == "abort" and ended["b"].finish_reason == "length"
     assert_pools_whole(eng)

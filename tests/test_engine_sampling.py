@@ -64,8 +64,8 @@ def test_a_request_seed_fixes_its_draws_and_top_k_1_is_greedy():
 @pytest.mark.parametrize("kw", [{}, {"top_k": 5}, {"top_p": 0.5}, {"top_k": 5, "top_p": 0.9}])
 @pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-12])
 def test_a_vanishing_temperature_draws_the_maximum_never_nan(temperature, kw):
-    # Scaled first, logits of 2-30 divided by 1e-38 or less overflow float32 to inf, and inf - inf made every
-    # weight NaN: the draw fell on the last token of the vocabulary.
+    # Divided first, logits over a tiny temperature overflowed float32 to inf (30 / 1e-38 = 3e39, 2 / 1e-45 =
+    # 1.4e45), inf - inf made the weights NaN, and the draw fell on the last token of the vocabulary.
     logits = torch.linspace(-30.0, 2.0, 600)[torch.randperm(600, generator=torch.Generator().manual_seed(1))]
     gen = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=temperature, **kw)
