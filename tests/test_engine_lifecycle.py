@@ -74,40 +74,50 @@ def test_abort_running_and_waiting_requests(tiny):
     assert_pools_whole(eng)
 
 
-class _AbortAfterCopy(list):
-    """The engine's event list, which, once armed, has another thread abort a request after ``step`` copied the
-    events and before it clears them: the interleaving a thread switch between those two lines would give."""
+class _ActAfterCopy(list):
+    """The engine's event list, which, once armed with an action, runs it on another thread after ``step``
+    copied the events and before it clears them: the interleaving a thread switch between those two lines
+    would give."""
 
-    def __init__(self, eng: Engine):
+    def __init__(self):
         super().__init__()
-        self.eng, self.victim, self.thread, self.aborted = eng, None, None, []
+        self.action, self.thread = None, None
 
     def __iter__(self):
         yield from self.copy()  # list.copy does not go through __iter__
-        if self.victim is not None:
-            victim, self.victim = self.victim, None
-            self.thread = threading.Thread(target=lambda: self.aborted.append(self.eng.abort(victim)))
+        if self.action is not None:
+            action, self.action = self.action, None
+            self.thread = threading.Thread(target=action)
             self.thread.start()
             self.thread.join(timeout=0.2)  # done at once unless step holds the engine's lock
 
 
-def test_an_abort_from_another_thread_during_a_step_is_never_lost(tiny, traffic):
+@pytest.mark.parametrize("action", ["abort a running request", "add a request that is refused"])
+def test_an_end_reported_from_another_thread_during_a_step_is_never_lost(tiny, traffic, action):
     eng = engine(tiny)
-    events = eng._events = _AbortAfterCopy(eng)  # before any request takes it as its sink
+    events = eng._events = _ActAfterCopy()  # before any request takes it as its sink
     ids = [eng.add_request(p, greedy(30), request_id=r) for p, r in zip(prompts(2, seed=5), "ab")]
     t = traffic(eng)
     for _ in range(4):
         t.take(eng.step())
-    events.victim = "a"  # still running: 30 tokens asked, a few made
+    done = []
+    if action.startswith("abort"):
+        events.action = lambda: done.append(eng.abort("a"))  # "a" still runs: 30 tokens asked, a few made
+    else:
+        ids.append("bad")
+        events.action = lambda: done.append(eng.add_request([], greedy(), request_id="bad"))
     t.take(eng.step())
     events.thread.join()
-    assert events.aborted == [True]
+    assert done == [True] if action.startswith("abort") else done == ["bad"]
     while eng.has_unfinished():
         t.take(eng.step())
-    t.take(eng.step())  # an abort that came after the last step
+    t.take(eng.step())  # an end reported after the last step
     ended = t.finished
-    assert set(ended) == set(ids), "the aborted request's end was dropped"
-    assert ended["a"].finish_reason == "abort" and ended["b"].finish_reason == "length"
+    assert set(ended) == set(ids), "an end reported from the other thread was dropped"
+    assert ended["b"].finish_reason == "length"
+    assert ended["a"].finish_reason == ("abort" if action.startswith("abort") else "length")
+    if "bad" in ended:
+        assert isinstance(ended["bad"].error, InvalidRequest)
     assert_pools_whole(eng)
 
 

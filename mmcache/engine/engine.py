@@ -13,8 +13,9 @@ requests. Invariants:
   holds: every page is free, owned by the index, or held by a live admitted request.
 * An exception raised inside a forward fails exactly the requests of that forward (``ForwardError``, cause
   attached); their pages return and the other requests go on.
-* The engine is single-threaded by design; ``step`` and ``abort`` serialise on one lock, so ``abort`` may
-  be called from another thread or between streamed events.
+* The engine is single-threaded by design; ``step``, ``abort`` and ``add_request`` serialise on one lock
+  (``add_request`` validates and names a prompt before taking it), so ``abort`` and ``add_request`` may be
+  called from another thread or between streamed events, and every event they cause reaches ``step``.
 """
 
 from __future__ import annotations
@@ -314,7 +315,8 @@ class Engine:
         except MmcacheError as err:
             _release_media(req)
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
-            sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
+            with self._lock:  # step copies and clears the event list under it
+                sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
             return None
         live.sink, live.key = sink, key
         with self._lock:
