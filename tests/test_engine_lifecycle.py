@@ -121,6 +121,31 @@ def test_an_end_reported_from_another_thread_during_a_step_is_never_lost(tiny, t
     assert_pools_whole(eng)
 
 
+class _EmptiedAfterAppend(list):
+    """An event list that another thread's ``step`` empties right after each append."""
+
+    def __init__(self):
+        super().__init__()
+        self.taken = []
+
+    def append(self, event):
+        super().append(event)
+        self.taken.append(event)
+        self.clear()
+
+
+def test_add_request_returns_the_refused_requests_id_without_reading_it_back_from_the_events(tiny):
+    # It used to return self._events[-1].request_id: an IndexError, or another request's id, once a step on
+    # another thread had taken the events in between.
+    eng = engine(tiny)
+    events = eng._events = _EmptiedAfterAppend()
+    assert eng.add_request([], greedy(), request_id="bad") == "bad"
+    auto = eng.add_request([], greedy())
+    assert [e.request_id for e in events.taken] == ["bad", auto] and str(auto).startswith("req-")
+    assert all(isinstance(e.output.error, InvalidRequest) for e in events.taken)
+    assert_pools_whole(eng)
+
+
 # ---- preemption ------------------------------------------------------------------------------------
 def test_preemption_when_pages_run_out_recomputes_from_the_cache(tiny):
     ps = prompts(4, seed=1, lo=40, hi=50)

@@ -215,8 +215,7 @@ class Engine:
     def add_request(self, prompt, sampling: SamplingParams | None = None, request_id=None) -> object:
         """Queue one request for ``step``; its events (including a bad-input error) come out of ``step``."""
         req = prompt if isinstance(prompt, Request) else Request(prompt, sampling or SamplingParams(), request_id)
-        live = self._add(req, self._events)
-        return live.request_id if live is not None else self._events[-1].request_id  # refused: its error event
+        return self._add(req, self._events)[1]  # not read back from the events: another thread may step
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
@@ -286,7 +285,7 @@ class Engine:
                 req = prompt if isinstance(prompt, Request) else Request(prompt, sp or SamplingParams())
                 key = object()
                 order.append(key)
-                live = self._add(req, sink, key)
+                live, _ = self._add(req, sink, key)
                 if live is not None:
                     pending[key] = live.request_id
             while True:
@@ -303,7 +302,8 @@ class Engine:
             for rid in pending.values():
                 self.abort(rid)
 
-    def _add(self, req: Request, sink: list, key: object = None) -> LiveRequest | None:
+    def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
+        """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
         arrival = time.perf_counter()
         rid = req.request_id
         if rid is None:
@@ -317,7 +317,7 @@ class Engine:
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
             with self._lock:  # step copies and clears the event list under it
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
-            return None
+            return None, rid
         live.sink, live.key = sink, key
         with self._lock:
             if rid in self._live:
@@ -325,10 +325,10 @@ class Engine:
                 _release_media(req)
                 out = RequestOutput(rid, live.prompt_len, [], 0, "error", err, arrival, None, [])
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
-                return None
+                return None, rid
             self._live[rid] = live
             self.scheduler.add(live)
-        return live
+        return live, rid
 
     # ---- stepping ----------------------------------------------------------------------------------
     def _step(self) -> None:
