@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import abc
 import inspect
-import math
 from dataclasses import dataclass, field
 
 import torch
 
+from mmcache.checks import finite_number
 from mmcache.errors import InvalidRequest
 from mmcache.store import EncoderOutputStore, Lease
 
@@ -96,7 +96,7 @@ def _int_at_least(value: object, low: int, what: str) -> int:
 def _guidance_scale(value: object) -> float | int:
     """The request's guidance scale, refused unless a finite real number (the pipelines compare it with 1 to
     decide whether the negative branch runs, and would raise a bare ``TypeError`` or run unguided on NaN)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not finite_number(value):
         raise InvalidRequest(f"guidance_scale must be a finite number, got {value!r}")
     return value
 

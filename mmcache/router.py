@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
+from .checks import finite_number
 from .errors import InvalidRequest
 
 
@@ -49,9 +50,9 @@ class RouterConfig:
             raise InvalidRequest(f"replicas must be distinct strings, at least one, got {self.replicas!r}")
         if isinstance(self.depth_pages, bool) or not isinstance(self.depth_pages, int) or self.depth_pages < 1:
             raise InvalidRequest(f"depth_pages must be a positive int, got {self.depth_pages!r}")
-        if not (_real(self.load_factor) and 1 <= self.load_factor < float("inf")):
+        if not (finite_number(self.load_factor) and self.load_factor >= 1):
             raise InvalidRequest(f"load_factor must be a finite number >= 1, got {self.load_factor!r}")
-        if not (_real(self.min_load) and 0 <= self.min_load < float("inf")):
+        if not (finite_number(self.min_load) and self.min_load >= 0):
             raise InvalidRequest(f"min_load must be a finite number >= 0, got {self.min_load!r}")
 
     @classmethod
@@ -60,10 +61,6 @@ class RouterConfig:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidRequest(f"replica count must be a positive int, got {count!r}")
         return cls(tuple(str(i) for i in range(count)), **kwargs)
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 def _page_names(names) -> np.ndarray:
@@ -111,7 +108,7 @@ class ReplicaRouter:
         """The replica for a prompt with page names ``names`` given each replica's current load."""
         if len(loads) != self.num_replicas:
             raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")
-        if not all(_real(x) and 0 <= x < float("inf") for x in loads):  # NaN fails the comparison too
+        if not all(finite_number(x) and x >= 0 for x in loads):
             raise InvalidRequest(f"loads must be finite numbers >= 0, got {list(loads)!r}")
         name = self.routing_name(names)
         order = list(range(self.num_replicas)) if name is None else self.ranking(name)

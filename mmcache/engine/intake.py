@@ -13,13 +13,13 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Callable
 
 import numpy as np
 import torch
 
+from ..checks import finite_number
 from ..errors import InvalidRequest
 from ..manager import AllocationManager
 from ..names import MediaItem, as_token_array
@@ -51,7 +51,7 @@ class Intake:
             raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
         req.sampling.validate(rid)
         if req.arrival_time is not None:
-            if not _real(req.arrival_time) or req.arrival_time > arrival:
+            if not finite_number(req.arrival_time) or req.arrival_time > arrival:
                 raise InvalidRequest(f"arrival_time must be a perf_counter stamp not after now, got "
                                      f"{req.arrival_time!r}", rid)
             arrival = float(req.arrival_time)
@@ -63,7 +63,7 @@ class Intake:
         branches = {MAIN: Branch(MAIN, self.manager(MAIN), ids.tolist(), len(ids), req.salt, media, mm)}
         if req.negative_prompt is not None:
             scale = req.guidance_scale
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            if not finite_number(scale):
                 raise InvalidRequest(f"guidance_scale must be a finite number, got {scale!r}", rid)
             neg = self._token_ids(req.negative_prompt, rid, "negative prompt")
             branches[CFG] = Branch(CFG, self.manager(CFG), neg.tolist(), len(neg), req.salt)
@@ -115,6 +115,3 @@ class Intake:
                 raise InvalidRequest(f"mrope_positions must have shape (3, {prompt_len})", rid)
         return tuple(mm.media)
 
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -16,12 +16,12 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from ..checks import finite_number
 from ..errors import InvalidRequest, MmcacheError
 from ..names import MediaItem
 
@@ -53,11 +53,11 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _real(self.temperature) or self.temperature < 0:
+        if not finite_number(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             bad(f"top_k must be an int, got {self.top_k!r}")
-        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must lie in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
@@ -65,10 +65,6 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 bad(f"stop_token_ids must be non-negative ints, got {t!r}")
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
