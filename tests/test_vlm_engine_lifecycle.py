@@ -14,8 +14,11 @@ owned by the prefix index alone and no entry is held.
   the leases) release each request's leases once.
 * The engine takes a front end's earlier arrival time (so TTFT counts image encoding), refuses one in the
   future, and ``add_request`` reports a refusal through ``step``.
+* ``add_request`` from another thread: a build failure reported while a step runs reaches a step, and two
+  requests built at once never get the same automatic id (interleavings forced deterministically).
 """
 
+import threading
 import time
 
 import numpy as np
@@ -242,3 +245,67 @@ def test_engine_takes_a_front_ends_arrival_time_and_reports_refusals_from_step(l
     earlier = time.perf_counter() - 1.0
     out = eng.generate([Request([5, 6, 7], greedy(2), arrival_time=earlier)])[0]
     assert out.arrival_time == earlier and out.ttft > 1.0
+
+
+# ---- another thread ------------------------------------------------------------------------------
+class _StepBeforeAppend(list):
+    """The front end's list of build failures: the first append runs a whole ``step`` on another thread first
+    (waiting briefly for it), the interleaving in which the adding thread had read the list before the
+    stepping thread swapped it out. The step's events are kept in ``stepped``."""
+
+    def __init__(self, vlm):
+        super().__init__()
+        self.vlm, self.thread, self.stepped = vlm, None, []
+
+    def append(self, event):
+        if self.thread is None:
+            self.thread = threading.Thread(target=lambda: self.stepped.extend(self.vlm.step()))
+            self.thread.start()
+            self.thread.join(timeout=0.2)  # done at once unless the front end's lock holds the step back
+        super().append(event)
+
+
+def test_a_build_failure_added_from_another_thread_during_a_step_reaches_a_step(llava, crops):
+    vlm = front(llava)
+    vlm.add_request(ask(crops[0], n=4, rid="ok"))
+    racing = vlm._events = _StepBeforeAppend(vlm)
+    assert vlm.add_request(VLMRequest(request_id="bad")) == "bad"  # neither messages nor token ids
+    racing.thread.join()
+    events = list(racing.stepped)
+    while vlm.has_unfinished():
+        events += vlm.step()
+    ended = {e.request_id: e.output for e in events if e.finished}
+    assert set(ended) == {"ok", "bad"}, "the build failure was appended to a list a step had already taken"
+    assert isinstance(ended["bad"].error, InvalidRequest) and ended["ok"].finish_reason == "length"
+    assert_whole(vlm)
+
+
+class _AddsWhileFormatted(int):
+    """The front end's next automatic id: formatting it (reading it for an id) first adds another request
+    from another thread (waiting briefly for it), the interleaving of two threads building at once."""
+
+    def __new__(cls, value, vlm, request):
+        self = super().__new__(cls, value)
+        self.vlm, self.request, self.thread, self.ids = vlm, request, None, []
+        return self
+
+    def __format__(self, spec):
+        if self.thread is None:
+            self.thread = threading.Thread(target=lambda: self.ids.append(self.vlm.add_request(self.request)))
+            self.thread.start()
+            self.thread.join(timeout=0.2)  # done at once unless the front end's lock holds it back
+        return super().__format__(spec)
+
+
+def test_two_requests_built_at_once_get_different_automatic_ids(llava, crops):
+    vlm = front(llava)
+    racing = vlm._next_id = _AddsWhileFormatted(0, vlm, ask(crops[1], n=4))
+    first = vlm.add_request(ask(crops[0], n=4))
+    racing.thread.join()
+    ids = [first, *racing.ids]
+    assert len(set(ids)) == 2, f"both requests were named {ids[0]}"
+    ended = {}
+    while vlm.has_unfinished():
+        ended.update((e.request_id, e.output) for e in vlm.step() if e.finished)
+    assert set(ended) == set(ids) and all(o.finish_reason == "length" for o in ended.values())
+    assert_whole(vlm)

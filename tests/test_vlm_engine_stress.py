@@ -6,7 +6,11 @@ After every operation ``VLMEngine.check_invariants`` holds (page owner counts, t
 counts); every request ends exactly once; once nothing runs every page is free or owned by the index alone and
 no store entry is held; and every token a request produced, however it ended, is the token the same request
 produces alone on a roomy engine with an ample store (a request that ended early produced a prefix of it).
+The same holds when another thread adds and aborts requests while this one steps.
 """
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,7 +77,55 @@ def test_random_vlm_traffic_keeps_every_invariant_lease_and_token(name, seed, cr
         vlm.check_invariants()
     t.take(vlm.step())
 
-    # Every request ended once; the pools are whole and the store holds nothing for anyone.
+    ends = check_outcome(vlm, preset, t, requests)
+    # The mix reached the hard paths, not only the easy one.
+    m = vlm.metrics()
+    assert {"length", "abort", "ForwardError", "MediaDecodeError"} <= ends, ends
+    assert m["engine"]["preemptions"] > 0 and m["main"]["hit_pages"] > 0 and m["encoder"]["hits"] > 0
+    assert m["encoder"]["evictions"] + m["encoder"]["bypasses"] > 0
+
+
+def test_requests_added_and_aborted_from_another_thread_while_this_one_steps(crops, traffic):
+    preset = build_vlm("tiny-llava")
+    rng = np.random.default_rng(104)
+    engine = Engine(preset.model, None, EngineConfig(page_size=P, num_pages=12, max_num_seqs=3,
+                                                     max_tokens_per_step=4 * P, prefill_chunk_tokens=2 * P))
+    vlm = VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(40_000)))
+    t = traffic(engine)
+    drawn = [draw_request(rng, n, crops) for n in range(24)]
+    drawn[7].messages[1]["content"][0]["image"] = b"\x89PNG but not one"  # one build failure at least
+    for request in drawn[::2]:
+        request.request_id = None  # named by the front end, from either thread
+    requests, failures = {}, []
+
+    def adder():
+        try:
+            for n, request in enumerate(drawn):
+                requests[vlm.add_request(request)] = request
+                if n % 5 == 4:
+                    vlm.abort(sorted(requests)[n % len(requests)])
+        except BaseException as err:  # reported by the test, not lost with the thread
+            failures.append(err)
+
+    thread = threading.Thread(target=adder)
+    thread.start()
+    give_up = time.monotonic() + 300  # a deadlock fails the test instead of hanging it (not a speed check)
+    while (thread.is_alive() or vlm.has_unfinished()) and time.monotonic() < give_up:
+        t.take(vlm.step())
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not vlm.has_unfinished(), "the adding thread or the engine is stuck"
+    t.take(vlm.step())
+    assert not failures, failures
+    assert len(requests) == len(drawn), "two requests got the same id"
+    vlm.check_invariants()
+    ends = check_outcome(vlm, preset, t, requests)
+    assert "length" in ends and "MediaDecodeError" in ends, ends
+
+
+def check_outcome(vlm: VLMEngine, preset, t, requests: dict) -> set:
+    """Every request ended once, the pools are whole, no store entry is held, and every token is the one the
+    request produces alone; returns the set of ways requests ended."""
+    engine = vlm.engine
     finished, tokens = t.finished, t.tokens
     assert set(finished) == set(requests)
     assert vlm.metrics()["encoder"]["requests_holding"] == 0
@@ -99,8 +151,4 @@ def test_random_vlm_traffic_keeps_every_invariant_lease_and_token(name, seed, cr
         else:
             assert out.output_ids == want.output_ids[:len(out.output_ids)], rid
             assert out.finish_reason == "abort" or isinstance(out.error, (ForwardError, AllocationFailed)), out
-    # The mix reached the hard paths, not only the easy one.
-    m = vlm.metrics()
-    assert {"length", "abort", "ForwardError", "MediaDecodeError"} <= ends, ends
-    assert m["engine"]["preemptions"] > 0 and m["main"]["hit_pages"] > 0 and m["encoder"]["hits"] > 0
-    assert m["encoder"]["evictions"] + m["encoder"]["bypasses"] > 0
+    return ends

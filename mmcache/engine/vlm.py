@@ -25,10 +25,17 @@ Invariants:
   the other requests of the call are unaffected.
 * Page names and store keys both take the request's salt: different salts share neither pages nor entries.
 * ``ttft`` counts from when the front end received the request, so reading and encoding images is part of it.
+* Threads: as on ``Engine``, ``add_request`` and ``abort`` may be called from another thread than the one that
+  steps. A prompt is built (images read and encoded through the store, which has its own lock) outside any
+  lock; the front end's own state (pending build failures, lease bookkeeping, automatic ids) changes under its
+  lock, which is never held while calling the engine, so every build failure reaches a ``step`` and no two
+  requests get the same automatic id. ``check_invariants`` compares hold counts and is meant for a quiet
+  front end (no ``add_request`` under way).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -76,7 +83,9 @@ class _Held:
         self.prompt = prompt
 
     def release(self) -> None:
-        if self.front._holding.pop(id(self), None) is not None:
+        with self.front._lock:
+            held = self.front._holding.pop(id(self), None)
+        if held is not None:
             self.prompt.release()
 
 
@@ -94,6 +103,7 @@ class VLMEngine:
         self._keys_seen: set[bytes] = set()  # store keys requests held (one per distinct image): for check_invariants
         self._events: list[StreamEvent] = []  # build failures of add_request, returned by the next step
         self._next_id = 0
+        self._lock = threading.Lock()  # guards the four above; never held while calling the engine or the store
 
     @classmethod
     def from_preset(cls, name: str, config: EngineConfig | None = None, dtype="float32",
@@ -144,7 +154,9 @@ class VLMEngine:
         """Build and queue one request for ``step``; a build failure comes out of the next ``step``."""
         failed, req = self._build(request)
         if failed is not None:
-            self._events.append(StreamEvent(failed.request_id, None, time.perf_counter(), True, "error", failed))
+            event = StreamEvent(failed.request_id, None, time.perf_counter(), True, "error", failed)
+            with self._lock:  # step swaps the list under it: the failure lands in the list a step returns
+                self._events.append(event)
             return failed.request_id
         try:
             return self.engine.add_request(req)
@@ -153,7 +165,8 @@ class VLMEngine:
             raise
 
     def step(self) -> list[StreamEvent]:
-        events, self._events = self._events, []
+        with self._lock:
+            events, self._events = self._events, []
         return events + self.engine.step()
 
     def has_unfinished(self) -> bool:
@@ -166,7 +179,8 @@ class VLMEngine:
         """The engine's metrics, the store's (``encoder``) and how many requests hold leases."""
         out = self.engine.metrics()
         out["encoder"] = self.store.metrics.as_dict()
-        out["encoder"]["requests_holding"] = len(self._holding)
+        with self._lock:
+            out["encoder"]["requests_holding"] = len(self._holding)
         return out
 
     def check_invariants(self) -> None:
@@ -174,17 +188,19 @@ class VLMEngine:
         held exactly as many times as live requests hold it (zero once they ended)."""
         self.engine.check_invariants()
         self.store.check_invariants()
+        with self._lock:
+            holding, keys_seen = list(self._holding.values()), set(self._keys_seen)
         want: Counter = Counter()
-        for held in self._holding.values():
+        for held in holding:
             for image in {id(im): im for im in held.prompt.images}.values():
                 if not image.lease.bypassed:
                     want[image.key] += 1
-        for key in self._keys_seen:
+        for key in keys_seen:
             if self.store.held(key) != want[key]:
                 raise AssertionError(f"store entry {key.hex()} held {self.store.held(key)} times, by {want[key]} "
                                      f"live request(s)")
-        if self._holding and not self.engine.has_unfinished():
-            raise AssertionError(f"{len(self._holding)} request(s) hold leases although none is live")
+        if holding and not self.engine.has_unfinished():
+            raise AssertionError(f"{len(holding)} request(s) hold leases although none is live")
 
     # ---- building ----------------------------------------------------------------------------------
     def _build_all(self, requests: Sequence[VLMRequest]) -> tuple[list, list[Request]]:
@@ -209,15 +225,17 @@ class VLMEngine:
         arrival = time.perf_counter()
         rid = request.request_id if isinstance(request, VLMRequest) else None
         if rid is None:
-            rid = f"vlm-{self._next_id}"
-            self._next_id += 1
+            with self._lock:
+                rid = f"vlm-{self._next_id}"
+                self._next_id += 1
         try:
             prompt = self._prompt(request, rid)
         except MmcacheError as err:
             return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
         held = _Held(self, prompt)
-        self._holding[id(held)] = held
-        self._keys_seen.update(image.key for image in prompt.images)
+        with self._lock:
+            self._holding[id(held)] = held
+            self._keys_seen.update(image.key for image in prompt.images)
         mm = MultimodalInput(prompt.media, prompt.embeds, prompt.mrope_positions, prompt.mrope_delta, held.release)
         return None, Request(prompt.token_ids, request.sampling, rid, request.salt, mm=mm, arrival_time=arrival)
 
