@@ -26,6 +26,8 @@ import torch
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from mmcache.cli import positive_int
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine.models import DTYPES
+from mmcache.engine.presets import PRESETS
 
 from .diffusion import zipf_stream
 from .table import Row
@@ -34,8 +36,9 @@ DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", default="small", help="engine preset (default: small, the 8-layer Qwen2.5-0.5B shape)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--preset", default="small", choices=list(PRESETS),
+                   help="engine preset (default: small, the 8-layer Qwen2.5-0.5B shape)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--requests", type=positive_int, default=24, help="requests in the stream (quick: 6)")
     p.add_argument("--max-tokens", type=positive_int, default=8, help="tokens per request (quick: 4)")
     p.add_argument("--scale", type=float, default=3.0, help="guidance scale")

@@ -44,6 +44,8 @@ from pathlib import Path
 
 from mmcache.cli import positive_int
 from mmcache.engine import native
+from mmcache.engine.models import DTYPES
+from mmcache.engine.presets import PRESETS
 from mmcache.openmp import loaded_runtime
 
 from . import text_workloads as tw
@@ -108,8 +110,9 @@ QUICK = replace(FULL, probe_repeats=2, workload_repeats=2, vpc_prefix_len=512, v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="embedded model preset (default qwen2.5-0.5b; small with --quick)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--preset", choices=list(PRESETS),
+                   help="embedded model preset (default qwen2.5-0.5b; small with --quick)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--page-size", type=positive_int, default=128)
     p.add_argument("--store-at", choices=("prefill", "teardown"), default="prefill",
                    help="when mmcache publishes a prompt's full pages: as prefill fills them (as vLLM and "

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from mmcache.cli import positive_int
+from mmcache.engine.models import DTYPES
 from mmcache.openmp import loaded_runtime
 
 from .table import Row
@@ -88,7 +89,7 @@ QUICK = Shape(images=1, users=2, turns=3, max_tokens=4, runs=1, guard_requests=1
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bench-llava", choices=("bench-llava", "tiny-llava"),
                    help="a LLaVA preset of mmcache.engine.vlm_presets (tiny-llava: a seconds-long smoke run)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--num-pages", type=positive_int, default=2048, help="KV pages per engine")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads while measuring")

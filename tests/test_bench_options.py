@@ -40,6 +40,16 @@ def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
     assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, option", [("prefix", "--preset"), ("prefix", "--dtype"), ("cfg", "--preset"),
+                                          ("cfg", "--dtype"), ("vlm", "--preset"), ("vlm", "--dtype")])
+def test_an_unknown_preset_or_dtype_is_refused_by_the_benchmarks_own_parser(name, option, capsys):
+    # bench prefix used to take any name and fail later inside export-model, printing export-model's usage.
+    with pytest.raises(SystemExit) as exc:
+        cli(["bench", name, "--quick", option, "nosuch"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"mmcache bench {name}: error: argument {option}: invalid choice" in err, err
+
+
 @pytest.mark.parametrize("main, option", [(decode_step.main, "--rounds"), (decode_step.main, "--max-tokens"),
                                           (hit_anatomy.main, "--repeats"), (openmp_runtimes.main, "--pairs"),
                                           (chunk_kernel.main, "--rounds"), (chunk_kernel.main, "--calls"),
