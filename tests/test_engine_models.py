@@ -103,6 +103,42 @@ def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
     assert err.startswith("mmcache generate: ModelLoadError: ") and "no config.json" in err
 
 
+def _cut_weights(d):
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000])
+
+
+def _wider_config(d):
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, hidden_size=2 * cfg["hidden_size"])))
+
+
+def _unknown_architecture(d):
+    (d / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_cut_weights, "SafetensorError"),
+    (_wider_config, "RuntimeError"),
+    (_unknown_architecture, "foo"),
+    (lambda d: (d / "config.json").write_text("{"), "config.json"),
+    (lambda d: (d / "tokenizer.json").write_text("not json"), "cannot load the tokenizer"),
+    (lambda d: (d / "tokenizer.json").unlink(), "no vocabulary besides its special tokens"),
+], ids=["cut weights", "config wider than the weights", "unknown architecture", "broken config",
+        "broken tokenizer", "tokenizer config without its vocabulary"])
+def test_a_damaged_model_folder_is_refused_with_a_typed_error(damage, says, tmp_path, capsys):
+    # Each used to escape as the library's own exception (a traceback from the CLI), and a tokenizer config
+    # without tokenizer.json loaded as an empty tokenizer that turned every prompt into no tokens.
+    folder = tmp_path / "tiny"
+    assert cli_main(["export-model", "tiny", str(folder), "--dtype", "float32"]) == 0
+    damage(folder)
+    with pytest.raises(ModelLoadError, match=says):
+        Engine.from_pretrained(folder, dtype="float32", config=EngineConfig(page_size=16, num_pages=16))
+    capsys.readouterr()
+    assert cli_main(["generate", "--model", str(folder), "--dtype", "float32", "a cat"]) == 1
+    err = capsys.readouterr().err  # after transformers' own progress lines and reports
+    assert "\nmmcache generate: ModelLoadError: " in "\n" + err.replace("\r", "\n") and "Traceback" not in err
+
+
 def test_fingerprint_names_model_weights_dtype_backend_and_page_size():
     model, tok = build_model("tiny", "bfloat16")
     eng = Engine(model, tok, EngineConfig(page_size=32, num_pages=16))

@@ -28,7 +28,8 @@ _DIGEST_SKIP = {"architectures", "dtype", "torch_dtype", "transformers_version"}
 
 
 class ModelLoadError(MmcacheError, ValueError):
-    """A model folder could not be loaded (missing files, unknown architecture, bad dtype)."""
+    """A model folder could not be loaded (missing or damaged files, unknown architecture, weights that do not
+    fit the config, a tokenizer without vocabulary, bad dtype)."""
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -60,13 +61,25 @@ def load_model(path, dtype="bfloat16"):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json")
+    torch_dtype = resolve_dtype(dtype)
+    # transformers and safetensors raise many kinds of error for a damaged folder (OSError, ValueError,
+    # RuntimeError for mismatched shapes, SafetensorError for a cut weights file, the tokenizers library's
+    # own): each becomes a ModelLoadError that names the folder and keeps the cause.
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot load {path}: {e}") from e
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    except Exception as e:
+        raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the tokenizer of {path}: {type(e).__name__}: {e}") from e
+        # Without its vocabulary files transformers builds the model type's tokenizer empty, which would turn
+        # every text prompt into no tokens at all.
+        if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):
+            raise ModelLoadError(f"the tokenizer of {path} has no vocabulary besides its special tokens: its "
+                                 f"vocabulary files (tokenizer.json, or the model type's own) are missing")
     return model.eval(), tokenizer
 
 
