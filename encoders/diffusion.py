@@ -39,7 +39,7 @@ from mmcache.checks import finite_number
 from mmcache.errors import InvalidRequest
 from mmcache.store import EncoderOutputStore, Lease
 
-from .text_encoders import CLIPEncoderAdapter, T5EncoderAdapter, T5Recipe
+from .text_encoders import T5_MAX_LENGTH, CLIPEncoderAdapter, T5EncoderAdapter, T5Recipe
 
 SD3_MAX_SEQUENCE_LENGTH = 512  # StableDiffusion3Pipeline.check_inputs refuses longer T5 sequences
 _EMBEDDING_ARGS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
@@ -132,7 +132,9 @@ class _CachedPipeline(abc.ABC):
         self.pipe = pipe
         self.store = store
         self.salt = salt
-        self._defaults = {name: p.default for name, p in inspect.signature(type(pipe).__call__).parameters.items()}
+        params = inspect.signature(type(pipe).__call__).parameters
+        self._defaults = {name: p.default for name, p in params.items()}
+        self._takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self._component_names = tuple(pipe.components)  # fixed by the pipeline class's signature
         self._placement: tuple = ((), None)  # (placement state, execution device), replaced as one
 
@@ -165,6 +167,9 @@ class _CachedPipeline(abc.ABC):
         for name in _EMBEDDING_ARGS:
             if name in kwargs:
                 raise InvalidRequest(f"{name} is computed by the store wrapper; pass the prompt text instead")
+        unknown = sorted(set(kwargs) - set(self._defaults) - {"self"})
+        if unknown and not self._takes_any:  # the call would fail on them after every prompt was encoded
+            raise InvalidRequest(f"{type(self.pipe).__name__} takes no argument {', '.join(unknown)}")
         for module in self._text_encoders():
             if getattr(module, "_hf_peft_config_loaded", False):
                 raise InvalidRequest("a text encoder carries LoRA layers, whose scale is not part of the store "
@@ -191,12 +196,15 @@ class _CachedPipeline(abc.ABC):
 
 
 class CachedWanPipeline(_CachedPipeline):
-    """``WanPipeline`` with its umT5 prompt embeddings (positive and negative) served by the store."""
+    """``WanPipeline`` with its umT5 prompt embeddings (positive and negative) served by the store. A
+    ``max_sequence_length`` above ``max_sequence_length_limit`` (default ``T5_MAX_LENGTH``, eight times Wan's
+    512) is refused: WanPipeline itself sets no limit and would pad every prompt to it."""
 
-    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
+    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
+                 max_sequence_length_limit: int = T5_MAX_LENGTH):
         super().__init__(pipe, store, salt)
         self.text = T5EncoderAdapter(pipe.tokenizer, pipe.text_encoder,
-                                     T5Recipe(attention_mask=True, trim_to_length=True))
+                                     T5Recipe(attention_mask=True, trim_to_length=True), max_sequence_length_limit)
 
     def _text_encoders(self):
         return [self.pipe.text_encoder]
@@ -219,6 +227,9 @@ class CachedWanPipeline(_CachedPipeline):
     def _build(self, leases, prompt, negative_prompt, kwargs):
         prompts = _prompt_list(prompt, "prompt")
         max_length = _int_at_least(self._arg(kwargs, "max_sequence_length"), 1, "max_sequence_length")
+        if max_length > self.text.max_length_limit:
+            raise InvalidRequest(f"max_sequence_length {max_length} exceeds the wrapper's limit of "
+                                 f"{self.text.max_length_limit} (max_sequence_length_limit)")
         n = _int_at_least(self._arg(kwargs, "num_videos_per_prompt"), 1, "num_videos_per_prompt")
         guidance = _guidance_scale(self._arg(kwargs, "guidance_scale"))
         # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.

@@ -53,6 +53,10 @@ from mmcache.names import TOKEN_DTYPE, canonical_encoding
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 ADAPTER_VERSION = 1
+# The longest max_length a T5-family adapter takes unless told otherwise: eight times the 512 tokens Wan and SD3
+# encode. Every prompt is padded to max_length and the encoder attends over all of it (memory grows with its
+# square), so a far larger value is a mistake that would exhaust memory, not a request to serve.
+T5_MAX_LENGTH = 4096
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
 # The tokenizer call every adapter makes (the pipelines' own); part of every memo key.
 _TOKENIZER_CALL = (("padding", "max_length"), ("truncation", True), ("add_special_tokens", True))
@@ -209,9 +213,12 @@ class TokenizationMemo:
 class TextEncoderAdapter(abc.ABC):
     """Shared tokenizing, keying and store path; subclasses say what runs and what comes out."""
 
-    def __init__(self, tokenizer, model: torch.nn.Module, recipe: Mapping):
+    def __init__(self, tokenizer, model: torch.nn.Module, recipe: Mapping, max_length_limit: int):
+        if isinstance(max_length_limit, bool) or not isinstance(max_length_limit, int) or max_length_limit < 1:
+            raise InvalidRequest(f"max_length_limit must be an int >= 1, got {max_length_limit!r}")
         self.tokenizer = tokenizer
         self.model = model
+        self.max_length_limit = max_length_limit  # encode refuses a longer max_length
         self.fingerprint = module_fingerprint(model, recipe)
         self.dtype = model.dtype  # the dtype the fingerprint saw: what every output is declared as
         self.memo = TokenizationMemo(tokenizer)
@@ -238,6 +245,9 @@ class TextEncoderAdapter(abc.ABC):
         With ``store=None`` the prompt is tokenized afresh, the encoder runs and the lease holds nothing (the
         store-off path is this same code).
         """
+        _check_text(text, max_length)
+        if max_length > self.max_length_limit:
+            raise InvalidRequest(f"max_length {max_length} exceeds this encoder's limit of {self.max_length_limit}")
         tokens = self.tokenize(text, max_length) if store is None else self.memo(text, max_length)
         key = self.key(tokens, selector, salt)
         spec = self.spec(tokens, selector)
@@ -272,11 +282,12 @@ class T5Recipe:
 
 
 class T5EncoderAdapter(TextEncoderAdapter):
-    """``T5EncoderModel`` / ``UMT5EncoderModel``: one output, ``hidden`` = last hidden state."""
+    """``T5EncoderModel`` / ``UMT5EncoderModel``: one output, ``hidden`` = last hidden state. Relative position
+    buckets set no length limit of their own; ``max_length_limit`` (default ``T5_MAX_LENGTH``) does."""
 
-    def __init__(self, tokenizer, model, recipe: T5Recipe):
+    def __init__(self, tokenizer, model, recipe: T5Recipe, max_length_limit: int = T5_MAX_LENGTH):
         super().__init__(tokenizer, model, {"kind": "t5", "attention_mask": recipe.attention_mask,
-                                            "trim_to_length": recipe.trim_to_length})
+                                            "trim_to_length": recipe.trim_to_length}, max_length_limit)
         self.recipe = recipe
 
     def spec(self, tokens, selector) -> OutputSpec:
@@ -298,10 +309,10 @@ class T5EncoderAdapter(TextEncoderAdapter):
 class CLIPEncoderAdapter(TextEncoderAdapter):
     """``CLIPTextModelWithProjection`` as SD3 runs it (no mask): ``hidden`` = the selected hidden state
     (``hidden_layer``, -2 by default, ``-(clip_skip + 2)`` with clip_skip) and ``pooled`` = the projected
-    pooled output."""
+    pooled output. Its learned position embeddings limit max_length to ``max_position_embeddings`` (77)."""
 
     def __init__(self, tokenizer, model):
-        super().__init__(tokenizer, model, {"kind": "clip-with-projection"})
+        super().__init__(tokenizer, model, {"kind": "clip-with-projection"}, model.config.max_position_embeddings)
 
     def encode(self, text, max_length, store=None, salt=b"", hidden_layer: int = -2) -> Lease:
         layers = self.model.config.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer

@@ -10,7 +10,7 @@ import torch
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
-from encoders.text_encoders import ForwardCounter
+from encoders.text_encoders import T5_MAX_LENGTH, ForwardCounter
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -201,14 +201,28 @@ def test_bad_prompts_are_refused_before_any_encoding(wan, sd3, prompt, negative)
 
 
 @pytest.mark.parametrize("kwargs", [{"prompt_embeds": torch.zeros(1, 4, 32)}, {"max_sequence_length": 0},
-                                    {"num_videos_per_prompt": 0}])
+                                    {"num_videos_per_prompt": 0}, {"max_sequence_length": T5_MAX_LENGTH + 1},
+                                    {"num_images_per_prompt": 2}, {"clip_skip": 1}])
 def test_bad_call_arguments_are_refused(wan, kwargs):
-    with pytest.raises(InvalidRequest):
-        CachedWanPipeline(wan, None).prepare("a red fox", NEG, **kwargs)
+    with ForwardCounter(wan.text_encoder) as fc:
+        with pytest.raises(InvalidRequest):
+            CachedWanPipeline(wan, None).prepare("a red fox", NEG, **kwargs)
+    assert fc.total == 0  # refused before any encoding (an unknown argument used to fail only in the call)
+
+
+def test_a_longer_text_limit_is_the_wrappers_to_set(wan):
+    # WanPipeline has no limit of its own; the wrapper refuses above max_sequence_length_limit, before encoding.
+    store = EncoderOutputStore(1 << 24)
+    with ForwardCounter(wan.text_encoder) as fc:
+        with pytest.raises(InvalidRequest, match="max_sequence_length_limit"):
+            CachedWanPipeline(wan, store, max_sequence_length_limit=32).prepare("a red fox", NEG, **WAN_ARGS)
+    assert fc.total == 0 and len(store) == 0
+    with CachedWanPipeline(wan, store, max_sequence_length_limit=64).prepare("a red fox", NEG, **WAN_ARGS) as call:
+        assert call.kwargs["prompt_embeds"].shape[1] == WAN_ARGS["max_sequence_length"]
 
 
 @pytest.mark.parametrize("kwargs", [{"max_sequence_length": 513}, {"clip_skip": -1}, {"clip_skip": 9},
-                                    {"prompt_2": ["a", "b"]}])
+                                    {"prompt_2": ["a", "b"]}, {"num_videos_per_prompt": 2}, {"num_frames": 5}])
 def test_bad_sd3_arguments_are_refused(sd3, kwargs):
     with pytest.raises(InvalidRequest):
         CachedSD3Pipeline(sd3, None).prepare("a red fox", NEG, **kwargs)

@@ -13,8 +13,8 @@ import torch
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
-from encoders.text_encoders import (ForwardCounter, T5EncoderAdapter, T5Recipe, TokenizationMemo, module_fingerprint,
-                                    tokenizer_fingerprint)
+from encoders.text_encoders import (T5_MAX_LENGTH, ForwardCounter, T5EncoderAdapter, T5Recipe, TokenizationMemo,
+                                    module_fingerprint, tokenizer_fingerprint)
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore, store_key
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -179,6 +179,28 @@ def test_an_encoder_returning_the_wrong_dtype_is_refused_and_stores_nothing(wan,
 def test_bad_text_input_is_refused(wan, text, max_length):
     with pytest.raises(InvalidRequest):
         wan_adapter(wan).encode(text, max_length)
+
+
+def test_a_max_length_beyond_the_encoders_limit_is_refused_before_tokenizing(wan, sd3):
+    # CLIP's position embeddings stop at 77 (its forward used to raise a bare ValueError); a T5 pads every
+    # prompt to max_length, so without a limit a huge one exhausted memory (10**9 was killed at 24 GiB).
+    store = EncoderOutputStore(1 << 24)
+    clip, t5 = CachedSD3Pipeline(sd3, None).clip[0], wan_adapter(wan)
+    assert clip.max_length_limit == 77 and t5.max_length_limit == T5_MAX_LENGTH
+    with ForwardCounter(sd3.text_encoder, wan.text_encoder) as fc:
+        for adapter, too_long in ((clip, 78), (t5, T5_MAX_LENGTH + 1)):  # not 10**9: a regression would kill CI
+            for where in (None, store):
+                with pytest.raises(InvalidRequest, match="limit"):
+                    adapter.encode("a red fox", too_long, where)
+    assert fc.total == 0 and len(store) == 0 and len(t5.memo) == 0
+    narrow = T5EncoderAdapter(wan.tokenizer, wan.text_encoder, T5Recipe(True, True), max_length_limit=16)
+    with narrow.encode("a red fox", 16, store) as lease:
+        assert lease.outputs["hidden"].shape[0] <= 16
+    with pytest.raises(InvalidRequest):
+        narrow.encode("a red fox", 17, store)
+    for bad in (0, True, 2.5):
+        with pytest.raises(InvalidRequest, match="max_length_limit"):
+            T5EncoderAdapter(wan.tokenizer, wan.text_encoder, T5Recipe(True, True), max_length_limit=bad)
 
 
 def test_clip_hidden_layer_out_of_range_is_refused(sd3):
