@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache.engine import Engine, EngineConfig, SamplingParams, memory
+from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, memory
+from mmcache.engine.adapter import PATH_ATTR
+from mmcache.engine.config import EngineConfigError
 from mmcache.engine.engine import PACKING_HEADROOM
 from mmcache.engine.inspect import record_logits, rows_equal
 from mmcache.engine.models import build_model
@@ -115,3 +117,30 @@ def test_short_of_room_for_the_row_kernels_copies_the_engine_packs_without_them(
     # with room for both, both
     roomy = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(**CONFIG))
     assert roomy.row_products_skipped is None and "+native-rows" in roomy.backend
+
+
+def test_a_kv_pool_larger_than_the_memory_left_is_refused_before_the_model_is_touched(monkeypatch):
+    # Allocating and zeroing it used to end in MemoryError, a bare allocator RuntimeError, or the kernel killing
+    # the process, depending on how much larger than memory it was.
+    model, tok = build_model("tiny-qwen2", "float32")
+    probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
+    pool = probe.page_bytes * probe.num_pages
+    monkeypatch.setattr(memory, "available_bytes", lambda: pool - 1)
+    with pytest.raises(EngineConfigError, match="num_pages"):
+        Engine(model, tok, EngineConfig(**CONFIG))
+    assert getattr(model, PATH_ATTR, None) is None  # refused before the engine set up the model's modules
+    assert Engine(model, tok, EngineConfig(**dict(CONFIG, num_pages=CONFIG["num_pages"] // 2))).num_pages == 32
+
+
+def test_a_cfg_pool_that_does_not_fit_fails_its_request_only(monkeypatch):
+    model, tok = build_model("tiny-qwen2", "float32")
+    eng = Engine(model, tok, EngineConfig(**dict(CONFIG, cfg_num_pages=4096)))
+    monkeypatch.setattr(memory, "available_bytes", lambda: eng.page_bytes * 4095)  # room for the main pool
+    guided = Request([5, 6, 7, 8], GREEDY, "guided", negative_prompt=[9, 10], guidance_scale=3.0)
+    outs = {o.request_id: o for o in eng.generate([guided, Request([5, 6, 7, 8], GREEDY, "plain")])}
+    assert isinstance(outs["guided"].error, EngineConfigError) and "cfg_num_pages" in str(outs["guided"].error)
+    assert outs["plain"].finish_reason == "length" and len(outs["plain"].output_ids) == GREEDY.max_tokens
+    assert set(eng.managers) == {"main"}
+    eng.check_invariants()
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)  # no figure: no refusal
+    assert eng.generate([guided])[0].finish_reason == "length" and set(eng.managers) == {"main", "cfg"}

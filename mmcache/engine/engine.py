@@ -13,6 +13,9 @@ requests. Invariants:
   holds: every page is free, owned by the index, or held by a live admitted request.
 * An exception raised inside a forward fails exactly the requests of that forward (``ForwardError``, cause
   attached); their pages return and the other requests go on.
+* A KV pool in host memory larger than the process can still take (``memory.available_bytes``) is refused
+  with ``EngineConfigError`` before the model is set up; the CFG pool, made on first use, fails the request
+  that needed it with that error instead.
 * The engine is single-threaded by design; ``step``, ``abort`` and ``add_request`` serialise on one lock
   (``add_request`` validates and names a prompt before taking it), so ``abort`` and ``add_request`` may be
   called from another thread or between streamed events, and every event they cause reaches ``step``.
@@ -34,7 +37,7 @@ from ..pool import KVSpec
 from . import kernels, memory, native
 from .adapter import adapter_for
 from .attention import ATTENTION_BACKEND
-from .config import EngineConfig
+from .config import EngineConfig, EngineConfigError
 from .models import build_model, load_model, model_digest
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 from .intake import Intake
@@ -104,6 +107,7 @@ class Engine:
         elem = torch.empty(0, dtype=a.dtype).element_size()
         self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
         self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
+        self._check_pool_fits(self.num_pages, "num_pages")  # before anything is set up on the model
         # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
         # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
         # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
@@ -171,6 +175,16 @@ class Engine:
         model, tokenizer = load_model(path, dtype)
         return cls(model, tokenizer, config)
 
+    def _check_pool_fits(self, num_pages: int, setting: str) -> None:
+        """Refuse a KV pool in host memory larger than this process can still take: zeroing it would have the
+        process killed (or swapping) instead of failing with a reason."""
+        if self.adapter.device.type != "cpu":
+            return
+        pool, have = self.page_bytes * num_pages, memory.available_bytes()
+        if have is not None and pool > have:
+            raise EngineConfigError(f"a KV pool of {num_pages} pages needs {_size(pool)}, but only {_size(have)} "
+                                    f"is available; ask for fewer pages ({setting})")
+
     def _new_manager(self, num_pages: int) -> AllocationManager:
         a = self.adapter
         spec = KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, a.device)
@@ -182,7 +196,9 @@ class Engine:
         """The label's manager; the CFG pool is allocated on its first request."""
         with self._lock:
             if label not in self.managers:
-                self.managers[label] = self._new_manager(self.config.cfg_num_pages or self.num_pages)
+                pages = self.config.cfg_num_pages or self.num_pages
+                self._check_pool_fits(pages, "cfg_num_pages")  # fails this request with the reason, not the engine
+                self.managers[label] = self._new_manager(pages)
             return self.managers[label]
 
     def _eos_ids(self) -> frozenset:
