@@ -24,6 +24,7 @@ import base64
 import binascii
 import io
 import re
+import stat
 import struct
 import urllib.parse
 import zlib
@@ -144,10 +145,18 @@ def _read_path(source: str | Path, ref: MediaRef, limits: ImageLimits) -> bytes:
             if not resolved.is_relative_to(Path(limits.path_root).resolve()):
                 raise MediaDecodeError(ref, "file path lies outside the folder images may be read from")
             path = resolved
-        size = path.stat().st_size
-        if size > limits.max_bytes:
-            raise MediaDecodeError(ref, f"file of {size} bytes exceeds the limit of {limits.max_bytes}")
-        return path.read_bytes()
+        info = path.stat()
+        # Devices and pipes report no size and never end (/dev/zero would be read until memory runs out; a
+        # FIFO would block the caller): only regular files are read.
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaDecodeError(ref, f"{path.name!r} is not a regular file")
+        if info.st_size > limits.max_bytes:
+            raise MediaDecodeError(ref, f"file of {info.st_size} bytes exceeds the limit of {limits.max_bytes}")
+        with path.open("rb") as f:
+            data = f.read(limits.max_bytes + 1)  # bounded: the file may have grown since the stat
+        if len(data) > limits.max_bytes:
+            raise MediaDecodeError(ref, f"file grew past the limit of {limits.max_bytes} bytes while read")
+        return data
     except OSError as e:
         raise MediaDecodeError(ref, f"cannot read file {path.name!r}: {e.strerror or e}") from None
 

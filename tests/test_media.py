@@ -4,7 +4,10 @@ import base64
 import io
 import os
 import struct
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -93,6 +96,48 @@ def test_missing_file_and_path_policy(png, tmp_path):
         read_image(str(inside.parent / ".." / "cat.png"), limits=rooted)
     with pytest.raises(MediaDecodeError, match="not accepted"):
         read_image(inside, limits=ImageLimits(allow_paths=False))
+
+
+_READ_CAPPED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from encoders.media import read_image
+try:
+    read_image(sys.argv[1])
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_only_regular_files_are_read(tmp_path):
+    # /dev/zero reports size 0 and never ends: it used to be read until memory ran out; a FIFO blocked its
+    # reader forever. Each is tried in a child process with 1 GiB of address space and a timeout, so that a
+    # regression fails this test instead of taking the machine's memory or hanging the run.
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    root = Path(__file__).resolve().parents[1]
+    for source in ("/dev/zero", f"file://{fifo}"):
+        run = subprocess.run([sys.executable, "-c", _READ_CAPPED, source], capture_output=True, text=True,
+                             timeout=60, cwd=root)
+        assert run.stdout.startswith("MediaDecodeError") and "not a regular file" in run.stdout, (source, run)
+    with pytest.raises(MediaDecodeError, match="not a regular file"):
+        read_image(tmp_path)
+
+
+def test_a_file_that_grows_past_the_limit_after_its_size_was_read_is_refused(png, tmp_path, monkeypatch):
+    path = tmp_path / "cat.png"
+    path.write_bytes(png[:500])
+    real_stat = type(path).stat
+
+    def stat_then_grow(self, *args, **kwargs):
+        info = real_stat(self, *args, **kwargs)
+        if self == path:
+            path.write_bytes(png)  # written between the size check and the read
+        return info
+
+    monkeypatch.setattr(type(path), "stat", stat_then_grow)
+    with pytest.raises(MediaDecodeError, match="grew past the limit of 1000"):
+        read_image(path, limits=ImageLimits(max_bytes=1000))
 
 
 def test_byte_limits_apply_before_decoding(png, tmp_path):
