@@ -245,6 +245,22 @@ def test_bad_input_gets_a_typed_error_and_leaves_the_others_alone(tiny):
     assert_pools_whole(eng)
 
 
+@pytest.mark.parametrize("prompts_arg, sampling, says", [
+    ((p for p in [[5, 6]]), None, "prompts must be a list of prompts .* got generator"),
+    (None, None, "prompts must be a list .* got NoneType"),
+    ({"prompt": [5, 6]}, None, "prompts must be a list .* got dict"),
+    ([[5, 6]], {"max_tokens": 2}, "sampling must be a SamplingParams, a list of them .* got dict"),
+    ([[5, 6]], "greedy", "sampling must be .* got str"),
+])
+def test_a_call_that_is_not_a_list_of_prompts_and_their_settings_is_refused_whole(tiny, prompts_arg, sampling, says):
+    # A generator or None used to fail on len(); a dict of settings was read as a list of its keys.
+    eng = engine(tiny)
+    with pytest.raises(TypeError, match=says):
+        eng.generate(prompts_arg, sampling)
+    assert not eng.has_unfinished()
+    assert_pools_whole(eng)
+
+
 def test_engine_config_errors_are_typed():
     with pytest.raises(EngineConfigError):
         EngineConfig(page_size=16, prefill_chunk_tokens=20)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -287,11 +287,15 @@ class Engine:
 
     # ---- adding ------------------------------------------------------------------------------------
     def _stream(self, prompts, sampling, order: list) -> Iterator[StreamEvent]:
-        if isinstance(prompts, (str, Request)) or (isinstance(prompts, Sequence) and prompts
-                                                   and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a list of prompts (text, token ids or Request)")
+        if (prompts is None or isinstance(prompts, (str, bytes, Request, Mapping)) or not hasattr(prompts, "__len__")
+                or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int))):
+            raise TypeError(f"prompts must be a list of prompts (text, token ids or Request), got "
+                            f"{type(prompts).__name__}")
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
+        elif isinstance(sampling, (str, bytes, Mapping)) or not hasattr(sampling, "__len__"):
+            raise TypeError(f"sampling must be a SamplingParams, a list of them (one per prompt) or None, got "
+                            f"{type(sampling).__name__}")
         if len(sampling) != len(prompts):
             raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
         sink: list[StreamEvent] = []
