@@ -230,6 +230,8 @@ def test_bad_input_gets_a_typed_error_and_leaves_the_others_alone(tiny):
         Request(good, SamplingParams(temperature=float("nan"))),
         Request(good, greedy(), negative_prompt=[]),
         Request(good, greedy(), negative_prompt=[5, 6], guidance_scale=float("inf")),
+        Request(good, greedy(), guidance_scale=3.0),  # no negative prompt: it used to run unguided, silently
+        Request(good, greedy(), guidance_scale=float("nan")),
         Request([3, True, 4], greedy()),  # a bool among ids (numpy would read it as 1)
         Request(good, greedy(), request_id=["not", "hashable"]),
     ]

@@ -5,7 +5,8 @@ Invariants:
 * Every check runs before any pool is touched, so a refused request leaves nothing behind; the error is an
   ``InvalidRequest`` naming the request and the first thing wrong (sampling values, empty prompt, ids outside
   the vocabulary, a prompt with no room under the model's length or larger than the pool, malformed
-  multimodal input, a non-finite guidance scale, text without a tokenizer, an arrival time in the future).
+  multimodal input, a non-finite guidance scale or one other than 1 without a negative prompt, text without a
+  tokenizer, an arrival time in the future).
 * Page names are computed here (``Branch.prepare``), before the engine takes any lock.
 * A random-sampling request without a seed gets one from the intake's own generator (seeded by the engine
   config), so an engine's outputs are reproducible run to run.
@@ -61,10 +62,13 @@ class Intake:
         if mm is not None:
             media = self._check_mm(mm, len(ids), rid)
         branches = {MAIN: Branch(MAIN, self.manager(MAIN), ids.tolist(), len(ids), req.salt, media, mm)}
+        scale = req.guidance_scale
+        if not finite_number(scale):
+            raise InvalidRequest(f"guidance_scale must be a finite number, got {scale!r}", rid)
+        if req.negative_prompt is None and scale != 1.0:
+            raise InvalidRequest(f"guidance_scale {scale!r} needs a negative_prompt (the branch it guides away "
+                                 f"from); without one the request would run unguided", rid)
         if req.negative_prompt is not None:
-            scale = req.guidance_scale
-            if not finite_number(scale):
-                raise InvalidRequest(f"guidance_scale must be a finite number, got {scale!r}", rid)
             neg = self._token_ids(req.negative_prompt, rid, "negative prompt")
             branches[CFG] = Branch(CFG, self.manager(CFG), neg.tolist(), len(neg), req.salt)
         for b in branches.values():
