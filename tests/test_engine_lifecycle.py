@@ -270,6 +270,11 @@ def test_engine_config_errors_are_typed():
         EngineConfig(cache_mode="sometimes")
     with pytest.raises(EngineConfigError):
         EngineConfig(page_size=16, max_tokens_per_step=8)
+    # These were taken as given: a seed numpy refuses only when the engine is built, any truthy flag.
+    for name, bad in (("seed", -1), ("seed", "x"), ("seed", 1.5), ("seed", True), ("packed_linears", "no"),
+                      ("tune_malloc", 0), ("layer_kernels", None), ("row_products", 1)):
+        with pytest.raises(EngineConfigError, match=name):
+            EngineConfig(**{name: bad})
     assert EngineConfig(page_size=48).prefill_chunk_tokens == 2016
 
 

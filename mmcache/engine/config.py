@@ -79,8 +79,11 @@ class EngineConfig:
               f"prefill_chunk_tokens must be a positive multiple of page_size, got {self.prefill_chunk_tokens!r}")
         check(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         check(self.max_model_len is None or pos_int(self.max_model_len), f"bad max_model_len {self.max_model_len!r}")
-        check(isinstance(self.defer_shared_prefill, bool),
-              f"defer_shared_prefill must be a bool, got {self.defer_shared_prefill!r}")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
+              f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        for name in ("packed_linears", "tune_malloc", "defer_shared_prefill", "layer_kernels", "row_products"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
 
     @classmethod
     def exact(cls, page_size: int = 16, **kw) -> "EngineConfig":
