@@ -34,7 +34,8 @@ from pathlib import Path
 import PIL
 from PIL import Image, ImageOps
 
-from mmcache.errors import MediaDecodeError
+from mmcache.checks import positive_int
+from mmcache.errors import InvalidRequest, MediaDecodeError
 
 SOURCE_BYTES = "bytes"
 SOURCE_PATH = "path"
@@ -60,8 +61,16 @@ class ImageLimits:
     path_root: Path | None = None  # when set, file paths must resolve inside this folder
 
     def __post_init__(self):
-        if self.max_pixels <= 0 or self.max_bytes <= 0:
-            raise ValueError("image limits must be positive")
+        for name in ("max_pixels", "max_bytes"):
+            if not positive_int(getattr(self, name)):
+                raise InvalidRequest(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not isinstance(self.formats, (tuple, list)) or not all(isinstance(f, str) for f in self.formats):
+            raise InvalidRequest(f"formats must be a tuple of format names, got {self.formats!r}")
+        object.__setattr__(self, "formats", tuple(self.formats))
+        if not isinstance(self.allow_paths, bool):
+            raise InvalidRequest(f"allow_paths must be a bool, got {self.allow_paths!r}")
+        if self.path_root is not None and not isinstance(self.path_root, (str, Path)):
+            raise InvalidRequest(f"path_root must be a folder path or None, got {self.path_root!r}")
 
 
 @dataclass(frozen=True)

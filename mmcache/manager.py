@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, RequestStateError,
                      UnknownRequest)
+from .checks import positive_int
 from .eviction import evict
 from .index import PrefixIndex
 from .metrics import CacheMetrics
@@ -51,9 +52,9 @@ class CacheConfig:
     store_at: str = "teardown"
 
     def __post_init__(self):
-        if not isinstance(self.num_pages, int) or self.num_pages <= 0:
+        if not positive_int(self.num_pages):
             raise InvalidRequest(f"num_pages must be a positive int, got {self.num_pages!r}")
-        if not isinstance(self.page_size, int) or self.page_size <= 0:
+        if not positive_int(self.page_size):
             raise InvalidRequest(f"page_size must be a positive int, got {self.page_size!r}")
         if self.mode not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {self.mode!r}")

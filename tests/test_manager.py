@@ -264,7 +264,7 @@ def test_double_teardown_is_an_error():
 
 def test_config_validation():
     for bad in (dict(num_pages=0), dict(num_pages=4, mode="sometimes"), dict(num_pages=4, store_at="never"),
-                dict(num_pages=4, page_size=-1)):
+                dict(num_pages=4, page_size=-1), dict(num_pages=True), dict(num_pages=4, page_size=True)):
         with pytest.raises(InvalidRequest):
             CacheConfig(**bad)
     with pytest.raises(InvalidRequest):

@@ -14,7 +14,7 @@ from PIL import Image
 
 from encoders.media import (DECODE_PARAMS, ImageLimits, MediaRef, RawImage, decode_image, read_image,
                             SOURCE_BYTES, SOURCE_DATA_URL, SOURCE_PATH)
-from mmcache.errors import MediaDecodeError
+from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.names import media_digest
 
 
@@ -107,6 +107,17 @@ try:
 except Exception as e:
     print(type(e).__name__, e)
 """
+
+
+@pytest.mark.parametrize("setting", [{"max_pixels": 0}, {"max_bytes": "1 MiB"}, {"max_pixels": True},
+                                     {"max_bytes": 1.5}, {"formats": "PNG"}, {"formats": None}, {"formats": (1,)},
+                                     {"allow_paths": "no"}, {"path_root": 5}])
+def test_image_limits_refuse_bad_settings_with_a_typed_error(setting):
+    # A string limit used to fail comparing with 0 (TypeError), a float or bool passed, a bad formats value
+    # surfaced only when an image was decoded.
+    with pytest.raises(InvalidRequest, match=next(iter(setting))):
+        ImageLimits(**setting)
+    assert ImageLimits(formats=["PNG"]).formats == ("PNG",)
 
 
 def test_only_regular_files_are_read(tmp_path):
