@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import xxhash
 
+from mmcache.checks import positive_int
 from mmcache.errors import InvalidRequest
 from mmcache.names import TOKEN_DTYPE, canonical_encoding
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
@@ -214,7 +215,7 @@ class TextEncoderAdapter(abc.ABC):
     """Shared tokenizing, keying and store path; subclasses say what runs and what comes out."""
 
     def __init__(self, tokenizer, model: torch.nn.Module, recipe: Mapping, max_length_limit: int):
-        if isinstance(max_length_limit, bool) or not isinstance(max_length_limit, int) or max_length_limit < 1:
+        if not positive_int(max_length_limit):
             raise InvalidRequest(f"max_length_limit must be an int >= 1, got {max_length_limit!r}")
         self.tokenizer = tokenizer
         self.model = model

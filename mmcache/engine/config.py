@@ -64,7 +64,8 @@ class EngineConfig:
 
         check(positive_int(self.page_size), f"page_size must be a positive int, got {self.page_size!r}")
         check(self.num_pages is None or positive_int(self.num_pages), f"bad num_pages {self.num_pages!r}")
-        check(self.cfg_num_pages is None or positive_int(self.cfg_num_pages), f"bad cfg_num_pages {self.cfg_num_pages!r}")
+        check(self.cfg_num_pages is None or positive_int(self.cfg_num_pages),
+              f"bad cfg_num_pages {self.cfg_num_pages!r}")
         check(positive_int(self.kv_cache_bytes), f"bad kv_cache_bytes {self.kv_cache_bytes!r}")
         check(self.cache_mode in MODES, f"cache_mode must be one of {MODES}, got {self.cache_mode!r}")
         check(self.store_at in STORE_AT, f"store_at must be one of {STORE_AT}, got {self.store_at!r}")
@@ -76,7 +77,8 @@ class EngineConfig:
         check(positive_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens % self.page_size == 0,
               f"prefill_chunk_tokens must be a positive multiple of page_size, got {self.prefill_chunk_tokens!r}")
         check(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        check(self.max_model_len is None or positive_int(self.max_model_len), f"bad max_model_len {self.max_model_len!r}")
+        check(self.max_model_len is None or positive_int(self.max_model_len),
+              f"bad max_model_len {self.max_model_len!r}")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
               f"seed must be an int in [0, 2**63), got {self.seed!r}")
         for name in ("packed_linears", "tune_malloc", "defer_shared_prefill", "layer_kernels", "row_products"):

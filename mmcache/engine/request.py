@@ -93,7 +93,8 @@ class Request:
     """One generation request. ``prompt`` is token ids or text (text needs the engine's tokenizer).
 
     ``negative_prompt`` with ``guidance_scale`` adds a classifier-free-guidance branch decoded in lockstep:
-    logits = uncond + scale * (cond - uncond); a scale other than 1 without a negative prompt is refused. ``salt`` isolates the request's cached pages (equal salts share).
+    logits = uncond + scale * (cond - uncond); a scale other than 1 without a negative prompt is refused.
+    ``salt`` isolates the request's cached pages (equal salts share).
     ``arrival_time`` (a ``perf_counter`` stamp, not in the future) is when a front end received the request
     before preparing it (encoding its images), so that ``ttft`` counts that work; None: when the engine got it.
     """
