@@ -1,6 +1,7 @@
 """The engine under a random mix of everything at once, in a pool small enough to preempt: requests sharing
 prefixes (some with a CFG branch, some with stop ids), bad requests, aborts, forwards that raise, cache
-clears, all between steps of one engine.
+clears, all between steps of one engine, in each cache mode (``shadow`` and ``off`` never seed a page) and
+with pages stored as prefill fills them or at teardown.
 
 After every operation the pools' invariants hold; every request ends exactly once; once nothing runs every
 page is free or owned by the index alone; and every token a request produced, however it ended, is the token
@@ -47,15 +48,16 @@ def draw_bad(rng, n: int) -> Request:
     return req
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed, traffic):
+@pytest.mark.parametrize("seed, mode, store_at", [(seed, "on", "prefill") for seed in range(6)] + [
+    (0, "shadow", "prefill"), (1, "shadow", "teardown"), (2, "off", "prefill"), (3, "on", "teardown")])
+def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed, mode, store_at, traffic):
     rng = np.random.default_rng(seed)
     model, tok = tiny
     prefixes = [rng.integers(2, VOCAB, size=int(rng.integers(PAGE, 4 * PAGE))).tolist() for _ in range(3)]
     negatives = [rng.integers(2, VOCAB, size=int(rng.integers(3, 2 * PAGE))).tolist() for _ in range(2)]
     eng = Engine(model, tok, EngineConfig(page_size=PAGE, num_pages=int(rng.integers(8, 13)), cfg_num_pages=10,
                                           max_num_seqs=int(rng.integers(2, 6)), max_tokens_per_step=4 * PAGE,
-                                          prefill_chunk_tokens=2 * PAGE))
+                                          prefill_chunk_tokens=2 * PAGE, cache_mode=mode, store_at=store_at))
     t = traffic(eng)
     requests = {}
 
@@ -110,4 +112,4 @@ def test_random_traffic_keeps_every_invariant_and_every_token(tiny, seed, traffi
     # The mix did reach the hard paths, not only the easy one.
     m = eng.metrics()
     assert "length" in reasons and m["engine"]["preemptions"] > 0 and m["engine"]["failed_forwards"] > 0
-    assert m["main"]["hit_pages"] > 0 and "cfg" in eng.managers
+    assert (m["main"]["hit_pages"] > 0) == (mode == "on") and "cfg" in eng.managers
