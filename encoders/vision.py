@@ -34,6 +34,7 @@ import transformers
 import xxhash
 from torch import nn
 
+from mmcache.errors import MediaDecodeError
 from mmcache.names import canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
@@ -151,8 +152,8 @@ class VisionAdapter(ABC):
         """The configuration the features depend on, as plain JSON values."""
 
     @abstractmethod
-    def _features(self, pixels) -> tuple[torch.Tensor, dict]:
-        """Run the tower on one decoded RGB image: ``(Tensor[n, text_hidden], meta)``."""
+    def _features(self, batch) -> tuple[torch.Tensor, dict]:
+        """Run the tower on the image processor's output for one image: ``(Tensor[n, text_hidden], meta)``."""
 
     def digest(self, raw: RawImage | bytes) -> bytes:
         data = raw.data if isinstance(raw, RawImage) else bytes(raw)
@@ -195,8 +196,12 @@ class VisionAdapter(ABC):
 
     def _compute(self, raw: RawImage) -> tuple[dict, dict]:
         pixels = decode_image(raw, self.limits)
+        try:
+            batch = self.image_processor(images=[pixels], return_tensors="pt")
+        except ValueError as e:  # a decodable image the model's processor will not take (Qwen2-VL: aspect > 200)
+            raise MediaDecodeError(raw.ref, f"the model's image processor refused it: {e}") from e
         with torch.no_grad():
-            features, meta = self._features(pixels)
+            features, meta = self._features(batch)
         return {"features": features}, meta
 
 
@@ -224,8 +229,7 @@ class LlavaVisionAdapter(VisionAdapter):
             "text_hidden": c.text_config.hidden_size,
         }
 
-    def _features(self, pixels) -> tuple[torch.Tensor, dict]:
-        batch = self.image_processor(images=[pixels], return_tensors="pt")
+    def _features(self, batch) -> tuple[torch.Tensor, dict]:
         pixel_values = batch["pixel_values"].to(next(self.tower.parameters()).device, self.tower_dtype)
         out = self.model.model.get_image_features(pixel_values=pixel_values, return_dict=True)
         features = out.pooler_output[0]
@@ -253,8 +257,7 @@ class Qwen2VLVisionAdapter(VisionAdapter):
         return {"vision": config_dict(self.model.config.vision_config),
                 "text_hidden": self.model.config.text_config.hidden_size}
 
-    def _features(self, pixels) -> tuple[torch.Tensor, dict]:
-        batch = self.image_processor(images=[pixels], return_tensors="pt")
+    def _features(self, batch) -> tuple[torch.Tensor, dict]:
         device = next(self.tower.parameters()).device
         grid = batch["image_grid_thw"].to(device)
         out = self.model.model.get_image_features(batch["pixel_values"].to(device), grid, return_dict=True)

@@ -157,6 +157,25 @@ def test_corrupt_image_fails_its_request_only_and_leaks_nothing(llava, crops):
     assert vlm.builder.adapter.key(crops[2]) in vlm.store  # computed before the failure, kept unheld
 
 
+def test_an_image_the_models_processor_refuses_fails_its_request_only(crops):
+    # Qwen2-VL's processor refuses an aspect ratio over 200 with a ValueError, which used to escape from
+    # generate and lose the whole call.
+    import io
+
+    from PIL import Image
+
+    qwen = build_vlm("tiny-qwen2-vl")
+    vlm = front(qwen)
+    sliver = io.BytesIO()
+    Image.new("RGB", (3000, 2), (10, 200, 30)).save(sliver, "PNG")
+    outs = vlm.generate([ask(crops[0], rid="good"), ask(sliver.getvalue(), rid="sliver"), ask(crops[1], rid="too")])
+    assert [o.request_id for o in outs] == ["good", "sliver", "too"]
+    assert outs[0].finish_reason == outs[2].finish_reason == "length"
+    assert isinstance(outs[1].error, MediaDecodeError) and "aspect ratio" in str(outs[1].error)
+    assert len(vlm.store) == 2  # nothing stored for the refused image
+    assert_whole(vlm)
+
+
 def test_abort_abandoned_stream_forward_error_and_refusals_release_leases_once(llava, crops):
     vlm = front(llava, max_num_seqs=2)
     keys = [vlm.builder.adapter.key(c) for c in crops[:3]]
