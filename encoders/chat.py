@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmcache.checks import unicode_text
 from mmcache.errors import InvalidRequest
 from mmcache.names import MediaItem, as_token_array
 
@@ -116,6 +117,8 @@ def parse_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message]
         for j, part in enumerate(raw_parts):
             kind = part.get("type") if isinstance(part, Mapping) else None
             if kind == "text" and isinstance(part.get("text"), str):
+                if not unicode_text(part["text"]):
+                    raise InvalidRequest(f"message {i} part {j}: text is not valid Unicode (a lone surrogate)")
                 parts.append(TextPart(part["text"]))
             elif kind in ("image_url", "image"):
                 if role != "user":

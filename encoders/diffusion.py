@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmcache.checks import finite_number
+from mmcache.checks import finite_number, unicode_text
 from mmcache.errors import InvalidRequest
 from mmcache.store import EncoderOutputStore, Lease
 
@@ -70,11 +70,12 @@ class PreparedCall:
 
 
 def _prompt_list(prompt: object, what: str) -> list[str]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    raise InvalidRequest(f"{what} must be a str or a non-empty list of str, got {type(prompt).__name__}")
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not (isinstance(texts, list) and texts and all(isinstance(p, str) for p in texts)):
+        raise InvalidRequest(f"{what} must be a str or a non-empty list of str, got {type(prompt).__name__}")
+    if not all(unicode_text(p) for p in texts):
+        raise InvalidRequest(f"{what} is not valid Unicode text (it holds a lone surrogate)")
+    return list(texts)
 
 
 def _negatives(negative: object, batch: int, what: str = "negative_prompt") -> list[str]:

@@ -166,8 +166,10 @@ def _read_path(source: str | Path, ref: MediaRef, limits: ImageLimits) -> bytes:
         if len(data) > limits.max_bytes:
             raise MediaDecodeError(ref, f"file grew past the limit of {limits.max_bytes} bytes while read")
         return data
-    except OSError as e:
-        raise MediaDecodeError(ref, f"cannot read file {path.name!r}: {e.strerror or e}") from None
+    except MediaDecodeError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte or a lone surrogate in the path
+        raise MediaDecodeError(ref, f"cannot read file {path.name!r}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def decode_image(raw: RawImage, limits: ImageLimits = ImageLimits()) -> Image.Image:

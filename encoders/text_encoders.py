@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import xxhash
 
-from mmcache.checks import positive_int
+from mmcache.checks import positive_int, unicode_text
 from mmcache.errors import InvalidRequest
 from mmcache.names import TOKEN_DTYPE, canonical_encoding
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
@@ -113,6 +113,8 @@ class TokenizedPrompt:
 def _check_text(text: object, max_length: object) -> None:
     if not isinstance(text, str):
         raise InvalidRequest(f"a prompt must be a str, got {type(text).__name__}")
+    if not unicode_text(text):
+        raise InvalidRequest("a prompt must be valid Unicode text; this one holds a lone surrogate")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
         raise InvalidRequest(f"max_length must be a positive int, got {max_length!r}")
 

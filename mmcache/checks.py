@@ -2,7 +2,8 @@
 
 Invariants: a value passes ``finite_number`` exactly when it is an int or float (Python's or numpy's), not a
 bool, and finite; callers then apply their own range. A value passes ``positive_int`` exactly when it is a
-Python int, not a bool, and at least 1.
+Python int, not a bool, and at least 1. A value passes ``unicode_text`` exactly when it is a str that UTF-8 can
+encode (no lone surrogate, which JSON's ``\ud800`` escapes produce and tokenizers reject).
 """
 
 from __future__ import annotations
@@ -21,3 +22,14 @@ def finite_number(x) -> bool:
 def positive_int(x) -> bool:
     """Whether ``x`` is an int of at least 1 (a bool is not a count)."""
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def unicode_text(x) -> bool:
+    """Whether ``x`` is a str of Unicode scalar values (UTF-8 encodable)."""
+    if not isinstance(x, str):
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

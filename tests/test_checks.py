@@ -4,7 +4,7 @@ non-numbers do not; ``positive_int`` takes Python ints of at least 1 only."""
 import numpy as np
 import pytest
 
-from mmcache.checks import finite_number, positive_int
+from mmcache.checks import finite_number, positive_int, unicode_text
 
 
 @pytest.mark.parametrize("x", [0, -3, 2.5, np.int64(4), np.float32(0.5), 10**30])
@@ -25,3 +25,9 @@ def test_positive_ints_pass(x):
 @pytest.mark.parametrize("x", [0, -1, True, 1.0, "1", None, np.float64(2.0), [1]])
 def test_everything_else_is_not_a_positive_int(x):
     assert not positive_int(x)
+
+
+def test_unicode_text_is_a_str_that_utf8_can_encode():
+    assert unicode_text("") and unicode_text("色调艳丽 \U0001f98a") and unicode_text("\x00")
+    for x in ("a \ud800", "\udfff", b"bytes", None, 5):
+        assert not unicode_text(x)

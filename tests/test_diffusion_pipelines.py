@@ -190,7 +190,7 @@ def test_a_failing_negative_encode_releases_the_positive(wan, monkeypatch):
 
 
 @pytest.mark.parametrize("prompt,negative", [(None, NEG), ([], NEG), (7, NEG), (["a", 3], NEG), ("a", 5),
-                                             (["a", "b"], ["only one"])])
+                                             (["a", "b"], ["only one"]), ("a \ud800", NEG), ("a", "\udfff")])
 def test_bad_prompts_are_refused_before_any_encoding(wan, sd3, prompt, negative):
     store = EncoderOutputStore(1 << 24)
     with ForwardCounter(wan.text_encoder, sd3.text_encoder) as fc:

@@ -263,6 +263,18 @@ def test_a_call_that_is_not_a_list_of_prompts_and_their_settings_is_refused_whol
     assert_pools_whole(eng)
 
 
+def test_text_that_is_not_valid_unicode_gets_a_typed_error_and_leaves_the_others_alone(tiny):
+    # A lone surrogate (JSON's "\ud800" decodes to one) made the tokenizer raise TypeError, which escaped
+    # generate and lost the whole call.
+    eng = engine(tiny)
+    outs = eng.generate([Request("a cat \ud800", greedy(2)), Request("a cat", greedy(2)),
+                         Request("a cat", greedy(2), negative_prompt="\udfff", guidance_scale=2.0)])
+    assert [o.finish_reason for o in outs] == ["error", "length", "error"]
+    assert isinstance(outs[0].error, InvalidRequest) and "surrogate" in str(outs[0].error)
+    assert "negative prompt" in str(outs[2].error)
+    assert_pools_whole(eng)
+
+
 def test_engine_config_errors_are_typed():
     with pytest.raises(EngineConfigError):
         EngineConfig(page_size=16, prefill_chunk_tokens=20)

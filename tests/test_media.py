@@ -96,6 +96,12 @@ def test_missing_file_and_path_policy(png, tmp_path):
         read_image(str(inside.parent / ".." / "cat.png"), limits=rooted)
     with pytest.raises(MediaDecodeError, match="not accepted"):
         read_image(inside, limits=ImageLimits(allow_paths=False))
+    for odd in (str(tmp_path / "a\x00b.png"), str(tmp_path / "\ud800.png")):  # ValueErrors, not OSErrors
+        with pytest.raises(MediaDecodeError, match="cannot read file"):
+            read_image(odd)
+    with pytest.raises(MediaDecodeError, match="outside the folder") as e:  # a refusal is not wrapped again
+        read_image(outside, limits=rooted)
+    assert "cannot read" not in str(e.value)
 
 
 _READ_CAPPED = """

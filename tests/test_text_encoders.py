@@ -175,7 +175,7 @@ def test_an_encoder_returning_the_wrong_dtype_is_refused_and_stores_nothing(wan,
 
 
 @pytest.mark.parametrize("text,max_length", [(None, 16), (b"bytes", 16), (["a"], 16), ("ok", 0), ("ok", -3),
-                                             ("ok", True), ("ok", 2.5)])
+                                             ("ok", True), ("ok", 2.5), ("a \ud800 b", 16)])
 def test_bad_text_input_is_refused(wan, text, max_length):
     with pytest.raises(InvalidRequest):
         wan_adapter(wan).encode(text, max_length)

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..checks import finite_number
+from ..checks import finite_number, unicode_text
 from ..errors import InvalidRequest
 from ..manager import AllocationManager
 from ..names import MediaItem, as_token_array
@@ -87,6 +87,8 @@ class Intake:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest(f"{what} is text but the engine has no tokenizer", rid)
+            if not unicode_text(prompt):
+                raise InvalidRequest(f"{what} is not valid Unicode text (it holds a lone surrogate)", rid)
             prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         ids = as_token_array(prompt, rid)
         if len(ids) == 0:
