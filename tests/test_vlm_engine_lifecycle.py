@@ -169,6 +169,26 @@ def test_text_or_a_path_that_is_not_valid_unicode_fails_its_request_only(llava, 
     assert_whole(vlm)
 
 
+def test_a_tower_forward_that_raises_fails_its_request_only(llava, crops, monkeypatch):
+    vlm = front(llava)
+    adapter = vlm.builder.adapter
+    real = adapter._features
+    calls = []
+
+    def second_fails(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected tower failure")
+        return real(batch)
+
+    monkeypatch.setattr(adapter, "_features", second_fails)
+    outs = vlm.generate([ask(crops[0], rid="a"), ask(crops[1], rid="b"), ask(crops[2], rid="c")])
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert isinstance(outs[1].error, ForwardError) and isinstance(outs[1].error.__cause__, RuntimeError)
+    assert adapter.key(crops[1]) not in vlm.store and len(vlm.store) == 2
+    assert_whole(vlm)
+
+
 def test_an_image_the_models_processor_refuses_fails_its_request_only(crops):
     # Qwen2-VL's processor refuses an aspect ratio over 200 with a ValueError, which used to escape from
     # generate and lose the whole call.

@@ -22,7 +22,8 @@ Invariants:
   entry's hold count equals the number of live requests holding it.
 * A request whose messages are malformed or whose images cannot be read or decoded ends at once with the
   typed error (``InvalidRequest``, ``MediaDecodeError``) in its output and holds no page and no store entry;
-  the other requests of the call are unaffected.
+  the other requests of the call are unaffected. So does one whose image encoding raised (the vision tower's
+  forward, for example), with ``ForwardError`` and the cause attached.
 * Page names and store keys both take the request's salt: different salts share neither pages nor entries.
 * ``ttft`` counts from when the front end received the request, so reading and encoding images is part of it.
 * Threads: as on ``Engine``, ``add_request`` and ``abort`` may be called from another thread than the one that
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest, MmcacheError
 from .config import EngineConfig, EngineConfigError
-from .engine import Engine
+from .engine import Engine, ForwardError
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 
 if TYPE_CHECKING:
@@ -231,6 +232,10 @@ class VLMEngine:
         try:
             prompt = self._prompt(request, rid)
         except MmcacheError as err:
+            return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
+        except Exception as cause:  # the image processor or the tower raised: this request fails, not the call
+            err = ForwardError(f"encoding the request's images failed: {type(cause).__name__}: {cause}")
+            err.__cause__ = cause
             return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
         held = _Held(self, prompt)
         with self._lock:
