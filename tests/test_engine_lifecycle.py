@@ -275,6 +275,22 @@ def test_text_that_is_not_valid_unicode_gets_a_typed_error_and_leaves_the_others
     assert_pools_whole(eng)
 
 
+def test_a_tokenizer_that_raises_fails_that_request_only(tiny, monkeypatch):
+    eng = engine(tiny)
+    real = type(eng.tokenizer).__call__
+
+    def picky(self, text, *args, **kwargs):
+        if "forbidden" in text:
+            raise RuntimeError("the tokenizer's own failure")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(eng.tokenizer), "__call__", picky)
+    outs = eng.generate([Request("a forbidden word", greedy(2)), Request("a cat", greedy(2))])
+    assert isinstance(outs[0].error, InvalidRequest) and "could not be tokenized" in str(outs[0].error)
+    assert isinstance(outs[0].error.__cause__, RuntimeError) and outs[1].finish_reason == "length"
+    assert_pools_whole(eng)
+
+
 def test_engine_config_errors_are_typed():
     with pytest.raises(EngineConfigError):
         EngineConfig(page_size=16, prefill_chunk_tokens=20)

@@ -89,7 +89,10 @@ class Intake:
                 raise InvalidRequest(f"{what} is text but the engine has no tokenizer", rid)
             if not unicode_text(prompt):
                 raise InvalidRequest(f"{what} is not valid Unicode text (it holds a lone surrogate)", rid)
-            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            try:
+                prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            except Exception as e:  # a tokenizer that cannot take this text: this request fails, not the call
+                raise InvalidRequest(f"{what} could not be tokenized: {type(e).__name__}: {e}", rid) from e
         ids = as_token_array(prompt, rid)
         if len(ids) == 0:
             raise InvalidRequest(f"empty {what}", rid)

@@ -233,8 +233,8 @@ class VLMEngine:
             prompt = self._prompt(request, rid)
         except MmcacheError as err:
             return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
-        except Exception as cause:  # the image processor or the tower raised: this request fails, not the call
-            err = ForwardError(f"encoding the request's images failed: {type(cause).__name__}: {cause}")
+        except Exception as cause:  # the tower (or the tokenizer) raised: this request fails, not the call
+            err = ForwardError(f"building the prompt failed: {type(cause).__name__}: {cause}")
             err.__cause__ = cause
             return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
         held = _Held(self, prompt)
