@@ -263,6 +263,14 @@ def test_a_call_that_is_not_a_list_of_prompts_and_their_settings_is_refused_whol
     assert_pools_whole(eng)
 
 
+def test_abort_of_an_id_no_request_can_have_is_false(tiny):
+    eng = engine(tiny)
+    eng.add_request([5, 6, 7], greedy(4), request_id="live")
+    assert eng.abort(["not", "hashable"]) is False and eng.abort({"a": 1}) is False  # used to raise TypeError
+    assert eng.abort("missing") is False and eng.abort("live") is True
+    assert_pools_whole(eng)
+
+
 def test_text_that_is_not_valid_unicode_gets_a_typed_error_and_leaves_the_others_alone(tiny):
     # A lone surrogate (JSON's "\ud800" decodes to one) made the tokenizer raise TypeError, which escaped
     # generate and lost the whole call.

@@ -245,7 +245,12 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def abort(self, request_id) -> bool:
-        """End a live request now (its computed full pages are stored); False if it is not live."""
+        """End a live request now (its computed full pages are stored); False if it is not live (an id that
+        cannot be hashed names no request: ``add_request`` refuses those)."""
+        try:
+            hash(request_id)
+        except TypeError:
+            return False
         with self._lock:
             live = self._live.get(request_id)
             if live is None:
