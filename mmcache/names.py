@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from .checks import unicode_text
 from .errors import InvalidRequest
 
 NAMER_VERSION = 1
@@ -191,6 +192,8 @@ class Namer:
         if salt is None:
             return b""
         if isinstance(salt, str):
+            if not unicode_text(salt):
+                raise InvalidRequest("salt is not valid Unicode text (it holds a lone surrogate)")
             return salt.encode("utf-8")
         if isinstance(salt, (bytes, bytearray)):
             return bytes(salt)

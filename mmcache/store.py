@@ -31,6 +31,7 @@ from typing import Callable, Mapping
 import torch
 import xxhash
 
+from .checks import unicode_text
 from .errors import InvalidRequest, StoreEntryRejected
 from .names import Namer
 
@@ -39,6 +40,8 @@ def store_key(encoder_fingerprint: str | bytes, content_digest: bytes, salt: byt
     """16-byte key of an encoder output; every field is length-prefixed so none can bleed into another."""
     if not isinstance(encoder_fingerprint, (str, bytes, bytearray)) or not encoder_fingerprint:
         raise InvalidRequest(f"encoder fingerprint must be a non-empty str or bytes, got {encoder_fingerprint!r}")
+    if isinstance(encoder_fingerprint, str) and not unicode_text(encoder_fingerprint):
+        raise InvalidRequest("encoder fingerprint is not valid Unicode text")
     fp = encoder_fingerprint.encode("utf-8") if isinstance(encoder_fingerprint, str) else bytes(encoder_fingerprint)
     if not isinstance(content_digest, (bytes, bytearray)) or not content_digest:
         raise InvalidRequest("content digest must be non-empty bytes")

@@ -49,6 +49,8 @@ def test_salt_is_folded_into_the_root():
     assert n.root("tenant-a") == n.root(b"tenant-a") != n.root("tenant-b") != n.root()
     ids = as_token_array(np.arange(8))
     assert not set(n.names(ids, n.root("a")).tolist()) & set(n.names(ids, n.root("b")).tolist())
+    with pytest.raises(InvalidRequest, match="salt"):  # used to raise UnicodeEncodeError and lose the call
+        n.root("tenant-\ud800")
 
 
 def test_names_chain_over_the_whole_prefix():

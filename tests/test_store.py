@@ -21,6 +21,9 @@ def test_keys_separate_encoders_contents_and_salts():
     keys = {key(1), key(2), key(1, b"tenant"), key(1, enc="other")}
     assert len(keys) == 4 and all(len(k) == 16 for k in keys)
     assert key(1, "tenant") == key(1, b"tenant")
+    for bad in ({"salt": "tenant-\ud800"}, {"enc": "encoder-\udfff"}):  # not UTF-8 encodable: typed errors
+        with pytest.raises(InvalidRequest):
+            key(1, **bad)
 
 
 def test_hit_after_compute_and_lease_holds_until_released():
