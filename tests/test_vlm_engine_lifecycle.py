@@ -157,11 +157,11 @@ def test_corrupt_image_fails_its_request_only_and_leaks_nothing(llava, crops):
     assert vlm.builder.adapter.key(crops[2]) in vlm.store  # computed before the failure, kept unheld
 
 
-def test_text_or_a_path_that_is_not_valid_unicode_fails_its_request_only(llava, crops):
+def test_text_or_a_path_that_is_not_valid_unicode_fails_its_request_only(llava, crops, tmp_path):
     # Both used to escape generate as the tokenizer's TypeError or the file system's UnicodeEncodeError.
     vlm = front(llava)
     outs = vlm.generate([ask(crops[0], question="What \ud800 is this?", rid="text"),
-                         ask("/tmp/\ud800.png", rid="path"), ask("/tmp/a\x00b.png", rid="nul"),
+                         ask(str(tmp_path / "\ud800.png"), rid="path"), ask(str(tmp_path / "a\x00b.png"), rid="nul"),
                          ask(crops[0], rid="good")])
     assert isinstance(outs[0].error, InvalidRequest) and "surrogate" in str(outs[0].error)
     assert all(isinstance(o.error, MediaDecodeError) for o in outs[1:3]), outs
