@@ -17,6 +17,10 @@ def test_everything_else_fails(x):
     assert not finite_number(x)
 
 
+def test_an_int_too_large_for_a_float_is_not_a_finite_number():
+    assert not finite_number(10**400) and finite_number(10**300)  # the first used to raise OverflowError
+
+
 @pytest.mark.parametrize("x", [1, 7, 10**30])
 def test_positive_ints_pass(x):
     assert positive_int(x)

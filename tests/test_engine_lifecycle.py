@@ -234,6 +234,8 @@ def test_bad_input_gets_a_typed_error_and_leaves_the_others_alone(tiny):
         Request(good, greedy(), guidance_scale=float("nan")),
         Request([3, True, 4], greedy()),  # a bool among ids (numpy would read it as 1)
         Request(good, greedy(), request_id=["not", "hashable"]),
+        Request(good, SamplingParams(stop_token_ids=5)),  # not a list: used to raise TypeError out of the call
+        Request(good, SamplingParams(ignore_eos="yes")),
     ]
     outs = eng.generate([Request(good, greedy(), request_id="good")] + bad
                         + [Request([5, 6], greedy(), request_id="good")])
@@ -470,6 +472,34 @@ def test_non_finite_logits_fail_only_that_request_with_a_sampling_error(tiny):
     bad, good = eng.generate([Request(p, random, request_id="bad"), Request(p, greedy(4), request_id="good")])
     assert bad.finish_reason == "error" and isinstance(bad.error, SamplingError)
     assert good.finish_reason == "length" and len(good.output_ids) == 4
+    assert_pools_whole(eng)
+
+
+def test_huge_integer_temperatures_and_guidance_scales_neither_raise_out_of_a_step(tiny, monkeypatch):
+    # A Python int temperature or guidance scale beyond int64 (finite, so accepted) made torch raise
+    # OverflowError inside the step, which escaped generate; any exception while sampling now ends only its
+    # request with SamplingError. An int too large for a float is refused at intake.
+    eng = engine(tiny)
+    p = prompts(1, seed=13)[0]
+    outs = eng.generate([Request(p, SamplingParams(max_tokens=3, temperature=10**30, seed=0, ignore_eos=True)),
+                         Request(p, greedy(3), negative_prompt=[5, 6], guidance_scale=10**30),
+                         Request(p, greedy(3), negative_prompt=[5, 6], guidance_scale=10**400),
+                         Request(p, SamplingParams(max_tokens=3, temperature=10**400)),
+                         Request(p, greedy(3), request_id="good")])
+    assert outs[0].finish_reason == "length" and len(outs[0].output_ids) == 3
+    assert outs[1].finish_reason == "length" or isinstance(outs[1].error, SamplingError)
+    assert all(isinstance(o.error, InvalidRequest) for o in outs[2:4]), outs
+    assert outs[4].finish_reason == "length"
+    import mmcache.engine.engine as engine_module
+
+    def broken(*args):
+        raise ValueError("a sampler bug")
+
+    monkeypatch.setattr(engine_module, "sample", broken)
+    bad, good = eng.generate([Request(p, SamplingParams(max_tokens=3, seed=0), request_id="bad"),
+                              Request(p, greedy(3), request_id="good")])
+    assert isinstance(bad.error, SamplingError) and isinstance(bad.error.__cause__, ValueError)
+    assert good.finish_reason == "length"
     assert_pools_whole(eng)
 
 

@@ -401,13 +401,12 @@ class Engine:
 
     def _emit_token(self, live: LiveRequest, greedy: int | None = None) -> None:
         """Sample ``live``'s next token (``greedy``: already picked from this step's logits) and emit it."""
-        main = live.branches[MAIN]
-        row = main.logits
-        if CFG in live.branches:
-            row = guided(row, live.branches[CFG].logits, live.request.guidance_scale)
         try:
+            row = live.branches[MAIN].logits
+            if CFG in live.branches:
+                row = guided(row, live.branches[CFG].logits, live.request.guidance_scale)
             token = sample(row, live.sampling, live.generator) if greedy is None else greedy
-        except RuntimeError as cause:  # e.g. non-finite logits under random sampling
+        except Exception as cause:  # e.g. non-finite logits under random sampling: this request ends, not the step
             err = SamplingError(f"sampling failed: {cause}", live.request_id)
             err.__cause__ = cause
             self._finish(live, "error", err, store=False)

@@ -62,9 +62,13 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             bad(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            bad(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 bad(f"stop_token_ids must be non-negative ints, got {t!r}")
+        if not isinstance(self.ignore_eos, bool):
+            bad(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from .request import SamplingParams
 def guided(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Classifier-free guidance: ``uncond + scale * (cond - uncond)`` in float32."""
     cond, uncond = cond.float(), uncond.float()
-    return uncond + scale * (cond - uncond)
+    return uncond + float(scale) * (cond - uncond)  # float(): torch refuses Python ints beyond int64
 
 
 def greedy_picks(logits: torch.Tensor, rows: dict) -> dict:
@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         raise RuntimeError(f"cannot sample from logits with NaN or no finite maximum (max {float(top)})")
     # Shifted so the maximum is exactly 0 before scaling: a tiny temperature sends the rest to -inf (the greedy
     # limit) instead of overflowing the maximum itself to inf and every weight to NaN.
-    logits = (logits - top) / params.temperature
+    logits = (logits - top) / float(params.temperature)
     vocab = logits.numel()
     k = params.top_k if 0 < params.top_k < vocab else vocab
     if params.top_p < 1.0:
