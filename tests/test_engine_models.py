@@ -10,6 +10,7 @@ from mmcache.cli import main as cli_main
 from mmcache.engine import (ATTENTION_BACKEND, Engine, EngineConfig, ModelLoadError, MRopeAdapter, MultimodalInput,
                             Request, SamplingParams, UnknownPreset, UnsupportedModel)
 from mmcache.engine import kernels, native
+from mmcache.errors import InvalidRequest
 from mmcache.engine.models import build_model, model_digest
 from mmcache.engine.presets import PRESETS, get_preset, preset_config
 from mmcache.engine.tokenizer import train_tokenizer
@@ -190,6 +191,34 @@ def test_multimodal_embeddings_replace_placeholders_and_media_digests_name_pages
     assert other.matched_tokens == 16  # another image behind the same placeholder ids: only page 0
     bad = Request(placeholder, GREEDY, mm=MultimodalInput(embeds=[(50, embeds(image_a))]))
     assert eng.generate([bad])[0].finish_reason == "error"
+    eng.check_invariants()
+
+    # Malformed multimodal input is refused at intake, for that request alone: found in a step, it would fail
+    # the whole forward (an integer embedding tensor) or raise out of the call (the rest used to).
+    released = []
+    rows = embeds(image_a)
+    malformed = [MultimodalInput(embeds=[(20, rows.long())]), MultimodalInput(embeds=rows),
+                 MultimodalInput(embeds=[(20, rows, "extra")]), MultimodalInput(embeds=[(True, rows)]),
+                 MultimodalInput(media=MediaItem(da, 20)), MultimodalInput(release="not callable"),
+                 MultimodalInput(embeds=[(20, rows)], release=lambda: released.append(1))]
+    malformed[-1].mrope_positions = torch.zeros(3, 60, dtype=torch.long)  # 3-D positions for a 1-D model
+    outs = eng.generate([Request(placeholder, GREEDY, mm=m) for m in malformed] + [mm_request(image_a, da)])
+    assert all(o.finish_reason == "error" and isinstance(o.error, InvalidRequest) for o in outs[:-1]), outs
+    assert outs[-1].output_ids == want_a and released == [1]  # a refused request's release still runs once
+    eng.check_invariants()
+
+
+def test_a_release_callback_that_raises_does_not_lose_the_end_of_its_request(caplog):
+    model, tok = build_model("tiny", "float32")
+    eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=64))
+
+    def broken():
+        raise RuntimeError("a front end's bug")
+
+    mm = MultimodalInput(release=broken)
+    outs = eng.generate([Request([5, 6, 7, 8], GREEDY, mm=mm), Request([5, 6, 7, 9], GREEDY)])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert any("release callback" in r.getMessage() for r in caplog.records)
     eng.check_invariants()
 
 

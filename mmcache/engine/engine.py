@@ -452,8 +452,11 @@ class Engine:
 def _release_media(req: Request) -> None:
     """End-of-request callback of the request's multimodal input (store leases); the caller calls it once."""
     mm = req.mm
-    if isinstance(mm, MultimodalInput) and mm.release is not None:
-        mm.release()
+    if isinstance(mm, MultimodalInput) and callable(mm.release):
+        try:
+            mm.release()
+        except Exception:  # the callback must not raise; if it does, the request still ends and is reported
+            _log.exception("the release callback of request %r raised", req.request_id)
 
 
 def _unique(items) -> list:

@@ -107,20 +107,35 @@ class Intake:
         return ids
 
     def _check_mm(self, mm: MultimodalInput, prompt_len: int, rid) -> tuple[MediaItem, ...]:
+        # Everything a forward will read is checked here: a bad value found in a step would fail the whole
+        # forward (every request in it), not this request alone.
         if not isinstance(mm, MultimodalInput):
             raise InvalidRequest(f"mm must be MultimodalInput, got {type(mm).__name__}", rid)
+        if not isinstance(mm.media, (list, tuple)) or not isinstance(mm.embeds, (list, tuple)):
+            raise InvalidRequest("mm.media and mm.embeds must be lists", rid)
+        if mm.release is not None and not callable(mm.release):
+            raise InvalidRequest(f"mm.release must be callable or None, got {type(mm.release).__name__}", rid)
         for item in mm.media:
             if not isinstance(item, MediaItem) or item.position >= prompt_len:
                 raise InvalidRequest(f"media item {item!r} is not a MediaItem inside the prompt", rid)
-        for start, t in mm.embeds:
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != self.adapter.hidden_size:
-                raise InvalidRequest(f"embeds must be tensors [n, {self.adapter.hidden_size}]", rid)
-            if not isinstance(start, int) or start < 0 or start + t.shape[0] > prompt_len:
-                raise InvalidRequest(f"embeds at {start} (+{t.shape[0]}) outside the prompt", rid)
+        for pair in mm.embeds:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise InvalidRequest("mm.embeds must hold (start position, tensor) pairs", rid)
+            start, t = pair
+            if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != self.adapter.hidden_size
+                    or not t.is_floating_point()):
+                raise InvalidRequest(f"embeds must be floating-point tensors [n, {self.adapter.hidden_size}]", rid)
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + t.shape[0] > prompt_len:
+                raise InvalidRequest(f"embeds at {start!r} (+{t.shape[0]}) outside the prompt", rid)
         if mm.mrope_positions is not None:
             if self.adapter.position_dims != 3:
                 raise InvalidRequest("mrope_positions given for a model with 1-D positions", rid)
-            if tuple(mm.mrope_positions.shape) != (3, prompt_len):
-                raise InvalidRequest(f"mrope_positions must have shape (3, {prompt_len})", rid)
+            p = mm.mrope_positions
+            if (not isinstance(p, torch.Tensor) or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool
+                    or tuple(p.shape) != (3, prompt_len)):
+                raise InvalidRequest(f"mrope_positions must be an integer tensor of shape (3, {prompt_len})", rid)
+            d = mm.mrope_delta
+            if isinstance(d, bool) or not isinstance(d, int) or abs(d) >= 2**40:
+                raise InvalidRequest(f"mrope_delta must be an int (|delta| < 2**40), got {d!r}", rid)
         return tuple(mm.media)
 
