@@ -157,7 +157,7 @@ class AllocationManager:
 
     def state(self, request_id) -> RequestView:
         with self._lock:
-            req = self._requests.get(request_id)
+            req = _lookup(self._requests, request_id)
             if req is None:
                 raise UnknownRequest(request_id, "state")
             return RequestView(request_id, np.asarray(req.pages, dtype=np.int32), req.seq_len,
@@ -459,10 +459,10 @@ class AllocationManager:
         req.lookup = (0, 0, 0, 0)
 
     def _pop(self, request_id, op: str) -> _Request:
-        req = self._requests.pop(request_id, None)
+        req = _lookup(self._requests, request_id)
         if req is None:
             raise UnknownRequest(request_id, op)
-        return req
+        return self._requests.pop(request_id)
 
     def _release(self, req: _Request, exclude: set = frozenset()) -> None:
         """Drop the request's ownership of every page it holds (except ``exclude``) and its in-flight names."""
@@ -498,7 +498,7 @@ class AllocationManager:
     def resume(self, request_id) -> ResumeResult:
         """Re-seed a suspended request from the index over all its written full pages."""
         with self._lock:
-            req = self._requests.get(request_id)
+            req = _lookup(self._requests, request_id)
             if req is None:
                 raise UnknownRequest(request_id, "resume")
             if req.suspended_ids is None:
@@ -575,7 +575,7 @@ class AllocationManager:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _live(self, request_id, op: str) -> _Request:
-        req = self._requests.get(request_id)
+        req = _lookup(self._requests, request_id)
         if req is None:
             raise UnknownRequest(request_id, op)
         if req.suspended_ids is not None:
@@ -633,3 +633,11 @@ class AllocationManager:
     def metadata_nbytes(self) -> int:
         """Per-page metadata of pool and index (not the KV tensor)."""
         return self.pool.metadata_nbytes() + self.index.metadata_nbytes()
+
+
+def _lookup(requests: dict, request_id) -> "_Request | None":
+    """The request under ``request_id``, or None (also for an id that cannot be hashed: no request has one)."""
+    try:
+        return requests.get(request_id)
+    except TypeError:
+        return None

@@ -234,6 +234,10 @@ def _same(a, b):
     (lambda m: m.admit("new", [-3]), InvalidRequest),
     (lambda m: m.admit("new", [1, True]), InvalidRequest),
     (lambda m: m.admit(["not", "hashable"], [1, 2]), InvalidRequest),
+    (lambda m: m.state(["not", "hashable"]), UnknownRequest),  # these three raised TypeError
+    (lambda m: m.reserve(["not", "hashable"], 1), UnknownRequest),
+    (lambda m: m.resume(["not", "hashable"]), UnknownRequest),
+    (lambda m: m.teardown(["not", "hashable"]), UnknownRequest),
     (lambda m: m.admit("new", [1, 2], media=[MediaItem(b"d" * 16, 5)]), InvalidRequest),
     (lambda m: m.reserve("live", -1), InvalidRequest),
     (lambda m: m.reserve("live", 2.0), InvalidRequest),
