@@ -189,6 +189,16 @@ def test_a_tower_forward_that_raises_fails_its_request_only(llava, crops, monkey
     assert_whole(vlm)
 
 
+def test_images_that_are_not_a_list_are_refused(llava, crops):
+    # One bytes object read as a list of 200,000 images, a path as a list of characters; None raised TypeError.
+    vlm = front(llava)
+    image = vlm.builder.template.image_token_id
+    for images in (crops[0], "a/path.png", None, 5):
+        out = vlm.generate([VLMRequest(token_ids=[1, image, 2], images=images, sampling=greedy(2))])[0]
+        assert isinstance(out.error, InvalidRequest) and "must be a list" in str(out.error), out
+    assert_whole(vlm)
+
+
 def test_an_image_the_models_processor_refuses_fails_its_request_only(crops):
     # Qwen2-VL's processor refuses an aspect ratio over 200 with a ValueError, which used to escape from
     # generate and lose the whole call.

@@ -253,6 +253,8 @@ class VLMEngine:
             if request.images:
                 raise InvalidRequest("images of a chat request go in its messages' content parts", rid)
             return self.builder.from_messages(request.messages, salt=request.salt)
+        if not isinstance(request.images, (list, tuple)):  # one bytes object or path would read as many items
+            raise InvalidRequest(f"images must be a list of images, got {type(request.images).__name__}", rid)
         return self.builder.from_token_ids(request.token_ids, list(request.images), salt=request.salt)
 
     @staticmethod
