@@ -141,8 +141,12 @@ class MediaItem:
 def as_token_array(token_ids: Any, request_id: object = None) -> np.ndarray:
     """Validate token ids and return them as a contiguous little-endian int32 array (a copy if needed).
 
-    Refuses (``InvalidRequest``) floats, bools, non-1-D input and ids outside ``[0, 2**31)``.
+    Refuses (``InvalidRequest``) floats, bools, non-1-D input, ids outside ``[0, 2**31)`` and bytes-like
+    objects (numpy reads a ``bytearray`` or ``memoryview`` as its byte values, which are not token ids).
     """
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        raise InvalidRequest(f"token ids must be a sequence of ints, got {type(token_ids).__name__} "
+                             "(text must be a str)", request_id)
     if isinstance(token_ids, np.ndarray):
         arr = token_ids
     else:

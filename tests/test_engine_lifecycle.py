@@ -233,6 +233,8 @@ def test_bad_input_gets_a_typed_error_and_leaves_the_others_alone(tiny):
         Request(good, greedy(), guidance_scale=3.0),  # no negative prompt: it used to run unguided, silently
         Request(good, greedy(), guidance_scale=float("nan")),
         Request([3, True, 4], greedy()),  # a bool among ids (numpy would read it as 1)
+        Request(bytearray(b"text"), greedy()),  # numpy would read its byte values as ids
+        Request(good, greedy(), negative_prompt=bytearray(b"no"), guidance_scale=3.0),
         Request(good, greedy(), request_id=["not", "hashable"]),
         Request(good, SamplingParams(stop_token_ids=5)),  # not a list: used to raise TypeError out of the call
         Request(good, SamplingParams(ignore_eos="yes")),

@@ -85,7 +85,8 @@ def test_extras_change_the_page_of_the_first_placeholder_and_everything_after():
     assert n3[1] != n1[1]
 
 
-@pytest.mark.parametrize("bad", [[1.5, 2.0], [[1, 2]], [-1], [2**31], np.array([True, False]), [3, True], (False, 4)])
+@pytest.mark.parametrize("bad", [[1.5, 2.0], [[1, 2]], [-1], [2**31], np.array([True, False]), [3, True], (False, 4),
+                                 b"ab", bytearray(b"ab"), memoryview(b"ab")])
 def test_token_ids_are_validated(bad):
     with pytest.raises(InvalidRequest):
         as_token_array(bad)
