@@ -94,12 +94,14 @@ def _int_at_least(value: object, low: int, what: str) -> int:
     return value
 
 
-def _guidance_scale(value: object) -> float | int:
-    """The request's guidance scale, refused unless a finite real number (the pipelines compare it with 1 to
-    decide whether the negative branch runs, and would raise a bare ``TypeError`` or run unguided on NaN)."""
+def _guidance_scale(value: object) -> float:
+    """The request's guidance scale as a float, refused unless a finite real number (the pipelines compare it
+    with 1 to decide whether the negative branch runs, and would raise a bare ``TypeError`` or run unguided on
+    NaN). An int is passed on as the float equal to it: torch multiplies a tensor by an int through int64, so the
+    pipelines raise ``OverflowError`` on an int past 2**63; for smaller ints the outputs are the same."""
     if not finite_number(value):
         raise InvalidRequest(f"guidance_scale must be a finite number, got {value!r}")
-    return value
+    return float(value)
 
 
 def _repeat(embeds: torch.Tensor, n: int) -> torch.Tensor:

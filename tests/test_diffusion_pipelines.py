@@ -238,6 +238,14 @@ def test_a_guidance_scale_that_is_not_a_finite_number_is_refused_before_any_enco
     assert fc.total == 0 and len(store) == 0
 
 
+def test_an_int_guidance_scale_runs_as_the_float_equal_to_it(wan, sd3):
+    # torch multiplies by an int through int64: the pipelines raised OverflowError for 10**30 after every prompt
+    # was encoded. Passed on as a float, a small int gives the same outputs and a huge one does not raise.
+    for wrapper, run in ((CachedWanPipeline(wan, None), frames), (CachedSD3Pipeline(sd3, None), images)):
+        assert torch.equal(run(wrapper, PROMPTS[0], guidance_scale=5), run(wrapper, PROMPTS[0], guidance_scale=5.0))
+        assert run(wrapper, PROMPTS[0], guidance_scale=10**30).shape == run(wrapper, PROMPTS[0]).shape
+
+
 def test_text_encoders_with_lora_layers_are_refused(wan, monkeypatch):
     monkeypatch.setattr(wan.text_encoder, "_hf_peft_config_loaded", True, raising=False)
     with pytest.raises(InvalidRequest):
