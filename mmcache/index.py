@@ -11,6 +11,8 @@ Invariants (``check_invariants``):
   first page, where ``root_id`` identifies the exact root material (fingerprint and salt bytes) in
   ``roots``. Every entry's parent page is itself in the index (eviction removes leaves only).
 * ``children[p]`` counts the entries whose parent is ``p``.
+* Live plus tombstone slots fill at most 3/4 of the multimap (a rebuild before an insert could pass it drops
+  the tombstones), so every probe for a missing name ends at an EMPTY slot.
 * ``pool.ids[p]`` are the ids ``p`` was named over; a hit compares them, its extras and its parent.
 * Recency: ``stamp`` grows with time; a touch stamps a run's pages tail first, so along a chain a page is
   never staler than the page after it when both were touched together, and least-recent order drops tails
@@ -38,7 +40,9 @@ class PrefixIndex:
         n = pool.num_pages
         self.pool = pool
         self.page_size = pool.page_size
-        self._cap = max(8, 2 * n)  # load factor <= 0.5 since each entry owns a distinct page
+        # Each entry owns a distinct page, so at most half the slots are live; tombstones are bounded by
+        # rebuilding, so live + tombstone slots stay <= 3/4 of them and every probe sequence meets an EMPTY.
+        self._cap = max(8, 2 * n)
         self._keys = np.zeros(self._cap, dtype=np.uint64)
         self._vals = np.full(self._cap, EMPTY, dtype=np.int32)
         self._tombstones = 0
@@ -142,8 +146,11 @@ class PrefixIndex:
             pending = pending[~hit]
             pos[pending] = (pos[pending] + 1) % cap
 
-    def _maybe_rebuild(self) -> None:
-        if self.size + self._tombstones <= (3 * self._cap) // 4:
+    def _maybe_rebuild(self, incoming: int = 0) -> None:
+        """Drop the tombstones when, with ``incoming`` more entries each taking an EMPTY slot, live plus
+        tombstone slots could pass 3/4 of the table (a full table would make every probe for a missing name
+        loop forever)."""
+        if self.size + incoming + self._tombstones <= (3 * self._cap) // 4:
             return
         self._keys[:] = 0
         self._vals[:] = EMPTY
@@ -246,6 +253,7 @@ class PrefixIndex:
         pages = np.asarray(pages, dtype=np.int32)
         if self.in_index[pages].any():
             raise AssertionError("a page is already in the index")  # a manager bug
+        self._maybe_rebuild(n)
         self._slots_insert(np.asarray(names, dtype=np.uint64), pages)
         self.name[pages] = names
         self.parent[pages[0]] = parent
@@ -297,6 +305,9 @@ class PrefixIndex:
         return sum(a.nbytes for a in arrays)
 
     def check_invariants(self) -> None:
+        tombstones = int((self._vals == TOMBSTONE).sum())
+        if tombstones != self._tombstones or self.size + tombstones > (3 * self._cap) // 4:
+            raise AssertionError("tombstone count wrong, or live and tombstone slots fill over 3/4 of the table")
         live = np.flatnonzero(self._vals >= 0)
         if len(live) != self.size or int(self.in_index.sum()) != self.size:
             raise AssertionError("index size, multimap and in_index disagree")

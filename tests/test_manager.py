@@ -259,6 +259,25 @@ def test_bad_input_raises_typed_error_and_changes_nothing(call, error):
     mgr.check_invariants()
 
 
+def test_the_index_multimap_never_fills_up_with_tombstones():
+    # Evicting left tombstones that only a later removal could clear; fresh inserts took the remaining EMPTY
+    # slots, and the next lookup of a missing name probed the full table forever (under the manager's lock).
+    mgr = AllocationManager(CacheConfig(num_pages=4, page_size=1), Fingerprint.for_tests(page_size=1))
+    index = mgr.index
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        ids = rng.integers(0, 1000, size=4)
+        mgr.admit(i, ids)
+        mgr.reserve(i, 4 - mgr.state(i).seq_len)
+        mgr.commit(i, ids[mgr.state(i).seq_len:])
+        mgr.teardown(i)
+        mgr.check_invariants()  # live + tombstone slots stay within 3/4 of the table
+        assert (index._vals == -1).sum() >= index._cap // 4
+        if i % 3 == 0:
+            mgr.clear_cache()
+    assert mgr.peek(mgr.prepare([5, 6, 7])) == 0  # a miss ends
+
+
 def test_double_teardown_is_an_error():
     mgr = make()
     run(mgr, "a", [1, 2, 3])
