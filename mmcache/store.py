@@ -136,9 +136,18 @@ class Lease:
         self.release()
 
 
-def _check_key(key) -> None:
-    if not isinstance(key, (bytes, bytearray)) or len(key) != 16:
+def _key(key) -> bytes | None:
+    """``key`` as bytes when it is a 16-byte digest (``store_key``'s, or the same bytes in a bytearray)."""
+    if isinstance(key, (bytes, bytearray)) and len(key) == 16:
+        return bytes(key)
+    return None
+
+
+def _check_key(key) -> bytes:
+    k = _key(key)
+    if k is None:
         raise InvalidRequest("store keys are the 16-byte digests made by store_key")
+    return k
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -163,13 +172,14 @@ class EncoderOutputStore:
         self._computing: dict[bytes, threading.Event] = {}
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
+        return _key(key) in self._entries  # a malformed key names no entry
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def acquire(self, key: bytes) -> Lease | None:
         """A held lease on the entry for ``key``, or None on a miss. Counts a lookup."""
+        key = _check_key(key)
         with self._lock:
             self.metrics.lookups += 1
             return self._hold(key)
@@ -190,14 +200,20 @@ class EncoderOutputStore:
         If an entry already exists it is kept and returned. If the outputs cannot fit, the lease carries
         them with ``bypassed=True`` and nothing is stored.
         """
-        _check_key(key)
+        key = _check_key(key)
         if not isinstance(outputs, Mapping) or not outputs:
-            raise StoreEntryRejected(bytes(key).hex(), "outputs must be a non-empty mapping of name to tensor")
+            raise StoreEntryRejected(key.hex(), "outputs must be a non-empty mapping of name to tensor")
+        if not all(isinstance(name, str) for name in outputs):
+            raise StoreEntryRejected(key.hex(), f"output names must be str, got {list(outputs)!r}")
         if spec is not None:
+            if not isinstance(spec, OutputSpec):
+                raise InvalidRequest(f"spec must be an OutputSpec or None, got {type(spec).__name__}")
             spec.check(key, outputs)
         for name, t in outputs.items():
             if not isinstance(t, torch.Tensor):
                 raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
+            if t.layout != torch.strided:  # a sparse tensor has no single storage to count
+                raise StoreEntryRejected(key.hex(), f"output {name!r} has layout {t.layout}, not strided")
         if meta is not None and not isinstance(meta, Mapping):
             raise StoreEntryRejected(key.hex(), f"meta must be a mapping, got {type(meta).__name__}")
         outs = {k: _compact(v.detach()) for k, v in outputs.items()}
@@ -243,7 +259,7 @@ class EncoderOutputStore:
         Concurrent callers with the same key wait for one computation. An exception from ``compute``
         propagates to its caller and stores nothing. A malformed key is refused before anything is computed.
         """
-        _check_key(key)
+        key = _check_key(key)
         while True:
             with self._lock:
                 self.metrics.lookups += 1
@@ -278,7 +294,7 @@ class EncoderOutputStore:
             e.holds -= 1
 
     def held(self, key: bytes) -> int:
-        e = self._entries.get(key)
+        e = self._entries.get(_key(key))
         return e.holds if e else 0
 
     def check_invariants(self) -> None:

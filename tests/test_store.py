@@ -163,7 +163,23 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
     for result in (None, {"features": torch.zeros(2)}, (entry(2), {}, {})):
         with pytest.raises(StoreEntryRejected, match="compute must return"):
             store.get_or_compute(key(2), lambda result=result: result)
-    assert len(store) == 0 and not store._computing
+    spec = OutputSpec({"features": ((None,), torch.float32)})
+    for outputs, with_spec in (({1: torch.zeros(2), "features": torch.zeros(2)}, True),  # sorted() raised TypeError
+                               ({"features": torch.zeros(4).to_sparse()}, False)):  # NotImplementedError
+        with pytest.raises(StoreEntryRejected):
+            store.put(key(3), outputs, spec=spec if with_spec else None)
+    with pytest.raises(InvalidRequest, match="OutputSpec"):  # AttributeError before
+        store.put(key(3), {"features": torch.zeros(2)}, spec={"features": ((None,), torch.float32)})
+    for bad in ([1], None, b"short"):  # unhashable keys raised TypeError
+        with pytest.raises(InvalidRequest):
+            store.acquire(bad)
+        assert bad not in store and store.held(bad) == 0
+    assert len(store) == 0 and not store._computing and store.metrics.lookups == 3  # refused keys count none
     with store.get_or_compute(key(2), compute) as lease:  # the next caller computes
         assert not lease.hit and ran == [1]
+    # the same 16 bytes in a bytearray name the same entry (it raised TypeError: unhashable)
+    with store.get_or_compute(bytearray(key(2)), compute) as lease:
+        assert lease.hit and ran == [1] and store.held(bytearray(key(2))) == 1 and bytearray(key(2)) in store
+    with store.put(bytearray(key(4)), {"features": torch.zeros(2)}) as lease:
+        assert not lease.bypassed and key(4) in store and lease.key == key(4)
     store.check_invariants()
