@@ -174,6 +174,8 @@ class AllocationManager:
         ids = as_token_array(token_ids, request_id)
         if len(ids) == 0:
             raise InvalidRequest("empty prompt", request_id)
+        if not isinstance(media, (list, tuple)):
+            raise InvalidRequest(f"media must be a list of MediaItem, got {type(media).__name__}", request_id)
         for item in media:
             if not isinstance(item, MediaItem):
                 raise InvalidRequest(f"media items must be MediaItem, got {type(item).__name__}", request_id)
@@ -478,6 +480,8 @@ class AllocationManager:
         """Offload a request: pages it owns alone are released (after ``offload(pages)`` copied them out,
         under the lock), pages it shares are decremented and stay resident. Returns the written ids, which
         ``resume`` re-seeds from."""
+        if offload is not None and not callable(offload):
+            raise InvalidRequest(f"offload must be a callable or None, got {type(offload).__name__}", request_id)
         with self._lock:
             req = self._live(request_id, "suspend")
             if req.released:

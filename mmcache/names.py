@@ -154,15 +154,21 @@ def as_token_array(token_ids: Any, request_id: object = None) -> np.ndarray:
             import torch  # local: names must not pay torch's import for plain lists
 
             if isinstance(token_ids, torch.Tensor):
+                if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+                    raise InvalidRequest(f"token ids must be integers, got dtype {token_ids.dtype}", request_id)
                 token_ids = token_ids.detach().cpu().numpy()
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
-        arr = np.asarray(token_ids)
+        try:
+            arr = np.asarray(token_ids)
+        except (ValueError, TypeError, OverflowError) as e:  # ragged nesting, ints past 64 bits
+            raise InvalidRequest(f"token ids must be a flat sequence of ints: {e}", request_id) from None
     if arr.ndim != 1:
         raise InvalidRequest(f"token ids must be 1-D, got shape {arr.shape}", request_id)
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}", request_id)
-    if arr.dtype == np.bool_ or (isinstance(token_ids, (list, tuple)) and bool in map(type, token_ids)):
+    if arr.dtype == np.bool_ or (isinstance(token_ids, (list, tuple))
+                                 and any(isinstance(t, (bool, np.bool_)) for t in token_ids)):
         raise InvalidRequest("token ids must be integers, got bool", request_id)  # [True, 3] becomes [1, 3]
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
         raise InvalidRequest(f"token ids must lie in [0, {MAX_TOKEN_ID}]", request_id)

@@ -239,6 +239,12 @@ def _same(a, b):
     (lambda m: m.resume(["not", "hashable"]), UnknownRequest),
     (lambda m: m.teardown(["not", "hashable"]), UnknownRequest),
     (lambda m: m.admit("new", [1, 2], media=[MediaItem(b"d" * 16, 5)]), InvalidRequest),
+    (lambda m: m.admit("new", [1, 2], media=None), InvalidRequest),  # these three raised TypeError
+    (lambda m: m.admit("new", [1, 2], media=MediaItem(b"d" * 16, 0)), InvalidRequest),
+    (lambda m: m.suspend("live", offload=5), InvalidRequest),
+    (lambda m: m.admit("new", [[1], [2, 3]]), InvalidRequest),  # a raw numpy ValueError
+    (lambda m: m.admit("new", [np.True_, 3]), InvalidRequest),  # was accepted as [1, 3]
+    (lambda m: m.commit("live", [[1], [2, 3]]), InvalidRequest),
     (lambda m: m.reserve("live", -1), InvalidRequest),
     (lambda m: m.reserve("live", 2.0), InvalidRequest),
     (lambda m: m.commit("live", np.arange(1, 40)), InvalidRequest),  # beyond the reserved pages

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from mmcache import Fingerprint, InvalidRequest, MediaItem, Namer, as_token_array, canonical_encoding, media_digest
 from mmcache.names import page_extras
@@ -86,7 +87,8 @@ def test_extras_change_the_page_of_the_first_placeholder_and_everything_after():
 
 
 @pytest.mark.parametrize("bad", [[1.5, 2.0], [[1, 2]], [-1], [2**31], np.array([True, False]), [3, True], (False, 4),
-                                 b"ab", bytearray(b"ab"), memoryview(b"ab")])
+                                 b"ab", bytearray(b"ab"), memoryview(b"ab"), [np.True_, 3], [[1], [2, 3]], [2**70],
+                                 torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([True])])
 def test_token_ids_are_validated(bad):
     with pytest.raises(InvalidRequest):
         as_token_array(bad)
