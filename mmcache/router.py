@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from .checks import finite_number
+from .checks import finite_number, unicode_text
 from .errors import InvalidRequest
 
 
@@ -46,8 +46,11 @@ class RouterConfig:
 
     def __post_init__(self):
         if (not isinstance(self.replicas, (tuple, list)) or not self.replicas
-                or not all(isinstance(r, str) for r in self.replicas) or len(set(self.replicas)) != len(self.replicas)):
-            raise InvalidRequest(f"replicas must be distinct strings, at least one, got {self.replicas!r}")
+                or not all(isinstance(r, str) and unicode_text(r) for r in self.replicas)
+                or len(set(self.replicas)) != len(self.replicas)):
+            raise InvalidRequest(f"replicas must be distinct strings (valid Unicode), at least one, got "
+                                 f"{self.replicas!r}")
+        object.__setattr__(self, "replicas", tuple(self.replicas))  # frozen: a list could change afterwards
         if isinstance(self.depth_pages, bool) or not isinstance(self.depth_pages, int) or self.depth_pages < 1:
             raise InvalidRequest(f"depth_pages must be a positive int, got {self.depth_pages!r}")
         if not (finite_number(self.load_factor) and self.load_factor >= 1):
@@ -64,7 +67,10 @@ class RouterConfig:
 
 
 def _page_names(names) -> np.ndarray:
-    arr = np.asarray(names)
+    try:
+        arr = np.asarray(names)
+    except (ValueError, TypeError, OverflowError):  # ragged nesting
+        arr = np.asarray(None)
     if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0)):
         raise InvalidRequest(f"page names must be a 1-D array of unsigned 64-bit names, got {arr.dtype} "
                              f"of shape {arr.shape}")
@@ -90,7 +96,9 @@ class ReplicaRouter:
         return int(names[min(self.config.depth_pages, len(names)) - 1])
 
     def ranking(self, name: int) -> list[int]:
-        """Replica indices in rendezvous order for ``name``: the preferred replica first."""
+        """Replica indices in rendezvous order for ``name`` (a 64-bit page name): the preferred replica first."""
+        if isinstance(name, (bool, np.bool_)) or not isinstance(name, (int, np.integer)) or not 0 <= name < 2**64:
+            raise InvalidRequest(f"a page name is an int in [0, 2**64), got {name!r}")
         key = int(name).to_bytes(8, "little")
         scores = [xxhash.xxh64_intdigest(key, seed) for seed in self._seeds]
         return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
@@ -100,16 +108,24 @@ class ReplicaRouter:
         name = self.routing_name(names)
         return None if name is None else self.ranking(name)[0]
 
+    def _loads(self, loads: Sequence[float]) -> list:
+        if not isinstance(loads, (list, tuple, np.ndarray)):
+            raise InvalidRequest(f"loads must be a list with one load per replica, got {type(loads).__name__}")
+        loads = list(loads)
+        if len(loads) != self.num_replicas:
+            raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")
+        if not all(finite_number(x) and x >= 0 for x in loads):
+            raise InvalidRequest(f"loads must be finite numbers >= 0, got {loads!r}")
+        return loads
+
     def threshold(self, loads: Sequence[float]) -> float:
         """The load past which a preferred replica is skipped."""
+        loads = self._loads(loads)
         return max(self.config.min_load, self.config.load_factor * sum(loads) / len(loads))
 
     def route(self, names: np.ndarray, loads: Sequence[float]) -> int:
         """The replica for a prompt with page names ``names`` given each replica's current load."""
-        if len(loads) != self.num_replicas:
-            raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")
-        if not all(finite_number(x) and x >= 0 for x in loads):
-            raise InvalidRequest(f"loads must be finite numbers >= 0, got {list(loads)!r}")
+        loads = self._loads(loads)
         name = self.routing_name(names)
         order = list(range(self.num_replicas)) if name is None else self.ranking(name)
         first = order[0]

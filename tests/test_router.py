@@ -115,7 +115,8 @@ def test_routing_is_a_pure_function_of_names_and_loads():
                                     dict(replicas=("a",), load_factor=0.5),
                                     dict(replicas=("a",), load_factor=float("nan")),
                                     dict(replicas=("a", 3)), dict(replicas="ab"), dict(replicas=("a",), load_factor="2"),
-                                    dict(replicas=("a",), min_load=None), dict(replicas=("a",), min_load=True)])
+                                    dict(replicas=("a",), min_load=None), dict(replicas=("a",), min_load=True),
+                                    dict(replicas=("\ud800", "b"))])  # the router's seed raised UnicodeEncodeError
 def test_bad_config_is_refused(kwargs):
     with pytest.raises(InvalidRequest):
         RouterConfig(**kwargs)
@@ -134,7 +135,29 @@ def test_loads_that_are_not_finite_non_negative_numbers_are_refused(loads):
         ReplicaRouter(RouterConfig.numbered(3)).route(names_of(np.arange(PAGE)), loads)
 
 
-@pytest.mark.parametrize("names", [np.array([1.5]), np.array([-1]), np.array([[1, 2]]), ["x"]])
+def test_a_replica_list_is_kept_as_a_tuple():
+    config = RouterConfig(["a", "b"])
+    assert config.replicas == ("a", "b") and hash(config)  # a list left the frozen config unhashable and mutable
+
+
+@pytest.mark.parametrize("loads", [{0, 1, 2}, (x for x in [0, 1, 2]), None, 3])
+def test_loads_that_are_not_a_list_are_refused(loads):  # TypeError before
+    router = ReplicaRouter(RouterConfig.numbered(3))
+    with pytest.raises(InvalidRequest, match="loads"):
+        router.route(names_of(np.arange(PAGE)), loads)
+    with pytest.raises(InvalidRequest, match="loads"):
+        router.threshold(loads)
+    with pytest.raises(InvalidRequest, match="loads"):  # ZeroDivisionError before
+        ReplicaRouter(RouterConfig.numbered(1)).threshold([])
+
+
+@pytest.mark.parametrize("name", [-1, 2**64, 1.5, True, "7"])
+def test_a_routing_name_outside_64_bits_is_refused(name):  # OverflowError before
+    with pytest.raises(InvalidRequest, match="page name"):
+        ReplicaRouter(RouterConfig.numbered(3)).ranking(name)
+
+
+@pytest.mark.parametrize("names", [np.array([1.5]), np.array([-1]), np.array([[1, 2]]), ["x"], [[1], [2, 3]]])
 def test_page_names_that_are_not_a_vector_of_names_are_refused(names):
     router = ReplicaRouter(RouterConfig.numbered(3))
     with pytest.raises(InvalidRequest, match="page names"):
