@@ -128,6 +128,11 @@ class AllocationManager:
 
     def __init__(self, config: CacheConfig, fingerprint: Fingerprint, kv_spec: KVSpec | None = None,
                  hash_fn: HashFn | None = None):
+        if not isinstance(config, CacheConfig) or not isinstance(fingerprint, Fingerprint):
+            raise InvalidRequest(f"AllocationManager needs a CacheConfig and a Fingerprint, got "
+                                 f"{type(config).__name__} and {type(fingerprint).__name__}")
+        if kv_spec is not None and not isinstance(kv_spec, KVSpec):
+            raise InvalidRequest(f"kv_spec must be a KVSpec or None, got {type(kv_spec).__name__}")
         if fingerprint.page_size != config.page_size:
             raise InvalidRequest(
                 f"fingerprint page_size {fingerprint.page_size} differs from config {config.page_size}")

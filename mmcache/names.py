@@ -109,6 +109,13 @@ class Fingerprint:
     def __post_init__(self):
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) or self.page_size <= 0:
             raise InvalidRequest(f"page_size must be a positive int, got {self.page_size!r}")
+        for name in ("model_digest", "kv_dtype", "attention_backend"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"{name} must be a str, got {getattr(self, name)!r}")
+        for name in ("tp_rank", "tp_size", "namer_version"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidRequest(f"{name} must be an int, got {v!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise InvalidRequest(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import positive_int
+from .errors import InvalidRequest
 from .names import TOKEN_DTYPE
 
 
@@ -40,6 +42,20 @@ class KVSpec:
     dtype: object = "float32"
     device: object = "cpu"
 
+    def __post_init__(self):
+        import torch  # local: a metadata-only pool does not pay torch's import
+
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if not positive_int(getattr(self, name)):
+                raise InvalidRequest(f"KVSpec.{name} must be a positive int, got {getattr(self, name)!r}")
+        dtype = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else self.dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InvalidRequest(f"KVSpec.dtype must name a floating torch dtype, got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise InvalidRequest(f"KVSpec.device is not a torch device: {self.device!r} ({e})") from None
+
 
 class PagePool:
     """Fixed set of pages with owner counts. Not thread-safe: the allocation manager's lock guards it."""
@@ -49,8 +65,12 @@ class PagePool:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
-        self.refcount = np.zeros(self.num_pages, dtype=np.int32)
-        self.ids = np.zeros((self.num_pages, self.page_size), dtype=TOKEN_DTYPE)
+        try:
+            self.refcount = np.zeros(self.num_pages, dtype=np.int32)
+            self.ids = np.zeros((self.num_pages, self.page_size), dtype=TOKEN_DTYPE)
+        except (MemoryError, ValueError) as e:  # numpy's refusal of a size, or of the memory
+            raise InvalidRequest(f"a pool of {num_pages} pages of {page_size} tokens cannot be allocated: "
+                                 f"{type(e).__name__}: {e}") from None
         # Free stack: _free[:_free_top] are free; popping from the top reuses recently freed pages first.
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._free_top = self.num_pages
@@ -60,11 +80,15 @@ class PagePool:
             import torch
 
             dtype = getattr(torch, kv_spec.dtype) if isinstance(kv_spec.dtype, str) else kv_spec.dtype
-            self.kv = torch.zeros(
-                (kv_spec.num_layers, 2, kv_spec.num_kv_heads, self.num_pages, self.page_size, kv_spec.head_dim),
-                dtype=dtype,
-                device=kv_spec.device,
-            )
+            try:
+                self.kv = torch.zeros(
+                    (kv_spec.num_layers, 2, kv_spec.num_kv_heads, self.num_pages, self.page_size, kv_spec.head_dim),
+                    dtype=dtype,
+                    device=kv_spec.device,
+                )
+            except (MemoryError, RuntimeError) as e:  # the allocator's refusal
+                raise InvalidRequest(f"a KV pool of {self.num_pages} pages cannot be allocated: "
+                                     f"{type(e).__name__}: {e}") from None
 
     @property
     def num_free(self) -> int:

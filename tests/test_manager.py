@@ -4,9 +4,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from mmcache import (AllocationFailed, AllocationManager, CacheConfig, DuplicateRequest, Fingerprint,
                      InvalidRequest, MediaItem, RequestStateError, UnknownRequest, media_digest)
+from mmcache.pool import KVSpec
 
 P = 4
 
@@ -298,6 +300,33 @@ def test_config_validation():
             CacheConfig(**bad)
     with pytest.raises(InvalidRequest):
         AllocationManager(CacheConfig(num_pages=4, page_size=8), Fingerprint.for_tests(4))
+
+
+@pytest.mark.parametrize("make_it", [
+    lambda: KVSpec(1, 1, 1, dtype="nn"),  # TypeError from torch.zeros before
+    lambda: KVSpec(1, 1, 1, dtype="nope"),  # AttributeError
+    lambda: KVSpec(1, 1, 1, dtype="int32"),
+    lambda: KVSpec(-1, 1, 1),  # RuntimeError
+    lambda: KVSpec(1, True, 1),
+    lambda: KVSpec(1, 1, 1, device="bogus"),  # RuntimeError
+    lambda: Fingerprint("m", "none", "none", 4, tp_rank="0"),  # TypeError
+    lambda: Fingerprint(5, "none", "none", 4),
+    lambda: AllocationManager(CacheConfig(num_pages=4, page_size=4), None),  # AttributeError
+    lambda: AllocationManager(CacheConfig(num_pages=4, page_size=4), Fingerprint.for_tests(4), kv_spec="float32"),
+    lambda: AllocationManager(CacheConfig(num_pages=10**13, page_size=4), Fingerprint.for_tests(4)),  # MemoryError
+    lambda: AllocationManager(CacheConfig(num_pages=10**23, page_size=10**22),  # numpy ValueError
+                              Fingerprint.for_tests(10**22)),
+])
+def test_bad_pool_settings_are_typed_errors(make_it):
+    with pytest.raises(InvalidRequest):
+        make_it()
+
+
+def test_a_kv_spec_names_its_dtype_by_name_or_object():
+    for dtype in ("bfloat16", torch.float32):
+        mgr = AllocationManager(CacheConfig(num_pages=2, page_size=4), Fingerprint.for_tests(4),
+                                KVSpec(1, 1, 2, dtype=dtype, device=torch.device("cpu")))
+        assert mgr.pool.kv.dtype == (torch.bfloat16 if dtype == "bfloat16" else dtype)
 
 
 def test_threads_admitting_and_tearing_down_keep_invariants():
