@@ -94,7 +94,8 @@ def test_limit_replays_the_first_requests_and_is_refused_for_sessions(tmp_path):
 
 
 @pytest.mark.parametrize("option", [["--seed", "-1"], ["--prefill-tps", "0"], ["--route-load-factor", "0.5"],
-                                    ["--pool-tokens", "64"]])
+                                    ["--pool-tokens", "64"],
+                                    ["--pool-tokens", "100000000000000"]])  # MemoryError traceback before
 def test_bad_option_values_fail_with_a_message(tmp_path, capsys, option):
     trace = write_trace(tmp_path / "t.jsonl", records(3))
     assert main(["replay", str(trace), *option]) == 1
@@ -113,3 +114,11 @@ def test_without_matplotlib_an_asked_for_plot_is_refused_first_and_a_default_one
     assert main(args) == 0
     assert json.loads(out.read_text())["sweep"] and not (tmp_path / "s.png").exists()
     assert "no plot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pools", [",", ""])
+def test_a_sweep_of_no_pool_sizes_is_refused(tmp_path, pools):  # it ran nothing and wrote an empty plot
+    trace = write_trace(tmp_path / "t.jsonl", records(3))
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", str(trace), "--sweep", "--sweep-pools", pools])
+    assert exit_.value.code == 2

@@ -46,6 +46,13 @@ def test_mooncake_blocks_map_to_deterministic_512_token_blocks(tmp_path):
     ('{"timestamp": -1, "input_length": 700, "output_length": 5, "hash_ids": [1, 2]}', "timestamp"),
     ('{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [1, 2]}', "earlier than"),
     ("", "not JSON"),
+    # these raised OverflowError, RecursionError or MemoryError (the last one's output was built before the
+    # replay refused it as too long for the pool)
+    ('{"timestamp": 1%s, "input_length": 700, "output_length": 5, "hash_ids": [1, 2]}' % ("0" * 400), "timestamp"),
+    ('{"timestamp": 5, "input_length": 700, "output_length": 5, "hash_ids": [18446744073709551616, 2]}', "hash ids"),
+    ('{"timestamp": 5, "input_length": 700, "output_length": %d, "hash_ids": [1, 2]}' % 2**70, "exceeds"),
+    ('{"timestamp": 5, "input_length": 700, "output_length": 1000000000000, "hash_ids": [1, 2]}', "exceeds"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
 ])
 def test_malformed_line_names_its_line(tmp_path, bad, reason):
     first = json.dumps({**GOOD, "timestamp": 2})
@@ -119,6 +126,15 @@ def test_default_parameter_file_is_the_dataclass_defaults():
     ({"task_tokens": {"mean": 3, "spread": 1}}, "task_tokens.spread"),
     ({"media": {"probability": 2}}, "media.probability"),
     ({"media": [1]}, "media"),
+    # these raised OverflowError, AttributeError or numpy errors, or asked for terabytes
+    ({"seed": 2**64}, "seed"),
+    ({"turns": {"kind": "constant", "mean": 10**400, "high": None}}, "turns.mean"),
+    ({"turns": {"kind": "lognormal", "mean": 5, "sigma": 1e300, "low": 1, "high": None}}, "turns.sigma"),
+    ({"turns": None}, "turns"),
+    ({"vocab": 2**31, "media": {"probability": 1.0}}, "vocab"),
+    ({"media": {"probability": 1.0, "distinct": 2**70}}, "media.distinct"),
+    ({"system_prompt_tokens": 10**13}, "system_prompt_tokens"),
+    ({"output_tokens": {"kind": "constant", "mean": 10**9, "low": 10**9, "high": None}}, "output_tokens.low"),
 ])
 def test_bad_parameter_names_its_key(tmp_path, change, key):
     path = tmp_path / "p.json"
@@ -126,6 +142,19 @@ def test_bad_parameter_names_its_key(tmp_path, change, key):
     with pytest.raises(SessionParamsError) as err:
         load_params(path)
     assert err.value.key.startswith(key)
+
+
+@pytest.mark.parametrize("change", [
+    {"turns": {"kind": "constant", "mean": 1e15, "high": None}},  # 7 PiB of per-turn arrays
+    {"output_tokens": {"kind": "constant", "mean": 10**6, "high": None}, "turns": {"kind": "constant", "mean": 100}},
+    {"task_tokens": {"kind": "lognormal", "mean": 1e300, "sigma": 10, "high": None}},  # draws overflow to inf
+])
+def test_a_session_longer_than_a_replayed_sequence_may_be_is_refused_before_its_tokens_exist(tmp_path, change):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**params_to_dict(SessionParams()), "sessions": 3, **change}))
+    with pytest.raises(SessionParamsError, match="over the 16777216") as err:
+        AgentSessions(load_params(path), source=path.name)
+    assert err.value.key == "(sessions)"
 
 
 def test_unparsable_parameter_file_names_its_line(tmp_path):

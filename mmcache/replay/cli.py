@@ -41,7 +41,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 
 def _pools(text: str) -> list[int]:
-    return [positive_int(p) for p in text.split(",") if p.strip()]
+    pools = [positive_int(p) for p in text.split(",") if p.strip()]
+    if not pools:  # "," or "": a sweep of nothing would still write an empty plot
+        raise argparse.ArgumentTypeError(f"names no pool size: {text!r}")
+    return pools
 
 
 def register(sub) -> None:

@@ -11,22 +11,23 @@ Mapping (a faithful replay, as the data README asks):
 
 The whole file is parsed and checked before anything is replayed: a malformed line raises
 ``TraceFormatError`` naming the file and the 1-based line, so a trace is never half-replayed silently.
-Checks: one JSON object per line; the four keys; non-negative integer lengths (input at least 1) and ids;
-``len(hash_ids) == ceil(input_length / block_tokens)``; timestamps finite, non-negative, non-decreasing.
+Checks: one JSON object per line; the four keys; non-negative integer lengths (input at least 1) whose sum is
+at most ``MAX_SEQUENCE_TOKENS``; ids in [0, 2**64); ``len(hash_ids) == ceil(input_length / block_tokens)``;
+timestamps finite, non-negative, non-decreasing.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..checks import finite_number
 from ..errors import TraceFormatError
 from .tokens import splitmix64, stream, stream_key, streams
-from .workload import Arrival
+from .workload import MAX_SEQUENCE_TOKENS, Arrival
 
 BLOCK_TOKENS = 512
 VOCAB = 100_000
@@ -59,25 +60,30 @@ class MooncakeTrace:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceFormatError(*where, f"not JSON: {e.msg}") from e
+            except RecursionError:
+                raise TraceFormatError(*where, "not a trace record: JSON nested too deeply") from None
             if not isinstance(rec, dict):
                 raise TraceFormatError(*where, f"expected a JSON object, got {type(rec).__name__}")
             missing = [k for k in _KEYS if k not in rec]
             if missing:
                 raise TraceFormatError(*where, f"missing key(s) {', '.join(missing)}")
             ts = rec["timestamp"]
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            if not finite_number(ts) or ts < 0:
                 raise TraceFormatError(*where, f"timestamp must be a finite number >= 0, got {ts!r}")
             if ts < previous:
                 raise TraceFormatError(*where, f"timestamp {ts} is earlier than the previous line's {previous}")
             previous = ts
             n_in = _int(rec["input_length"], "input_length", 1, where)
             n_out = _int(rec["output_length"], "output_length", 0, where)
+            if n_in + n_out > MAX_SEQUENCE_TOKENS:
+                raise TraceFormatError(*where, f"input_length + output_length = {n_in + n_out} exceeds the "
+                                               f"{MAX_SEQUENCE_TOKENS} tokens a replayed request may hold")
             hashes = rec["hash_ids"]
             if not isinstance(hashes, list):
                 raise TraceFormatError(*where, "hash_ids must be a list")
-            if not all(type(h) is int and h >= 0 for h in hashes):
-                bad = next(h for h in hashes if not (type(h) is int and h >= 0))
-                raise TraceFormatError(*where, f"hash ids must be integers >= 0, got {bad!r}")
+            if not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
+                bad = next(h for h in hashes if not (type(h) is int and 0 <= h < 2**64))
+                raise TraceFormatError(*where, f"hash ids must be integers in [0, 2**64), got {bad!r}")
             if len(hashes) != -(-n_in // block_tokens):
                 raise TraceFormatError(*where, f"{len(hashes)} hash ids for input_length {n_in} "
                                                f"({block_tokens}-token blocks need {-(-n_in // block_tokens)})")

@@ -20,7 +20,9 @@ drawn from ``distinct`` images, so the duplicate-media rate can be measured.
 
 Parameters live in a JSON file (``load_params``); the repository's defaults are
 ``datasets/sessions/agent_sessions.json``, described in the README beside it. Unknown keys, wrong types and
-out-of-range values raise ``SessionParamsError`` naming the key.
+out-of-range values raise ``SessionParamsError`` naming the key. Sizes are bounded so that no parameter
+file can ask for more than memory holds: at most ``MAX_SESSIONS`` sessions, each session's whole token sequence
+at most ``MAX_SEQUENCE_TOKENS`` (checked as each session is drawn, before its tokens exist), ids below 2**31.
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import finite_number
 from ..errors import MmcacheError
-from ..names import MediaItem, media_digest
+from ..names import MAX_TOKEN_ID, MediaItem, media_digest
 from .tokens import stream, stream_key
-from .workload import Arrival
+from .workload import MAX_SEQUENCE_TOKENS, Arrival
 
 DEFAULT_PARAMS = Path(__file__).resolve().parents[2] / "datasets" / "sessions" / "agent_sessions.json"
+MAX_SESSIONS = 2**20
+MAX_SIGMA = 10.0  # a log-space spread of e**10 (22,000-fold) per standard deviation; beyond it lognormal overflows
+COUNT_DISTS = ("task_tokens", "turns", "output_tokens", "tool_output_tokens")
 
 
 class SessionParamsError(MmcacheError, ValueError):
@@ -66,9 +72,10 @@ class Dist:
             raise ValueError(f"{where}.kind must be 'lognormal' or 'constant', got {self.kind!r}")
         for name in ("mean", "sigma", "low", "high"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name != "high" and
-                                                                                 not math.isfinite(v)):
+            if not (finite_number(v) or (name == "high" and v == math.inf)) or v < 0:
                 raise ValueError(f"{where}.{name} must be a finite number >= 0, got {v!r}")
+        if self.sigma > MAX_SIGMA:
+            raise ValueError(f"{where}.sigma must be at most {MAX_SIGMA}, got {self.sigma!r}")
         if self.low > self.high or not self.low <= self.mean <= self.high:
             raise ValueError(f"{where} needs low <= mean <= high, got {self.low}, {self.mean}, {self.high}")
         if self.kind == "lognormal" and self.mean <= 0:
@@ -104,28 +111,36 @@ class SessionParams:
     media: MediaParams | None = None
 
     def check(self) -> None:
-        for name in ("sessions", "concurrency", "vocab"):
+        # vocab: ids lie below it, and the image placeholder is vocab itself, so it must be a token id too
+        for name, high in (("sessions", MAX_SESSIONS), ("concurrency", None), ("vocab", MAX_TOKEN_ID)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("seed", "system_prompt_tokens"):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (high is not None and v > high):
+                raise ValueError(f"{name} must be an integer in [1, {high or 'any'}], got {v!r}")
+        for name, high in (("seed", 2**63 - 1), ("system_prompt_tokens", MAX_SEQUENCE_TOKENS)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= high:
+                raise ValueError(f"{name} must be an integer in [0, {high}], got {v!r}")
         if isinstance(self.start_spacing_s, bool) or not isinstance(self.start_spacing_s, (int, float)) \
                 or not 0 <= self.start_spacing_s < math.inf:
             raise ValueError(f"start_spacing_s must be a finite number >= 0, got {self.start_spacing_s!r}")
-        for name in ("task_tokens", "turns", "output_tokens", "tool_output_tokens", "tool_latency_s"):
-            getattr(self, name).check(name)
+        for name in COUNT_DISTS + ("tool_latency_s",):
+            d = getattr(self, name)
+            if not isinstance(d, Dist):
+                raise ValueError(f"{name} must be a distribution object, got {d!r}")
+            d.check(name)
+            if name in COUNT_DISTS and d.low > MAX_SEQUENCE_TOKENS:  # every draw would be over the bound
+                raise ValueError(f"{name}.low must be at most {MAX_SEQUENCE_TOKENS}, got {d.low!r}")
+        if self.media is not None and not isinstance(self.media, MediaParams):
+            raise ValueError(f"media must be an object or null, got {self.media!r}")
         if self.media is not None:
             m = self.media
             if isinstance(m.probability, bool) or not isinstance(m.probability, (int, float)) \
                     or not 0 <= m.probability <= 1:
                 raise ValueError(f"media.probability must lie in [0, 1], got {m.probability!r}")
-            for name in ("distinct", "image_tokens"):
+            for name, high in (("distinct", 2**63 - 1), ("image_tokens", MAX_SEQUENCE_TOKENS)):
                 v = getattr(m, name)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"media.{name} must be an integer >= 1, got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= high:
+                    raise ValueError(f"media.{name} must be an integer in [1, {high}], got {v!r}")
 
 
 def _build(cls, raw, where: str, path: str):
@@ -168,6 +183,8 @@ def load_params(path: str | Path) -> SessionParams:
         raise SessionParamsError(where, "(file)", f"cannot read: {e}") from e
     except json.JSONDecodeError as e:
         raise SessionParamsError(where, f"(line {e.lineno})", f"not JSON: {e.msg}") from e
+    except RecursionError:
+        raise SessionParamsError(where, "(file)", "JSON nested too deeply") from None
     if isinstance(raw, dict):
         for name in ("task_tokens", "turns", "output_tokens", "tool_output_tokens", "tool_latency_s"):
             if isinstance(raw.get(name), dict) and raw[name].get("high", 0) is None:
@@ -230,18 +247,24 @@ class AgentSessions:
         self.sessions: list[_Session] = []
         self._recent: dict[int, np.ndarray] = {}  # session -> token sequence, least recently used first
         next_id = 0
-        for _ in range(p.sessions):
-            turns = max(1, int(round(p.turns.sample(rng, 1)[0])))
-            s = _Session(
-                task=max(1, int(round(p.task_tokens.sample(rng, 1)[0]))),
-                outputs=np.maximum(1, np.round(p.output_tokens.sample(rng, turns))).astype(np.int64),
-                tools=np.maximum(1, np.round(p.tool_output_tokens.sample(rng, turns))).astype(np.int64),
-                latency=p.tool_latency_s.sample(rng, turns),
-                images=np.full(turns, -1, dtype=np.int64),
-            )
+        for number in range(p.sessions):
+            drawn_turns, drawn_task = p.turns.sample(rng, 1)[0], p.task_tokens.sample(rng, 1)[0]
+            if not p.system_prompt_tokens + drawn_task + drawn_turns <= MAX_SEQUENCE_TOKENS:  # before any array
+                self._too_long(source, number, p.system_prompt_tokens + drawn_task + drawn_turns)
+            turns, task = max(1, int(round(drawn_turns))), max(1, int(round(drawn_task)))
+            outputs = np.maximum(1, np.round(p.output_tokens.sample(rng, turns)))
+            tools = np.maximum(1, np.round(p.tool_output_tokens.sample(rng, turns)))
+            s = _Session(task=task, outputs=outputs, tools=tools, latency=p.tool_latency_s.sample(rng, turns),
+                         images=np.full(turns, -1, dtype=np.int64))
             if p.media is not None and p.media.probability > 0:
                 has = rng.random(turns) < p.media.probability
                 s.images[has] = rng.integers(0, p.media.distinct, int(has.sum()))
+            # The whole sequence: every output, and every tool result (and its image) but the last turn's.
+            total = (p.system_prompt_tokens + task + float(outputs.sum()) + float(tools[:-1].sum())
+                     + self.image_tokens * int((s.images[:-1] >= 0).sum()))
+            if total > MAX_SEQUENCE_TOKENS:  # as floats: the draws may be far past int64
+                self._too_long(source, number, total)
+            s.outputs, s.tools = outputs.astype(np.int64), tools.astype(np.int64)
             tool_total = s.tools + np.where(s.images >= 0, self.image_tokens, 0)
             step = s.outputs + tool_total
             s.prompt_lens = p.system_prompt_tokens + s.task + np.concatenate([[0], np.cumsum(step)[:-1]])
@@ -249,6 +272,11 @@ class AgentSessions:
             next_id += turns
             self.sessions.append(s)
         self.num_requests = next_id
+
+    @staticmethod
+    def _too_long(source: str, session: int, tokens: float) -> None:
+        raise SessionParamsError(source, "(sessions)", f"session {session} would hold {tokens:.4g} tokens, over the "
+                                                       f"{MAX_SEQUENCE_TOKENS} a replayed sequence may hold")
 
     def turn(self, session: int, turn: int) -> SessionTurn:
         s = self.sessions[session]

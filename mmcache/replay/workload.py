@@ -19,6 +19,11 @@ from ..names import MediaItem
 
 Arrival = tuple[float, "RequestSpec"]  # (arrival time in seconds, request)
 
+MAX_SEQUENCE_TOKENS = 2**24
+"""The most tokens one replayed sequence (a request's prompt plus output; a whole agent session) may hold. Its
+ids are built in memory (64 MiB at this size), so a trace line or parameter asking for more is refused when
+read rather than exhausting memory; real context windows are far below it."""
+
 
 class RequestSpec(Protocol):
     request_id: int
