@@ -20,7 +20,9 @@ Invariants (``check_invariants``):
 
 Modes: ``on`` (seed and store), ``off`` (today's behaviour: every page freed at teardown, no names), and
 ``shadow``: pages behave as ``off`` while a metadata-only ``on`` manager (``self.shadow``) mirrors every call
-and counts what would have matched; replay uses that same class directly.
+and counts what would have matched; replay uses that same class directly. The mirror runs under this
+manager's lock (the shadow's own lock is taken inside it, never the other way), so calls for one request
+reach the shadow in the order they took effect, whichever threads made them.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ class AllocationManager:
                            prompt.names.tolist())
             result = self._seed(req, prompt.names) if self.mode == "on" else AdmitResult(0, 0, 0)
             self._requests[request_id] = req
-        self._mirror(request_id, lambda s: s.admit(request_id, prompt))
+            self._mirror(request_id, lambda s: s.admit(request_id, prompt))
         return result
 
     def _seed(self, req: _Request, names: np.ndarray) -> AdmitResult:
@@ -284,7 +286,7 @@ class AllocationManager:
                 req.pages.extend(self.pool.take(need).tolist())
             pages = np.asarray(req.pages, dtype=np.int32)
             end = req.seq_len + num_tokens
-        self._mirror(request_id, lambda s: s.reserve(request_id, max(0, end - s._requests[request_id].seq_len)))
+            self._mirror(request_id, lambda s: s.reserve(request_id, max(0, end - s._requests[request_id].seq_len)))
         return pages
 
     def _ensure_free(self, request_id, need: int) -> None:
@@ -329,11 +331,11 @@ class AllocationManager:
                 if self.mode == "on":
                     self._on_pages_filled(req)
 
-        def mirror(s: AllocationManager):
-            mirrored = s._requests[request_id].seq_len
-            if end > mirrored:
-                s.commit(request_id, ids[max(0, mirrored - start):])
-        self._mirror(request_id, mirror)
+            def mirror(s: AllocationManager):
+                mirrored = s._requests[request_id].seq_len
+                if end > mirrored:
+                    s.commit(request_id, ids[max(0, mirrored - start):])
+            self._mirror(request_id, mirror)
 
     def _on_pages_filled(self, req: _Request) -> None:
         full = self._storable_pages(req) if req.protected_tokens is not None else req.seq_len // self.page_size
@@ -428,7 +430,7 @@ class AllocationManager:
                 self.index.touch(np.asarray(run, dtype=np.int32))
             self._release(req, exclude=set(transferred))
             stored = self.metrics.stored_pages - before
-        self._mirror(request_id, lambda s: s.teardown(request_id), ending=True)
+            self._mirror(request_id, lambda s: s.teardown(request_id), ending=True)
         return stored
 
     def abort(self, request_id, requeue: bool = False) -> None:
@@ -442,7 +444,7 @@ class AllocationManager:
             if requeue:
                 self._uncount_lookup(req)
             self._release(req)
-        self._mirror(request_id, lambda s: s.abort(request_id, requeue), ending=True)
+            self._mirror(request_id, lambda s: s.abort(request_id, requeue), ending=True)
 
     def _uncount_lookup(self, req: _Request) -> None:
         cap, k, forfeit, recorded = req.lookup
@@ -501,7 +503,7 @@ class AllocationManager:
             req.suspended_ids = ids
             req.seq_len = 0
             req.publish_blocked = False
-        self._mirror(request_id, lambda s: s.suspend(request_id))
+            self._mirror(request_id, lambda s: s.suspend(request_id))
         return ids
 
     def resume(self, request_id) -> ResumeResult:
@@ -527,7 +529,7 @@ class AllocationManager:
             req.seq_len = k * self.page_size
             req.suspended_ids = None
             pending = ids[req.seq_len:].copy()
-        self._mirror(request_id, lambda s: s.resume(request_id))
+            self._mirror(request_id, lambda s: s.resume(request_id))
         return ResumeResult(req.seq_len, pending)
 
     # ---- windowed labels ---------------------------------------------------------------------------
@@ -542,7 +544,7 @@ class AllocationManager:
                 raise InvalidRequest(f"protected prefix must be an int in [0, {limit}], got {num_tokens!r}",
                                      request_id)
             req.protected_tokens = int(num_tokens)
-        self._mirror(request_id, lambda s: s.protect_prefix(request_id, num_tokens))
+            self._mirror(request_id, lambda s: s.protect_prefix(request_id, num_tokens))
 
     def release_oldest(self, request_id, num_pages: int) -> np.ndarray:
         """Release the ``num_pages`` oldest full pages after the protected prefix, through the counted free
@@ -568,7 +570,7 @@ class AllocationManager:
             self.pool.decref(released)
             if req.chain and len(req.chain) > min(req.released):
                 req.chain = req.chain[:min(req.released)]
-        self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
+            self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
         return released
 
     def clear_cache(self) -> int:

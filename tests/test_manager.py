@@ -206,6 +206,42 @@ def test_shadow_mode_counts_without_retaining():
     assert mgr.shadow.metrics.hit_tokens == 16 and mgr.metrics.hit_tokens == 0
 
 
+def test_shadow_sees_one_request_s_calls_in_the_order_they_took_effect():
+    # The mirror ran after the lock was released: a teardown from another thread, landing between an admit and
+    # its mirror, raised UnknownRequest from the shadow (the real teardown had succeeded) and the shadow then
+    # admitted the request for good.
+    mgr = make(mode="shadow")
+    entered, go = threading.Event(), threading.Event()
+    real_admit = mgr.shadow.admit
+
+    def slow_admit(*args, **kwargs):
+        entered.set()
+        go.wait(10)
+        return real_admit(*args, **kwargs)
+
+    mgr.shadow.admit = slow_admit
+    admitting = threading.Thread(target=mgr.admit, args=("r", np.arange(1, 10)))
+    admitting.start()
+    assert entered.wait(10)
+    failures = []
+
+    def tear_down():
+        try:
+            mgr.teardown("r")
+        except Exception as e:  # pragma: no cover - the defect
+            failures.append(e)
+
+    ending = threading.Thread(target=tear_down)
+    ending.start()
+    ending.join(0.3)  # time for the teardown to overtake the admit's mirror, if it can
+    go.set()
+    admitting.join(10)
+    ending.join(10)
+    assert failures == [] and not mgr._requests and not mgr.shadow._requests
+    mgr.check_invariants()
+    mgr.shadow.check_invariants()
+
+
 def test_off_mode_frees_everything():
     mgr = make(mode="off")
     prompt = np.arange(1, 18)
