@@ -80,6 +80,23 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_replay(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "t.jsonl"]
 
 
+def test_a_plot_path_that_cannot_take_the_plot_is_refused_before_the_replay(tmp_path, capsys, monkeypatch):
+    # Each of these ran the whole replay and sweep first: a .txt plot then raised matplotlib's ValueError, the
+    # default plot beside --json hit a folder (IsADirectoryError), or the plot replaced the JSON just written.
+    from mmcache.replay import cli as replay_cli
+
+    trace = write_trace(tmp_path / "t.jsonl", records(3))
+    monkeypatch.setattr(replay_cli, "run_sweep", lambda *a, **k: pytest.fail("replayed"))
+    (tmp_path / "out.png").mkdir()
+    for args, says in ((["--plot", str(tmp_path / "p.txt")], "must end in .png"),
+                       (["--json", str(tmp_path / "out.json")], "cannot write"),  # out.png is a folder
+                       (["--json", str(tmp_path / "r.png")], "would replace the JSON"),
+                       (["--json", str(tmp_path / "r.png"), "--plot", str(tmp_path / "r.png")], "would replace")):
+        assert main(["replay", str(trace), "--sweep", *args]) == 2
+        assert says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.png", "t.jsonl"]
+
+
 def test_plot_without_sweep_is_refused(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", records(3))
     assert main(["replay", str(trace), "--plot", str(tmp_path / "p.png")]) == 2
@@ -95,7 +112,8 @@ def test_limit_replays_the_first_requests_and_is_refused_for_sessions(tmp_path):
 
 @pytest.mark.parametrize("option", [["--seed", "-1"], ["--prefill-tps", "0"], ["--route-load-factor", "0.5"],
                                     ["--pool-tokens", "64"],
-                                    ["--pool-tokens", "100000000000000"]])  # MemoryError traceback before
+                                    ["--pool-tokens", "100000000000000"],  # MemoryError traceback before
+                                    ["--replicas", str(10**27)]])  # built replicas until memory ran out
 def test_bad_option_values_fail_with_a_message(tmp_path, capsys, option):
     trace = write_trace(tmp_path / "t.jsonl", records(3))
     assert main(["replay", str(trace), *option]) == 1

@@ -114,6 +114,25 @@ def format_table(records: list[dict]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
+def _plot_path(args) -> str | None | bool:
+    """Where the sweep plot goes: ``--plot``, else beside ``--json`` (with ``--sweep`` and matplotlib), else
+    None; False (said on stderr) when that path cannot take a PNG or would replace the JSON."""
+    if args.plot:
+        plot = args.plot
+        if Path(plot).suffix.lower() != ".png":
+            print(f"mmcache replay: --plot writes a PNG: {plot} must end in .png", file=sys.stderr)
+            return False
+    elif args.sweep and args.json and can_plot():
+        plot = str(Path(args.json).with_suffix(".png"))
+    else:
+        return None
+    if args.json and os.path.abspath(plot) == os.path.abspath(args.json):
+        print(f"mmcache replay: the plot would replace the JSON at {args.json}; give --plot another path",
+              file=sys.stderr)
+        return False
+    return plot
+
+
 def main(args) -> int:
     if args.plot and not args.sweep:
         print("mmcache replay: --plot needs --sweep", file=sys.stderr)
@@ -121,7 +140,10 @@ def main(args) -> int:
     if args.plot and not can_plot():  # refused before the replay, not after it
         print("mmcache replay: --plot needs matplotlib (pip install 'mmcache[bench]')", file=sys.stderr)
         return 2
-    if not (writable(args.json, "mmcache replay") and writable(args.plot, "mmcache replay")):
+    plot = _plot_path(args)
+    if plot is False:
+        return 2
+    if not (writable(args.json, "mmcache replay") and writable(plot, "mmcache replay")):
         return 2
     if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
         print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
@@ -152,12 +174,12 @@ def main(args) -> int:
         out["sweep"] = [by_config[c] for c in sweep_configs(base, args.sweep_pools, store_ats)]
     print(format_table(records))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+        part = f"{args.json}.part"  # replaced whole: a run stopped while writing leaves the previous file
+        with open(part, "w") as f:
             json.dump(out, f, indent=1)
+        os.replace(part, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.sweep and args.json else None)
-    if plot and not can_plot():  # only the plot beside --json can get here: say it was left out
+    if plot is None and args.sweep and args.json:  # only the plot beside --json is left out this way
         print("mmcache replay: no plot beside the JSON: matplotlib is not installed", file=sys.stderr)
     elif plot:
         plot_sweep(out["sweep"], plot, title=f"{workload.description}, page {args.page_size}, "

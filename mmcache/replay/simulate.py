@@ -69,6 +69,12 @@ class ReplayStalled(MmcacheError, RuntimeError):
         self.stalls = stalls
 
 
+MAX_REPLICAS = 4096
+"""Replicas one replay may simulate (each holds its own pool's metadata and a router seed): far above any
+data-parallel deployment, low enough that a mistyped count fails at once instead of building replicas for
+hours."""
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
     pool_tokens: int = 262_144  # per replica
@@ -88,6 +94,8 @@ class ReplayConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequest(f"{name} must be a positive int, got {v!r}")
+        if self.replicas > MAX_REPLICAS:
+            raise InvalidRequest(f"replicas must be at most {MAX_REPLICAS}, got {self.replicas}")
         if self.pool_tokens < self.page_size:
             raise InvalidRequest(f"pool of {self.pool_tokens} tokens holds no {self.page_size}-token page")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
