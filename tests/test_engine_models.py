@@ -53,6 +53,43 @@ def test_tokenizer_training_is_deterministic_and_lossless():
     assert a.decode(a.encode(text).ids) == text
 
 
+def test_an_export_fills_a_new_folder_or_refreshes_an_export_and_otherwise_writes_nothing(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from mmcache.engine import models
+
+    out = tmp_path / "m"
+    assert cli_main(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(models.EXPORT_FILES)
+    assert cli_main(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0  # an earlier export: replaced
+    monkeypatch.chdir(tmp_path / "m")
+    capsys.readouterr()
+    assert cli_main(["export-model", "tiny", ""]) == 1  # "" was the current folder: it wrote into it
+    assert "non-empty path" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors.index.json").write_text("{}")  # another model's files: not mixed with these
+    (other / "model.safetensors").mkdir()  # a folder where a file goes: it failed halfway before
+    assert cli_main(["export-model", "tiny", str(other)]) == 1
+    assert "holds files an export does not write" in capsys.readouterr().err
+    assert sorted(p.name for p in other.iterdir()) == ["model.safetensors", "model.safetensors.index.json"]
+
+    built = models.build_model
+
+    def disk_full(*args, **kwargs):  # the tokenizers library's own exception, not an OSError
+        raise Exception("No space left on device (os error 28)")
+
+    def failing_tokenizer(*args):  # a write that fails halfway: the weights are written, the tokenizer is not
+        model, tok = built(*args)
+        tok.save_pretrained = disk_full
+        return model, tok
+
+    monkeypatch.setattr(models, "build_model", failing_tokenizer)
+    assert cli_main(["export-model", "tiny", str(tmp_path / "new")]) == 1  # a traceback before
+    assert "No space left" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "other"]  # no half-written folder, no leftovers
+
+
 def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert cli_main(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0

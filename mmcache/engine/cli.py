@@ -49,12 +49,12 @@ def register(sub) -> None:
 
 
 def export_main(args: argparse.Namespace) -> int:
-    from .models import export_model
+    from .models import ModelExportError, export_model
 
     try:
         out = export_model(args.preset, args.dir, args.dtype)
-    except OSError as e:  # the folder cannot be made or written (a file in the way, no permission, no space)
-        print(f"mmcache export-model: cannot write {args.dir}: {e.strerror or e}", file=sys.stderr)
+    except ModelExportError as e:  # a folder that is not new, empty or an export's; no permission, no space
+        print(f"mmcache export-model: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.preset} ({args.dtype}) to {out}")
     return 0

@@ -5,14 +5,18 @@ Invariants:
 * ``model_digest`` is xxh3_128 over the canonical config (minus fields that do not change the computation:
   private keys, ``architectures``, ``dtype``, ``transformers_version``) and every distinct parameter and
   persistent buffer (name, dtype, shape, bytes) in name order; equal digests mean equal weights and config.
-* ``export_model`` writes an ordinary Hugging Face folder (config.json, model.safetensors, generation config,
-  tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM load, and that
-  ``load_model`` reads back to the same digest.
+* ``export_model`` writes an ordinary Hugging Face folder (``EXPORT_FILES``: config.json, model.safetensors,
+  generation config, tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM load, and
+  that ``load_model`` reads back to the same digest. The folder gets every file or none: they are written
+  beside it and moved in only when all are written.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +29,13 @@ from .tokenizer import hf_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DIGEST_SKIP = {"architectures", "dtype", "torch_dtype", "transformers_version"}
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json")
+
+
+class ModelExportError(MmcacheError, OSError):
+    """A preset could not be exported: the folder is not a new, empty or earlier export's folder, or writing
+    failed (no space, a file in the way); nothing was left in the folder."""
 
 
 class ModelLoadError(MmcacheError, ValueError):
@@ -84,17 +95,44 @@ def load_model(path, dtype="bfloat16"):
 
 
 def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
-    """Write an embedded preset as a Hugging Face folder; returns the folder."""
-    model, tokenizer = build_model(preset_name, dtype)
+    """Write an embedded preset as a Hugging Face folder; returns the folder.
+
+    ``out_dir`` may be new, empty, or an earlier export (its files are replaced). A folder holding anything
+    else is refused before the model is built: another model's files beside these (a shard index, say) would
+    make a folder that loads wrongly, and an empty path would mean the current folder. The files are written
+    into a temporary folder beside ``out_dir`` and moved in once all are written, so a failure (no space,
+    an unwritable file) leaves ``out_dir`` as it was."""
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
+        raise ModelExportError(f"the output folder must be a non-empty path, got {out_dir!r}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    # transformers 5 records its own backend class; the generic fast class also loads in transformers 4 (vLLM).
-    tok_cfg = out / "tokenizer_config.json"
-    cfg = json.loads(tok_cfg.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if out.exists() and not out.is_dir():
+        raise ModelExportError(f"cannot write {out}: it exists and is not a folder")
+    if out.is_dir():
+        other = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
+        if other:
+            raise ModelExportError(f"{out} holds files an export does not write ({', '.join(other[:5])}); "
+                                   f"export into a new or empty folder")
+    model, tokenizer = build_model(preset_name, dtype)
+    tmp = None
+    try:
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-", dir=out.absolute().parent))
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # transformers 5 records its own backend class; the generic fast class also loads in transformers 4
+        # (vLLM).
+        tok_cfg = tmp / "tokenizer_config.json"
+        cfg = json.loads(tok_cfg.read_text())
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        out.mkdir(exist_ok=True)
+        for name in sorted(p.name for p in tmp.iterdir()):
+            os.replace(tmp / name, out / name)
+    except Exception as e:  # OSError, safetensors' and the tokenizers library's own errors for a failed write
+        raise ModelExportError(f"cannot write {out}: {type(e).__name__}: {e}") from e
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
