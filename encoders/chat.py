@@ -21,6 +21,7 @@ Invariants:
 * ``media[i].position == embeds[i][0]`` is the position of image ``i``'s first placeholder, and
   ``embeds[i][1].shape[0]`` equals its run length; media are in position order.
 * Image indices in errors are the images' order in the request (0-based), counting every message.
+* Bad arguments (images not a list or tuple, a bad salt or flag) are refused before any image is encoded.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ class MultimodalPrompt:
     def embed(self, embedding: nn.Module, start: int = 0, end: int | None = None) -> torch.Tensor:
         """``Tensor[end-start, hidden]``: token embeddings of positions ``start..end-1`` with every feature row
         that falls in that range substituted (a prefill chunk may cut through an image run)."""
+        if not isinstance(embedding, nn.Module) or not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+            raise InvalidRequest(f"embedding must be the model's token embedding, got {type(embedding).__name__}")
         end = len(self.token_ids) if end is None else end
-        if not 0 <= start <= end <= len(self.token_ids):
+        if not _position(start) or not _position(end) or not 0 <= start <= end <= len(self.token_ids):
             raise InvalidRequest(f"embedding range {start}..{end} outside the prompt of {len(self.token_ids)}")
         weight = embedding.weight
         ids = torch.tensor(self.token_ids[start:end], dtype=torch.long, device=weight.device)
@@ -87,12 +90,13 @@ class MultimodalPrompt:
         """Rotary positions ``LongTensor[3, end-start]`` of sequence positions ``start..end-1`` (prompt or
         generated); for a model without 3-D positions, the plain positions on all three rows."""
         n = len(self.token_ids)
-        if not 0 <= start <= end:
+        if not _position(start) or not _position(end) or not 0 <= start <= end:
             raise InvalidRequest(f"position range {start}..{end} is not a range of sequence positions")
         if self.mrope_positions is None:
             return continuation_positions(start, end - start, 0)
         head = self.mrope_positions[:, start:min(end, n)]
-        tail = continuation_positions(max(start, n), end - max(start, n), self.mrope_delta)
+        past = max(start, n)  # the first generated position in the range, if any
+        tail = continuation_positions(past, max(0, end - past), self.mrope_delta)
         return torch.cat([head, tail], dim=1) if tail.shape[1] else head.clone()
 
 
@@ -149,6 +153,10 @@ class PromptBuilder:
     """Builds ``MultimodalPrompt``s for one VLM: its chat template and its vision adapter (and store)."""
 
     def __init__(self, template: ChatTemplate, adapter: VisionAdapter):
+        if not isinstance(template, ChatTemplate):
+            raise InvalidRequest(f"template must be a ChatTemplate, got {type(template).__name__}")
+        if not isinstance(adapter, VisionAdapter):
+            raise InvalidRequest(f"adapter must be a VisionAdapter, got {type(adapter).__name__}")
         image_token_id = adapter.model.config.image_token_id
         if template.image_token_id != image_token_id:
             raise InvalidRequest(f"template image token {template.image_token_id} differs from the model's "
@@ -159,6 +167,8 @@ class PromptBuilder:
     def from_messages(self, messages: Sequence[Mapping[str, Any]], *, salt: bytes | str | None = b"",
                       add_generation_prompt: bool = True) -> MultimodalPrompt:
         """The prompt for ``messages`` (see the module docstring), its images held in the store."""
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequest(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
         parsed, sources = parse_messages(messages)
         self._check_answers(parsed)
         images = self.adapter.encode_all(sources, salt=salt)
@@ -173,6 +183,8 @@ class PromptBuilder:
                        salt: bytes | str | None = b"") -> MultimodalPrompt:
         """The prompt for token ids in which each image is one image token (expanded here to its run) or its
         already expanded run; runs match ``images`` in order."""
+        if not isinstance(images, (list, tuple)):  # one bytes object or path would read as many items
+            raise InvalidRequest(f"images must be a list of images, got {type(images).__name__}")
         ids = [int(t) for t in as_token_array(token_ids)]
         self._check_vocab(ids, "token_ids")
         spans = _runs_of(ids, self.template.image_token_id)
@@ -219,6 +231,11 @@ class PromptBuilder:
                 grids.append((r.start, (t, h // m, w // m)))
             prompt.mrope_positions, prompt.mrope_delta = mrope_positions(len(ids), grids)
         return prompt
+
+
+def _position(x: object) -> bool:
+    """Whether ``x`` is an int (Python or numpy, not a bool): a sequence position or a range end."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _runs_of(ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:

@@ -21,6 +21,11 @@ answer ``a`` generated from ``render(m, add_generation_prompt=True)``,
 
 Image parts render where they appear among a message's parts; ``ImageRun.start`` is the position of an image's
 first placeholder token (the position a ``MediaItem`` records).
+
+``render`` refuses malformed input with ``InvalidRequest`` (``chat.parse_messages`` builds valid messages; the
+checks here are the cheap ones that keep a direct caller from getting garbage ids): roles in ``ROLES``, text
+parts of Unicode text, images only in user messages with each of the ``placeholders`` used exactly once and
+each count a positive int, ``token_ids`` only on assistant messages and inside the vocabulary.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
+from mmcache.checks import positive_int, unicode_text
 from mmcache.errors import InvalidRequest
+from mmcache.names import as_token_array
 
 ROLES = ("system", "user", "assistant")
 
@@ -64,10 +71,28 @@ class ImageRun:
     length: int
 
 
+def _check_role(role: object) -> None:
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidRequest(f"role {role!r} is not one of {ROLES}")
+
+
+def _check_text(text: object) -> None:
+    if not unicode_text(text):
+        raise InvalidRequest(f"text must be a str of Unicode text, got {type(text).__name__}"
+                             + (" holding a lone surrogate" if isinstance(text, str) else ""))
+
+
+def _check_count(n: object) -> None:
+    if not positive_int(n):
+        raise InvalidRequest(f"an image's placeholder count must be an int >= 1, got {n!r}")
+
+
 class ChatTemplate(ABC):
     """Renders messages to token ids with image placeholder runs of given lengths."""
 
     def __init__(self, tokenizer: Tokenizer, image_token: str):
+        if not isinstance(tokenizer, Tokenizer):
+            raise InvalidRequest(f"a chat template needs a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
         # A private copy so turning special-token parsing off cannot affect the caller's tokenizer.
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self.tokenizer.encode_special_tokens = True
@@ -75,12 +100,15 @@ class ChatTemplate(ABC):
         self.image_token_id = self.special(image_token)
 
     def special(self, token: str) -> int:
+        if not isinstance(token, str):
+            raise InvalidRequest(f"a special token must be a str, got {type(token).__name__}")
         token_id = self.tokenizer.token_to_id(token)
         if token_id is None:
             raise InvalidRequest(f"the tokenizer has no token {token!r}, which the chat template needs")
         return token_id
 
     def text(self, text: str) -> list[int]:
+        _check_text(text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
     @property
@@ -110,14 +138,22 @@ class ChatTemplate(ABC):
 
     def render(self, messages: Sequence[Message], placeholders: Sequence[int],
                add_generation_prompt: bool = True) -> tuple[list[int], list[ImageRun]]:
-        """Token ids of ``messages`` and the image runs, image ``i`` getting ``placeholders[i]`` tokens."""
+        """Token ids of ``messages`` and the image runs, image ``i`` getting ``placeholders[i]`` tokens.
+
+        ``InvalidRequest`` for malformed input (the module docstring lists the checks)."""
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequest(f"messages must be a list of Message, got {type(messages).__name__}")
+        if not isinstance(placeholders, (list, tuple)) or not all(positive_int(n) for n in placeholders):
+            raise InvalidRequest("placeholders must be a list of positive ints, one per image")
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequest(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
         ids = self.start()
         runs: list[ImageRun] = []
-        for message in messages:
+        for i, message in enumerate(messages):
+            self._check_message(i, message)
             ids += self.header(message.role)
             if message.role == "assistant":
-                body = list(message.token_ids) if message.token_ids is not None else self.assistant_text(
-                    "".join(p.text for p in message.parts))
+                body = self._answer(i, message)
                 ids += body
                 if not body or body[-1] != self.end_of_turn_id:
                     ids.append(self.end_of_turn_id)
@@ -126,13 +162,53 @@ class ChatTemplate(ABC):
                     if isinstance(part, TextPart):
                         ids += self.text(part.text)
                     else:
+                        self._check_image(i, part, runs, placeholders)
                         run, offset = self.image_run(placeholders[part.index])
                         runs.append(ImageRun(part.index, len(ids) + offset, placeholders[part.index]))
                         ids += run
             ids += self.footer(message.role)
+        if len(runs) != len(placeholders):
+            raise InvalidRequest(f"placeholders for {len(placeholders)} image(s), but the messages hold "
+                                 f"{len(runs)} image part(s)")
         if add_generation_prompt:
             ids += self.header("assistant")
         return ids, runs
+
+    @staticmethod
+    def _check_message(i: int, message: object) -> None:
+        if not isinstance(message, Message):
+            raise InvalidRequest(f"message {i} is {type(message).__name__}, not a Message")
+        _check_role(message.role)
+        if not isinstance(message.parts, (list, tuple)):
+            raise InvalidRequest(f"message {i}: parts must be a tuple of TextPart and ImagePart")
+        for part in message.parts:
+            if isinstance(part, ImagePart) and message.role != "user":
+                raise InvalidRequest(f"message {i}: images are accepted in user messages only, not {message.role}")
+            if not isinstance(part, (TextPart, ImagePart)):
+                raise InvalidRequest(f"message {i}: a part is {type(part).__name__}, not a TextPart or ImagePart")
+        if message.token_ids is not None and message.role != "assistant":
+            raise InvalidRequest(f"message {i}: token_ids are accepted on assistant messages only")
+
+    def _answer(self, i: int, message: Message) -> list[int]:
+        """An assistant message's body: its generated ids verbatim, else its text tokenized as an answer."""
+        if message.token_ids is None:
+            for part in message.parts:
+                _check_text(part.text)
+            return self.assistant_text("".join(p.text for p in message.parts))
+        ids = as_token_array(message.token_ids)
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise InvalidRequest(f"message {i}: token_ids hold id {int(ids.max())} outside the vocabulary of "
+                                 f"{self.vocab_size}")
+        return ids.tolist()
+
+    @staticmethod
+    def _check_image(i: int, part: ImagePart, runs: list[ImageRun], placeholders: Sequence[int]) -> None:
+        index = part.index
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(placeholders):
+            raise InvalidRequest(f"message {i}: image index {index!r} has no placeholder count "
+                                 f"({len(placeholders)} given)")
+        if any(run.index == index for run in runs):
+            raise InvalidRequest(f"message {i}: image {index} appears twice")
 
 
 class LlavaTemplate(ChatTemplate):
@@ -155,15 +231,19 @@ class LlavaTemplate(ChatTemplate):
         return [self.bos_id]
 
     def header(self, role: str) -> list[int]:
+        _check_role(role)
         return {"system": [], "user": self._user, "assistant": self._assistant}[role]
 
     def footer(self, role: str) -> list[int]:
+        _check_role(role)
         return {"system": self._space, "user": self._space, "assistant": []}[role]
 
     def image_run(self, n: int) -> tuple[list[int], int]:
+        _check_count(n)
         return [self.image_token_id] * n + self._newline, 0
 
     def assistant_text(self, text: str) -> list[int]:
+        _check_text(text)
         return self.text(" " + text)
 
 
@@ -187,12 +267,15 @@ class ChatMLTemplate(ChatTemplate):
         return []
 
     def header(self, role: str) -> list[int]:
+        _check_role(role)
         return [self.im_start_id] + self._role[role]
 
     def footer(self, role: str) -> list[int]:
+        _check_role(role)
         return self._newline if role == "assistant" else [self.im_end_id] + self._newline
 
     def image_run(self, n: int) -> tuple[list[int], int]:
+        _check_count(n)
         return [self.vision_start_id] + [self.image_token_id] * n + [self.vision_end_id], 1
 
     def assistant_text(self, text: str) -> list[int]:

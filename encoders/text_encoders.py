@@ -7,10 +7,13 @@ miss. ``key = store_key(encoder fingerprint, content digest, salt)`` where
   class, its config, its dtype and every tensor of its state dict, so other weights never share an entry;
 * the content digest covers the padded token ids fed to the encoder, the attention mask, the max length and the
   output selector (the CLIP hidden layer), so equal text at different max lengths never collides and a prompt
-  is keyed on its own: a negative prompt's entry is independent of the positive prompt beside it.
+  is keyed on its own: a negative prompt's entry is independent of the positive prompt beside it. A selector
+  the adapter does not read is refused, since it would key equal outputs apart.
 
 Invariants:
 
+* A ``TokenizedPrompt`` holds exactly ``max_length`` ids: a max length too short for the tokenizer's special
+  tokens (CLIP's two), which the tokenizer would answer untruncated, is refused with ``InvalidRequest``.
 * One prompt is one encoder forward of batch 1, the same shape whether the store is on or off, so the store
   changes which forwards run, never their bits.
 * Outputs are what the pipeline holds right after its encoder call (cast as the pipeline casts, trimmed where
@@ -68,6 +71,10 @@ _PER_CALL_BACKEND_KEYS = ("padding", "truncation")
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
     """Hex xxh3_128 over the recipe, the model class, its config and every state-dict tensor (name, dtype,
     shape, bytes). Computed once per adapter; about one second per 10 GB of weights."""
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
+    if not isinstance(recipe, Mapping):
+        raise InvalidRequest(f"an adapter recipe must be a mapping, got {type(recipe).__name__}")
     h = xxhash.xxh3_128()
     h.update(canonical_encoding({"recipe": dict(recipe), "class": type(model).__qualname__,
                                  "version": ADAPTER_VERSION}))
@@ -125,6 +132,11 @@ def tokenize(tokenizer, text: str, max_length: int) -> TokenizedPrompt:
     _check_text(text, max_length)
     enc = tokenizer(text, max_length=max_length, return_attention_mask=True, return_tensors="pt",
                     **dict(_TOKENIZER_CALL))
+    # A tokenizer cannot truncate below the special tokens it adds (CLIP's two): it then returns the prompt
+    # untruncated, which would be keyed and encoded as a prompt of max_length tokens.
+    if enc.input_ids.shape[-1] != max_length:
+        raise InvalidRequest(f"max_length {max_length} leaves no room for the tokenizer's special tokens: it "
+                             f"returned {enc.input_ids.shape[-1]} ids")
     return TokenizedPrompt(enc.input_ids[0], enc.attention_mask[0], max_length)
 
 
@@ -164,6 +176,8 @@ class TokenizationMemo:
     """
 
     def __init__(self, tokenizer, entries: int = 1024, max_text_chars: int = 8192):
+        if not callable(tokenizer):
+            raise InvalidRequest(f"a tokenizer must be callable, got {type(tokenizer).__name__}")
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
             raise InvalidRequest(f"entries must be an int >= 0, got {entries!r}")
         if isinstance(max_text_chars, bool) or not isinstance(max_text_chars, int) or max_text_chars < 0:
@@ -216,7 +230,11 @@ class TokenizationMemo:
 class TextEncoderAdapter(abc.ABC):
     """Shared tokenizing, keying and store path; subclasses say what runs and what comes out."""
 
+    selectors: tuple[str, ...] = ()  # the output selectors ``forward`` reads; any other name is refused
+
     def __init__(self, tokenizer, model: torch.nn.Module, recipe: Mapping, max_length_limit: int):
+        if not callable(tokenizer):
+            raise InvalidRequest(f"a text encoder adapter needs a tokenizer, got {type(tokenizer).__name__}")
         if not positive_int(max_length_limit):
             raise InvalidRequest(f"max_length_limit must be an int >= 1, got {max_length_limit!r}")
         self.tokenizer = tokenizer
@@ -228,10 +246,31 @@ class TextEncoderAdapter(abc.ABC):
 
     def tokenize(self, text: str, max_length: int) -> TokenizedPrompt:
         """A fresh tokenization (the store-off path, as the pipeline tokenizes)."""
+        self._check_length(text, max_length)
         return tokenize(self.tokenizer, text, max_length)
 
+    def _check_length(self, text: object, max_length: object) -> None:
+        _check_text(text, max_length)
+        if max_length > self.max_length_limit:
+            raise InvalidRequest(f"max_length {max_length} exceeds this encoder's limit of {self.max_length_limit}")
+
     def key(self, tokens: TokenizedPrompt, selector: Mapping | None = None, salt: bytes | str | None = b"") -> bytes:
-        return store_key(self.fingerprint, tokens.digest(selector or {}), salt)
+        if not isinstance(tokens, TokenizedPrompt):
+            raise InvalidRequest(f"tokens must be a TokenizedPrompt, got {type(tokens).__name__}")
+        return store_key(self.fingerprint, tokens.digest(self.check_selector(selector)), salt)
+
+    def check_selector(self, selector: Mapping | None) -> dict:
+        """``selector`` as a dict (``{}`` for None); ``InvalidRequest`` for a name this adapter does not use, which
+        would otherwise key equal outputs apart."""
+        if selector is None:
+            return {}
+        if not isinstance(selector, Mapping):
+            raise InvalidRequest(f"an output selector must be a mapping, got {type(selector).__name__}")
+        unknown = sorted(str(name) for name in selector if name not in self.selectors)
+        if unknown:
+            raise InvalidRequest(f"{type(self).__name__} has no output selector {', '.join(unknown)}; "
+                                 f"it takes {list(self.selectors)}")
+        return dict(selector)
 
     @abc.abstractmethod
     def spec(self, tokens: TokenizedPrompt, selector: Mapping) -> OutputSpec:
@@ -248,9 +287,10 @@ class TextEncoderAdapter(abc.ABC):
         With ``store=None`` the prompt is tokenized afresh, the encoder runs and the lease holds nothing (the
         store-off path is this same code).
         """
-        _check_text(text, max_length)
-        if max_length > self.max_length_limit:
-            raise InvalidRequest(f"max_length {max_length} exceeds this encoder's limit of {self.max_length_limit}")
+        self._check_length(text, max_length)
+        if store is not None and not isinstance(store, EncoderOutputStore):
+            raise InvalidRequest(f"store must be an EncoderOutputStore or None, got {type(store).__name__}")
+        selector = self.check_selector(selector)
         tokens = self.tokenize(text, max_length) if store is None else self.memo(text, max_length)
         key = self.key(tokens, selector, salt)
         spec = self.spec(tokens, selector)
@@ -283,12 +323,19 @@ class T5Recipe:
     attention_mask: bool
     trim_to_length: bool
 
+    def __post_init__(self):
+        for name in ("attention_mask", "trim_to_length"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"T5Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+
 
 class T5EncoderAdapter(TextEncoderAdapter):
     """``T5EncoderModel`` / ``UMT5EncoderModel``: one output, ``hidden`` = last hidden state. Relative position
     buckets set no length limit of their own; ``max_length_limit`` (default ``T5_MAX_LENGTH``) does."""
 
     def __init__(self, tokenizer, model, recipe: T5Recipe, max_length_limit: int = T5_MAX_LENGTH):
+        if not isinstance(recipe, T5Recipe):
+            raise InvalidRequest(f"recipe must be a T5Recipe, got {type(recipe).__name__}")
         super().__init__(tokenizer, model, {"kind": "t5", "attention_mask": recipe.attention_mask,
                                             "trim_to_length": recipe.trim_to_length}, max_length_limit)
         self.recipe = recipe
@@ -314,14 +361,25 @@ class CLIPEncoderAdapter(TextEncoderAdapter):
     (``hidden_layer``, -2 by default, ``-(clip_skip + 2)`` with clip_skip) and ``pooled`` = the projected
     pooled output. Its learned position embeddings limit max_length to ``max_position_embeddings`` (77)."""
 
-    def __init__(self, tokenizer, model):
-        super().__init__(tokenizer, model, {"kind": "clip-with-projection"}, model.config.max_position_embeddings)
+    selectors = ("hidden_layer",)
 
-    def encode(self, text, max_length, store=None, salt=b"", hidden_layer: int = -2) -> Lease:
-        layers = self.model.config.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer
-        if isinstance(hidden_layer, bool) or not isinstance(hidden_layer, int) or not -layers <= hidden_layer < 0:
-            raise InvalidRequest(f"hidden_layer must be an int in [{-layers}, -1], got {hidden_layer!r}")
-        return super().encode(text, max_length, store, salt, hidden_layer=hidden_layer)
+    def __init__(self, tokenizer, model):
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if not isinstance(model, torch.nn.Module) or limit is None:
+            raise InvalidRequest(f"CLIPEncoderAdapter needs a CLIP text model, got {type(model).__name__}")
+        super().__init__(tokenizer, model, {"kind": "clip-with-projection"}, limit)
+
+    def encode(self, text, max_length, store=None, salt=b"", hidden_layer: int = -2, **selector) -> Lease:
+        return super().encode(text, max_length, store, salt, hidden_layer=hidden_layer, **selector)
+
+    def check_selector(self, selector: Mapping | None) -> dict:
+        selector = super().check_selector(selector)
+        if "hidden_layer" in selector:
+            hidden_layer = selector["hidden_layer"]
+            layers = self.model.config.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer
+            if isinstance(hidden_layer, bool) or not isinstance(hidden_layer, int) or not -layers <= hidden_layer < 0:
+                raise InvalidRequest(f"hidden_layer must be an int in [{-layers}, -1], got {hidden_layer!r}")
+        return selector
 
     def spec(self, tokens, selector) -> OutputSpec:
         cfg = self.model.config
@@ -344,6 +402,9 @@ class ForwardCounter:
     """
 
     def __init__(self, *modules: torch.nn.Module):
+        for module in modules:
+            if not isinstance(module, torch.nn.Module):
+                raise InvalidRequest(f"ForwardCounter counts torch modules, got {type(module).__name__}")
         self.modules = modules
         self.calls = [0] * len(modules)
         self.seconds = [0.0] * len(modules)

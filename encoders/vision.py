@@ -17,6 +17,9 @@ Invariants:
   at a time; a hit decodes nothing. Decode or encode failures store nothing.
 * Every ``EncodedImage`` holds a lease on its entry until ``release``; ``encode_all`` either returns one held
   image per item or, on any failure, releases every lease it took before re-raising.
+* Bad arguments are refused before anything is read, stored or held: ``encode_all`` takes a list or tuple (one
+  bytes object or path is not read as many items), ``digest`` and ``key`` take a ``RawImage`` or bytes-like
+  data (never an int or a list, which ``bytes()`` would turn into other bytes), and the salt is checked first.
 * Output: ``features`` is ``Tensor[num_placeholders, text_hidden]`` in the tower's dtype; ``meta`` holds
   ``num_placeholders`` and, for Qwen2-VL, ``grid_thw`` (patch units, the processor's convention).
 """
@@ -34,8 +37,8 @@ import transformers
 import xxhash
 from torch import nn
 
-from mmcache.errors import MediaDecodeError
-from mmcache.names import canonical_encoding, media_digest
+from mmcache.errors import InvalidRequest, MediaDecodeError
+from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
@@ -75,6 +78,9 @@ class EncodedImage:
 
 def preprocessor_params(image_processor: Any) -> dict:
     """Everything about ``image_processor`` that changes its output, as a canonical-encodable dict."""
+    if not callable(image_processor) or not callable(getattr(image_processor, "to_dict", None)):
+        raise InvalidRequest(f"an image processor must be a transformers image processor, got "
+                             f"{type(image_processor).__name__}")
     params = {k: _plain(v) for k, v in image_processor.to_dict().items()}
     params["processor_class"] = f"{type(image_processor).__module__}.{type(image_processor).__qualname__}"
     params["processor_version"] = transformers.__version__
@@ -94,6 +100,8 @@ def _plain(value: Any) -> Any:
 
 def weights_digest(modules: Sequence[nn.Module]) -> str:
     """xxh3_128 hex over every tensor (name, dtype, shape, bytes) of ``modules``' state dicts, in order."""
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
+        raise InvalidRequest("weights_digest takes a list of torch modules")
     h = xxhash.xxh3_128()
     for i, module in enumerate(modules):
         for name, tensor in module.state_dict().items():
@@ -114,6 +122,12 @@ class VisionAdapter(ABC):
 
     def __init__(self, model: nn.Module, image_processor: Any, store: EncoderOutputStore,
                  limits: ImageLimits = ImageLimits()):
+        if not isinstance(model, nn.Module):
+            raise InvalidRequest(f"a vision adapter needs a torch model, got {type(model).__name__}")
+        if not isinstance(store, EncoderOutputStore):
+            raise InvalidRequest(f"a vision adapter needs an EncoderOutputStore, got {type(store).__name__}")
+        if not isinstance(limits, ImageLimits):
+            raise InvalidRequest(f"limits must be ImageLimits, got {type(limits).__name__}")
         self.model = model
         self.image_processor = image_processor
         self.store = store
@@ -156,7 +170,14 @@ class VisionAdapter(ABC):
         """Run the tower on the image processor's output for one image: ``(Tensor[n, text_hidden], meta)``."""
 
     def digest(self, raw: RawImage | bytes) -> bytes:
-        data = raw.data if isinstance(raw, RawImage) else bytes(raw)
+        """The media digest of an image's bytes as sent (``RawImage`` or bytes-like); ``InvalidRequest`` for
+        anything else (a path or data URL must be read first: ``media.read_image``)."""
+        if isinstance(raw, RawImage):
+            data = raw.data
+        elif isinstance(raw, (bytes, bytearray, memoryview)):
+            data = bytes(raw)
+        else:
+            raise InvalidRequest(f"an image digest is taken over a RawImage or bytes, got {type(raw).__name__}")
         return media_digest(data, self.preprocess_params)
 
     def key(self, raw: RawImage | bytes, salt: bytes | str | None = b"") -> bytes:
@@ -167,6 +188,9 @@ class VisionAdapter(ABC):
 
         Raises ``MediaDecodeError`` (naming item ``index``) for unreadable input; nothing is stored or held then.
         """
+        Namer.salt_bytes(salt)  # refused before the image is read
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidRequest(f"index must be an int >= 0, got {index!r}")
         raw = read_image(image, index, self.limits)
         digest = self.digest(raw)
         return self._acquire(raw, digest, store_key(self.fingerprint, digest, salt))
@@ -174,6 +198,9 @@ class VisionAdapter(ABC):
     def encode_all(self, images: Sequence[object], *, salt: bytes | str | None = b"") -> list[EncodedImage]:
         """``encode`` for each item in request order (index = position in ``images``); repeated bytes share one
         ``EncodedImage``. On any failure every lease taken so far is released before the error propagates."""
+        if not isinstance(images, (list, tuple)):  # one bytes object or path would read as many items
+            raise InvalidRequest(f"images must be a list of images, got {type(images).__name__}")
+        Namer.salt_bytes(salt)  # refused even when there is no image to key
         out: list[EncodedImage] = []
         by_key: dict[bytes, EncodedImage] = {}
         try:

@@ -13,8 +13,8 @@ import torch
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
-from encoders.text_encoders import (T5_MAX_LENGTH, ForwardCounter, T5EncoderAdapter, T5Recipe, TokenizationMemo,
-                                    module_fingerprint, tokenizer_fingerprint)
+from encoders.text_encoders import (T5_MAX_LENGTH, CLIPEncoderAdapter, ForwardCounter, T5EncoderAdapter, T5Recipe,
+                                    TokenizationMemo, module_fingerprint, tokenizer_fingerprint)
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore, store_key
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -373,3 +373,85 @@ def test_a_store_hit_does_not_tokenize_and_keeps_the_key(wan, tokenizer_calls):
         for text in texts:
             adapter.encode(text, 64).release()
     assert fc.total == len(texts) and len(tokenizer_calls) == len(texts)
+
+
+def test_a_max_length_too_short_for_the_special_tokens_is_refused(wan, sd3):
+    # CLIP adds two special tokens and cannot truncate below them: the tokenizer answered max_length 1 with the
+    # whole prompt, which surfaced as a misleading StoreEntryRejected, or for a long prompt as a bare
+    # ValueError from the model's position embeddings.
+    store = EncoderOutputStore(1 << 24)
+    clip = CachedSD3Pipeline(sd3, None).clip[0]
+    assert clip.tokenizer.num_special_tokens_to_add() == 2
+    with ForwardCounter(sd3.text_encoder) as fc:
+        for text in ("a red fox", "hello world " * 100, ""):
+            for where in (None, store):
+                with pytest.raises(InvalidRequest, match="special tokens"):
+                    clip.encode(text, 1, where)
+            with pytest.raises(InvalidRequest, match="special tokens"):
+                clip.tokenize(text, 1)
+    assert fc.total == 0 and len(store) == 0 and len(clip.memo) == 0
+    store.check_invariants()
+    with clip.encode("hello world " * 100, 2, store) as lease:  # room for exactly <bos> <eos>
+        assert lease.outputs["hidden"].shape[0] == 2
+    t5 = wan_adapter(wan)  # T5 adds one </s>: max_length 1 is that token alone, as the pipeline encodes it
+    with t5.encode("hello world " * 100, 1, store) as lease:
+        assert lease.meta["length"] == 1 and t5.tokenize("x", 1).input_ids.tolist() == [wan.tokenizer.eos_token_id]
+    assert store.held(lease.key) == 0
+
+
+def test_selectors_stores_and_keys_the_adapter_does_not_use_are_refused(wan, sd3):
+    store = EncoderOutputStore(1 << 24)
+    t5, clip = wan_adapter(wan), CachedSD3Pipeline(sd3, None).clip[0]
+    tokens = t5.tokenize("a red fox", 16)
+    with ForwardCounter(wan.text_encoder, sd3.text_encoder) as fc:
+        with pytest.raises(InvalidRequest, match="hidden_layer"):  # T5 reads no selector: it would only split keys
+            t5.encode("a red fox", 16, store, hidden_layer="x")
+        with pytest.raises(InvalidRequest, match="foo"):
+            clip.encode("a red fox", 16, store, foo=1)
+        for bad in ("x", {}, 5):
+            with pytest.raises(InvalidRequest, match="EncoderOutputStore"):
+                t5.encode("a red fox", 16, bad)
+    assert fc.total == 0 and len(store) == 0
+    for selector in ([1, 2], "hidden_layer", {"hidden_layer": -2}):
+        with pytest.raises(InvalidRequest):
+            t5.key(tokens, selector)
+    for bad in ("a red fox", None, tokens.input_ids):
+        with pytest.raises(InvalidRequest, match="TokenizedPrompt"):
+            t5.key(bad)
+    clip_tokens = clip.tokenize("a red fox", 16)
+    for layer in (5, 0, "x", True):
+        with pytest.raises(InvalidRequest, match="hidden_layer"):
+            clip.key(clip_tokens, {"hidden_layer": layer})
+    # valid keys are what they were
+    assert t5.key(tokens) == t5.key(tokens, {}) == t5.key(tokens, None) == store_key(t5.fingerprint,
+                                                                                    tokens.digest({}), b"")
+    with clip.encode("a red fox", 16, store) as lease:
+        assert lease.key == clip.key(clip_tokens, {"hidden_layer": -2})
+        assert lease.key == store_key(clip.fingerprint, clip_tokens.digest({"hidden_layer": -2}), b"")
+    store.check_invariants()
+
+
+def test_adapters_refuse_missing_or_wrong_parts(wan, sd3):
+    recipe = T5Recipe(attention_mask=True, trim_to_length=True)
+    bad_builds = [
+        lambda: CLIPEncoderAdapter(None, sd3.text_encoder),
+        lambda: CLIPEncoderAdapter(sd3.tokenizer, None),
+        lambda: CLIPEncoderAdapter(sd3.tokenizer, wan.text_encoder),  # a T5 has no CLIP position limit
+        lambda: T5EncoderAdapter(None, wan.text_encoder, recipe),
+        lambda: T5EncoderAdapter(wan.tokenizer, None, recipe),
+        lambda: T5EncoderAdapter(wan.tokenizer, wan.text_encoder, None),
+        lambda: T5EncoderAdapter(wan.tokenizer, wan.text_encoder, {"attention_mask": True, "trim_to_length": True}),
+        lambda: T5Recipe(1, 0),
+        lambda: T5Recipe("yes", True),
+        lambda: TokenizationMemo(None),
+        lambda: ForwardCounter(wan.text_encoder, None),
+        lambda: module_fingerprint(None, {}),
+        lambda: module_fingerprint(wan.text_encoder, ["kind", "t5"]),
+    ]
+    for build in bad_builds:
+        with pytest.raises(InvalidRequest):
+            build()
+    narrow = T5EncoderAdapter(wan.tokenizer, wan.text_encoder, recipe, max_length_limit=16)
+    with pytest.raises(InvalidRequest, match="limit"):  # tokenize pads to max_length: the limit applies to it too
+        narrow.tokenize("a red fox", 17)
+    assert narrow.tokenize("a red fox", 16).max_length == 16

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from encoders.media import decode_image, read_image
+from encoders.vision import weights_digest
 from encoders.vlm_presets import PRESET_NAMES, build_preset
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.store import EncoderOutputStore
@@ -252,3 +253,56 @@ def test_corrupt_image_in_a_request_leaks_nothing(name, presets, images):
     assert e.value.item.index == 1 and e.value.item.kind == "data_url"
     assert store.held(good) == 0
     store.check_invariants()
+
+
+def test_encode_all_takes_only_a_list_or_tuple_of_images(presets, images, datasets_dir):
+    # encode_all(None) or (5) raised a bare TypeError; a str path was read one character per image, and one
+    # bytes object one int per image.
+    store = EncoderOutputStore(1 << 24)
+    adapter = presets["tiny-llava"].adapter(store)
+    calls = count_tower_calls(adapter)
+    path = str(datasets_dir / "images" / IMAGES[0])
+    for bad in (None, 5, images[0], path, iter([images[0]]), {0: images[0]}, bytearray(images[0])):
+        with pytest.raises(InvalidRequest, match="list of images"):
+            adapter.encode_all(bad)
+    with pytest.raises(InvalidRequest, match="salt"):
+        adapter.encode_all([], salt=5)  # refused even with no image to key
+    for index in (-1, "0", True, 1.0):
+        with pytest.raises(InvalidRequest, match="index"):
+            adapter.encode(images[0], index=index)
+    assert len(calls) == 0 and len(store) == 0
+    encoded = adapter.encode_all((images[0], path))
+    assert encoded[0] is encoded[1] and store.held(encoded[0].key) == 1  # a tuple is a list of images
+    encoded[0].release()
+    store.check_invariants()
+
+
+def test_digest_and_key_take_only_image_bytes(presets, images):
+    # bytes(raw) made digest(5) the digest of five zero bytes and digest([1, 2]) that of b"\x01\x02"; -1,
+    # 10**30 and a str raised bare ValueError, OverflowError and TypeError.
+    adapter = presets["tiny-llava"].adapter(EncoderOutputStore(1 << 20))
+    for bad in (5, [1, 2], -1, 10**30, "abc", None, 2.5, (0,)):
+        with pytest.raises(InvalidRequest):
+            adapter.digest(bad)
+        with pytest.raises(InvalidRequest):
+            adapter.key(bad)
+    raw = read_image(images[0])
+    digest = adapter.digest(raw)
+    assert digest == adapter.digest(images[0]) == adapter.digest(bytearray(images[0]))
+    assert digest == adapter.digest(memoryview(images[0])) != adapter.digest(b"\0" * 5)
+    encoded = adapter.encode(images[0])
+    assert adapter.key(raw) == adapter.key(images[0]) == encoded.key
+    encoded.release()
+
+
+def test_vision_adapter_refuses_missing_parts(presets):
+    preset = presets["tiny-llava"]
+    store = EncoderOutputStore(1 << 20)
+    for args in ((None, preset.image_processor, store), (preset.model, None, store),
+                 (preset.model, preset.image_processor, None), (preset.model, preset.image_processor, "store"),
+                 (preset.model, preset.image_processor, store, {"max_pixels": 10})):
+        with pytest.raises(InvalidRequest):
+            preset.adapter_class(*args)
+    for bad in ([None], preset.model, "tower"):
+        with pytest.raises(InvalidRequest):
+            weights_digest(bad)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
+from encoders.chat import PromptBuilder
+from encoders.chat_template import ImagePart, ImageRun, Message, TextPart
 from encoders.mrope import continuation_positions, mrope_positions
 from encoders.vlm_presets import PRESET_NAMES, build_preset
 from mmcache.errors import InvalidRequest
@@ -236,3 +238,97 @@ def test_positions_past_the_prompt(presets, images):
         assert torch.equal(both[:, :2], p.mrope_positions[:, n - 2:])
         assert torch.equal(both[:, 2:], torch.arange(n, n + 3).expand(3, 3) + p.mrope_delta)
         assert both[0, 2] == both[0, 1] + 1  # generation continues the text numbering
+
+
+def test_from_token_ids_takes_only_a_list_or_tuple_of_images(presets, images):
+    # None, a generator or an int raised a bare TypeError; bytes or a str was counted item by item ("token ids
+    # hold 1 image placeholder run(s) for 466706 image(s)").
+    store = EncoderOutputStore(1 << 24)
+    builder = presets["tiny-qwen2-vl"].prompt_builder(store)
+    calls = []
+    builder.adapter.tower.register_forward_hook(lambda *_: calls.append(1))
+    ids = builder.template.text("look") + [builder.template.image_token_id]
+    for bad in (None, 5, images[0], "data:image/png;base64,AAAA", (im for im in images[:1]), {0: images[0]}):
+        with pytest.raises(InvalidRequest, match="list of images"):
+            builder.from_token_ids(ids, bad)
+    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}]}]
+    with pytest.raises(InvalidRequest, match="salt"):
+        builder.from_messages([{"role": "user", "content": "text only"}], salt=5)
+    with pytest.raises(InvalidRequest, match="add_generation_prompt"):
+        builder.from_messages(messages, add_generation_prompt="yes")  # refused before the image is encoded
+    assert len(calls) == 0 and len(store) == 0
+    with builder.from_token_ids(ids, (images[0],)) as prompt:
+        assert len(prompt.media) == 1
+    store.check_invariants()
+    for template, adapter in ((None, builder.adapter), (builder.template, None), (builder.template, "adapter")):
+        with pytest.raises(InvalidRequest):
+            PromptBuilder(template, adapter)
+
+
+def _render_cases(t):
+    user = Message("user", (ImagePart(0), TextPart("What is this?")))
+    return [
+        ([Message("tool", (TextPart("x"),))], [], "role 'tool'"),
+        ([user], [], "no placeholder count"),
+        ([user], [4, 4], "2 image"),
+        ([user, Message("user", (ImagePart(0),))], [4], "appears twice"),
+        ([Message("user", (ImagePart(-1),))], [4], "no placeholder count"),
+        ([Message("user", (ImagePart(True),))], [4], "no placeholder count"),
+        ([user], [-3], "positive ints"),
+        ([user], [0], "positive ints"),
+        ([user], [2.0], "positive ints"),
+        ([user], None, "positive ints"),
+        ([Message("user", (TextPart(5),))], [], "Unicode"),
+        ([Message("user", (TextPart("a \ud800"),))], [], "surrogate"),
+        ([Message("assistant", (TextPart(5),))], [], "Unicode"),
+        ([Message("assistant", (), ("a", "b"))], [], "integers"),
+        ([Message("assistant", (), (-1,))], [], "must lie in"),
+        ([Message("assistant", (), (t.vocab_size,))], [], "outside the vocabulary"),
+        ([Message("user", (TextPart("x"),), (1, 2))], [], "assistant messages only"),
+        ([Message("assistant", (ImagePart(0),))], [4], "user messages only"),
+        ([Message("system", (ImagePart(0),))], [4], "user messages only"),
+        ([Message("user", "abc")], [], "parts must be"),
+        ([Message("user", ("abc",))], [], "not a TextPart"),
+        (["hello"], [], "not a Message"),
+        (None, [], "list of Message"),
+    ]
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_render_refuses_malformed_input(name, presets):
+    # render used to raise KeyError, IndexError, TypeError or AttributeError, or return str ids, negative runs.
+    t = presets[name].template
+    for messages, placeholders, match in _render_cases(t):
+        with pytest.raises(InvalidRequest, match=match):
+            t.render(messages, placeholders)
+    with pytest.raises(InvalidRequest, match="add_generation_prompt"):
+        t.render([Message("user", (TextPart("x"),))], [], "yes")
+    ids, runs = t.render([Message("user", (ImagePart(0), TextPart("What is this?"))),
+                          Message("assistant", (), (5, 6, t.end_of_turn_id))], (3,))
+    assert all(type(i) is int for i in ids) and runs == [ImageRun(0, runs[0].start, 3)]
+    for bad in (lambda: t.header("tool"), lambda: t.footer(None), lambda: t.text(5), lambda: t.text(None),
+                lambda: t.assistant_text(5), lambda: t.image_run(-2), lambda: t.image_run("x"),
+                lambda: t.image_run(0), lambda: t.special(5), lambda: type(t)(None)):
+        with pytest.raises(InvalidRequest):
+            bad()
+
+
+def test_embed_and_positions_refuse_non_integer_ranges(presets):
+    builder = presets["tiny-qwen2-vl"].prompt_builder(EncoderOutputStore(1 << 20))
+    table = presets["tiny-qwen2-vl"].model.get_input_embeddings()
+    with builder.from_messages([{"role": "user", "content": "text only"}]) as prompt:
+        n = len(prompt.token_ids)
+        for start, end in (("a", 3), (0, "3"), (0.0, 3), (True, 3), (0, None)):
+            with pytest.raises(InvalidRequest):
+                prompt.positions(start, end)
+            if end is not None:
+                with pytest.raises(InvalidRequest):
+                    prompt.embed(table, start, end)
+        for bad in (None, table.weight, "table"):
+            with pytest.raises(InvalidRequest, match="embedding"):
+                prompt.embed(bad)
+        assert prompt.embed(table, np.int64(1), np.int64(n)).shape[0] == n - 1
+        assert torch.equal(prompt.positions(np.int64(0), 2), prompt.mrope_positions[:, :2])
+        # a range inside the prompt has no generated tail (it raised a bare RuntimeError: an arange of -12)
+        assert torch.equal(prompt.positions(2, n - 1), prompt.mrope_positions[:, 2:n - 1])
+        assert prompt.positions(n, n).shape == (3, 0)
