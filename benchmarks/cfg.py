@@ -24,30 +24,34 @@ import statistics
 import torch
 
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
-from mmcache.cli import positive_int
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
 from mmcache.engine.models import DTYPES
 from mmcache.engine.presets import PRESETS
 
 from .diffusion import zipf_stream
+from .options import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_THREADS, count, real, seed
 from .table import Row
 
 DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch reuse, TTFT cache on vs off"
+MAX_CONTEXT = max(p.config["max_position_embeddings"] for p in PRESETS.values())  # the longest preset context
+# Wan's negative prompt is about 400 tokens (4 repeats: 1617), so 64 repeats nearly fill the 32k context.
+MAX_NEGATIVE_REPEAT = 64
 
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", choices=list(PRESETS),
                    help="engine preset (default: small, the 8-layer Qwen2.5-0.5B shape)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--requests", type=positive_int, default=24, help="requests in the stream (quick: 6)")
-    p.add_argument("--max-tokens", type=positive_int, default=8, help="tokens per request (quick: 4)")
-    p.add_argument("--scale", type=float, default=3.0, help="guidance scale")
-    p.add_argument("--negative-repeat", type=positive_int, default=4,
+    p.add_argument("--requests", type=count(MAX_REQUESTS), default=24, help="requests in the stream (quick: 6)")
+    p.add_argument("--max-tokens", type=count(MAX_CONTEXT), default=8,
+                   help="tokens per request (quick: 4); with the prompts, within the preset's context")
+    p.add_argument("--scale", type=real(), default=3.0, help="guidance scale (a finite number)")
+    p.add_argument("--negative-repeat", type=count(MAX_NEGATIVE_REPEAT), default=4,
                    help="the negative prompt repeated this many times, a longer fixed conditioning prefix "
-                        "(quick: 2)")
-    p.add_argument("--page-size", type=positive_int, default=128)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--seed", type=int, default=0)
+                        f"(quick: 2; at most {MAX_NEGATIVE_REPEAT}, about 26k tokens)")
+    p.add_argument("--page-size", type=count(MAX_PAGE_SIZE), default=128)
+    p.add_argument("--threads", type=count(MAX_THREADS), default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--seed", type=seed, default=0)
 
 
 def _engine(args, mode: str) -> Engine:

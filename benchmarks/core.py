@@ -24,8 +24,7 @@ from array import array
 import numpy as np
 
 from mmcache import AllocationManager, CacheConfig, Fingerprint
-from mmcache.cli import positive_int
-
+from .options import MAX_REPEATS, MAX_TOKENS, count
 from .table import Row
 
 DESCRIPTION = "core costs: naming, lookup, eviction, metadata per page"
@@ -33,8 +32,10 @@ PAGE = 128
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=positive_int, default=7, help="timed repeats per figure (the median is kept)")
-    p.add_argument("--tokens", type=positive_int, default=1 << 20, help="tokens named per naming repeat")
+    p.add_argument("--repeats", type=count(MAX_REPEATS), default=7,
+                   help=f"timed repeats per figure (the median is kept; at most {MAX_REPEATS})")
+    p.add_argument("--tokens", type=count(MAX_TOKENS), default=1 << 20,
+                   help=f"tokens named per naming repeat (at most {MAX_TOKENS})")
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -45,9 +45,9 @@ from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import SD3Preset, UMT5Shape, WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
-from mmcache.cli import positive_int
 from mmcache.store import EncoderOutputStore
 
+from .options import MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, count, real, seed
 from .table import Row
 
 DESCRIPTION = "generation with a fixed negative prompt: text-encoder calls/time and latency, store off vs on"
@@ -74,12 +74,15 @@ REAL_TEXT_LEN, REAL_STEPS, REAL_LATENT = 512, 50, (16, 21, 60, 104)  # 81 frames
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--requests", type=positive_int, default=64, help="requests per stream (quick: 24)")
-    p.add_argument("--runs", type=positive_int, default=3, help="runs per mode; figures are medians (quick: 1)")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent s of prompt popularity")
-    p.add_argument("--steps", type=positive_int, default=4, help="sampling steps per request")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads while measuring")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=count(MAX_REQUESTS), default=64, help="requests per stream (quick: 24)")
+    p.add_argument("--runs", type=count(MAX_REPEATS), default=3,
+                   help="runs per mode; figures are medians (quick: 1)")
+    p.add_argument("--zipf", type=real(minimum=0.0), default=1.1,
+                   help="Zipf exponent s of prompt popularity, a finite s >= 0 (0: uniform; a large s puts every "
+                        "request on the most popular prompt)")
+    p.add_argument("--steps", type=count(MAX_REPEATS), default=4, help="sampling steps per request")
+    p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--modes", nargs="+", choices=("t2v", "t2i"), default=["t2v", "t2i"])
     p.add_argument("--no-estimate", action="store_true", help="skip the FLOP count of the real configurations")
     p.add_argument("--text-encoder", choices=tuple(TEXT_ENCODERS), default="bench",
@@ -87,7 +90,9 @@ def add_arguments(p) -> None:
 
 
 def zipf_stream(prompts: list[str], n: int, s: float, seed: int) -> list[str]:
-    """``n`` prompts drawn with P(rank r) proportional to r^-s over a seeded shuffle of ``prompts``."""
+    """``n`` prompts drawn with P(rank r) proportional to r^-s over a seeded shuffle of ``prompts``. Any finite
+    s >= 0 is a distribution over the finite list (s = 0 is uniform; past s of about 1100, r^-s underflows to 0
+    for every r > 1 and every draw is rank 1); a negative s would make the rarest prompt the most popular."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(prompts))
     weights = np.arange(1, len(prompts) + 1, dtype=np.float64) ** -s

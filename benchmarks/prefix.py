@@ -42,13 +42,14 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mmcache.cli import positive_int
 from mmcache.engine import native
 from mmcache.engine.models import DTYPES
 from mmcache.engine.presets import PRESETS
+from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
 
 from . import text_workloads as tw
+from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_TOKENS, count, folder, seed
 from .peers import protocol, vllm_cpu
 from .peers.protocol import Record, RoundResult, Workload
 from .table import Row
@@ -59,6 +60,16 @@ DESCRIPTION = ("prefix caching: probe, vLLM prefix-caching, SGLang shared-prefix
 ENGINES = ("mmcache", "mmcache_nocache", "transformers_cb", "vllm_cpu")
 WORKLOADS = ("vllm_prefix_caching", "generated_shared_prefix", "multi_turn")
 PROBE_KEYS = ("cold_s", "same_s", "shared1920_s", "cold2_s")
+MAX_COUNT = 1024  # prompts, repeats of a prompt, groups, prompts per group, conversations, user turns (FULL: 2-9)
+
+
+class ExportFailed(MmcacheError, RuntimeError):
+    """``mmcache export-model`` could not write the preset into the work folder (it said why on stderr)."""
+
+
+# The fields of Shape that count things rather than tokens; every other field is a length within the context.
+COUNT_SUFFIXES = ("_repeats", "_num_prompts", "_repeat_count", "_num_groups", "_prompts_per_group",
+                  "_conversations", "_max_user_turns")
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,26 @@ class Shape:
             raise tw.WorkloadShapeError(f"probe_repeats and workload_repeats must be at least 1, got "
                                         f"{self.probe_repeats} and {self.workload_repeats}")
 
+    def check_sizes(self, context: int) -> None:
+        """Refuses sizes no run should take, before a token is drawn: a length beyond the model's ``context``,
+        a repeat count above ``MAX_REPEATS``, another count above ``MAX_COUNT``, or a workload repeat sending
+        more than ``MAX_TOKENS`` prompt tokens. (The workloads check their own lower bounds.)"""
+        caps = {"probe_repeats": MAX_REPEATS, "workload_repeats": MAX_REPEATS}
+        for name in Shape.__dataclass_fields__:
+            values = getattr(self, name)
+            for v in values if isinstance(values, tuple) else (values,):
+                cap = caps.get(name, MAX_COUNT if name.endswith(COUNT_SUFFIXES) else context)
+                if v > cap:
+                    raise tw.WorkloadShapeError(f"{name} {v} is above its maximum {cap}"
+                                                + (" (the model's context)" if cap == context else ""))
+        sent = {"vllm_prefix_caching": self.vpc_num_prompts * self.vpc_repeat_count * self.vpc_input_range[1],
+                "generated_shared_prefix": self.gsp_num_groups * self.gsp_prompts_per_group
+                * (self.gsp_system_prompt_len + self.gsp_question_len)}
+        for name, tokens in sent.items():
+            if tokens > MAX_TOKENS:
+                raise tw.WorkloadShapeError(f"{name} would send {tokens} prompt tokens, above {MAX_TOKENS}")
+
+
 
 # The workloads are repeated for the same reason as the probe: one play of a workload per engine puts each
 # engine in its own minute, and one engine's slow minute has moved a TTFT or ITL ratio from 0.78 to 1.51 within
@@ -113,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=list(PRESETS),
                    help="embedded model preset (default qwen2.5-0.5b; small with --quick)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--page-size", type=positive_int, default=128)
+    p.add_argument("--page-size", type=count(MAX_PAGE_SIZE), default=128)
     p.add_argument("--store-at", choices=("prefill", "teardown"), default="prefill",
                    help="when mmcache publishes a prompt's full pages: as prefill fills them (as vLLM and "
                         "transformers do, so requests of one batch can share) or when the request ends")
@@ -123,8 +154,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", help=f"comma-separated subset of {','.join(ENGINES)} (default: by mode and --peers)")
     p.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)}; the probe always runs, "
                                        "so an empty list runs the probe alone")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", help="keep the exported model and peer logs here (default: a temporary folder)")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--workdir", type=folder,
+                   help="keep the exported model and peer logs here, a folder or one that can be made (default: a "
+                        "temporary folder)")
     s = p.add_argument_group("workload sizes (default: the full or quick shape, see Shape)")
     for f in Shape.__dataclass_fields__.values():
         kind = str if f.name == "vpc_input_range" else int
@@ -149,11 +182,13 @@ def shape_from_args(args) -> Shape:
 
 
 def engines_from_args(args) -> list[str]:
-    if args.engines:
+    if args.engines is not None:
         names = [e.strip() for e in args.engines.split(",") if e.strip()]
         unknown = set(names) - set(ENGINES)
         if unknown:
             raise tw.WorkloadShapeError(f"unknown engines {sorted(unknown)}; known: {ENGINES}")
+        if not names:
+            raise tw.WorkloadShapeError(f"--engines {args.engines!r} names no engine; known: {ENGINES}")
         return names
     names = ["mmcache", "mmcache_nocache"]
     if args.peers or not args.quick:
@@ -185,12 +220,15 @@ def build_workloads(shape: Shape, space: tw.TokenSpace, seed: int, names: list[s
     return out
 
 
+WARMUP_SHORT_LENS, WARMUP_NEW_TOKENS = (300, 364), 4
+
+
 def warmup_workload(space: tw.TokenSpace, seed: int, prompt_len: int) -> Workload:
     """A probe-sized prompt alone, then two short prompts together, on tokens no workload uses, so kernels,
     allocators and compiled graphs are warm for both shapes before anything is timed."""
     rng = tw.random.Random(f"warmup:{seed}")
-    reqs = [protocol.Request(f"warmup{seed}-{i}", space.draw(rng, n), 4)
-            for i, n in enumerate((prompt_len, 300, 364))]
+    reqs = [protocol.Request(f"warmup{seed}-{i}", space.draw(rng, n), WARMUP_NEW_TOKENS)
+            for i, n in enumerate((prompt_len,) + WARMUP_SHORT_LENS)]
     return Workload("warmup", ((reqs[0],), (reqs[1], reqs[2])))
 
 
@@ -484,7 +522,33 @@ def _session_len(w: Workload) -> int:
     return max(total.values(), default=0)
 
 
+def check_context(workloads: list[Workload], shape: Shape, page_size: int, context: int,
+                  sessions: bool = True) -> None:
+    """Refuses a run whose requests would not fit the model's ``context`` (prompt and output tokens; a session's
+    turn holds the whole conversation before it): the warm-up and probe prompts, the bit-exact check's prompts,
+    every request of ``workloads``, and, with ``sessions``, every multi-turn conversation. Sessions are left out
+    on stand-in tokens: their later lengths are drawn after tokens, so they differ on the real token space."""
+    need = {"the probe and warm-up": max((shape.probe_len,) + WARMUP_SHORT_LENS) + WARMUP_NEW_TOKENS,
+            "the bit-exact check": bit_exact_len(page_size)}
+    for w in workloads:
+        single = [len(r.tokens) + r.max_tokens for rnd in w.rounds for r in rnd if not r.session]
+        need[w.name] = max(single + [_session_len(w) if sessions else 0])
+    over = [f"{name} needs {n}" for name, n in need.items() if n > context]
+    if over:
+        raise tw.WorkloadShapeError(f"longer than the model's context of {context} tokens: {'; '.join(over)}")
+
+
 # ---- the bit-exactness check -----------------------------------------------------------------------
+
+
+# bit_exact_check's first prompt is 3 pages and EXACT_EXTRA tokens; its follow-up adds the answer and EXACT_TAIL
+EXACT_EXTRA, EXACT_TAIL, EXACT_NEW_TOKENS = 37, 20, 8
+
+
+def bit_exact_len(page_size: int) -> int:
+    """The longest context of ``bit_exact_check``: its follow-up prompt (the first prompt, its answer and the
+    new tail) and that prompt's own answer."""
+    return 3 * page_size + EXACT_EXTRA + EXACT_NEW_TOKENS + EXACT_TAIL + EXACT_NEW_TOKENS
 
 
 def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenSpace, seed: int,
@@ -497,11 +561,11 @@ def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenS
     from mmcache.engine.inspect import record_logits, rows_equal
 
     rng = tw.random.Random(f"bit_exact:{seed}")
-    a = space.draw(rng, 3 * page_size + 37)
+    a = space.draw(rng, 3 * page_size + EXACT_EXTRA)
     b = a[: 2 * page_size] + space.draw(rng, page_size // 2 + 5)
     c = a[: 3 * page_size]
-    tail = space.draw(rng, 20)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tail = space.draw(rng, EXACT_TAIL)
+    params = SamplingParams(max_tokens=EXACT_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     runs = {}
     for mode in ("on", "off"):
         config = EngineConfig.exact(page_size=page_size, cache_mode=mode, store_at=store_at)
@@ -535,7 +599,7 @@ def export_model(preset: str, dtype: str, out_dir: str) -> None:
 
     rc = cli(["export-model", preset, out_dir, "--dtype", dtype])
     if rc:
-        raise RuntimeError(f"mmcache export-model {preset} failed with exit code {rc}")
+        raise ExportFailed(f"mmcache export-model {preset} {out_dir} failed with exit code {rc}")
 
 
 def run(args) -> dict:
@@ -549,10 +613,14 @@ def run(args) -> dict:
     if unknown:
         raise tw.WorkloadShapeError(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
     preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
-    # Every shape error now, before a model is exported or an engine loaded: build the probe and the workloads
-    # once on a stand-in token space (the real one needs the exported vocabulary).
+    # Every shape error now, before a model is exported or an engine loaded: sizes against their maxima and the
+    # preset's context, then the probe and the workloads built once on a stand-in token space (the real one
+    # needs the exported vocabulary); multi-turn conversations are measured on the real one, before loading.
+    context = PRESETS[preset].config["max_position_embeddings"]
+    shape.check_sizes(context)
     tw.probe(tw.TokenSpace(1, 2), 0, shape.probe_len, shape.probe_shared)
-    build_workloads(shape, tw.TokenSpace(1, 2), args.seed, names)
+    check_context(build_workloads(shape, tw.TokenSpace(1, 2), args.seed, names), shape, args.page_size, context,
+                  sessions=False)
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mmcache-prefix-") as tmp:
@@ -564,6 +632,7 @@ def run(args) -> dict:
         space = token_space(model_dir)
         repeats = workload_repeats(shape, space, args.seed, names)
         every = [w for ws in repeats for w in ws]
+        check_context(every, shape, args.page_size, context)
         num_pages = _pages_needed(every, shape, args.page_size)
         _progress("bit-exact check (exact schedule, cache on vs off)")
         exact = bit_exact_check(model_dir, args.dtype, args.page_size, space, args.seed, args.store_at)

@@ -64,7 +64,7 @@ def main(args) -> int:
     rest = list(args.rest)
     # Options given before NAME (`mmcache bench --json PATH --quick NAME ...`) go on with the rest.
     at = 1 if rest and rest[0] in REGISTRY else 0
-    if args.json:
+    if args.json is not None:  # an empty path too: writable refuses it
         rest[at:at] = ["--json", args.json]
     if args.quick and at:
         rest[at:at] = ["--quick"]

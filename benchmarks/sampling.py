@@ -22,8 +22,9 @@ from unittest import mock
 
 import torch
 
-from mmcache.cli import positive_int
+from mmcache.engine.presets import PRESETS
 
+from .options import MAX_REPEATS, MAX_REQUESTS, count
 from .table import Row
 
 DESCRIPTION = "per-token sampling cost (temperature, top-k, top-p) against a full-sort + multinomial sampler"
@@ -34,14 +35,18 @@ PARAMS = {  # name: (temperature, top_k, top_p)
     "temperature 0.8, top-p 0.9": (0.8, 0, 0.9),
     "temperature 0.8, top-k 50, top-p 0.9": (0.8, 50, 0.9),
 }
+ENGINE_PRESET, PROMPT_LEN = "small", 256  # the engine run's model and its prompts' length
+MAX_DECODE = PRESETS[ENGINE_PRESET].config["max_position_embeddings"] - PROMPT_LEN  # what the context leaves
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timed calls per sampler and case (default 41; quick 11)")
-    p.add_argument("--batch", type=positive_int, default=8, help="requests decoding together in the engine run")
-    p.add_argument("--tokens", type=positive_int, default=None,
-                   help="tokens per request in the engine run (default 32; quick 12)")
+    p.add_argument("--repeats", type=count(MAX_REPEATS), default=None,
+                   help=f"timed calls per sampler and case (default 41; quick 11; at most {MAX_REPEATS})")
+    p.add_argument("--batch", type=count(MAX_REQUESTS), default=8,
+                   help=f"requests decoding together in the engine run (at most {MAX_REQUESTS})")
+    p.add_argument("--tokens", type=count(MAX_DECODE), default=None,
+                   help=f"tokens per request in the engine run (default 32; quick 12; at most {MAX_DECODE}, what "
+                        f"{ENGINE_PRESET}'s context leaves after a {PROMPT_LEN}-token prompt)")
 
 
 def by_definition(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:
@@ -97,9 +102,9 @@ def _engine_itl(batch: int, tokens: int, runs: int) -> dict:
     from mmcache.engine import Engine, EngineConfig, SamplingParams
     from mmcache.engine import engine as engine_module
 
-    eng = Engine.from_preset("small", dtype="bfloat16", config=EngineConfig(cache_mode="off"))
+    eng = Engine.from_preset(ENGINE_PRESET, dtype="bfloat16", config=EngineConfig(cache_mode="off"))
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, 8000, (256,), generator=gen).tolist() for _ in range(batch)]
+    prompts = [torch.randint(100, 8000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
     sp = [SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
           for i in range(batch)]
     eng.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm

@@ -52,11 +52,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmcache.cli import positive_int
 from mmcache.engine.models import DTYPES
 from mmcache.openmp import loaded_runtime
 
+from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_THREADS, MAX_TOKENS, count, seed
 from .table import Row
+from .text_workloads import WorkloadShapeError
 
 DESCRIPTION = ("VLM chat over real images: TTFT per turn, vision-tower calls and matched share with the cache off, "
                "KV only, KV + encoder store; overhead guard")
@@ -78,8 +79,15 @@ class Shape:
     turns: int
     max_tokens: int  # answer length (greedy, end-of-turn ignored so every mode computes the same lengths)
     runs: int
-    guard_requests: int
-    guard_runs: int
+    guard_requests: int  # 0: no guard
+    guard_runs: int  # 0: no guard
+
+
+# Each field's range: at least 1 (the guard's: 0, no guard) and at most a bound well above any real use (a
+# chat's context is not known before the model is built; a turn past it fails as InvalidRequest).
+BOUNDS = {"images": (1, len(IMAGES)), "users": (1, 64), "turns": (1, 64), "max_tokens": (1, 4096),
+          "runs": (1, MAX_REPEATS), "guard_requests": (0, 10_000), "guard_runs": (0, MAX_REPEATS)}
+MAX_POOL_TOKENS = MAX_TOKENS  # KV pages times page size, per engine (default 2048 x 16)
 
 
 FULL = Shape(images=4, users=3, turns=4, max_tokens=8, runs=3, guard_requests=12, guard_runs=3)
@@ -90,22 +98,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bench-llava", choices=("bench-llava", "tiny-llava"),
                    help="a LLaVA preset of mmcache.engine.vlm_presets (tiny-llava: a seconds-long smoke run)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--num-pages", type=positive_int, default=2048, help="KV pages per engine")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads while measuring")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=count(MAX_PAGE_SIZE), default=16)
+    p.add_argument("--num-pages", type=count(MAX_POOL_TOKENS), default=2048,
+                   help=f"KV pages per engine (pages times page size at most {MAX_POOL_TOKENS})")
+    p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--no-guard", action="store_true", help="skip the overhead guard")
-    s = p.add_argument_group("workload sizes (default: the full or quick shape)")
+    s = p.add_argument_group("workload sizes (default: the full or quick shape; ranges in BOUNDS)")
     for name in Shape.__dataclass_fields__:
-        s.add_argument("--" + name.replace("_", "-"), type=int, metavar="N")
+        low, high = BOUNDS[name]
+        s.add_argument("--" + name.replace("_", "-"), type=count(high, minimum=low), metavar="N")
 
 
 def shape_from_args(args) -> Shape:
     shape = QUICK if args.quick else FULL
     changes = {k: getattr(args, k) for k in Shape.__dataclass_fields__ if getattr(args, k, None) is not None}
     shape = replace(shape, **changes)
-    if not 1 <= shape.images <= len(IMAGES) or min(shape.users, shape.turns, shape.max_tokens, shape.runs) < 1:
-        raise SystemExit(f"bad workload shape {shape}")
+    for name, (low, high) in BOUNDS.items():
+        if not low <= getattr(shape, name) <= high:
+            raise WorkloadShapeError(f"{name} must lie in [{low}, {high}], got {getattr(shape, name)}")
+    if args.num_pages * args.page_size > MAX_POOL_TOKENS:
+        raise WorkloadShapeError(f"a pool of {args.num_pages} pages of {args.page_size} tokens is above "
+                                 f"{MAX_POOL_TOKENS} tokens")
     return shape
 
 
@@ -248,7 +262,7 @@ def serve(front, request, counter: TowerCounter):
     before, cpu = counter.calls, time.thread_time()
     out = front.generate([request])[0]
     if out.error is not None:
-        raise RuntimeError(f"benchmark request failed: {out.error}")
+        raise out.error  # typed (InvalidRequest for a chat past the model's context): one line, not a traceback
     return out, counter.calls - before, time.thread_time() - cpu
 
 

@@ -40,19 +40,28 @@ def positive_ints(text: str) -> list[int]:
 
 
 def writable(path: str | None, prog: str) -> bool:
-    """Whether the output file ``path`` (None: none asked for) can be written, found out before a long run
-    rather than after it: its folder is made, a temporary file beside it written and removed, the file itself
-    not touched. When not, says so on stderr as ``prog: cannot write PATH: reason``."""
-    if path:
+    """Whether the output file ``path`` (None: none asked for; an empty path, as an unset variable gives, is
+    refused) can be written, found out before a long run rather than after it: its folder is made, a temporary
+    file beside it written and removed, the file itself not touched. When not, says so on stderr as
+    ``prog: cannot write PATH: reason``."""
+    if path is not None:
         try:
+            if not path:
+                raise FileNotFoundError(2, "empty path")
             if os.path.isdir(path):
                 raise IsADirectoryError(21, "Is a directory")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            parent = os.path.dirname(os.path.abspath(path))
+            above = parent
+            while not os.path.exists(above):
+                above = os.path.dirname(above)
+            if not os.path.isdir(above):
+                raise NotADirectoryError(20, f"{above} is not a folder")
+            os.makedirs(parent, exist_ok=True)
             with open(f"{path}.part", "w"):
                 pass
             os.remove(f"{path}.part")
         except OSError as e:
-            print(f"{prog}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+            print(f"{prog}: cannot write {path or repr(path)}: {e.strerror or e}", file=sys.stderr)
             return False
     return True
 

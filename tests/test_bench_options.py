@@ -40,6 +40,70 @@ def test_each_registered_benchmark_refuses_a_zero_count(name, option, capsys):
     assert exc.value.code == 2 and "must be at least 1" in capsys.readouterr().err
 
 
+HUGE = str(10**30)
+BOUNDED = [("core", "--tokens", HUGE, "at most 16777216"), ("core", "--repeats", HUGE, "at most 1000"),
+           ("sampling", "--tokens", HUGE, "at most 32512"), ("sampling", "--batch", HUGE, "at most 10000"),
+           ("sampling", "--repeats", HUGE, "at most"),
+           ("diffusion", "--seed", "-1", "at least 0"), ("diffusion", "--seed", str(2**63), "at most"),
+           ("diffusion", "--zipf", "nan", "finite"), ("diffusion", "--zipf", "inf", "finite"),
+           ("diffusion", "--zipf", "-1e308", "at least 0"), ("diffusion", "--zipf", "-0.5", "at least 0"),
+           ("diffusion", "--zipf", "x", "not a number"), ("diffusion", "--requests", HUGE, "at most"),
+           ("diffusion", "--runs", HUGE, "at most"), ("diffusion", "--steps", HUGE, "at most"),
+           ("diffusion", "--threads", HUGE, "at most 1024"),
+           ("cfg", "--seed", "-1", "at least 0"), ("cfg", "--scale", "nan", "finite"),
+           ("cfg", "--scale", "-inf", "finite"), ("cfg", "--requests", HUGE, "at most"),
+           ("cfg", "--max-tokens", HUGE, "at most"), ("cfg", "--negative-repeat", HUGE, "at most 64"),
+           ("cfg", "--page-size", "8192", "at most 4096"), ("cfg", "--threads", HUGE, "at most"),
+           ("vlm", "--seed", HUGE, "at most"), ("vlm", "--page-size", "8192", "at most 4096"),
+           ("vlm", "--num-pages", HUGE, "at most"), ("vlm", "--threads", HUGE, "at most"),
+           ("prefix", "--seed", "-1", "at least 0"), ("prefix", "--page-size", "8192", "at most 4096")]
+
+
+@pytest.mark.parametrize("name, option, value, says", BOUNDED, ids=lambda x: str(x)[:12])
+def test_a_value_out_of_range_is_refused_by_the_parser(name, option, value, says, capsys):
+    """Huge counts (which hung or failed deep in numpy or torch), negative seeds (numpy's default_rng refuses
+    them, after the pipeline was built) and non-finite or negative Zipf exponents and guidance scales (NaN
+    probabilities, NaN logits) are argparse errors, exit code 2."""
+    with pytest.raises(SystemExit) as exc:
+        bench_parser(name, importlib.import_module(REGISTRY[name])).parse_args([f"{option}={value}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {option}: " in err and says in err, err
+
+
+def test_bounds_keep_every_default_and_the_edges_of_the_range():
+    """A bound refuses only what was meaningless: each default parses as before, and so do the range's edges."""
+    defaults = {"core": {"tokens": 1 << 20, "repeats": 7}, "sampling": {"batch": 8, "tokens": None},
+                "diffusion": {"zipf": 1.1, "seed": 0, "requests": 64, "runs": 3, "steps": 4, "threads": 1},
+                "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": 4, "max_tokens": 8},
+                "vlm": {"seed": 0, "page_size": 16, "num_pages": 2048, "threads": 1, "guard_runs": None},
+                "prefix": {"seed": 0, "page_size": 128, "workdir": None}}
+    for name, want in defaults.items():
+        opts = bench_parser(name, importlib.import_module(REGISTRY[name])).parse_args([])
+        assert {k: getattr(opts, k) for k in want} == want
+    parse = lambda name, *argv: bench_parser(name, importlib.import_module(REGISTRY[name])).parse_args(argv)
+    assert parse("diffusion", "--zipf", "0", "--seed", str(2**63 - 1)).zipf == 0.0
+    assert parse("cfg", "--scale", "-2.5", "--page-size", "4096").scale == -2.5
+    assert parse("core", "--tokens", str(1 << 24)).tokens == 1 << 24
+    assert parse("vlm", "--guard-runs", "0", "--guard-requests", "0").guard_runs == 0
+
+
+def test_an_empty_json_path_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """`--json ''` (an unset variable) used to run and write nothing; a path under a file said "File exists"."""
+    ran = []
+    fake = types.ModuleType("fake_bench")
+    fake.DESCRIPTION, fake.add_arguments = "a stand-in", lambda p: None
+    fake.run, fake.table_rows = lambda opts: ran.append(opts) or {}, lambda result: []
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setattr(runner, "REGISTRY", {"fake": "fake_bench"})
+    for argv in (["bench", "fake", "--json", ""], ["bench", "--json", "", "fake"], ["bench", "--json", ""]):
+        assert cli(argv) == 2
+        assert ran == [] and "mmcache bench: cannot write '': empty path" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("kept")
+    assert not writable(str(tmp_path / "a-file" / "deeper" / "out.json"), "test")
+    assert f"{tmp_path / 'a-file'} is not a folder" in capsys.readouterr().err
+    assert writable(None, "test")
+
+
 @pytest.mark.parametrize("name, option", [("prefix", "--preset"), ("prefix", "--dtype"), ("cfg", "--preset"),
                                           ("cfg", "--dtype"), ("vlm", "--preset"), ("vlm", "--dtype")])
 def test_an_unknown_preset_or_dtype_is_refused_by_the_benchmarks_own_parser(name, option, capsys):

@@ -132,7 +132,16 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
 @pytest.mark.parametrize("bad, says", [(["--probe-repeats", "0"], "probe_repeats"),
                                        (["--vpc-input-range", "3"], "MIN:MAX"),
                                        (["--probe-shared", "4096"], "shared_len"),
-                                       (["--gsp-question-len", "0"], "positive")])
+                                       (["--gsp-question-len", "0"], "positive"),
+                                       (["--engines", ","], "names no engine"),
+                                       (["--probe-len", str(10**30)], "probe_len"),
+                                       (["--probe-repeats", str(10**30)], "probe_repeats"),
+                                       (["--gsp-num-groups", "1000", "--gsp-prompts-per-group", "1000"],
+                                        "prompt tokens"),
+                                       (["--preset", "tiny"],
+                                        "probe_len 2048 is above its maximum 1024 (the model's context)"),
+                                       (["--preset", "tiny", "--probe-len", "512", "--probe-shared", "256",
+                                         "--page-size", "512"], "bit-exact check needs 1609")])
 def test_bad_shapes_fail_before_anything_runs(bad, says, tmp_path, capsys):
     """A shape the workloads cannot take is refused with its typed error's message and exit code 2, before a
     model is exported into the work folder."""
@@ -140,6 +149,40 @@ def test_bad_shapes_fail_before_anything_runs(bad, says, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "WorkloadShapeError" in err and says in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing exported
+
+
+def test_a_workdir_that_cannot_be_a_folder_is_refused_by_the_parser(tmp_path, capsys):
+    """--workdir on a file used to end, after the shape checks, in a traceback of the model export."""
+    (tmp_path / "a-file").write_text("")
+    for workdir in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        with pytest.raises(SystemExit) as exc:
+            bench_runner.bench_parser("prefix", prefix).parse_args(["--workdir", str(workdir)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument --workdir: {tmp_path / 'a-file'} is not a folder" in err
+    made = tmp_path / "new" / "deeper"  # a folder still to be made is taken, and not made by the parser
+    assert bench_runner.bench_parser("prefix", prefix).parse_args(["--workdir", str(made)]).workdir == str(made)
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_export_that_fails_is_a_typed_error(monkeypatch, tmp_path):
+    import mmcache.cli
+    from mmcache.errors import MmcacheError
+
+    monkeypatch.setattr(mmcache.cli, "main", lambda argv: 1)
+    with pytest.raises(MmcacheError, match="export-model tiny .* failed with exit code 1"):
+        prefix.export_model("tiny", "float32", str(tmp_path / "model"))
+
+
+def test_conversations_longer_than_the_context_are_refused():
+    """Multi-turn conversations are measured on the real token space (their later lengths are drawn after
+    tokens), after the export and before any engine loads."""
+    space = tw.TokenSpace(2, 100)
+    workloads = prefix.build_workloads(prefix.QUICK, space, 0, ["multi_turn"])
+    longest = prefix._session_len(workloads[0])
+    prefix.check_context(workloads, prefix.QUICK, 16, longest)
+    prefix.check_context(workloads, prefix.QUICK, 16, longest - 1, sessions=False)
+    with pytest.raises(tw.WorkloadShapeError, match=f"multi_turn needs {longest}"):
+        prefix.check_context(workloads, prefix.QUICK, 16, longest - 1)
 
 
 def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):

@@ -84,3 +84,30 @@ def test_guard_images_are_distinct_and_shapes_are_checked():
     assert len(set(images)) == 6 and images == vlm.guard_images(6, seed=3)
     with pytest.raises(SystemExit):
         vlm.shape_from_args(bench_parser("vlm", vlm).parse_args(["--images", "9"]))
+
+
+@pytest.mark.parametrize("option, value, says", [("--images", "0", "at least 1"), ("--images", "5", "at most 4"),
+                                                 ("--guard-runs", "-1", "at least 0"),
+                                                 ("--guard-requests", "-2", "at least 0"),
+                                                 ("--seed", str(10**30), "at most"), ("--seed", "-1", "at least 0"),
+                                                 ("--runs", "0", "at least 1"), ("--turns", str(10**30), "at most")])
+def test_a_bad_shape_or_seed_is_refused_before_anything_is_built(option, value, says, capsys):
+    """A negative guard count used to crash after every chat run, a seed past 2**64 in torch.manual_seed, and
+    --images 0 exited with code 1; now each is argparse's error, exit code 2, before the model is built."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "vlm", "--quick", "--preset", "tiny-llava", f"{option}={value}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"mmcache bench vlm: error: argument {option}: must be {says}" in err, err
+
+
+def test_shapes_built_in_code_are_checked_with_the_typed_error():
+    from benchmarks.text_workloads import WorkloadShapeError
+
+    args = bench_parser("vlm", vlm).parse_args(["--quick"])
+    assert vlm.shape_from_args(args) == vlm.QUICK
+    args.guard_runs = -1
+    with pytest.raises(WorkloadShapeError, match="guard_runs"):
+        vlm.shape_from_args(args)
+    args = bench_parser("vlm", vlm).parse_args(["--num-pages", str(1 << 24)])
+    with pytest.raises(WorkloadShapeError, match="pool"):
+        vlm.shape_from_args(args)
