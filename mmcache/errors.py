@@ -12,6 +12,24 @@ class MmcacheError(Exception):
     """Base class of every error mmcache raises on purpose."""
 
 
+def without_frames(err: BaseException) -> BaseException:
+    """``err`` itself, with the traceback of it and of every exception in its cause and context chains dropped.
+
+    An error kept in a result (a request's output) would otherwise keep the failed call's frames alive, and
+    through their locals whatever they held (the engine and its KV pool, a batch's activations, a request's
+    images), in a reference cycle only the cyclic collector frees. Where the frames matter for diagnosis, format
+    them first (``ForwardError.cause_traceback``)."""
+    stack, seen = [err], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        stack += [e.__cause__, e.__context__]
+    return err
+
+
 class InvalidRequest(MmcacheError, ValueError):
     """A request's input is malformed: empty prompt, ids of the wrong dtype or shape, lengths out of range."""
 

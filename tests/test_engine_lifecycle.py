@@ -4,7 +4,9 @@ After every scenario the pools are whole: ``check_invariants`` passes and, once 
 either free or owned by the prefix index alone.
 """
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -210,6 +212,34 @@ def test_exception_inside_forward_fails_only_that_forwards_requests(tiny):
     assert eng.metrics()["engine"]["failed_forwards"] == 1
     assert_pools_whole(eng)
     assert [o.output_ids for o in eng.generate(ps[:2], greedy())] == want[:2]  # the engine goes on
+
+
+def test_an_error_output_keeps_no_frames_alive(tiny):
+    # The error in an output carried its traceback, whose frames held the engine, the batch and the model's
+    # activations, in a cycle only the cyclic collector freed.
+    eng = engine(tiny)
+    activations = []
+
+    def boom(works):
+        hidden = torch.ones(64)
+        activations.append(weakref.ref(hidden))
+        raise RuntimeError("out of memory")
+
+    eng.runner.run = boom
+    gc.disable()  # what is freed must be freed by reference counting alone
+    try:
+        outs = eng.generate(prompts(2), greedy()) + eng.generate([[3, 4096]], greedy())  # a forward, then intake
+        assert activations and activations[0]() is None
+    finally:
+        gc.enable()
+    for o in outs:
+        e, chain = o.error, []
+        while e is not None:
+            chain.append(e.__traceback__)
+            e = e.__cause__ or e.__context__
+        assert chain and chain == [None] * len(chain), o.error
+    assert isinstance(outs[0].error, ForwardError) and "in boom" in outs[0].error.cause_traceback
+    assert isinstance(outs[2].error, InvalidRequest)
 
 
 # ---- bad input -------------------------------------------------------------------------------------

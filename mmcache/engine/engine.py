@@ -12,7 +12,9 @@ requests. Invariants:
   preemption does not end a request. After any sequence of steps, aborts and failures, ``check_invariants``
   holds: every page is free, owned by the index, or held by a live admitted request.
 * An exception raised inside a forward fails exactly the requests of that forward (``ForwardError``, cause
-  attached); their pages return and the other requests go on.
+  attached); their pages return and the other requests go on. An error in an output holds no frames
+  (``errors.without_frames``): a failed call's activations, images or the engine itself are not kept alive
+  by an output the caller keeps.
 * A KV pool in host memory larger than the process can still take (``memory.available_bytes``) is refused
   with ``EngineConfigError`` before the model is set up; the CFG pool, made on first use, fails the request
   that needed it with that error instead.
@@ -24,6 +26,7 @@ requests. Invariants:
 from __future__ import annotations
 
 import logging
+import traceback
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -70,7 +73,14 @@ def _size(n: int) -> str:
 
 
 class ForwardError(MmcacheError, RuntimeError):
-    """The model's forward raised; every request of that forward ends with this error (cause attached)."""
+    """The model's forward raised; every request of that forward ends with this error (cause attached, without
+    its frames: ``cause_traceback`` holds them formatted)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause_traceback = "" if cause is None else "".join(
+            traceback.format_exception(type(cause), cause, cause.__traceback__))
+        self.__cause__ = cause
 
 
 class SamplingError(MmcacheError, RuntimeError):
@@ -374,8 +384,7 @@ class Engine:
                 logits = self.runner.run(works)
             except Exception as cause:  # any failure inside the model: its requests fail, the engine goes on
                 self.counters["failed_forwards"] += 1
-                err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}")
-                err.__cause__ = cause
+                err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}", cause)
                 for live in _unique(w.live for w in works):
                     self._finish(live, "error", err, store=False)
                 return

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..checks import finite_number
-from ..errors import InvalidRequest, MmcacheError
+from ..errors import InvalidRequest, MmcacheError, without_frames
 from ..names import MediaItem
 
 FINISH_REASONS = ("length", "eos", "stop", "abort", "error")
@@ -127,6 +127,10 @@ class RequestOutput:
     negative_matched_tokens: int = 0  # same for the CFG branch
     preemptions: int = 0
     text: str | None = None
+
+    def __post_init__(self):
+        if self.error is not None:  # an output must not keep the failed call's frames (and the engine) alive
+            without_frames(self.error)
 
     @property
     def ttft(self) -> float | None:
