@@ -112,6 +112,27 @@ def test_store_budget_under_churn_keeps_held_entries_and_outputs(llava, crops):
     assert_whole(small, [small.builder.adapter.key(c) for c in crops])
 
 
+def test_the_keys_kept_for_the_hold_check_stay_bounded_by_the_store(llava):
+    # One key per distinct image ever served was kept for check_invariants, growing without bound while the
+    # store stayed within its budget.
+    import io
+
+    from PIL import Image
+
+    def png(i):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (i % 256, i // 256, 7)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    vlm = front(llava, store_bytes=3 * ENTRY)
+    for wave in range(12):
+        outs = vlm.generate([ask(png(8 * wave + i), n=1) for i in range(8)])
+        assert all(o.finish_reason == "length" for o in outs)
+        assert len(vlm._keys_seen) <= 2 * len(vlm.store) + 64 + 8
+    assert vlm.store.metrics.computes == 96
+    assert_whole(vlm)
+
+
 def test_oversize_entries_bypass_and_requests_complete(llava, crops, tower_calls):
     requests = lambda: [ask(crops[i], rid=i) for i in (0, 1, 0)]
     ample = front(llava)
@@ -185,6 +206,9 @@ def test_a_tower_forward_that_raises_fails_its_request_only(llava, crops, monkey
     outs = vlm.generate([ask(crops[0], rid="a"), ask(crops[1], rid="b"), ask(crops[2], rid="c")])
     assert [o.finish_reason for o in outs] == ["length", "error", "length"]
     assert isinstance(outs[1].error, ForwardError) and isinstance(outs[1].error.__cause__, RuntimeError)
+    # no frames kept (they held the engine and the request's images); the cause's traceback is kept as text
+    assert outs[1].error.__traceback__ is None and outs[1].error.__cause__.__traceback__ is None
+    assert "injected tower failure" in outs[1].error.cause_traceback
     assert adapter.key(crops[1]) not in vlm.store and len(vlm.store) == 2
     assert_whole(vlm)
 

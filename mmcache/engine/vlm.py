@@ -101,7 +101,9 @@ class VLMEngine:
         self.engine = engine
         self.builder = builder
         self._holding: dict[int, _Held] = {}
-        self._keys_seen: set[bytes] = set()  # store keys requests held (one per distinct image): for check_invariants
+        # Store keys requests held, for check_invariants; keys the store no longer has (evicted: no hold left to
+        # check) are dropped when the set grows past twice the store's entries, so it stays bounded by the store.
+        self._keys_seen: set[bytes] = set()
         self._events: list[StreamEvent] = []  # build failures of add_request, returned by the next step
         self._next_id = 0
         self._lock = threading.Lock()  # guards the four above; never held while calling the engine or the store
@@ -234,13 +236,14 @@ class VLMEngine:
         except MmcacheError as err:
             return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
         except Exception as cause:  # the tower (or the tokenizer) raised: this request fails, not the call
-            err = ForwardError(f"building the prompt failed: {type(cause).__name__}: {cause}")
-            err.__cause__ = cause
+            err = ForwardError(f"building the prompt failed: {type(cause).__name__}: {cause}", cause)
             return RequestOutput(rid, 0, [], 0, "error", err, arrival, None, []), None
         held = _Held(self, prompt)
         with self._lock:
             self._holding[id(held)] = held
             self._keys_seen.update(image.key for image in prompt.images)
+            if len(self._keys_seen) > 2 * len(self.store) + 64:
+                self._keys_seen = {k for k in self._keys_seen if k in self.store}
         mm = MultimodalInput(prompt.media, prompt.embeds, prompt.mrope_positions, prompt.mrope_delta, held.release)
         return None, Request(prompt.token_ids, request.sampling, rid, request.salt, mm=mm, arrival_time=arrival)
 
