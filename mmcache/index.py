@@ -9,7 +9,8 @@ Invariants (``check_invariants``):
 * ``in_index[p]`` exactly when the multimap holds ``(name[p], p)``; the index is then one of ``p``'s owners.
 * ``parent[p]`` is the index page holding the previous page of the chain, or ``-1 - root_id`` for a chain's
   first page, where ``root_id`` identifies the exact root material (fingerprint and salt bytes) in
-  ``roots``. Every entry's parent page is itself in the index (eviction removes leaves only).
+  ``roots``. A root no entry starts from and no live request uses may be forgotten (``forget_roots``) and its
+  id reused, so ``roots`` stays bounded by what is cached and running, not by every salt ever seen. Every entry's parent page is itself in the index (eviction removes leaves only).
 * ``children[p]`` counts the entries whose parent is ``p``.
 * Live plus tombstone slots fill at most 3/4 of the multimap (a rebuild before an insert could pass it drops
   the tombstones), so every probe for a missing name ends at an EMPTY slot.
@@ -56,14 +57,31 @@ class PrefixIndex:
         self._clock = 0
         self.size = 0
         self.roots: dict[bytes, int] = {}
+        self._free_root_ids: list[int] = []  # ids of forgotten roots, reused first
+        self._root_ids_made = 0
 
     # ---- roots -------------------------------------------------------------------------------------
     def root_parent(self, root_material: bytes) -> int:
         """The parent value of a chain's first page for this exact root material (registered on first use)."""
         rid = self.roots.get(root_material)
         if rid is None:
-            rid = self.roots.setdefault(root_material, len(self.roots))
+            if self._free_root_ids:
+                rid = self._free_root_ids.pop()
+            else:
+                rid, self._root_ids_made = self._root_ids_made, self._root_ids_made + 1
+            self.roots[root_material] = rid
         return -1 - rid
+
+    def forget_roots(self, in_use: set[int]) -> int:
+        """Forget every root material that no entry's chain starts from and whose parent value is not in
+        ``in_use`` (the parent values live requests hold); their ids are reused. Returns how many were
+        forgotten. Without this, every distinct salt ever seen would keep its root material for good."""
+        heads = self.parent[self.in_index]
+        used = set(heads[heads < 0].tolist()) | in_use
+        dead = [material for material, rid in self.roots.items() if -1 - rid not in used]
+        for material in dead:
+            self._free_root_ids.append(self.roots.pop(material))
+        return len(dead)
 
     # ---- multimap ----------------------------------------------------------------------------------
     def _first_candidates(self, names: np.ndarray) -> np.ndarray:
@@ -328,3 +346,8 @@ class PrefixIndex:
             raise AssertionError("an index page has owner count 0")
         if set(self._extras) != set(np.flatnonzero(self.has_extras).tolist()):
             raise AssertionError("extras table and has_extras flags disagree")
+        heads = par[par < 0]
+        if len(heads) and not set((-1 - heads).tolist()) <= set(self.roots.values()):
+            raise AssertionError("an entry's chain starts from a root the index has forgotten")
+        if len(set(self.roots.values())) != len(self.roots) or set(self._free_root_ids) & set(self.roots.values()):
+            raise AssertionError("a root id is given to two root materials, or is both used and free")

@@ -43,6 +43,7 @@ from .names import Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_e
 from .pool import KVSpec, PagePool
 
 MODES = ("on", "off", "shadow")
+ROOTS_KEPT = 1024  # root materials (fingerprint + salt) kept before unused ones are forgotten (index.forget_roots)
 STORE_AT = ("teardown", "prefill")
 
 
@@ -144,6 +145,7 @@ class AllocationManager:
         self.namer = Namer(fingerprint, hash_fn)
         self.pool = PagePool(config.num_pages, config.page_size, kv_spec)
         self.index = PrefixIndex(self.pool)
+        self._roots_limit = ROOTS_KEPT
         self.metrics = CacheMetrics()
         self._lock = threading.Lock()
         self._requests: dict[object, _Request] = {}
@@ -239,6 +241,9 @@ class AllocationManager:
                            prompt.names.tolist())
             result = self._seed(req, prompt.names) if self.mode == "on" else AdmitResult(0, 0, 0)
             self._requests[request_id] = req
+            if len(self.index.roots) > self._roots_limit:  # amortised: the limit doubles past what is in use
+                self.index.forget_roots({r.root_parent for r in self._requests.values()})
+                self._roots_limit = max(ROOTS_KEPT, 2 * len(self.index.roots))
             self._mirror(request_id, lambda s: s.admit(request_id, prompt))
         return result
 

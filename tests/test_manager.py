@@ -8,6 +8,7 @@ import torch
 
 from mmcache import (AllocationFailed, AllocationManager, CacheConfig, DuplicateRequest, Fingerprint,
                      InvalidRequest, MediaItem, RequestStateError, UnknownRequest, media_digest)
+from mmcache.manager import ROOTS_KEPT
 from mmcache.pool import KVSpec
 
 P = 4
@@ -320,6 +321,25 @@ def test_the_index_multimap_never_fills_up_with_tombstones():
         if i % 3 == 0:
             mgr.clear_cache()
     assert mgr.peek(mgr.prepare([5, 6, 7])) == 0  # a miss ends
+
+
+def test_roots_no_entry_or_live_request_uses_are_forgotten_and_their_ids_reused():
+    # Every distinct salt kept its root material (about 365 bytes) in the index for good.
+    mgr = make(num_pages=64)
+    cached = np.arange(1, 14)
+    run(mgr, "cached", cached, salt=b"kept")  # a root entries start from
+    mgr.admit("live", np.arange(1, 10), salt=b"live")  # a root a live request uses
+    for i in range(3 * ROOTS_KEPT):
+        run(mgr, i, [7, 8, 9], salt=f"tenant-{i}")  # no full page: nothing is cached under these roots
+    assert len(mgr.index.roots) <= 2 * ROOTS_KEPT and max(mgr.index.roots.values()) <= 2 * ROOTS_KEPT
+    mgr.check_invariants()
+    assert run(mgr, "again", cached, salt=b"kept") == 12  # the kept root's pages still hit
+    mgr.reserve("live", 9)
+    mgr.commit("live", np.arange(1, 10))
+    mgr.teardown("live")
+    assert run(mgr, "live-again", np.arange(1, 10), salt=b"live") == 8  # stored under the live request's root
+    assert run(mgr, "other", np.arange(1, 10), salt=b"tenant-5") == 0  # a forgotten salt shares nothing
+    mgr.check_invariants()
 
 
 def test_double_teardown_is_an_error():
