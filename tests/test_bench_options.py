@@ -87,14 +87,20 @@ def test_bounds_keep_every_default_and_the_edges_of_the_range():
     assert parse("vlm", "--guard-runs", "0", "--guard-requests", "0").guard_runs == 0
 
 
-def test_an_empty_json_path_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
-    """`--json ''` (an unset variable) used to run and write nothing; a path under a file said "File exists"."""
+def stand_in_benchmark(monkeypatch) -> list:
+    """Registers one benchmark, ``fake``, that records its options in the returned list and measures nothing."""
     ran = []
     fake = types.ModuleType("fake_bench")
     fake.DESCRIPTION, fake.add_arguments = "a stand-in", lambda p: None
     fake.run, fake.table_rows = lambda opts: ran.append(opts) or {}, lambda result: []
     monkeypatch.setitem(sys.modules, "fake_bench", fake)
     monkeypatch.setattr(runner, "REGISTRY", {"fake": "fake_bench"})
+    return ran
+
+
+def test_an_empty_json_path_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """`--json ''` (an unset variable) used to run and write nothing; a path under a file said "File exists"."""
+    ran = stand_in_benchmark(monkeypatch)
     for argv in (["bench", "fake", "--json", ""], ["bench", "--json", "", "fake"], ["bench", "--json", ""]):
         assert cli(argv) == 2
         assert ran == [] and "mmcache bench: cannot write '': empty path" in capsys.readouterr().err
@@ -191,12 +197,7 @@ def test_a_failing_benchmark_does_not_lose_the_others(tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("name", [None, "fake"])
 def test_a_json_path_that_cannot_be_written_is_refused_before_anything_runs(name, tmp_path, monkeypatch, capsys):
-    ran = []
-    fake = types.ModuleType("fake_bench")
-    fake.DESCRIPTION, fake.add_arguments = "a stand-in", lambda p: None
-    fake.run, fake.table_rows = lambda opts: ran.append(opts) or {}, lambda result: []
-    monkeypatch.setitem(sys.modules, "fake_bench", fake)
-    monkeypatch.setattr(runner, "REGISTRY", {"fake": "fake_bench"})
+    ran = stand_in_benchmark(monkeypatch)
     blocker = tmp_path / "a-file"
     blocker.write_text("kept")
     assert cli(["bench", "--json", str(blocker / "out.json")] + ([name] if name else [])) == 2
