@@ -199,6 +199,35 @@ def test_models_needing_unsupported_attention_features_are_refused():
         Engine(Gemma2ForCausalLM(cfg), None, EngineConfig(page_size=16, num_pages=8))
 
 
+def _unsupported(kind):
+    import transformers as tf
+
+    ids = dict(vocab_size=512, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    small = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, **ids)
+    if kind == "falcon":  # its attention does not go through AttentionInterface: set_attn_implementation is ignored
+        config = tf.FalconConfig(new_decoder_architecture=True, num_kv_heads=2, alibi=False, **small)
+        return tf.FalconForCausalLM(config)
+    if kind == "lfm2":  # a convolutional layer keeps state between forwards that the engine does not hold
+        return tf.Lfm2ForCausalLM(tf.Lfm2Config(intermediate_size=128, num_key_value_heads=2,
+                                                layer_types=["conv", "full_attention"], **small))
+    if kind == "stablelm":  # its decoder layer does not pass the engine's keyword argument to the attention
+        return tf.StableLmForCausalLM(tf.StableLmConfig(intermediate_size=128, num_key_value_heads=2, **small))
+    # gemma2: transformers refuses the backend by its name (sdpa-like) for a model that does not support sdpa
+    return tf.Gemma2ForCausalLM(tf.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                                attn_logit_softcapping=None, **ids))
+
+
+@pytest.mark.parametrize("kind", ["falcon", "lfm2", "stablelm", "gemma2"])
+def test_models_whose_layers_do_not_all_attend_through_the_paged_backend_are_refused(kind):
+    # Falcon and LFM2 were accepted and returned wrong logits without a word (relative errors near 1: Falcon's
+    # forwards never read the pool, LFM2's convolution restarted at every forward); StableLM failed every request
+    # at its first forward; Gemma2 raised transformers' ValueError.
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModel):
+        Engine(_unsupported(kind).eval(), None, EngineConfig(page_size=8, num_pages=16))
+
+
 def test_multimodal_embeddings_replace_placeholders_and_media_digests_name_pages():
     model, tok = build_model("tiny", "float32")
     eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=128, prefill_chunk_tokens=16))

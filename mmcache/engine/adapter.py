@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, norms, rotary
-from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, UnsupportedModel, register
+from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, Segment, UnsupportedModel, WriteGroup, register
 from .config import EngineConfigError
 
 PATH_ATTR = "_mmcache_compute_path"  # set on a model by the first engine that sets up its modules
@@ -59,10 +59,46 @@ class CausalLMAdapter:
         return self.model.get_output_embeddings()
 
     def attach(self) -> None:
-        """Route the language model's attention through the paged backend."""
+        """Route the language model's attention through the paged backend, and check that it took: every
+        decoder layer must attend through it, or the engine would compute without the layer's cache and return
+        wrong logits without a word (``UnsupportedModel`` then)."""
         register()
-        self.model.set_attn_implementation(self._attention_plan())
+        name = type(self.model).__name__
+        try:
+            self.model.set_attn_implementation(self._attention_plan())
+        except (ValueError, TypeError, NotImplementedError) as e:  # transformers refusing the backend for this model
+            raise UnsupportedModel(f"{name} cannot run its attention on {ATTENTION_BACKEND}: {e}") from e
         self.model.eval()
+        if self.text_config._attn_implementation != ATTENTION_BACKEND:
+            raise UnsupportedModel(f"{name} does not route its attention through transformers' AttentionInterface "
+                                   f"(it kept {self.text_config._attn_implementation!r})")
+        self._check_every_layer_attends()
+
+    def _check_every_layer_attends(self) -> None:
+        """Run one token through the model into a one-slot scratch pool and require every layer's key and value
+        there: a layer that keeps recurrent or convolutional state (LFM2, Jamba, Qwen3-Next's linear attention),
+        attends on its own, or does not pass the engine's keyword argument down writes nothing."""
+        kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, 1, 1, self.head_dim, dtype=self.dtype,
+                         device=self.device)
+        write = WriteGroup(kv, slice(0, 1), torch.zeros(1, dtype=torch.int64, device=self.device))
+        batch = PagedBatch([Segment(slice(0, 1), 0, 1, kv, None)], [], [write], page_size=1)
+        positions = torch.zeros((self.position_dims, 1) if self.position_dims > 1 else (1,), dtype=torch.long,
+                                device=self.device)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        name = type(self.model).__name__
+        try:
+            with torch.inference_mode():
+                self.forward(self.embed(ids), positions, torch.zeros(1, dtype=torch.long, device=self.device), batch)
+        except UnsupportedModel as e:
+            raise UnsupportedModel(f"{name}: {e}") from e
+        except Exception as e:  # the model cannot run on the paged backend at all
+            raise UnsupportedModel(f"{name}: a one-token forward through {ATTENTION_BACKEND} failed: "
+                                   f"{type(e).__name__}: {e}") from e
+        silent = [i for i in range(self.num_layers) if not bool(kv[i].ne(0).any())]
+        if silent:
+            raise UnsupportedModel(f"{name}: decoder layer(s) {silent} do not attend through {ATTENTION_BACKEND} "
+                                   f"(recurrent, convolutional or linear-attention layers, or attention that ignores "
+                                   f"the engine's keyword argument): the engine would compute them without their state")
 
     def _attention_plan(self) -> str | dict:
         """The paged backend for the text model; a VLM's other sub-models (its vision tower) keep their own
