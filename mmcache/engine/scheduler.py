@@ -147,9 +147,10 @@ class Scheduler:
                     break
                 except AllocationFailed as err:
                     victim = self._victim(live, scheduled)
-                    if victim is None:
-                        plan.failed.append((live, err))
+                    if victim is None:  # alone and still short: it fails, and gives its pages back now, so a
+                        plan.failed.append((live, err))  # request admitted later in this step can use them
                         self.running.remove(live)
+                        self.release(live, store=False)
                         return None
                     self.preempt(victim)
                     plan.preempted.append(victim)
