@@ -178,6 +178,37 @@ def test_a_preempted_request_is_reseeded_from_the_pages_its_teardown_stored(tiny
     assert_pools_whole(eng)
 
 
+def test_a_request_that_fails_alone_gives_its_pages_back_before_the_next_is_admitted(tiny):
+    # The first request outgrows the pool alone and fails; it held its pages for the rest of that step, so the
+    # second, admitted on the same step, found no room and failed too although it fits alone.
+    ps = [list(range(10, 22)), list(range(30, 42))]
+    sampling = [greedy(12), greedy(2)]
+    eng = engine(tiny, page_size=4, num_pages=5, max_num_seqs=1)
+    first, second = eng.generate(ps, sampling)
+    assert first.finish_reason == "error" and isinstance(first.error, AllocationFailed)
+    alone = engine(tiny, page_size=4, num_pages=5, max_num_seqs=1).generate(ps[1:], sampling[1:])[0]
+    assert second.finish_reason == "length" and second.output_ids == alone.output_ids
+    assert_pools_whole(eng)
+
+
+def test_intake_sizes_each_prompt_against_its_own_label_s_pool(tiny):
+    # The negative prompt was checked against the main pool: refused although the CFG pool held it, or accepted
+    # (touching the pools) although the CFG pool could not. A prompt filling the pool exactly was refused even
+    # when its single output token needs no slot.
+    guided = dict(negative_prompt=list(range(10, 40)), guidance_scale=2.0)  # 30 tokens: 8 pages of 4
+    roomy_cfg = engine(tiny, page_size=4, num_pages=5, cfg_num_pages=20)
+    out = roomy_cfg.generate([Request([5, 6, 7], greedy(3), **guided)])[0]
+    assert out.finish_reason == "length", out.error
+    small_cfg = engine(tiny, page_size=4, num_pages=50, cfg_num_pages=2)
+    out = small_cfg.generate([Request([5, 6, 7], greedy(3), **guided)])[0]
+    assert isinstance(out.error, InvalidRequest) and "its pool has 2" in str(out.error)
+    assert CFG not in small_cfg.managers  # refused before any pool was touched
+    full = list(range(10, 22))  # 3 pages of 4
+    assert engine(tiny, page_size=4, num_pages=3).generate([full], greedy(1))[0].finish_reason == "length"
+    out = engine(tiny, page_size=4, num_pages=3).generate([full], greedy(2))[0]
+    assert isinstance(out.error, InvalidRequest)  # its first output's KV needs a fourth page
+
+
 def test_a_request_that_cannot_fit_alone_fails_with_allocation_error(tiny):
     eng = engine(tiny, num_pages=4)
     out, other = eng.generate([prompts(1, seed=2, lo=30, hi=31)[0], [5, 6, 7]], [greedy(100), greedy(4)])

@@ -167,7 +167,7 @@ class Engine:
         self.runner = ModelRunner(a, config.page_size, decode_kernel)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
-                             self._manager, config.seed)
+                             self._manager, config.seed, config.cfg_num_pages)
         self._live: dict[object, LiveRequest] = {}
         self._events: list[StreamEvent] = []  # events of requests added with add_request
         self._next_id = 0

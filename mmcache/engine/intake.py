@@ -4,7 +4,8 @@ Invariants:
 
 * Every check runs before any pool is touched, so a refused request leaves nothing behind; the error is an
   ``InvalidRequest`` naming the request and the first thing wrong (sampling values, empty prompt, ids outside
-  the vocabulary, a prompt with no room under the model's length or larger than the pool, malformed
+  the vocabulary, a prompt with no room under the model's length or larger than its label's pool (a negative
+  prompt: the CFG pool's ``cfg_num_pages``; the first output's slot counted unless it is the last), malformed
   multimodal input, a non-finite guidance scale or one other than 1 without a negative prompt, text without a
   tokenizer, an arrival time in the future).
 * Page names are computed here (``Branch.prepare``), before the engine takes any lock.
@@ -31,12 +32,14 @@ from .sequence import CFG, MAIN, Branch, LiveRequest
 
 class Intake:
     def __init__(self, adapter: CausalLMAdapter, tokenizer, max_model_len: int, page_size: int, num_pages: int,
-                 eos_ids: frozenset, manager: Callable[[str], AllocationManager], seed: int):
+                 eos_ids: frozenset, manager: Callable[[str], AllocationManager], seed: int,
+                 cfg_num_pages: int | None = None):
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.num_pages = num_pages
+        self.cfg_num_pages = cfg_num_pages or num_pages  # the CFG branch's pool (made on first use)
         self.eos_ids = eos_ids
         self.manager = manager
         self._seeds = np.random.default_rng(seed)
@@ -56,7 +59,9 @@ class Intake:
                 raise InvalidRequest(f"arrival_time must be a perf_counter stamp not after now, got "
                                      f"{req.arrival_time!r}", rid)
             arrival = float(req.arrival_time)
-        ids = self._token_ids(req.prompt, rid, "prompt")
+        # A prompt's pages, and the slot of its first output token's KV unless that token is also its last.
+        written = 1 if req.sampling.max_tokens > 1 else 0
+        ids = self._token_ids(req.prompt, rid, "prompt", self.num_pages, written)
         mm = req.mm
         media: tuple[MediaItem, ...] = ()
         if mm is not None:
@@ -69,7 +74,7 @@ class Intake:
             raise InvalidRequest(f"guidance_scale {scale!r} needs a negative_prompt (the branch it guides away "
                                  f"from); without one the request would run unguided", rid)
         if req.negative_prompt is not None:
-            neg = self._token_ids(req.negative_prompt, rid, "negative prompt")
+            neg = self._token_ids(req.negative_prompt, rid, "negative prompt", self.cfg_num_pages, written)
             branches[CFG] = Branch(CFG, self.manager(CFG), neg.tolist(), len(neg), req.salt)
         for b in branches.values():
             b.prepare(rid)  # page names, computed before any lock is taken
@@ -83,7 +88,7 @@ class Intake:
         return LiveRequest(rid, req, req.sampling, branches, generator, arrival, len(ids), self.max_model_len,
                            frozenset() if req.sampling.ignore_eos else self.eos_ids)
 
-    def _token_ids(self, prompt, rid, what: str) -> np.ndarray:
+    def _token_ids(self, prompt, rid, what: str, pool_pages: int, written: int) -> np.ndarray:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest(f"{what} is text but the engine has no tokenizer", rid)
@@ -101,9 +106,9 @@ class Intake:
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"{what} of {len(ids)} tokens leaves no room under max_model_len "
                                  f"{self.max_model_len}", rid)
-        pages = -(-(len(ids) + 1) // self.page_size)
-        if pages > self.num_pages:
-            raise InvalidRequest(f"{what} needs {pages} pages, the pool has {self.num_pages}", rid)
+        pages = -(-(len(ids) + written) // self.page_size)
+        if pages > pool_pages:
+            raise InvalidRequest(f"{what} needs {pages} pages, its pool has {pool_pages}", rid)
         return ids
 
     def _check_mm(self, mm: MultimodalInput, prompt_len: int, rid) -> tuple[MediaItem, ...]:
