@@ -13,6 +13,8 @@ import math
 import os
 from collections.abc import Callable
 
+from mmcache.cli import count
+
 # Tokens in one naming run, prompt or workload: 16M, sixteen times the largest default (core's 1M tokens).
 MAX_TOKENS = 1 << 24
 # A KV page must fit one forward: the engine's token budget per step (EngineConfig.max_tokens_per_step, 4096).
@@ -26,23 +28,6 @@ MAX_THREADS = 1024
 # Seeds: EngineConfig.seed takes [0, 2**63); numpy's default_rng takes any int >= 0 and torch's manual_seed
 # any below 2**64, so a benchmark may add a request's or a run's offset to a seed of this range.
 MAX_SEED = 2**63 - 1
-
-
-def count(maximum: int, minimum: int = 1) -> Callable[[str], int]:
-    """An argparse ``type`` for a whole number in ``[minimum, maximum]`` (a count: requests, runs, tokens,
-    pages, threads; ``minimum=0`` where zero means none, as the VLM guard's runs)."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
-        if n > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {n}")
-        return n
-
-    return parse
 
 
 seed = count(MAX_SEED, minimum=0)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import sys
 import time
 import traceback
 
-from mmcache.cli import writable
+from mmcache.cli import writable, write_json
 from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
 
@@ -39,19 +37,6 @@ def bench_parser(name: str, module) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the small configuration `mmcache bench` uses")
     module.add_arguments(p)
     return p
-
-
-def write_json(path: str | None, result: dict, say: bool = True) -> None:
-    """``result`` as JSON at ``path`` (nothing when None), replacing the file whole: a run stopped while it
-    writes leaves the previous content, never a truncated one."""
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        part = f"{path}.part"
-        with open(part, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-        os.replace(part, path)
-        if say:
-            print(f"wrote {path}", file=sys.stderr)
 
 
 def main(args) -> int:

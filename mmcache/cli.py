@@ -15,23 +15,35 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
+from typing import Callable
 
 from . import openmp
 from .errors import MmcacheError
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for counts (requests, runs, repeats, pages, tokens, threads, replicas): a whole
-    number of at least 1, so a bad value is refused with exit code 2 before anything is built or measured."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+def count(maximum: int | None = None, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse ``type`` for a whole number in ``[minimum, maximum]`` (a count: requests, runs, repeats,
+    pages, tokens, threads, replicas; ``maximum`` None: no upper bound), so a bad value is refused with exit
+    code 2 before anything is built or measured."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+        if maximum is not None and n > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {n}")
+        return n
+
+    return parse
+
+
+positive_int = count()
+"""A whole number of at least 1 (``count()``)."""
 
 
 def positive_ints(text: str) -> list[int]:
@@ -64,6 +76,19 @@ def writable(path: str | None, prog: str) -> bool:
             print(f"{prog}: cannot write {path or repr(path)}: {e.strerror or e}", file=sys.stderr)
             return False
     return True
+
+
+def write_json(path: str | None, result: dict, say: bool = True) -> None:
+    """``result`` as JSON at ``path`` (nothing when None), replacing the file whole: a run stopped while it
+    writes leaves the previous content, never a truncated one."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        part = f"{path}.part"
+        with open(part, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+        os.replace(part, path)
+        if say:
+            print(f"wrote {path}", file=sys.stderr)
 
 
 SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")

@@ -17,13 +17,12 @@ at prefill; the plot shows realized share against pool size, one line per policy
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli import positive_int, writable
+from ..cli import positive_int, writable, write_json
 from ..errors import MmcacheError
 from ..manager import STORE_AT
 from .costmodel import CostModel
@@ -173,12 +172,7 @@ def main(args) -> int:
     if args.sweep:
         out["sweep"] = [by_config[c] for c in sweep_configs(base, args.sweep_pools, store_ats)]
     print(format_table(records))
-    if args.json:
-        part = f"{args.json}.part"  # replaced whole: a run stopped while writing leaves the previous file
-        with open(part, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(part, args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_json(args.json, out)  # replaced whole: a run stopped while writing leaves the previous file
     if plot is None and args.sweep and args.json:  # only the plot beside --json is left out this way
         print("mmcache replay: no plot beside the JSON: matplotlib is not installed", file=sys.stderr)
     elif plot:
