@@ -604,6 +604,21 @@ def test_cfg_requests_survive_preemption_and_abort(tiny):
     assert_pools_whole(eng)
 
 
+def test_a_cfg_pool_shortage_preempts_only_requests_holding_cfg_pages(tiny):
+    # Two CFG requests outgrow a 6-page CFG pool while they decode; the two newer requests carry no negative
+    # prompt, so preempting them would free no CFG page: the newer CFG request is the one preempted.
+    ps = prompts(4, seed=14, lo=30, hi=40)
+    negs = prompts(2, seed=15, lo=30, hi=40)
+    reqs = [Request(ps[i], greedy(24), negative_prompt=negs[i], guidance_scale=2.0) for i in range(2)]
+    reqs += [Request(p, greedy(24)) for p in ps[2:]]
+    want = [o.output_ids for o in engine(tiny, num_pages=64).generate(reqs)]
+    eng = engine(tiny, num_pages=64, cfg_num_pages=6)
+    outs = eng.generate(reqs)
+    assert [o.preemptions for o in outs] == [0, 1, 0, 0]
+    assert [o.output_ids for o in outs] == want
+    assert_pools_whole(eng)
+
+
 def test_clear_cache_drops_every_cached_page_but_none_a_live_request_holds(tiny):
     p = prompts(1, seed=16, lo=50, hi=51)[0]
     eng = engine(tiny, cache_mode="shadow")

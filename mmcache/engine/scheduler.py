@@ -10,10 +10,12 @@ allow. Invariants:
   ``page_size`` and is at most ``prefill_chunk_tokens`` long (a multiple of ``page_size``). Since matches are
   whole pages, a cache-off run and a cache-on run cut the tokens after the match at the same positions.
 * Before a forward every scheduled branch has reserved its pages. When a reservation fails after eviction
-  (``AllocationFailed``) the newest running request not yet scheduled this step is preempted: its branches
-  are torn down (full pages go to the index) and it waits at the head of the queue, to be re-admitted with
-  prompt + generated-so-far and re-seeded. With no such request the requester itself is preempted, and when
-  it is the only request it fails with the allocation error.
+  (``AllocationFailed``) the newest running request not yet scheduled this step that holds pages of the
+  short pool (label) is preempted: its branches are torn down (full pages go to the index) and it waits at
+  the head of the queue, to be re-admitted with prompt + generated-so-far and re-seeded. A request with no
+  pages in that pool is never preempted for it (that frees nothing there). With no such request the requester
+  itself is preempted while another request holds pages of that pool (they are returned when it ends), and
+  otherwise it fails with the allocation error.
 * Shared prefill is computed once (``defer_shared_prefill``, for labels that publish at prefill): a waiting
   request whose next unmatched prompt page (``AllocationManager.peek``: after what the index holds now) is a
   page some running request has yet to write is *deferred*: it stays in its place in the queue and is
@@ -146,8 +148,8 @@ class Scheduler:
                     pages = branch.manager.reserve(live.request_id, end - start)
                     break
                 except AllocationFailed as err:
-                    victim = self._victim(live, scheduled)
-                    if victim is None:  # alone and still short: it fails, and gives its pages back now, so a
+                    victim = self._victim(live, branch, scheduled)
+                    if victim is None:  # no one else can free room: it fails, and gives its pages back now, so a
                         plan.failed.append((live, err))  # request admitted later in this step can use them
                         self.running.remove(live)
                         self.release(live, store=False)
@@ -159,11 +161,14 @@ class Scheduler:
             works.append(Work(live, branch, start, end, pages))
         return works
 
-    def _victim(self, live: LiveRequest, scheduled: set) -> LiveRequest | None:
-        for cand in reversed(self.running):
-            if cand is not live and id(cand) not in scheduled:
+    def _victim(self, live: LiveRequest, short: Branch, scheduled: set) -> LiveRequest | None:
+        """Whom to preempt when ``short`` could not reserve: only a request holding pages of the short pool
+        can give it room (a request without a branch there would be recomputed for nothing)."""
+        holders = [r for r in self.running if r is not live and _holds_pages(r, short.manager)]
+        for cand in reversed(holders):
+            if id(cand) not in scheduled:
                 return cand
-        return live if len(self.running) > 1 else None
+        return live if holders else None
 
     def _admit(self, plan: StepPlan, budget: int, scheduled: set) -> None:
         lim = self.limits
@@ -282,3 +287,8 @@ class Scheduler:
             b.admitted = False
             b.computed = 0
             b.logits = None
+
+
+def _holds_pages(live: LiveRequest, manager) -> bool:
+    return any(b.admitted and b.manager is manager and len(manager.page_table(live.request_id))
+               for b in live.branches.values())
