@@ -14,5 +14,6 @@ REGISTRY = {
     "vlm": "benchmarks.vlm",
     "diffusion": "benchmarks.diffusion",
     "cfg": "benchmarks.cfg",
+    "voice": "benchmarks.voice",
     "sampling": "benchmarks.sampling",
 }

@@ -75,13 +75,15 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class MediaRef:
-    """Which item of a request an error is about: its index among the request's images and its source kind."""
+    """Which item of a request an error is about: its index among the request's items of its medium (image,
+    audio) and its source kind."""
 
     index: int
     kind: str
+    medium: str = "image"
 
     def __repr__(self) -> str:
-        return f"image #{self.index} ({self.kind})"
+        return f"{self.medium} #{self.index} ({self.kind})"
 
 
 @dataclass(frozen=True)
@@ -104,23 +106,24 @@ def read_image(source: object, index: int = 0, limits: ImageLimits = ImageLimits
         return RawImage(data, ref)
     if isinstance(source, str) and source[:5].lower() == "data:":
         ref = MediaRef(index, SOURCE_DATA_URL)
-        return RawImage(_data_url_payload(source, ref, limits), ref)
+        return RawImage(data_url_payload(source, ref, limits), ref)
     if isinstance(source, (str, Path)):
         ref = MediaRef(index, SOURCE_PATH)
-        return RawImage(_read_path(source, ref, limits), ref)
+        return RawImage(read_path(source, ref, limits), ref)
     raise MediaDecodeError(MediaRef(index, type(source).__name__),
                            "an image must be bytes, a file path or a data URL")
 
 
-def _data_url_payload(url: str, ref: MediaRef, limits: ImageLimits) -> bytes:
-    """The payload of an RFC 2397 data URL; base64 or percent-encoded; the media type, if given, must be image/*."""
+def data_url_payload(url: str, ref: MediaRef, limits) -> bytes:
+    """The payload of an RFC 2397 data URL; base64 or percent-encoded; the media type, if given, must be of the
+    item's medium (``image/*``, ``audio/*``). ``limits``: an ``ImageLimits`` or ``audio.AudioLimits``."""
     comma = url.find(",")
     if comma < 0:
         raise MediaDecodeError(ref, "data URL has no ',' before its payload")
     params = [p.strip() for p in url[5:comma].split(";")]
     mime = params[0].lower() if params and "/" in params[0] else ""
-    if mime and not mime.startswith("image/"):
-        raise MediaDecodeError(ref, f"data URL media type {mime!r} is not an image")
+    if mime and not mime.startswith(ref.medium + "/"):
+        raise MediaDecodeError(ref, f"data URL media type {mime!r} is not an {ref.medium} type")
     payload = url[comma + 1:]
     if params[-1].lower() == "base64":
         payload = re.sub(r"\s+", "", payload)
@@ -139,12 +142,14 @@ def _data_url_payload(url: str, ref: MediaRef, limits: ImageLimits) -> bytes:
     return data
 
 
-def _read_path(source: str | Path, ref: MediaRef, limits: ImageLimits) -> bytes:
+def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
+    """The bytes of a local file named by a path or ``file://`` URL, under ``limits`` (``max_bytes``,
+    ``allow_paths``, ``path_root``: an ``ImageLimits`` or ``audio.AudioLimits``)."""
     text = str(source)
     if text.lower().startswith("file://"):
         text = urllib.parse.unquote(urllib.parse.urlparse(text).path)
     elif _URL_SCHEME.match(text):
-        raise MediaDecodeError(ref, "remote URLs are not fetched; send the image bytes or a data URL")
+        raise MediaDecodeError(ref, f"remote URLs are not fetched; send the {ref.medium} bytes or a data URL")
     if not limits.allow_paths:
         raise MediaDecodeError(ref, "file paths are not accepted by this server")
     path = Path(text)
@@ -152,7 +157,7 @@ def _read_path(source: str | Path, ref: MediaRef, limits: ImageLimits) -> bytes:
         if limits.path_root is not None:
             resolved = path.resolve()
             if not resolved.is_relative_to(Path(limits.path_root).resolve()):
-                raise MediaDecodeError(ref, "file path lies outside the folder images may be read from")
+                raise MediaDecodeError(ref, "file path lies outside the folder media may be read from")
             path = resolved
         info = path.stat()
         # Devices and pipes report no size and never end (/dev/zero would be read until memory runs out; a

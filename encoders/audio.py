@@ -1,0 +1,118 @@
+"""Reference audio as a request sends it: the bytes as sent, and a guarded decode into a mono waveform.
+
+A voice-cloning request names its reference voice by raw bytes (a WAV, FLAC or OGG file), a file path (or
+``file://`` URL) or a data URL (``data:audio/wav;base64,...``). ``read_audio`` returns the bytes as sent
+(``RawAudio``), ``decode_audio`` the waveform the pipeline's feature extractor takes.
+
+Invariants:
+
+* Every failure to read or decode an item raises ``MediaDecodeError`` whose ``item`` is a ``MediaRef`` with
+  medium ``"audio"`` (index in the request, source kind); nothing else escapes for bad input.
+* Byte sizes are checked against ``AudioLimits.max_bytes`` before a payload is read, and the duration (frames
+  over sample rate, from the header) against ``max_seconds`` before any sample is decoded.
+* The sample rate is never changed here: a file at another rate than the encoder's is refused with the two
+  rates named (resampling is a preprocessing choice with its own filter, so it belongs to the caller, and the
+  codec would otherwise see other samples than the caller believes it sent).
+* A decoded waveform is float32, mono (several channels are averaged, the rule ``DECODE_PARAMS`` names) and
+  finite; an empty or non-finite file is refused.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile
+
+from mmcache.checks import positive_int
+from mmcache.errors import InvalidRequest, MediaDecodeError
+
+from .media import SOURCE_BYTES, SOURCE_DATA_URL, SOURCE_PATH, MediaRef, data_url_payload, read_path
+
+DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}", "decode": "float32,mean-of-channels"}
+"""The decoder and its conversion rule, for any key taken over decoded samples."""
+
+_DECODE_FAILURES = (RuntimeError, TypeError, ValueError, EOFError, OSError)  # soundfile's errors for bad data
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """What a reference clip may cost before it is refused. The defaults accept five minutes of audio."""
+
+    max_seconds: float = 300.0
+    max_bytes: int = 64 * 2**20
+    allow_paths: bool = True
+    path_root: Path | None = None  # when set, file paths must resolve inside this folder
+
+    def __post_init__(self):
+        if not positive_int(self.max_bytes):
+            raise InvalidRequest(f"max_bytes must be a positive int, got {self.max_bytes!r}")
+        m = self.max_seconds
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
+            raise InvalidRequest(f"max_seconds must be a positive finite number, got {m!r}")
+        if not isinstance(self.allow_paths, bool):
+            raise InvalidRequest(f"allow_paths must be a bool, got {self.allow_paths!r}")
+        if self.path_root is not None and not isinstance(self.path_root, (str, Path)):
+            raise InvalidRequest(f"path_root must be a folder path or None, got {self.path_root!r}")
+
+
+@dataclass(frozen=True)
+class RawAudio:
+    """An audio file's bytes exactly as sent, and where in the request it came from."""
+
+    data: bytes
+    ref: MediaRef
+
+
+def read_audio(source: object, index: int = 0, limits: AudioLimits = AudioLimits()) -> RawAudio:
+    """The bytes as sent of ``source`` (bytes-like, path, ``file://`` URL or data URL), without decoding them."""
+    if isinstance(source, RawAudio):
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        ref = MediaRef(index, SOURCE_BYTES, "audio")
+        data = bytes(source)
+        if len(data) > limits.max_bytes:
+            raise MediaDecodeError(ref, f"{len(data)} bytes exceed the limit of {limits.max_bytes}")
+        return RawAudio(data, ref)
+    if isinstance(source, str) and source[:5].lower() == "data:":
+        ref = MediaRef(index, SOURCE_DATA_URL, "audio")
+        return RawAudio(data_url_payload(source, ref, limits), ref)
+    if isinstance(source, (str, Path)):
+        ref = MediaRef(index, SOURCE_PATH, "audio")
+        return RawAudio(read_path(source, ref, limits), ref)
+    raise MediaDecodeError(MediaRef(index, type(source).__name__, "audio"),
+                           "audio must be bytes, a file path or a data URL")
+
+
+def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioLimits()) -> np.ndarray:
+    """The float32 mono waveform of ``raw`` (shape ``[samples]``) at ``sampling_rate``, or ``MediaDecodeError``."""
+    if not positive_int(sampling_rate):
+        raise InvalidRequest(f"sampling_rate must be a positive int, got {sampling_rate!r}")
+    if not isinstance(raw, RawAudio):
+        raise InvalidRequest(f"decode_audio takes a RawAudio (see read_audio), got {type(raw).__name__}")
+    if not raw.data:
+        raise MediaDecodeError(raw.ref, "audio bytes are empty")
+    try:
+        with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
+            rate, frames = f.samplerate, f.frames
+            if rate != sampling_rate:
+                raise MediaDecodeError(raw.ref, f"sampled at {rate} Hz; the encoder takes {sampling_rate} Hz "
+                                                f"(resample it before sending)")
+            if frames <= 0:
+                raise MediaDecodeError(raw.ref, "audio has no samples")
+            if frames > limits.max_seconds * rate:
+                raise MediaDecodeError(raw.ref, f"{frames / rate:.1f} s exceed the limit of {limits.max_seconds} s "
+                                                f"(refused before decoding)")
+            samples = f.read(dtype="float32", always_2d=True)
+    except MediaDecodeError:
+        raise
+    except _DECODE_FAILURES as e:
+        raise MediaDecodeError(raw.ref, f"not a readable audio file: {e}") from None
+    if len(samples) != frames:
+        raise MediaDecodeError(raw.ref, f"truncated audio: {len(samples)} of {frames} frames")
+    wave = samples[:, 0] if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float32)
+    if not np.isfinite(wave).all():
+        raise MediaDecodeError(raw.ref, "audio holds non-finite samples")
+    return np.ascontiguousarray(wave, dtype=np.float32)

@@ -1,0 +1,266 @@
+"""Voice cloning: reference audio read and decoded (encoders/audio.py), the codec's encode served through the
+store (encoders/codec.py) inside transformers' CSM pipeline, and the voice benchmark's stream and figures."""
+
+import base64
+import io
+import types
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from benchmarks import voice
+from encoders.audio import AudioLimits, RawAudio, decode_audio, read_audio
+from encoders.codec import CachedCodecEncode
+from encoders.media import SOURCE_BYTES, SOURCE_DATA_URL, SOURCE_PATH, MediaRef
+from encoders.tts_presets import SAMPLING_RATE, csm_pipeline, voice_prompt
+from mmcache.errors import InvalidRequest, MediaDecodeError
+from mmcache.store import EncoderOutputStore
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return voice.load_cases()
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return csm_pipeline(codec="tiny")
+
+
+def wav(samples: np.ndarray, rate: int = SAMPLING_RATE, subtype: str = "PCM_16") -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format="WAV", subtype=subtype)
+    return buf.getvalue()
+
+
+def tone(seconds: float, rate: int = SAMPLING_RATE, freq: float = 220.0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def inputs(pipe, case):
+    wave = decode_audio(read_audio(case.reference_wav), SAMPLING_RATE)
+    return pipe.processor(text=[voice_prompt(case.reference_text, case.target_text)], audio=[wave],
+                          return_tensors="pt", sampling_rate=SAMPLING_RATE)
+
+
+def codec_runs(codec) -> list:
+    """Counts the codec's encoder forwards with a hook, independently of the wrapper's own count."""
+    runs = []
+    codec.encoder.register_forward_hook(lambda *a: runs.append(1))
+    return runs
+
+
+# ---- reading and decoding reference audio -----------------------------------------------------------
+def test_every_source_kind_yields_the_bytes_as_sent_and_the_same_waveform(cases, tmp_path):
+    path = cases[0].reference_wav
+    data = path.read_bytes()
+    url = "data:audio/wav;base64," + base64.b64encode(data).decode()
+    for kind, source in {SOURCE_BYTES: data, SOURCE_PATH: str(path), SOURCE_DATA_URL: url}.items():
+        raw = read_audio(source, index=2)
+        assert raw.data == data and raw.ref == MediaRef(2, kind, "audio")
+    wave = decode_audio(read_audio(path), SAMPLING_RATE)
+    want, rate = soundfile.read(path, dtype="float32")
+    assert rate == SAMPLING_RATE and wave.dtype == np.float32 and np.array_equal(wave, want)
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"", "empty"),
+    (b"RIFF\x00\x00\x00\x00WAVEjunk", "not a readable audio file"),
+    (b"\x89PNG\r\n\x1a\n" + b"\0" * 64, "not a readable audio file"),
+])
+def test_corrupt_or_empty_bytes_raise_media_decode_error(data, reason):
+    with pytest.raises(MediaDecodeError, match=reason) as e:
+        decode_audio(read_audio(data, index=4), SAMPLING_RATE)
+    assert e.value.item == MediaRef(4, SOURCE_BYTES, "audio") and "audio #4" in str(e.value)
+
+
+def test_another_sample_rate_is_refused_naming_both_rates():
+    with pytest.raises(MediaDecodeError, match="16000 Hz.*24000 Hz"):
+        decode_audio(read_audio(wav(tone(0.5, 16000), 16000)), SAMPLING_RATE)
+
+
+def test_duration_and_byte_limits_apply_before_decoding(monkeypatch):
+    data = wav(tone(2.0))
+    with pytest.raises(MediaDecodeError, match="exceed the limit of 1.5 s"):
+        decode_audio(read_audio(data), SAMPLING_RATE, AudioLimits(max_seconds=1.5))
+    assert len(decode_audio(read_audio(data), SAMPLING_RATE, AudioLimits(max_seconds=2.0))) == 48000
+    with pytest.raises(MediaDecodeError, match="exceed the limit"):
+        read_audio(data, limits=AudioLimits(max_bytes=1000))
+
+
+def test_channels_are_averaged_and_non_finite_samples_refused():
+    left, right = tone(0.2), tone(0.2, freq=330.0)
+    wave = decode_audio(read_audio(wav(np.stack([left, right], axis=1), subtype="FLOAT")), SAMPLING_RATE)
+    np.testing.assert_array_equal(wave, np.stack([left, right], axis=1).mean(axis=1, dtype=np.float32))
+    bad = tone(0.2)
+    bad[10] = np.nan
+    with pytest.raises(MediaDecodeError, match="non-finite"):
+        decode_audio(read_audio(wav(bad, subtype="FLOAT")), SAMPLING_RATE)
+
+
+def test_source_policy_and_bad_arguments(cases, tmp_path):
+    with pytest.raises(MediaDecodeError, match="not accepted"):
+        read_audio(str(cases[0].reference_wav), limits=AudioLimits(allow_paths=False))
+    with pytest.raises(MediaDecodeError, match="outside the folder"):
+        read_audio(str(cases[0].reference_wav), limits=AudioLimits(path_root=tmp_path))
+    with pytest.raises(MediaDecodeError, match="remote URLs"):
+        read_audio("https://example.com/voice.wav")
+    with pytest.raises(MediaDecodeError, match="not an audio type"):
+        read_audio("data:image/png;base64,AAAA")
+    with pytest.raises(MediaDecodeError, match="must be bytes"):
+        read_audio(12)
+    for bad in ({"max_seconds": 0}, {"max_seconds": float("nan")}, {"max_bytes": -1}, {"allow_paths": "yes"}):
+        with pytest.raises(InvalidRequest):
+            AudioLimits(**bad)
+    with pytest.raises(InvalidRequest):
+        decode_audio(b"RIFF", SAMPLING_RATE)  # bytes, not a RawAudio
+    with pytest.raises(InvalidRequest):
+        decode_audio(RawAudio(b"x", MediaRef(0, SOURCE_BYTES, "audio")), 0)
+
+
+# ---- the codec through the store ----------------------------------------------------------------------
+def test_csm_outputs_are_bit_identical_and_each_reference_is_encoded_once(pipe, cases):
+    # Four requests over two references, store off then on, through CSM's own generate.
+    stream = [cases[0], cases[2], cases[1], cases[3]]
+    assert len({c.reference_wav for c in stream}) == 2
+    runs = codec_runs(pipe.codec)
+    outputs = {}
+    for store in (None, EncoderOutputStore(2**24)):
+        before = len(runs)
+        with CachedCodecEncode(pipe.codec, store) as enc, torch.inference_mode():
+            outputs[store is None] = [pipe.model.generate(**inputs(pipe, c), max_new_tokens=2, do_sample=False,
+                                                          output_audio=True, return_dict_in_generate=True)
+                                      for c in stream]
+        assert enc.calls == len(runs) - before
+        if store is None:
+            assert enc.calls == 4 and enc.hits == 0
+        else:
+            assert enc.calls == 2 and enc.hits == 2 and len(store) == 2
+            store.check_invariants()
+            assert all(store.held(k) == 0 for k in list(store._entries))
+    for off, on in zip(outputs[True], outputs[False]):
+        assert torch.equal(off.sequences, on.sequences) and torch.equal(off.audio[0], on.audio[0])
+    assert "encode" not in pipe.codec.__dict__  # detached: the class's own encode again
+
+
+def test_the_seeded_codec_gives_codes_that_depend_on_the_audio(pipe, cases):
+    # Mimi's codebooks are zero after a random initialization (every code 0); the preset draws them.
+    with torch.no_grad():
+        a, b = (type(pipe.codec).encode(pipe.codec, inputs(pipe, c)["input_values"]).audio_codes
+                for c in (cases[0], cases[2]))
+    assert a.unique().numel() > 100 and not torch.equal(a[..., :20], b[..., :20])
+
+
+def test_keys_name_the_samples_the_settings_and_the_weights(pipe):
+    enc = CachedCodecEncode(pipe.codec, EncoderOutputStore(2**20))
+    x = torch.from_numpy(tone(0.5))[None, None]
+    k = enc.key(x)
+    assert enc.key(x.clone()) == k
+    y = x.clone()
+    y[0, 0, 100] += 1e-3
+    assert enc.key(y) != k
+    assert enc.key(x, num_quantizers=8) != k
+    assert enc.key(x.double()) != k
+    assert enc.key(x, padding_mask=torch.ones(1, 1, x.shape[-1], dtype=torch.long)) != k
+    assert CachedCodecEncode(pipe.codec, None, salt="tenant-b").key(x) != k
+    other = csm_pipeline(codec="tiny", seed=1)
+    assert CachedCodecEncode(other.codec, None).fingerprint != enc.fingerprint
+
+
+def test_returned_codes_are_copies_and_hits_equal_misses(pipe):
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.4))[None, None]
+    with CachedCodecEncode(pipe.codec, store) as enc:
+        first = pipe.codec.encode(x).audio_codes
+        first.zero_()
+        second = pipe.codec.encode(x).audio_codes
+    assert enc.hits == 1 and enc.calls == 1
+    with torch.no_grad():
+        assert torch.equal(second, type(pipe.codec).encode(pipe.codec, x).audio_codes)
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros((1, 1, 100), dtype=np.float32),  # not a tensor
+    torch.zeros(1, 100),  # no channel axis
+    torch.zeros(1, 1, 100, dtype=torch.int16),  # not floating point
+    torch.zeros(1, 2, 100),  # Mimi is mono
+    torch.zeros(1, 1, 0),  # no samples
+])
+def test_bad_input_is_refused_before_anything_runs_or_is_stored(pipe, bad):
+    store = EncoderOutputStore(2**20)
+    runs = codec_runs(pipe.codec)
+    with CachedCodecEncode(pipe.codec, store) as enc, pytest.raises(InvalidRequest):
+        pipe.codec.encode(bad)
+    assert not runs and enc.calls == 0 and len(store) == 0
+    x = torch.from_numpy(tone(0.2))[None, None]
+    for kw in ({"num_quantizers": 0}, {"num_quantizers": 33}, {"num_quantizers": True},
+               {"padding_mask": torch.ones(2, 1, 7)}):
+        with CachedCodecEncode(pipe.codec, store), pytest.raises(InvalidRequest):
+            pipe.codec.encode(x, **kw)
+    assert len(store) == 0
+
+
+def test_a_failing_encode_stores_and_holds_nothing(pipe, monkeypatch):
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.2))[None, None]
+
+    def broken(*a, **k):
+        raise RuntimeError("codec down")
+
+    monkeypatch.setattr(pipe.codec.encoder, "forward", broken)
+    with CachedCodecEncode(pipe.codec, store), pytest.raises(RuntimeError, match="codec down"):
+        pipe.codec.encode(x)
+    assert len(store) == 0 and not store._computing
+    monkeypatch.undo()
+    with CachedCodecEncode(pipe.codec, store) as enc:
+        pipe.codec.encode(x)
+    assert enc.calls == 1 and len(store) == 1
+
+
+def test_other_calls_pass_through_and_wrong_setups_are_refused(pipe):
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.2))[None, None]
+    with CachedCodecEncode(pipe.codec, store) as enc, torch.no_grad():
+        out = pipe.codec.encode(x, return_dict=False)  # not the plain call: the codec runs, nothing is stored
+        assert isinstance(out, tuple) and enc.passthrough == 1 and len(store) == 0
+        with pytest.raises(InvalidRequest, match="already"):
+            CachedCodecEncode(pipe.codec, store).attach()
+    with pytest.raises(InvalidRequest, match="MimiModel"):
+        CachedCodecEncode(torch.nn.Linear(2, 2), store)
+    with pytest.raises(InvalidRequest, match="store"):
+        CachedCodecEncode(pipe.codec, {})
+    with pytest.raises(InvalidRequest):
+        voice_prompt("transcript", "  ")
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------
+def test_cases_and_stream(cases, tmp_path):
+    assert len(cases) == 10 and len({c.reference_wav for c in cases}) == 5
+    assert all(c.reference_wav.is_file() and c.target_text for c in cases)
+    s = voice.voice_stream(cases, 3, seed_=7)
+    assert len(s) == 30 and s == voice.voice_stream(cases, 3, seed_=7) and s != voice.voice_stream(cases, 3, 8)
+    assert sorted(c.utt_id for c in s) == sorted(c.utt_id for c in cases * 3)
+    (tmp_path / "meta.lst").write_text("a|b|c\n")
+    with pytest.raises(voice.VoiceDataMissing, match="4 '|'-separated"):
+        voice.load_cases(tmp_path)
+    with pytest.raises(voice.VoiceDataMissing):
+        voice.load_cases(tmp_path / "absent")
+
+
+def test_benchmark_run_reports_calls_identity_and_its_table(pipe, monkeypatch):
+    monkeypatch.setattr(voice, "csm_pipeline", lambda codec: pipe)
+    args = types.SimpleNamespace(quick=False, rounds=1, runs=1, frames=1, codec="tiny", threads=1, seed=0,
+                                 no_estimate=True)
+    r = voice.run(args)
+    assert r["stream"] == {"requests": 10, "unique_references": 5}
+    assert r["off"]["reference_encoder_calls"] == 10 and r["on"]["reference_encoder_calls"] == 5
+    assert r["on"]["store_hits"] == 5 and r["on"]["bit_identical"] and r["targets"]["calls_met"]
+    assert r["targets"]["encoder_time_cut_ideal"] == 0.5
+    rows = voice.table_rows(r)
+    assert [row.metric for row in rows][:3] == ["reference-encoder calls", "reference-encoder time",
+                                                "time to first audio p50"]
