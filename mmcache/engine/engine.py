@@ -21,6 +21,16 @@ requests. Invariants:
 * The engine is single-threaded by design; ``step``, ``abort`` and ``add_request`` serialise on one lock
   (``add_request`` validates and names a prompt before taking it), so ``abort`` and ``add_request`` may be
   called from another thread or between streamed events, and every event they cause reaches ``step``.
+* No request leaves in the middle of a change to the engine's state. An abort that re-enters on the thread
+  already inside one (a stream finalised by the garbage collector during a forward, a model hook, a release
+  callback) is queued and applied when the outermost change ends: for a step, after its commits and samples
+  and before ``step`` returns its events, so the abort event reaches that same ``step``. Such an ``abort``
+  returns True; the request still ends ``"eos"``/``"length"``/... instead if it finishes in that step.
+* A stream that is closed (or collected) aborts its own unfinished requests only: never a later request that
+  took the id of one of them after it ended.
+* A request added without an id gets ``req-N``, N counting up per engine and skipping ids live at that moment.
+* Decoding an output's text never prevents its finished event: a tokenizer whose ``decode`` raises leaves
+  ``text`` None and logs why.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import traceback
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -169,6 +180,8 @@ class Engine:
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
                              self._manager, config.seed, config.cfg_num_pages)
         self._live: dict[object, LiveRequest] = {}
+        self._changing = False  # inside a change to the state (a step, an abort, an add); under the lock
+        self._deferred_aborts: list[LiveRequest] = []  # aborts that re-entered a change; applied when it ends
         self._events: list[StreamEvent] = []  # events of requests added with add_request
         self._next_id = 0
         # prompt_tokens: tokens of forwards at prompt positions (negative prompts included), hits excluded.
@@ -227,7 +240,7 @@ class Engine:
         """Run ``prompts`` (text, token ids or ``Request`` objects) to completion; outputs in input order."""
         outputs: dict[object, RequestOutput] = {}
         order = []
-        for ev in self._stream(prompts, sampling, order):
+        for ev in self._stream(prompts, _sampling_per_prompt(prompts, sampling), order):
             if ev.finished:
                 outputs[ev.key] = ev.output
         return [outputs[k] for k in order]
@@ -235,18 +248,26 @@ class Engine:
     def stream(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[StreamEvent]:
         """Like ``generate``, yielding a ``StreamEvent`` per token and one ``finished`` event per request
-        (its ``output`` attached) as the steps produce them."""
-        yield from self._stream(prompts, sampling, [])
+        (its ``output`` attached) as the steps produce them. Arguments are checked here, as ``generate`` does;
+        the requests are added on the first ``next``."""
+        return self._stream(prompts, _sampling_per_prompt(prompts, sampling), [])
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, request_id=None) -> object:
-        """Queue one request for ``step``; its events (including a bad-input error) come out of ``step``."""
-        req = prompt if isinstance(prompt, Request) else Request(prompt, sampling or SamplingParams(), request_id)
+        """Queue one request for ``step``; its events (including a bad-input error) come out of ``step``. A
+        ``Request`` carries its own sampling and id: giving either beside one raises ``InvalidRequest``."""
+        if isinstance(prompt, Request):
+            if sampling is not None or request_id is not None:
+                raise InvalidRequest("a Request carries its own sampling and request_id; pass them in the Request, "
+                                     "not beside it", prompt.request_id)
+            req = prompt
+        else:
+            req = Request(prompt, sampling or SamplingParams(), request_id)
         return self._add(req, self._events)[1]  # not read back from the events: another thread may step
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
         with self._lock:  # an abort from another thread appends under the lock: none lands between copy and clear
-            self._step()
+            self._step()  # its deferred aborts are applied before it returns: their events are in this copy
             events = list(self._events)
             self._events.clear()  # cleared in place: live requests hold this list as their sink
         return events
@@ -256,17 +277,16 @@ class Engine:
 
     def abort(self, request_id) -> bool:
         """End a live request now (its computed full pages are stored); False if it is not live (an id that
-        cannot be hashed names no request: ``add_request`` refuses those)."""
+        cannot be hashed names no request: ``add_request`` refuses those). Called on the thread of a running
+        step (a model hook, a stream collected by the garbage collector), it ends the request when that step
+        ends, before the step returns its events."""
         try:
             hash(request_id)
         except TypeError:
             return False
         with self._lock:
             live = self._live.get(request_id)
-            if live is None:
-                return False
-            self._finish(live, "abort", None, store=True)
-            return True
+            return live is not None and self._abort(live)
 
     def metrics(self) -> dict:
         """Per label the core's ``CacheMetrics`` (plus ``shadow`` in shadow mode), and engine counters."""
@@ -285,12 +305,12 @@ class Engine:
 
     def clear_cache(self) -> int:
         """Drop every cached page no live request holds (for cold measurements); returns how many."""
-        with self._lock:
+        with self._changing_state():
             return sum(m.clear_cache() for m in self.managers.values())
 
     def check_invariants(self) -> None:
         """The managers' invariants, and agreement between them and the engine's live requests."""
-        with self._lock:
+        with self._changing_state():  # reads only; but an abort re-entering mid-check must wait for its end
             for label, m in self.managers.items():
                 m.check_invariants()
                 admitted = [lv for lv in self._live.values() if label in lv.branches and lv.branches[label].admitted]
@@ -301,20 +321,11 @@ class Engine:
                         raise AssertionError(f"{label}: request {lv.request_id!r} written length disagrees")
 
     # ---- adding ------------------------------------------------------------------------------------
-    def _stream(self, prompts, sampling, order: list) -> Iterator[StreamEvent]:
-        if (prompts is None or isinstance(prompts, (str, bytes, Request, Mapping)) or not hasattr(prompts, "__len__")
-                or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int))):
-            raise TypeError(f"prompts must be a list of prompts (text, token ids or Request), got "
-                            f"{type(prompts).__name__}")
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
-        elif isinstance(sampling, (str, bytes, Mapping)) or not hasattr(sampling, "__len__"):
-            raise TypeError(f"sampling must be a SamplingParams, a list of them (one per prompt) or None, got "
-                            f"{type(sampling).__name__}")
-        if len(sampling) != len(prompts):
-            raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
+    def _stream(self, prompts, sampling: list, order: list) -> Iterator[StreamEvent]:
+        """Add ``prompts`` (one ``sampling`` entry each, checked by ``_sampling_per_prompt``) and yield their
+        events until every one has finished."""
         sink: list[StreamEvent] = []
-        pending: dict[object, object] = {}  # key -> request id of this call's unfinished requests
+        pending: dict[object, LiveRequest] = {}  # key -> live state of this call's unfinished requests
         try:
             for prompt, sp in zip(prompts, sampling):
                 req = prompt if isinstance(prompt, Request) else Request(prompt, sp or SamplingParams())
@@ -322,7 +333,7 @@ class Engine:
                 order.append(key)
                 live, _ = self._add(req, sink, key)
                 if live is not None:
-                    pending[key] = live.request_id
+                    pending[key] = live
             while True:
                 while sink:
                     ev = sink.pop(0)
@@ -333,17 +344,19 @@ class Engine:
                     return
                 self._step()
         finally:
-            # A consumer that stops iterating early (or an exception) must not leave requests holding pages.
-            for rid in pending.values():
-                self.abort(rid)
+            # A consumer that stops iterating early (or an exception) must not leave requests holding pages. By
+            # their live state, not their ids: one that ended unread may have given its id to a new request.
+            for live in pending.values():
+                self._abort(live)
 
     def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
         """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
         arrival = time.perf_counter()
         rid = req.request_id
         if rid is None:
-            with self._lock:
-                rid = f"req-{self._next_id}"
+            with self._lock:  # skips ids a caller chose for live requests ("req-0" is an id like any other)
+                while (rid := f"req-{self._next_id}") in self._live:
+                    self._next_id += 1
                 self._next_id += 1
         try:
             live = self.intake.live(req, rid, arrival)
@@ -354,7 +367,7 @@ class Engine:
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
             return None, rid
         live.sink, live.key = sink, key
-        with self._lock:
+        with self._changing_state():
             if rid in self._live:
                 err = DuplicateRequest(rid)
                 _release_media(req)
@@ -366,8 +379,46 @@ class Engine:
         return live, rid
 
     # ---- stepping ----------------------------------------------------------------------------------
-    def _step(self) -> None:
+    @contextmanager
+    def _changing_state(self):
+        """Hold the lock for a change to the engine's state. An abort that re-enters on this thread meanwhile
+        (the lock is an RLock: a stream finalised by the garbage collector inside a forward, a model hook, a
+        release callback) is queued by ``_abort`` and applied here when the outermost change ends, so a request
+        never leaves between a forward and its commit, nor in the middle of a scheduler or pool update."""
         with self._lock:
+            if self._changing:
+                yield
+                return
+            self._changing = True
+            try:
+                yield
+            finally:
+                try:
+                    while self._deferred_aborts:  # an abort applied here may itself queue more
+                        live = self._deferred_aborts.pop(0)
+                        if self._is_live(live):
+                            self._finish(live, "abort", None, store=True)
+                finally:
+                    self._changing = False
+
+    def _abort(self, live: LiveRequest) -> bool:
+        """End ``live`` as aborted if it is still the live request of its id (now, or when the change to the
+        state running on this thread ends); False if it is not."""
+        with self._lock:
+            if not self._is_live(live):
+                return False
+            if self._changing:  # this thread's change: another thread's would hold the lock
+                self._deferred_aborts.append(live)
+                return True
+            with self._changing_state():
+                self._finish(live, "abort", None, store=True)
+            return True
+
+    def _is_live(self, live: LiveRequest) -> bool:
+        return self._live.get(live.request_id) is live
+
+    def _step(self) -> None:
+        with self._changing_state():  # aborts re-entering during the step are applied when it ends
             self.counters["steps"] += 1
             plan = self.scheduler.schedule()
             for live, err in plan.failed:
@@ -386,20 +437,26 @@ class Engine:
                 self.counters["failed_forwards"] += 1
                 err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}", cause)
                 for live in _unique(w.live for w in works):
-                    self._finish(live, "error", err, store=False)
+                    if self._is_live(live):
+                        self._finish(live, "error", err, store=False)
                 return
+            # Aborts are deferred to the end of the step, so every work's request should still be live; one that
+            # is not (ended by a path this engine does not foresee) is skipped rather than failing the others.
             row, greedy_rows = 0, {}
             for w in works:
-                w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
-                w.branch.computed = w.end
+                live_now = self._is_live(w.live)
+                if live_now:
+                    w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
+                    w.branch.computed = w.end
                 if w.wants_logits:
-                    w.branch.logits = logits[row]
-                    if w.live.sampling.greedy and CFG not in w.live.branches:
-                        greedy_rows[id(w.live)] = row
+                    if live_now:
+                        w.branch.logits = logits[row]
+                        if w.live.sampling.greedy and CFG not in w.live.branches:
+                            greedy_rows[id(w.live)] = row
                     row += 1
             greedy = greedy_picks(logits, greedy_rows)
             for live in _unique(w.live for w in works):
-                if all(b.logits is not None for b in live.branches.values()):
+                if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
                     self._emit_token(live, greedy.get(id(live)))
 
     def _fail_stuck(self) -> None:
@@ -449,13 +506,33 @@ class Engine:
         self._live.pop(live.request_id, None)
         text = None
         if self.tokenizer is not None and live.output_ids:
-            text = self.tokenizer.decode(live.output_ids)
+            try:
+                text = self.tokenizer.decode(live.output_ids)
+            except Exception:  # the request has left the pools: it must still get its finished event
+                _log.warning("decoding the output of request %r raised; its text is None", live.request_id,
+                             exc_info=True)
         out = live.output(text)
         self._emit(live, StreamEvent(live.request_id, None, time.perf_counter(), True, reason, out, live.key))
 
     @staticmethod
     def _emit(live: LiveRequest, event: StreamEvent) -> None:
         live.sink.append(event)
+
+
+def _sampling_per_prompt(prompts, sampling) -> list:
+    """``sampling`` as one entry per prompt; raises TypeError / ValueError for arguments of the wrong shape."""
+    if (prompts is None or isinstance(prompts, (str, bytes, Request, Mapping)) or not hasattr(prompts, "__len__")
+            or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int))):
+        raise TypeError(f"prompts must be a list of prompts (text, token ids or Request), got "
+                        f"{type(prompts).__name__}")
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [sampling] * len(prompts)
+    if isinstance(sampling, (str, bytes, Mapping)) or not hasattr(sampling, "__len__"):
+        raise TypeError(f"sampling must be a SamplingParams, a list of them (one per prompt) or None, got "
+                        f"{type(sampling).__name__}")
+    if len(sampling) != len(prompts):
+        raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
+    return list(sampling)
 
 
 def _release_media(req: Request) -> None:
