@@ -463,13 +463,13 @@ class AllocationManager:
         m.hit_tokens -= k * p
         m.forfeit_pages -= forfeit
         m.forfeit_tokens -= forfeit * p
-        if m.per_request_matched and m.per_request_matched[-1][0] == req.request_id:
-            m.per_request_matched.pop()
-        else:
-            for i, (rid, _) in enumerate(m.per_request_matched):
-                if rid == req.request_id:
-                    del m.per_request_matched[i]
-                    break
+        # Newest first: the record of a request being requeued was appended at its admission, moments ago, so
+        # the scan stops after the few requests admitted since (not across up to 100k older records).
+        records = m.per_request_matched
+        for back, (rid, _) in enumerate(reversed(records)):
+            if rid == req.request_id:
+                del records[len(records) - 1 - back]
+                break
         req.lookup = (0, 0, 0, 0)
 
     def _pop(self, request_id, op: str) -> _Request:
