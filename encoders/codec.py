@@ -8,8 +8,8 @@ pipeline's code is unchanged) with a lookup in the encoder-output store.
 
 ``key = store_key(fingerprint, content digest, salt)`` where
 
-* ``fingerprint`` = ``text_encoders.module_fingerprint`` of the codec: its class, configuration and every
-  weight, with this adapter's recipe;
+* ``fingerprint`` = ``text_encoders.module_fingerprint`` of the codec: its class, configuration, attention
+  implementation, device type and every weight, with this adapter's recipe;
 * the content digest is ``names.media_digest`` over the bytes of the waveform tensor ``encode`` receives, with
   its dtype and shape, the padding mask's bytes and ``num_quantizers``: the key names the samples the codec
   computes on, so any change before the codec (another file, gain, resampling, padding) changes the key.

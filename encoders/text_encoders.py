@@ -4,7 +4,9 @@ An adapter tokenizes a prompt exactly as its pipeline does, keys the result, and
 miss. ``key = store_key(encoder fingerprint, content digest, salt)`` where
 
 * the encoder fingerprint digests the adapter recipe (which outputs, masked or not, trimmed or not), the model
-  class, its config, its dtype and every tensor of its state dict, so other weights never share an entry;
+  class, its config with the attention implementation of it and of every config nested in it, the device type,
+  its dtype and every tensor of its state dict, so other weights, another attention kernel (sdpa and eager
+  round differently) or another device never share an entry;
 * the content digest covers the padded token ids fed to the encoder, the attention mask, the max length and the
   output selector (the CLIP hidden layer), so equal text at different max lengths never collides and a prompt
   is keyed on its own: a negative prompt's entry is independent of the positive prompt beside it. A selector
@@ -68,21 +70,52 @@ _TOKENIZER_CALL = (("padding", "max_length"), ("truncation", True), ("add_specia
 _PER_CALL_BACKEND_KEYS = ("padding", "truncation")
 
 
+def attention_implementations(config: object) -> dict[str, str | None]:
+    """The attention implementation (``sdpa``, ``eager``, ``flash_attention_2``, ...; None where unset) of
+    ``config`` and of every config nested in it (``text_config``, ``vision_config``, ... found by walking its
+    attributes, not by a list of names), keyed by attribute path, ``""`` for ``config`` itself.
+
+    transformers keeps it in the private ``_attn_implementation``, which ``to_dict`` and ``to_json_string``
+    leave out; yet the kernels round differently, so outputs of the same weights differ in their last bits and a
+    fingerprint must hold it."""
+    out: dict[str, str | None] = {}
+    seen: set[int] = set()
+
+    def walk(cfg: object, path: str) -> None:
+        if id(cfg) in seen:  # a config reachable under two names (an alias) is listed once
+            return
+        seen.add(id(cfg))
+        impl = getattr(cfg, "_attn_implementation", None)
+        out[path] = None if impl is None else str(impl)
+        for name, value in sorted(getattr(cfg, "__dict__", {}).items()):
+            if hasattr(value, "_attn_implementation") and hasattr(value, "to_dict"):
+                walk(value, f"{path}.{name}" if path else name)
+
+    if config is not None and hasattr(config, "_attn_implementation"):
+        walk(config, "")
+    return out
+
+
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
-    """Hex xxh3_128 over the recipe, the model class, its config and every state-dict tensor (name, dtype,
-    shape, bytes). Computed once per adapter; about one second per 10 GB of weights."""
+    """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config, the
+    attention implementation of the config and of its nested configs (``attention_implementations``) and every
+    state-dict tensor (name, dtype, shape, bytes). Computed once per adapter; about one second per 10 GB of
+    weights."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
     if not isinstance(recipe, Mapping):
         raise InvalidRequest(f"an adapter recipe must be a mapping, got {type(recipe).__name__}")
+    tensors = model.state_dict()
+    config = getattr(model, "config", None)
     h = xxhash.xxh3_128()
     h.update(canonical_encoding({"recipe": dict(recipe), "class": type(model).__qualname__,
-                                 "version": ADAPTER_VERSION}))
-    config = getattr(model, "config", None)
+                                 "version": ADAPTER_VERSION,
+                                 "device": sorted({t.device.type for t in tensors.values()}),
+                                 "attention": attention_implementations(config)}))
     if config is not None:
         cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
         h.update(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8"))
-    for name, t in model.state_dict().items():
+    for name, t in tensors.items():
         h.update(canonical_encoding([name, str(t.dtype), list(t.shape)]))
         h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

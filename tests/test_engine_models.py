@@ -312,7 +312,9 @@ def test_qwen2_vl_language_model_with_3d_positions_matches_its_own_forward():
     pos[2, 10:26] = 10 + torch.arange(16) % 4
     pos[:, 26:] -= 12
     delta = int(pos.max()) + 1 - 40
-    out = eng.generate([Request(prompt, GREEDY, mm=MultimodalInput(mrope_positions=pos, mrope_delta=delta))])[0]
+    grid = [MediaItem(media_digest(b"grid"), 10)]  # names the pages whose positions differ from a text request's
+    out = eng.generate([Request(prompt, GREEDY, mm=MultimodalInput(media=grid, mrope_positions=pos,
+                                                                   mrope_delta=delta))])[0]
     seq = prompt + out.output_ids
     full = torch.cat([pos, (torch.arange(40, len(seq)) + delta).repeat(3, 1)], dim=1)
     toks = []

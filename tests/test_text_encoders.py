@@ -5,6 +5,7 @@ Embeddings are compared with the pipelines' own ``encode_prompt`` (diffusers unm
 pipeline tokenizes and truncates" is checked against the real code, not a copy of it.
 """
 
+import copy
 import threading
 
 import pytest
@@ -61,6 +62,56 @@ def test_fingerprint_follows_weights_recipe_and_seed(wan):
         finally:
             w[0] -= 1.0
     assert module_fingerprint(wan.text_encoder, recipe) == fp
+
+
+def test_attention_implementation_is_part_of_the_fingerprint(sd3):
+    # transformers keeps ``_attn_implementation`` out of ``config.to_dict()``, yet sdpa and eager CLIP encoders over
+    # the same weights differ in their last bits: they must not share entries. Found by
+    # /tmp/hunt_keys/clip_store_attn.py (the eager adapter was served the sdpa adapter's hidden states).
+    sdpa_model = sd3.text_encoder
+    assert sdpa_model.config._attn_implementation == "sdpa"
+    eager_model = copy.deepcopy(sdpa_model)
+    eager_model.set_attn_implementation("eager")
+    store = EncoderOutputStore(1 << 24)
+    sdpa, eager = CLIPEncoderAdapter(sd3.tokenizer, sdpa_model), CLIPEncoderAdapter(sd3.tokenizer, eager_model)
+    assert sdpa.fingerprint != eager.fingerprint
+    first = sdpa.encode("a red fox in the snow", 77, store)
+    served = eager.encode("a red fox in the snow", 77, store)
+    own = eager.encode("a red fox in the snow", 77, None)
+    assert served.key != first.key and not served.hit
+    assert all(torch.equal(served.outputs[k], own.outputs[k]) for k in own.outputs)
+    # Equal settings over equal weights still share.
+    again = CLIPEncoderAdapter(sd3.tokenizer, copy.deepcopy(eager_model))
+    assert again.fingerprint == eager.fingerprint
+    hit = again.encode("a red fox in the snow", 77, store)
+    assert hit.hit and hit.key == served.key
+    for lease in (first, served, hit):
+        lease.release()
+    assert CLIPEncoderAdapter(sd3.tokenizer, sdpa_model).fingerprint == sdpa.fingerprint
+
+
+def test_fingerprint_holds_nested_attention_implementations_and_the_device_type():
+    # Sub-configs are found by walking the config, not by name; a CUDA copy of a module is another encoder.
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+
+    def model(vision_attn=None):
+        torch.manual_seed(0)
+        config = CLIPConfig(text_config=CLIPTextConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=1, num_attention_heads=2),
+                            vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                           num_attention_heads=2, image_size=8, patch_size=4),
+                            projection_dim=8)
+        m = CLIPModel(config).eval()
+        if vision_attn:
+            m.set_attn_implementation({"vision_config": vision_attn})
+        return m
+
+    base = module_fingerprint(model(), {"kind": "clip"})
+    assert module_fingerprint(model(), {"kind": "clip"}) == base
+    assert model("eager").config._attn_implementation == "sdpa"  # only the nested config changes
+    assert module_fingerprint(model("eager"), {"kind": "clip"}) != base
+    if torch.cuda.is_available():
+        assert module_fingerprint(model().cuda(), {"kind": "clip"}) != base
 
 
 def test_equal_text_at_different_max_lengths_never_collides(wan):

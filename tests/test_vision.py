@@ -1,6 +1,7 @@
 """Vision-tower adapters (encoders/vision.py) on the tiny VLM presets: equality with the models' own forward,
 one tower run per unique image, fingerprints, the store budget under churn, and nothing held after a failure."""
 
+import copy
 import itertools
 
 import pytest
@@ -158,6 +159,46 @@ def test_fingerprint_follows_weights_config_and_seed(presets):
     with torch.no_grad():
         changed.model.model.language_model.layers[0].mlp.up_proj.weight[0, 0] += 1.0  # text side: irrelevant
     assert changed.adapter(store).fingerprint == base
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_attention_implementation_is_part_of_the_fingerprint(name, presets, images):
+    # transformers keeps ``_attn_implementation`` out of the config's JSON, yet sdpa and eager towers over the same
+    # weights give features that differ in their last bits: they must not share entries. Found by
+    # /tmp/hunt_keys/attn.py (the eager adapter was served the sdpa adapter's features).
+    preset = presets[name]
+    store = EncoderOutputStore(1 << 24)
+    sdpa = preset.adapter(store)
+    eager_model = copy.deepcopy(preset.model)
+    eager_model.set_attn_implementation("eager")
+    assert eager_model.config.vision_config._attn_implementation == "eager"
+    eager = preset.adapter_class(eager_model, preset.image_processor, store)
+    assert eager.fingerprint != sdpa.fingerprint and eager.key(images[0]) != sdpa.key(images[0])
+    first = sdpa.encode(images[0])
+    served = eager.encode(images[0])
+    own = eager.encode(images[0], salt="own")  # an entry only the eager adapter computes
+    assert not served.hit and torch.equal(served.features, own.features)
+    for image in (first, served, own):
+        image.release()
+
+    # The tower's own config decides, not the top level's or the language model's (which the engine sets when
+    # it attaches): eager vision under an sdpa text model is the eager tower; the reverse is the sdpa tower.
+    vision_only = copy.deepcopy(preset.model)
+    vision_only.set_attn_implementation({"vision_config": "eager"})
+    assert vision_only.config._attn_implementation == "sdpa"
+    assert preset.adapter_class(vision_only, preset.image_processor, store).fingerprint == eager.fingerprint
+    text_only = copy.deepcopy(preset.model)
+    text_only.set_attn_implementation({"": "eager", "text_config": "eager", "vision_config": "sdpa"})
+    assert text_only.config.text_config._attn_implementation == "eager"
+    assert preset.adapter_class(text_only, preset.image_processor, store).fingerprint == sdpa.fingerprint
+
+    # Equal settings over equal weights still share: another eager copy hits the eager adapter's entry.
+    again = preset.adapter_class(copy.deepcopy(eager_model), preset.image_processor, store)
+    assert again.fingerprint == eager.fingerprint
+    hit = again.encode(images[0])
+    assert hit.hit and torch.equal(hit.features, served.features)
+    hit.release()
+    assert preset.adapter(store).fingerprint == sdpa.fingerprint
 
 
 def test_store_budget_under_churn(presets, images):

@@ -14,6 +14,10 @@ owned by the prefix index alone and no entry is held.
   the leases) release each request's leases once.
 * The engine takes a front end's earlier arrival time (so TTFT counts image encoding), refuses one in the
   future, and ``add_request`` reports a refusal through ``step``.
+* Multimodal input that page names cannot tell apart (embeds with no media item at their start, 3-D positions
+  that differ from a text request's where no media digest is in the names) is refused at intake, holding
+  nothing; a false hit (another request's KV under the same names) would be a wrong answer with no error.
+  What ``VLMEngine`` builds (images, text only, on LLaVA and Qwen2-VL, preempted and re-admitted) is accepted.
 * ``add_request`` from another thread: a build failure reported while a step runs reaches a step, and two
   requests built at once never get the same automatic id (interleavings forced deterministically).
 """
@@ -23,11 +27,13 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
-from mmcache.engine import Engine, EngineConfig, ForwardError, Request, SamplingParams
+from mmcache.engine import Engine, EngineConfig, ForwardError, MultimodalInput, Request, SamplingParams
 from mmcache.engine.vlm import VLMEngine, VLMRequest
 from mmcache.engine.vlm_presets import build_vlm
 from mmcache.errors import DuplicateRequest, InvalidRequest, MediaDecodeError
+from mmcache.names import MediaItem, media_digest
 from mmcache.store import EncoderOutputStore
 
 P = 16
@@ -45,6 +51,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 @pytest.fixture(scope="module")
 def llava():
     return build_vlm("tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build_vlm("tiny-qwen2-vl")
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +341,104 @@ def test_engine_takes_a_front_ends_arrival_time_and_reports_refusals_from_step(l
     earlier = time.perf_counter() - 1.0
     out = eng.generate([Request([5, 6, 7], greedy(2), arrival_time=earlier)])[0]
     assert out.arrival_time == earlier and out.ttft > 1.0
+
+
+# ---- multimodal input the page names cannot tell apart ------------------------------------------------
+def exact_engine(preset) -> Engine:
+    return Engine(preset.model, None, EngineConfig(page_size=4, num_pages=64, schedule="serial",
+                                                   prefill_chunk_tokens=4))
+
+
+def assert_pools_whole(eng: Engine):
+    eng.check_invariants()
+    for m in eng.managers.values():
+        assert m.num_requests == 0
+        np.testing.assert_array_equal(m.pool.refcount, m.index.in_index.astype(np.int32))
+
+
+def test_embeds_need_a_media_item_of_their_own_at_their_start(llava):
+    # Names hash ids and media only: embeds no media item names would let a request with other rows (or
+    # none) be seeded with this one's KV. Found by /tmp/hunt_keys/embeds_no_media.py.
+    eng = exact_engine(llava)
+    hidden = eng.adapter.hidden_size
+    rows_a, rows_b = torch.randn(2, 4, hidden, generator=torch.Generator().manual_seed(0))
+    da, db = media_digest(b"image a"), media_digest(b"image b")
+    ids = list(range(5, 17))  # three pages
+    sp = greedy(6)
+    unnamed = [MultimodalInput(embeds=[(0, rows_a)]),  # no media item at all
+               MultimodalInput(media=[MediaItem(da, 4)], embeds=[(0, rows_a)]),  # the item after the span's start
+               MultimodalInput(media=[MediaItem(da, 0)], embeds=[(0, rows_a), (0, rows_b)]),  # one item, two spans
+               MultimodalInput(media=[MediaItem(da, 0)], embeds=[(0, rows_a), (8, rows_b)])]  # the second unnamed
+    released = []
+    for mm in unnamed:
+        mm.release = lambda: released.append(1)
+    outs = eng.generate([Request(ids, sp, f"bad{i}", mm=mm) for i, mm in enumerate(unnamed)])
+    assert all(o.finish_reason == "error" and isinstance(o.error, InvalidRequest) for o in outs), outs
+    assert all(o.output_ids == [] for o in outs) and released == [1] * len(unnamed)
+    assert_pools_whole(eng)
+
+    # Named spans: equal ids with other rows under another digest share no page holding them.
+    def named(digest, rows, rid):
+        return Request(ids, sp, rid, mm=MultimodalInput(media=[MediaItem(digest, 4)], embeds=[(4, rows)]))
+
+    first, other = eng.generate([named(da, rows_a, "a")])[0], eng.generate([named(db, rows_b, "b")])[0]
+    assert other.matched_tokens == 4  # page 0 only: it precedes the item
+    assert first.output_ids == exact_engine(llava).generate([named(da, rows_a, "a")])[0].output_ids
+    assert other.output_ids == exact_engine(llava).generate([named(db, rows_b, "b")])[0].output_ids
+    again = eng.generate([named(da, rows_a, "a2")])[0]
+    assert again.output_ids == first.output_ids and again.matched_tokens == 8  # capped: one prompt token left
+    assert_pools_whole(eng)
+
+
+def test_3d_positions_must_be_a_text_requests_where_no_media_item_names_them(qwen):
+    # Positions are not hashed: before the first media item (or everywhere, with none) they must be the plain
+    # ones a text request with the same ids has. Found by /tmp/hunt_keys/mrope_no_media.py.
+    eng = exact_engine(qwen)
+    ids = list(range(5, 17))
+    sp = greedy(6)
+    plain = torch.arange(12).repeat(3, 1)
+    d = media_digest(b"image")
+    grid = plain.clone()
+    grid[1, 4:8] = 4 + torch.arange(4) // 2  # a 2x2 image at 4..7
+    grid[2, 4:8] = 4 + torch.arange(4) % 2
+    grid[:, 8:] -= 2
+    bad = [MultimodalInput(mrope_positions=plain * 7, mrope_delta=72),  # spread positions, no media item
+           MultimodalInput(mrope_positions=plain, mrope_delta=3),  # plain prompt, shifted generated tokens
+           MultimodalInput(media=[MediaItem(d, 8)], mrope_positions=grid, mrope_delta=-2)]  # grid before the item
+    outs = eng.generate([Request(ids, sp, f"bad{i}", mm=mm) for i, mm in enumerate(bad)])
+    assert all(o.finish_reason == "error" and isinstance(o.error, InvalidRequest) for o in outs), outs
+    assert_pools_whole(eng)
+    text = eng.generate([Request(ids, sp, "text")])[0]
+    assert text.matched_tokens == 0
+    assert text.output_ids == exact_engine(qwen).generate([Request(ids, sp, "text")])[0].output_ids
+
+    # Accepted: plain positions without media (what VLMEngine builds for a text-only Qwen2-VL chat) share the
+    # text request's pages; an image's positions from its item on are named by its digest.
+    spelled = eng.generate([Request(ids, sp, "spelled", mm=MultimodalInput(mrope_positions=plain))])[0]
+    assert spelled.output_ids == text.output_ids and spelled.matched_tokens == 8
+    image = Request(ids, sp, "image", mm=MultimodalInput(media=[MediaItem(d, 4)], mrope_positions=grid,
+                                                         mrope_delta=-2))
+    got = eng.generate([image])[0]
+    assert got.finish_reason == "length" and got.matched_tokens == 4  # page 0 precedes the item
+    assert got.output_ids == exact_engine(qwen).generate([image])[0].output_ids != text.output_ids
+    assert_pools_whole(eng)
+
+
+def test_qwen2_vl_prompts_with_and_without_images_pass_intake_and_recompute_exactly_after_preemption(qwen, crops):
+    # VLMEngine's prompts meet the intake rule, including after re-admission: a preempted request is renamed
+    # over prompt + generated ids, whose positions past the prompt are p + mrope_delta (0 without an image).
+    vlm = front(qwen, num_pages=18, max_num_seqs=3, store_at="teardown")
+    requests = {0: ask(crops[0], n=40, rid=0), 1: ask(crops[1], n=40, rid=1),
+                2: VLMRequest([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello there."}],
+                              sampling=greedy(40), request_id=2)}
+    outs = drive(vlm, [list(requests.values())])
+    assert vlm.engine.scheduler.preemptions > 0
+    alone = front(qwen)
+    for rid, request in requests.items():
+        assert outs[rid].finish_reason == "length", outs[rid]
+        request.request_id = None
+        assert outs[rid].output_ids == alone.generate([request])[0].output_ids
+    assert_whole(vlm)
 
 
 # ---- another thread ------------------------------------------------------------------------------

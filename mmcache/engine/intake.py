@@ -8,6 +8,13 @@ Invariants:
   prompt: the CFG pool's ``cfg_num_pages``; the first output's slot counted unless it is the last), malformed
   multimodal input, a non-finite guidance scale or one other than 1 without a negative prompt, text without a
   tokenizer, an arrival time in the future).
+* Multimodal input is accepted only where page names can tell it apart, because names hash token ids and media
+  items, nothing else: every ``embeds`` span starts at the position of a media item of its own (no two spans
+  start at one position; a media item without a span is allowed, it only makes names more specific), and
+  ``mrope_positions`` equal the plain text positions (``arange`` on each of the three rows) before the first
+  media item's position, or over the whole prompt with ``mrope_delta == 0`` when there is no media item. A
+  page whose name holds no media digest therefore always has the token embeddings and positions a text
+  request with the same ids has, and could otherwise be seeded from (or seed) that request's KV.
 * Page names are computed here (``Branch.prepare``), before the engine takes any lock.
 * A random-sampling request without a seed gets one from the intake's own generator (seeded by the engine
   config), so an engine's outputs are reproducible run to run.
@@ -123,6 +130,8 @@ class Intake:
         for item in mm.media:
             if not isinstance(item, MediaItem) or item.position >= prompt_len:
                 raise InvalidRequest(f"media item {item!r} is not a MediaItem inside the prompt", rid)
+        media_at = {int(item.position) for item in mm.media}
+        spans_at: set[int] = set()
         for pair in mm.embeds:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise InvalidRequest("mm.embeds must hold (start position, tensor) pairs", rid)
@@ -132,6 +141,15 @@ class Intake:
                 raise InvalidRequest(f"embeds must be floating-point tensors [n, {self.adapter.hidden_size}]", rid)
             if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + t.shape[0] > prompt_len:
                 raise InvalidRequest(f"embeds at {start!r} (+{t.shape[0]}) outside the prompt", rid)
+            # Names hold media digests, not embeddings: a span no media item names would share pages with the
+            # same ids under other rows (or under the token embeddings).
+            if start not in media_at:
+                raise InvalidRequest(f"embeds at {start} start at no media item's position; each span needs a "
+                                     f"MediaItem at its start (page names are built from ids and media only)", rid)
+            if start in spans_at:
+                raise InvalidRequest(f"two embeds spans start at {start}; each span needs a media item of its own",
+                                     rid)
+            spans_at.add(start)
         if mm.mrope_positions is not None:
             if self.adapter.position_dims != 3:
                 raise InvalidRequest("mrope_positions given for a model with 1-D positions", rid)
@@ -142,5 +160,14 @@ class Intake:
             d = mm.mrope_delta
             if isinstance(d, bool) or not isinstance(d, int) or abs(d) >= 2**40:
                 raise InvalidRequest(f"mrope_delta must be an int (|delta| < 2**40), got {d!r}", rid)
+            # Positions are not in page names: before the first media item (whose digest enters the names) they
+            # must be a text request's, and without media the whole sequence, generated tokens included, must be.
+            first = min(media_at, default=prompt_len)
+            if not bool((p[:, :first] == torch.arange(first, device=p.device)).all()):
+                raise InvalidRequest(f"mrope_positions before the first media item (position {first}) must be the "
+                                     f"plain positions 0..{first - 1} on all three rows", rid)
+            if not media_at and d != 0:
+                raise InvalidRequest(f"mrope_delta {d} without a media item; positions past the prompt would differ "
+                                     f"from a text request's under the same page names", rid)
         return tuple(mm.media)
 

@@ -78,11 +78,19 @@ class MultimodalInput:
     * ``media``: one ``MediaItem`` (digest, absolute position of its first placeholder token) per item; the
       allocation manager folds them into page names, so equal ids with different images never share pages.
     * ``embeds``: ``(start_position, tensor[n, hidden])`` pairs; rows replace the token embeddings at prompt
-      positions ``start .. start + n - 1`` in whichever prefill chunk covers them.
+      positions ``start .. start + n - 1`` in whichever prefill chunk covers them. Each span must start at the
+      position of a media item of its own (no two spans at one position; a media item needs no span), and its
+      rows must be a function of that item's digest: page names hold ids and media, not embeddings.
     * ``mrope_positions``: optional ``tensor[3, prompt_len]`` of rotary positions (Qwen2-VL style). A token at
       sequence position ``p >= prompt_len`` (generated) gets position ``p + mrope_delta`` on all three axes.
+      Before the first media item's position they must be the plain positions (each row ``0, 1, 2, ...``); with
+      no media item, the whole prompt's must be, and ``mrope_delta`` must be 0. From the first media item on,
+      they must be a function of the ids and media (as ``encoders.mrope``'s rule is), which names cannot check.
     * ``release``: optional callback that frees what backs ``embeds`` (encoder-output store leases); the
       engine calls it once when the request ends (see the module docstring). It must not raise.
+
+    The engine refuses input that breaks one of the rules it can check with ``InvalidRequest`` at intake, for
+    that request alone; ``VLMEngine``'s prompts always meet them.
     """
 
     media: Sequence[MediaItem] = ()
