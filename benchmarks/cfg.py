@@ -36,19 +36,24 @@ DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch 
 MAX_CONTEXT = max(p.config["max_position_embeddings"] for p in PRESETS.values())  # the longest preset context
 # Wan's negative prompt is about 400 tokens (4 repeats: 1617), so 64 repeats nearly fill the 32k context.
 MAX_NEGATIVE_REPEAT = 64
+FULL = {"requests": 24, "max_tokens": 8, "negative_repeat": 4}
+QUICK = {"requests": 6, "max_tokens": 4, "negative_repeat": 2}  # --quick's values for the options not given
 
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", choices=list(PRESETS),
                    help="engine preset (default: small, the 8-layer Qwen2.5-0.5B shape)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--requests", type=count(MAX_REQUESTS), default=24, help="requests in the stream (quick: 6)")
-    p.add_argument("--max-tokens", type=count(MAX_CONTEXT), default=8,
-                   help="tokens per request (quick: 4); with the prompts, within the preset's context")
+    p.add_argument("--requests", type=count(MAX_REQUESTS), default=None,
+                   help=f"requests in the stream (default {FULL['requests']}, quick {QUICK['requests']})")
+    p.add_argument("--max-tokens", type=count(MAX_CONTEXT), default=None,
+                   help=f"tokens per request (default {FULL['max_tokens']}, quick {QUICK['max_tokens']}); with "
+                        "the prompts, within the preset's context")
     p.add_argument("--scale", type=real(), default=3.0, help="guidance scale (a finite number)")
-    p.add_argument("--negative-repeat", type=count(MAX_NEGATIVE_REPEAT), default=4,
+    p.add_argument("--negative-repeat", type=count(MAX_NEGATIVE_REPEAT), default=None,
                    help="the negative prompt repeated this many times, a longer fixed conditioning prefix "
-                        f"(quick: 2; at most {MAX_NEGATIVE_REPEAT}, about 26k tokens)")
+                        f"(default {FULL['negative_repeat']}, quick {QUICK['negative_repeat']}; at most "
+                        f"{MAX_NEGATIVE_REPEAT}, about 26k tokens)")
     p.add_argument("--page-size", type=count(MAX_PAGE_SIZE), default=128)
     p.add_argument("--threads", type=count(MAX_THREADS), default=None, help="torch threads (default: torch's own)")
     p.add_argument("--seed", type=seed, default=0)
@@ -69,8 +74,9 @@ def _serve(eng: Engine, rid, prompt: str, negative: str, args):
 
 
 def run(args) -> dict:
-    if args.quick:
-        args.requests, args.negative_repeat, args.max_tokens = min(args.requests, 6), 2, 4
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.threads:
         torch.set_num_threads(args.threads)
     negative = "，".join([wan_negative_prompt()] * args.negative_repeat)

@@ -32,10 +32,10 @@ PAGE = 128
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=count(MAX_REPEATS), default=7,
-                   help=f"timed repeats per figure (the median is kept; at most {MAX_REPEATS})")
-    p.add_argument("--tokens", type=count(MAX_TOKENS), default=1 << 20,
-                   help=f"tokens named per naming repeat (at most {MAX_TOKENS})")
+    p.add_argument("--repeats", type=count(MAX_REPEATS), default=None,
+                   help=f"timed repeats per figure (the median is kept; default 7, quick 3; at most {MAX_REPEATS})")
+    p.add_argument("--tokens", type=count(MAX_TOKENS), default=None,
+                   help=f"tokens named per naming repeat (default {1 << 20}, quick {1 << 18}; at most {MAX_TOKENS})")
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -167,8 +167,8 @@ def bench_metadata() -> dict:
 
 
 def run(args) -> dict:
-    repeats = 3 if args.quick else args.repeats
-    tokens = (1 << 18) if args.quick else args.tokens
+    repeats = args.repeats or (3 if args.quick else 7)  # --quick fills in what was not given
+    tokens = args.tokens or ((1 << 18) if args.quick else (1 << 20))
     meta = bench_metadata()
     return {
         "naming": bench_naming(tokens, repeats * 3),

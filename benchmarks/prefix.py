@@ -104,11 +104,10 @@ class Shape:
         """Refuses sizes no run should take, before a token is drawn: a length beyond the model's ``context``,
         a repeat count above ``MAX_REPEATS``, another count above ``MAX_COUNT``, or a workload repeat sending
         more than ``MAX_TOKENS`` prompt tokens. (The workloads check their own lower bounds.)"""
-        caps = {"probe_repeats": MAX_REPEATS, "workload_repeats": MAX_REPEATS}
         for name in Shape.__dataclass_fields__:
             values = getattr(self, name)
             for v in values if isinstance(values, tuple) else (values,):
-                cap = caps.get(name, MAX_COUNT if name.endswith(COUNT_SUFFIXES) else context)
+                cap = size_cap(name) or context
                 if v > cap:
                     raise tw.WorkloadShapeError(f"{name} {v} is above its maximum {cap}"
                                                 + (" (the model's context)" if cap == context else ""))
@@ -119,6 +118,23 @@ class Shape:
             if tokens > MAX_TOKENS:
                 raise tw.WorkloadShapeError(f"{name} would send {tokens} prompt tokens, above {MAX_TOKENS}")
 
+
+
+def size_cap(name: str) -> int | None:
+    """The largest value of ``Shape`` field ``name``: ``MAX_REPEATS`` for a repeat count, ``MAX_COUNT`` for
+    another count; None for a length, bounded by the model's context."""
+    if name in ("probe_repeats", "workload_repeats"):
+        return MAX_REPEATS
+    return MAX_COUNT if name.endswith(COUNT_SUFFIXES) else None
+
+
+def _size_help(name: str) -> str:
+    def show(v):
+        return f"{v[0]}:{v[1]}" if isinstance(v, tuple) else str(v)
+
+    cap = size_cap(name)
+    return (f"default {show(getattr(FULL, name))}, quick {show(getattr(QUICK, name))}; "
+            + (f"at most {cap}" if cap else "within the model's context"))
 
 
 # The workloads are repeated for the same reason as the probe: one play of a workload per engine puts each
@@ -158,10 +174,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=folder,
                    help="keep the exported model and peer logs here, a folder or one that can be made (default: a "
                         "temporary folder)")
-    s = p.add_argument_group("workload sizes (default: the full or quick shape, see Shape)")
+    s = p.add_argument_group("workload sizes (default: the full shape, or the quick one with --quick)")
     for f in Shape.__dataclass_fields__.values():
         kind = str if f.name == "vpc_input_range" else int
-        s.add_argument("--" + f.name.replace("_", "-"), type=kind, metavar="N" if kind is int else "MIN:MAX")
+        s.add_argument("--" + f.name.replace("_", "-"), type=kind, metavar="N" if kind is int else "MIN:MAX",
+                       help=_size_help(f.name))
 
 
 def shape_from_args(args) -> Shape:

@@ -104,10 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--no-guard", action="store_true", help="skip the overhead guard")
-    s = p.add_argument_group("workload sizes (default: the full or quick shape; ranges in BOUNDS)")
+    s = p.add_argument_group("workload sizes (default: the full shape, or the quick one with --quick)")
     for name in Shape.__dataclass_fields__:
         low, high = BOUNDS[name]
-        s.add_argument("--" + name.replace("_", "-"), type=count(high, minimum=low), metavar="N")
+        s.add_argument("--" + name.replace("_", "-"), type=count(high, minimum=low), metavar="N",
+                       help=f"default {getattr(FULL, name)}, quick {getattr(QUICK, name)}; {low} to {high}"
+                            + (" (0: no guard)" if low == 0 else ""))
 
 
 def shape_from_args(args) -> Shape:

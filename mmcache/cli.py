@@ -1,12 +1,14 @@
 """The ``mmcache`` command line.
 
-    mmcache bench [NAME ...] [--json PATH] [bench options]   run benchmarks (all, quick, when no NAME is given)
-    mmcache replay TRACE ...                                 replay a trace through metadata-only pools
-    mmcache export-model PRESET DIR                          write an embedded model as a Hugging Face folder
+    mmcache bench [NAME] [--json PATH] [NAME's options]   run benchmark NAME (without NAME: all of them, quick)
+    mmcache replay TRACE ...                              replay a trace through metadata-only pools
+    mmcache export-model PRESET DIR                       write an embedded model as a Hugging Face folder
+    mmcache generate (--preset NAME | --model DIR) PROMPT ...   generate with the reference engine
 
 Subcommands live beside what they drive; each module listed in ``SUBCOMMANDS`` has ``register(subparsers)``,
-which adds its parser and sets ``func``. Modules whose optional dependencies are missing are skipped with a
-note on stderr when their subcommand is asked for. Started as a program, the command first re-executes
+which adds its parser and sets ``func``. A module that is not part of this install (a build without the
+``benchmarks`` package) is skipped: its subcommands stay listed, and asking for one says on stderr that it is
+not available and why, with exit code 2. Started as a program, the command first re-executes
 itself on Intel's OpenMP runtime when that is installed (``mmcache.openmp``; ``MMCACHE_OPENMP=system`` keeps
 the runtime torch ships with).
 """
@@ -91,20 +93,34 @@ def write_json(path: str | None, result: dict, say: bool = True) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
-SUBCOMMANDS = ("benchmarks.runner", "mmcache.replay.cli", "mmcache.engine.cli")
+SUBCOMMANDS = {"benchmarks.runner": ("bench",), "mmcache.replay.cli": ("replay",),
+               "mmcache.engine.cli": ("export-model", "generate")}  # module: the subcommands it registers
+
+
+def unavailable() -> dict[str, str]:
+    """The subcommands whose module is not part of this install, each with why (the missing module)."""
+    missing = {}
+    for name, commands in SUBCOMMANDS.items():
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and (name == e.name or name.startswith(e.name + ".")):
+                missing.update((command, f"module {e.name} is not installed") for command in commands)
+                continue
+            raise  # the module is there but a dependency of it is not: a broken install, shown in full
+    return missing
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmcache", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and (name == e.name or name.startswith(e.name + ".")):
-                continue  # that subcommand is not part of this build
-            raise
-        module.register(sub)
+    missing = unavailable()
+    for name, commands in SUBCOMMANDS.items():
+        if commands[0] in missing:
+            for command in commands:
+                sub.add_parser(command, help=f"not available in this install ({missing[command]})")
+        else:
+            importlib.import_module(name).register(sub)
     return parser
 
 
@@ -115,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         except openmp.OpenMPConfigError as e:
             print(f"mmcache: {e}", file=sys.stderr)
             return 2
+    missing = unavailable()
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if not w.startswith("-")), None)  # the top level takes no other option
+    if command in missing:  # before parsing, whose refusal of the command's own options would hide why
+        print(f"mmcache: {command} is not available in this install: {missing[command]}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,6 @@
 """Page names: chained xxHash 64 rooted in a process fingerprint, and 128-bit media digests.
 
-Rules (DESIGN.md, "Names" and "Media digest"):
+Rules (the project's design notes, DESIGN.md in the team's shared folder, "Names" and "Media digest"):
 
 * The fingerprint (model identity, TP rank/size and head slice, KV dtype, attention backend, page size, namer
   version) is encoded canonically once; together with a per-request salt it is the *root material* of a chain.

@@ -1,6 +1,6 @@
 """Replica choice for data-parallel replicas: rendezvous hashing of an early page name, least-loaded fallback.
 
-Rules (DESIGN.md, "Replica router"; RFC "Replica choice"):
+Rules (the project's design notes, DESIGN.md in the team's shared folder, "Replica router"):
 
 * The preferred replica is a pure function of the request's prefix: the replica whose identity scores
   highest under ``xxh64(page name, seed = xxh64(replica identity))`` (rendezvous, or highest-random-weight,

@@ -20,7 +20,8 @@ COUNTS = {"core": ["--repeats", "--tokens"], "prefix": ["--page-size"],
           "vlm": ["--page-size", "--num-pages", "--threads"],
           "diffusion": ["--requests", "--runs", "--steps", "--threads"],
           "cfg": ["--requests", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
-          "sampling": ["--repeats", "--batch", "--tokens"]}
+          "sampling": ["--repeats", "--batch", "--tokens"],
+          "voice": ["--rounds", "--runs", "--frames", "--threads"]}
 
 
 def test_positive_int():
@@ -56,7 +57,9 @@ BOUNDED = [("core", "--tokens", HUGE, "at most 16777216"), ("core", "--repeats",
            ("cfg", "--page-size", "8192", "at most 4096"), ("cfg", "--threads", HUGE, "at most"),
            ("vlm", "--seed", HUGE, "at most"), ("vlm", "--page-size", "8192", "at most 4096"),
            ("vlm", "--num-pages", HUGE, "at most"), ("vlm", "--threads", HUGE, "at most"),
-           ("prefix", "--seed", "-1", "at least 0"), ("prefix", "--page-size", "8192", "at most 4096")]
+           ("prefix", "--seed", "-1", "at least 0"), ("prefix", "--page-size", "8192", "at most 4096"),
+           ("voice", "--rounds", HUGE, "at most 1000"), ("voice", "--frames", HUGE, "at most 1000"),
+           ("voice", "--seed", "-1", "at least 0"), ("voice", "--threads", HUGE, "at most")]
 
 
 @pytest.mark.parametrize("name, option, value, says", BOUNDED, ids=lambda x: str(x)[:12])
@@ -72,9 +75,9 @@ def test_a_value_out_of_range_is_refused_by_the_parser(name, option, value, says
 
 def test_bounds_keep_every_default_and_the_edges_of_the_range():
     """A bound refuses only what was meaningless: each default parses as before, and so do the range's edges."""
-    defaults = {"core": {"tokens": 1 << 20, "repeats": 7}, "sampling": {"batch": 8, "tokens": None},
+    defaults = {"core": {"tokens": None, "repeats": None}, "sampling": {"batch": 8, "tokens": None},
                 "diffusion": {"zipf": 1.1, "seed": 0, "requests": 64, "runs": 3, "steps": 4, "threads": 1},
-                "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": 4, "max_tokens": 8},
+                "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": None, "max_tokens": None},
                 "vlm": {"seed": 0, "page_size": 16, "num_pages": 2048, "threads": 1, "guard_runs": None},
                 "prefix": {"seed": 0, "page_size": 128, "workdir": None}}
     for name, want in defaults.items():

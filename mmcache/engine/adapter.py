@@ -77,18 +77,23 @@ class CausalLMAdapter:
     def _check_every_layer_attends(self) -> None:
         """Run one token through the model into a one-slot scratch pool and require every layer's key and value
         there: a layer that keeps recurrent or convolutional state (LFM2, Jamba, Qwen3-Next's linear attention),
-        attends on its own, or does not pass the engine's keyword argument down writes nothing."""
+        attends on its own, or does not pass the engine's keyword argument down writes nothing.
+
+        The token is a seeded random embedding, not a token id: a model's pad row (``padding_idx``, often id 0)
+        is zero, and a zero input gives zero keys and values in every layer without bias, which would refuse a
+        model that attends correctly. Its own generator leaves the global random state alone."""
         kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, 1, 1, self.head_dim, dtype=self.dtype,
                          device=self.device)
         write = WriteGroup(kv, slice(0, 1), torch.zeros(1, dtype=torch.int64, device=self.device))
         batch = PagedBatch([Segment(slice(0, 1), 0, 1, kv, None)], [], [write], page_size=1)
         positions = torch.zeros((self.position_dims, 1) if self.position_dims > 1 else (1,), dtype=torch.long,
                                 device=self.device)
-        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        token = torch.randn(1, self.hidden_size, generator=torch.Generator().manual_seed(0))
         name = type(self.model).__name__
         try:
             with torch.inference_mode():
-                self.forward(self.embed(ids), positions, torch.zeros(1, dtype=torch.long, device=self.device), batch)
+                self.forward(token.to(self.device, self.dtype), positions,
+                             torch.zeros(1, dtype=torch.long, device=self.device), batch)
         except UnsupportedModel as e:
             raise UnsupportedModel(f"{name}: {e}") from e
         except Exception as e:  # the model cannot run on the paged backend at all
@@ -122,7 +127,8 @@ class CausalLMAdapter:
         settings hold for the model object's life. Returns None for the first engine (it installs, then
         records what it decided with ``record_compute_path``), or the first engine's record for a later one
         with the same settings (it installs nothing and computes with what is there); an engine with other
-        settings raises ``EngineConfigError`` before changing anything (build it on a copy of the model)."""
+        settings raises ``EngineConfigError`` before changing anything (build it on another model object: one
+        loaded again, or a copy taken before the first engine replaced any module)."""
         held = getattr(self.model, PATH_ATTR, None)
         if held is None:
             setattr(self.model, PATH_ATTR, {"requested": dict(requested), "packing_skipped": None,
@@ -134,7 +140,9 @@ class CausalLMAdapter:
             raise EngineConfigError(
                 f"this {type(self.model).__name__} object already serves an engine that computes with other "
                 f"modules ({differ}); an engine replaces the model's modules in place, so build this one on "
-                f"a copy (copy.deepcopy(model)) or with the same packed_linears, row_products and layer_kernels")
+                f"another model object (load the model again, or take copy.deepcopy(model) before the first "
+                f"engine is built on it: a model with replaced modules cannot be copied) or with the same "
+                f"packed_linears, row_products and layer_kernels")
         return held
 
     def record_compute_path(self, packing_skipped: str | None, row_products_skipped: str | None = None) -> None:

@@ -101,7 +101,8 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
     else is refused before the model is built: another model's files beside these (a shard index, say) would
     make a folder that loads wrongly, and an empty path would mean the current folder. The files are written
     into a temporary folder beside ``out_dir`` and moved in once all are written, so a failure (no space,
-    an unwritable file) leaves ``out_dir`` as it was."""
+    an unwritable file) leaves ``out_dir`` as it was. Every file gets the mode an ordinary write gives (0666
+    less the umask)."""
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
         raise ModelExportError(f"the output folder must be a non-empty path, got {out_dir!r}")
     out = Path(out_dir)
@@ -125,6 +126,11 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
         cfg = json.loads(tok_cfg.read_text())
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        # safetensors' save_file makes its file private (0600); give every file the mode the others have.
+        mode = _new_file_mode(tmp)
+        for path in tmp.iterdir():
+            if path.is_file():
+                path.chmod(mode)
         out.mkdir(exist_ok=True)
         for name in sorted(p.name for p in tmp.iterdir()):
             os.replace(tmp / name, out / name)
@@ -134,6 +140,17 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The permission bits an ordinary new file in ``folder`` gets (0666 less the umask), found by making one:
+    reading the umask means setting it, which is process-wide and would race with other threads."""
+    probe = folder / ".mode-probe"
+    probe.touch()
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
 
 
 def model_digest(model: torch.nn.Module) -> str:

@@ -7,7 +7,7 @@ other down, so the only resource they share in replay is the page pool. The defa
 one GPU replica serving a mid-size model (about 10k prompt tokens/s of prefill, 20 ms per output token);
 they are not measured on this project's reference engine, whose rates replace them (``--prefill-tps``,
 ``--decode-tps``) once measured. What they set is how many requests are in flight at once, so the shares
-depend on them through concurrency; the results draft shows the sensitivity.
+depend on them through concurrency; ``benchmarks/RESULTS.md`` ("Cost-model sensitivity") shows how much.
 """
 
 from __future__ import annotations
