@@ -9,7 +9,8 @@ Invariants:
 * Every failure to read or decode an item raises ``MediaDecodeError`` whose ``item`` is a ``MediaRef`` with
   medium ``"audio"`` (index in the request, source kind); nothing else escapes for bad input.
 * Byte sizes are checked against ``AudioLimits.max_bytes`` before a payload is read, and the duration (frames
-  over sample rate, from the header) against ``max_seconds`` before any sample is decoded.
+  over sample rate) and channel count, from the header, against ``max_seconds`` and ``max_channels`` before
+  any sample is decoded: a compressed file of a few kilobytes cannot decode into gigabytes.
 * The sample rate is never changed here: a file at another rate than the encoder's is refused with the two
   rates named (resampling is a preprocessing choice with its own filter, so it belongs to the caller, and the
   codec would otherwise see other samples than the caller believes it sent).
@@ -43,12 +44,14 @@ class AudioLimits:
 
     max_seconds: float = 300.0
     max_bytes: int = 64 * 2**20
+    max_channels: int = 2  # a voice clip is mono or stereo; each channel costs a full decode
     allow_paths: bool = True
     path_root: Path | None = None  # when set, file paths must resolve inside this folder
 
     def __post_init__(self):
-        if not positive_int(self.max_bytes):
-            raise InvalidRequest(f"max_bytes must be a positive int, got {self.max_bytes!r}")
+        for name in ("max_bytes", "max_channels"):
+            if not positive_int(getattr(self, name)):
+                raise InvalidRequest(f"{name} must be a positive int, got {getattr(self, name)!r}")
         m = self.max_seconds
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
             raise InvalidRequest(f"max_seconds must be a positive finite number, got {m!r}")
@@ -68,6 +71,7 @@ class RawAudio:
 
 def read_audio(source: object, index: int = 0, limits: AudioLimits = AudioLimits()) -> RawAudio:
     """The bytes as sent of ``source`` (bytes-like, path, ``file://`` URL or data URL), without decoding them."""
+    _check_limits(limits)
     if isinstance(source, RawAudio):
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -90,13 +94,17 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     """The float32 mono waveform of ``raw`` (shape ``[samples]``) at ``sampling_rate``, or ``MediaDecodeError``."""
     if not positive_int(sampling_rate):
         raise InvalidRequest(f"sampling_rate must be a positive int, got {sampling_rate!r}")
+    _check_limits(limits)
     if not isinstance(raw, RawAudio):
         raise InvalidRequest(f"decode_audio takes a RawAudio (see read_audio), got {type(raw).__name__}")
     if not raw.data:
         raise MediaDecodeError(raw.ref, "audio bytes are empty")
     try:
         with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
-            rate, frames = f.samplerate, f.frames
+            rate, frames, channels = f.samplerate, f.frames, f.channels
+            if channels > limits.max_channels:
+                raise MediaDecodeError(raw.ref, f"{channels} channels exceed the limit of {limits.max_channels} "
+                                                f"(refused before decoding)")
             if rate != sampling_rate:
                 raise MediaDecodeError(raw.ref, f"sampled at {rate} Hz; the encoder takes {sampling_rate} Hz "
                                                 f"(resample it before sending)")
@@ -116,3 +124,8 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     if not np.isfinite(wave).all():
         raise MediaDecodeError(raw.ref, "audio holds non-finite samples")
     return np.ascontiguousarray(wave, dtype=np.float32)
+
+
+def _check_limits(limits) -> None:
+    if not isinstance(limits, AudioLimits):
+        raise InvalidRequest(f"limits must be an AudioLimits, got {type(limits).__name__}")

@@ -17,14 +17,19 @@ pipeline's code is unchanged) with a lookup in the encoder-output store.
 Invariants:
 
 * Only the plain call is served from the store: ``encode(input_values, padding_mask=None,
-  num_quantizers=None)`` on a codec whose config returns no cache, hidden states or attentions. Any other
-  call (streaming state, extra keywords) runs the original ``encode`` unchanged (``passthrough`` counts it).
+  num_quantizers=None)`` on a codec whose config (and its encoder's own copy) asks for no cache, streaming
+  state, hidden states or attentions and returns a ``ModelOutput``. Any other call (streaming state, extra
+  positional or keyword arguments, as ``MimiModel.forward`` makes) runs the original ``encode`` unchanged
+  (``passthrough`` counts it). ``num_quantizers=None`` and the codec's full count are one key.
 * Store on and store off give bit-identical codes: an entry holds the codes one ``encode`` of the same tensor
   returned, checked against the declared output (``int64 [batch, quantizers, frames]``), and every call returns
   a copy, so a caller cannot change a stored entry. No lease outlives the call; a failing encode stores nothing.
 * Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples) is refused with
   ``InvalidRequest`` before anything runs or is stored.
-* The codec's weights must not change while it is attached (the fingerprint is taken once).
+* The fingerprint is taken again whenever a weight tensor was replaced or written in place (its identity and
+  version counter) or the configuration changed, so new weights never meet old entries.
+* ``attach`` patches the codec instance and ``detach`` puts back what was there; one attach per codec at a
+  time (a second is refused): a server handling requests concurrently attaches once, not per request.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import torch
 from transformers.models.mimi.modeling_mimi import MimiEncoderOutput
 
@@ -39,7 +45,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.names import Namer, media_digest
 from mmcache.store import EncoderOutputStore, OutputSpec, store_key
 
-from .text_encoders import module_fingerprint
+from .text_encoders import attention_implementations, module_fingerprint
 
 ADAPTER_VERSION = 1
 _STATE_KEYWORDS = ("encoder_cache", "padding_cache", "use_streaming")
@@ -58,10 +64,11 @@ class CachedCodecEncode:
         self.codec = codec
         self.store = store
         self.salt = Namer.salt_bytes(salt)
-        self.fingerprint = module_fingerprint(codec, {"adapter": "codec-encode", "version": ADAPTER_VERSION})
         self.spec = OutputSpec({"audio_codes": ((None, None, None), torch.int64)})
         self._max_quantizers = codec.config.num_quantizers
         self._lock = threading.Lock()
+        self._fingerprint: tuple[tuple, str] | None = None  # (what it was taken over, the fingerprint)
+        self._replaced: list = []  # what ``encode`` was on the instance before each attach (a stack)
         self.calls = 0  # codec forwards run (misses, passthroughs and every call with the store off)
         self.hits = 0
         self.passthrough = 0
@@ -69,14 +76,22 @@ class CachedCodecEncode:
 
     # ---- attaching -----------------------------------------------------------------------------------
     def attach(self) -> "CachedCodecEncode":
+        """Serve ``codec.encode`` through the store until ``detach``. One attach per codec at a time: a server
+        handling requests concurrently attaches once, not per request."""
         if isinstance(self.codec.__dict__.get("encode"), CachedCodecEncode):
             raise InvalidRequest("this codec's encode is already served through a store")
+        self._replaced.append(self.codec.__dict__.get("encode", _ABSENT))
         self.codec.encode = self
         return self
 
     def detach(self) -> None:
-        if self.codec.__dict__.get("encode") is self:
-            del self.codec.encode
+        """Put back what ``encode`` was before ``attach`` (the class's method, or an earlier instance patch)."""
+        if self.codec.__dict__.get("encode") is self and self._replaced:
+            previous = self._replaced.pop()
+            if previous is _ABSENT:
+                del self.codec.encode
+            else:
+                self.codec.encode = previous
 
     def __enter__(self) -> "CachedCodecEncode":
         return self.attach()
@@ -85,16 +100,35 @@ class CachedCodecEncode:
         self.detach()
 
     # ---- keys ----------------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """The codec's fingerprint, taken again whenever a weight was replaced or written in place (tensor
+        identity and version counter) or its configuration changed since it was last taken."""
+        tensors = self.codec.state_dict(keep_vars=True)
+        seen = (tuple((name, id(t), t._version, t.dtype, t.device) for name, t in tensors.items()),
+                self.codec.config.to_json_string(), repr(attention_implementations(self.codec.config)),
+                repr(attention_implementations(self.codec.encoder.config)))
+        with self._lock:
+            held = self._fingerprint
+        if held is not None and held[0] == seen:
+            return held[1]
+        fp = module_fingerprint(self.codec, {"adapter": "codec-encode", "version": ADAPTER_VERSION,
+                                             "encoder_config": self.codec.encoder.config.to_json_string()})
+        with self._lock:
+            self._fingerprint = (seen, fp)
+        return fp
+
     def key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None = None,
             num_quantizers: int | None = None) -> bytes:
-        self._check(input_values, padding_mask, num_quantizers)
+        q = self._check(input_values, padding_mask, num_quantizers)
         mask = None if padding_mask is None else media_digest(_bytes(padding_mask), {"shape": list(padding_mask.shape),
                                                                                        "dtype": str(padding_mask.dtype)})
         params = {"dtype": str(input_values.dtype), "shape": list(input_values.shape),
-                  "padding_mask": None if mask is None else mask.hex(), "num_quantizers": num_quantizers}
+                  "padding_mask": None if mask is None else mask.hex(), "num_quantizers": q}
         return store_key(self.fingerprint, media_digest(_bytes(input_values), params), self.salt)
 
-    def _check(self, input_values, padding_mask, num_quantizers) -> None:
+    def _check(self, input_values, padding_mask, num_quantizers) -> int:
+        """Refuses malformed input; returns the number of quantizers the codec will use (None: all of them)."""
         t, channels = input_values, self.codec.config.audio_channels
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 3 and t.shape[0] > 0
                 and t.shape[1] == channels and t.shape[2] > 0):
@@ -104,29 +138,29 @@ class CachedCodecEncode:
         if m is not None and not (isinstance(m, torch.Tensor) and m.dim() >= 2 and m.shape[0] == t.shape[0]
                                   and m.shape[-1] == t.shape[-1]):
             raise InvalidRequest("padding_mask must be a tensor with the input's batch and sample sizes")
-        q = num_quantizers
-        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= self._max_quantizers):
+        q = self._max_quantizers if num_quantizers is None else num_quantizers
+        if isinstance(q, bool) or not isinstance(q, (int, np.integer)) or not 1 <= q <= self._max_quantizers:
             raise InvalidRequest(f"num_quantizers must be an int in [1, {self._max_quantizers}] or None, got {q!r}")
+        return int(q)
 
     # ---- the call ------------------------------------------------------------------------------------
-    def __call__(self, input_values, padding_mask=None, num_quantizers=None, **kwargs):
+    def __call__(self, input_values, padding_mask=None, num_quantizers=None, *args, **kwargs):
         original = type(self.codec).encode
-        if set(kwargs) - set(_STATE_KEYWORDS) or any(kwargs.values()) or not self._plain_outputs():
+        if args or set(kwargs) - set(_STATE_KEYWORDS) or any(kwargs.values()) or not self._plain_call():
             with self._lock:
                 self.passthrough += 1
                 self.calls += 1
-            return original(self.codec, input_values, padding_mask=padding_mask, num_quantizers=num_quantizers,
-                            **kwargs)
+            return original(self.codec, input_values, padding_mask, num_quantizers, *args, **kwargs)
         t0 = time.perf_counter()
         try:
             if self.store is None:
-                self._check(input_values, padding_mask, num_quantizers)
-                codes = self._run(original, input_values, padding_mask, num_quantizers)["audio_codes"]
+                q = self._check(input_values, padding_mask, num_quantizers)
+                codes = self._run(original, input_values, padding_mask, q)["audio_codes"]
             else:
                 key = self.key(input_values, padding_mask, num_quantizers)
-                with self.store.get_or_compute(
-                        key, lambda: (self._run(original, input_values, padding_mask, num_quantizers), {}),
-                        self.spec) as lease:
+                q = self._check(input_values, padding_mask, num_quantizers)
+                with self.store.get_or_compute(key, lambda: (self._run(original, input_values, padding_mask, q), {}),
+                                               self.spec) as lease:
                     codes = lease.outputs["audio_codes"].clone()
                     if lease.hit:
                         with self._lock:
@@ -136,19 +170,28 @@ class CachedCodecEncode:
                 self.encode_s += time.perf_counter() - t0
         return MimiEncoderOutput(audio_codes=codes)
 
-    def _run(self, original, input_values, padding_mask, num_quantizers) -> dict:
+    def _run(self, original, input_values, padding_mask, num_quantizers: int) -> dict:
         with self._lock:
             self.calls += 1
         with torch.no_grad():
-            out = original(self.codec, input_values, padding_mask=padding_mask, num_quantizers=num_quantizers)
+            out = original(self.codec, input_values, padding_mask=padding_mask, num_quantizers=num_quantizers,
+                           return_dict=True)
         return {"audio_codes": out.audio_codes}
 
-    def _plain_outputs(self) -> bool:
-        c = self.codec.config
-        return not any(getattr(c, k, False) for k in ("use_cache", "output_hidden_states", "output_attentions"))
+    def _plain_call(self) -> bool:
+        """Whether a call with no state argument returns the codes alone: no cache, streaming state, hidden
+        states or attentions, asked for by the codec's config or its encoder's own copy, and a ModelOutput."""
+        configs = (self.codec.config, self.codec.encoder.config)
+        if any(getattr(c, k, False) for c in configs
+               for k in ("use_cache", "use_streaming", "output_hidden_states", "output_attentions")):
+            return False
+        return getattr(self.codec.config, "return_dict", True) is not False
 
     def stats(self) -> dict:
         return {"calls": self.calls, "hits": self.hits, "passthrough": self.passthrough, "encode_s": self.encode_s}
+
+
+_ABSENT = object()
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

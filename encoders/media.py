@@ -134,7 +134,10 @@ def data_url_payload(url: str, ref: MediaRef, limits) -> bytes:
         except (binascii.Error, ValueError) as e:
             raise MediaDecodeError(ref, f"data URL payload is not valid base64: {e}") from None
     else:
-        data = urllib.parse.unquote_to_bytes(payload)
+        try:
+            data = urllib.parse.unquote_to_bytes(payload)
+        except UnicodeError:  # a lone surrogate (JSON can carry one)
+            raise MediaDecodeError(ref, "data URL payload is not valid text") from None
         if len(data) > limits.max_bytes:
             raise MediaDecodeError(ref, f"data URL payload exceeds the limit of {limits.max_bytes} bytes")
     if not data:
@@ -147,7 +150,10 @@ def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
     ``allow_paths``, ``path_root``: an ``ImageLimits`` or ``audio.AudioLimits``)."""
     text = str(source)
     if text.lower().startswith("file://"):
-        text = urllib.parse.unquote(urllib.parse.urlparse(text).path)
+        url = urllib.parse.urlparse(text)
+        if url.netloc not in ("", "localhost"):
+            raise MediaDecodeError(ref, f"file URL names host {url.netloc!r}; only local files are read")
+        text = urllib.parse.unquote(url.path)
     elif _URL_SCHEME.match(text):
         raise MediaDecodeError(ref, f"remote URLs are not fetched; send the {ref.medium} bytes or a data URL")
     if not limits.allow_paths:
@@ -173,7 +179,8 @@ def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
         return data
     except MediaDecodeError:
         raise
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte or a lone surrogate in the path
+    except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL byte or a lone surrogate in the path;
+        # RuntimeError: a symlink loop met by resolve() (Python < 3.13)
         raise MediaDecodeError(ref, f"cannot read file {path.name!r}: {getattr(e, 'strerror', None) or e}") from None
 
 

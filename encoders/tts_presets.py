@@ -72,6 +72,10 @@ def voice_prompt(reference_text: str, target_text: str, speaker: int = 0, bos: s
         raise InvalidRequest("a voice prompt needs the reference transcript and a non-empty text to speak")
     if isinstance(speaker, bool) or not isinstance(speaker, int) or speaker < 0:
         raise InvalidRequest(f"speaker must be an int >= 0, got {speaker!r}")
+    for text in (reference_text, target_text):
+        marker = next((m for m in (AUDIO_TOKEN, AUDIO_EOS_TOKEN, bos) if m in text), None)
+        if marker is not None:  # it would add an audio slot or start a segment the caller did not ask for
+            raise InvalidRequest(f"a voice prompt's text may not contain the special token {marker!r}")
     return (f"{bos}[{speaker}]{reference_text}{bos}{AUDIO_TOKEN}{AUDIO_EOS_TOKEN}"
             f"{bos}[{speaker}]{target_text}{bos}")
 

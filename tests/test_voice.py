@@ -114,13 +114,33 @@ def test_source_policy_and_bad_arguments(cases, tmp_path):
         read_audio("data:image/png;base64,AAAA")
     with pytest.raises(MediaDecodeError, match="must be bytes"):
         read_audio(12)
-    for bad in ({"max_seconds": 0}, {"max_seconds": float("nan")}, {"max_bytes": -1}, {"allow_paths": "yes"}):
+    for bad in ({"max_seconds": 0}, {"max_seconds": float("nan")}, {"max_bytes": -1}, {"allow_paths": "yes"},
+                {"max_channels": 0}):
         with pytest.raises(InvalidRequest):
             AudioLimits(**bad)
     with pytest.raises(InvalidRequest):
         decode_audio(b"RIFF", SAMPLING_RATE)  # bytes, not a RawAudio
     with pytest.raises(InvalidRequest):
         decode_audio(RawAudio(b"x", MediaRef(0, SOURCE_BYTES, "audio")), 0)
+    with pytest.raises(InvalidRequest):
+        read_audio(b"RIFF", limits=None)
+    with pytest.raises(MediaDecodeError, match="host"):
+        read_audio("file://elsewhere" + str(cases[0].reference_wav))
+    assert read_audio("file://localhost" + str(cases[0].reference_wav)).data == cases[0].reference_wav.read_bytes()
+    with pytest.raises(MediaDecodeError, match="not valid text"):
+        read_audio("data:audio/wav,\udc80")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(MediaDecodeError):
+        read_audio(str(loop), limits=AudioLimits(path_root=tmp_path))
+
+
+def test_channels_beyond_the_limit_are_refused_before_decoding():
+    # Eight channels of silence compress to almost nothing, and decode to eight float32 streams.
+    data = wav(np.zeros((24000, 8), dtype=np.float32), subtype="FLOAT")
+    with pytest.raises(MediaDecodeError, match="8 channels exceed the limit of 2"):
+        decode_audio(read_audio(data), SAMPLING_RATE)
+    assert decode_audio(read_audio(data), SAMPLING_RATE, AudioLimits(max_channels=8)).shape == (24000,)
 
 
 # ---- the codec through the store ----------------------------------------------------------------------
@@ -170,6 +190,59 @@ def test_keys_name_the_samples_the_settings_and_the_weights(pipe):
     assert CachedCodecEncode(pipe.codec, None, salt="tenant-b").key(x) != k
     other = csm_pipeline(codec="tiny", seed=1)
     assert CachedCodecEncode(other.codec, None).fingerprint != enc.fingerprint
+
+
+def test_new_weights_between_attaches_never_meet_old_entries(pipe):
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.4))[None, None]
+    codec = csm_pipeline(codec="tiny").codec  # its own copy: the weights change below
+    enc = CachedCodecEncode(codec, store)
+    with enc:
+        before = codec.encode(x).audio_codes
+    codec.load_state_dict(csm_pipeline(codec="tiny", seed=1).codec.state_dict())
+    for book in codec.modules():  # transformers caches each codebook's centroids; drop the stale cache
+        if hasattr(book, "_embed"):
+            book._embed = None
+    with enc:
+        after = codec.encode(x).audio_codes
+    with torch.no_grad():
+        truth = type(codec).encode(codec, x).audio_codes
+    assert enc.hits == 0 and enc.calls == 2 and len(store) == 2
+    assert torch.equal(after, truth) and not torch.equal(before, truth)
+
+
+def test_the_full_quantizer_count_and_none_share_one_key(pipe):
+    enc = CachedCodecEncode(pipe.codec, None)
+    x = torch.from_numpy(tone(0.3))[None, None]
+    assert enc.key(x) == enc.key(x, num_quantizers=32) == enc.key(x, num_quantizers=np.int64(32))
+    assert enc.key(x, num_quantizers=8) != enc.key(x)
+
+
+def test_calls_the_store_cannot_serve_pass_through(pipe, monkeypatch):
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.2))[None, None]
+    with CachedCodecEncode(pipe.codec, store) as enc, torch.no_grad():
+        out = pipe.codec(x)  # MimiModel.forward calls encode with a positional cache argument
+        assert out.audio_codes is not None and enc.passthrough == 1
+        monkeypatch.setattr(pipe.codec.encoder.config, "output_hidden_states", True)  # the encoder's own copy
+        assert pipe.codec.encode(x).hidden_states is not None and enc.passthrough == 2
+        monkeypatch.undo()
+        monkeypatch.setattr(pipe.codec.config, "return_dict", False)
+        assert isinstance(pipe.codec.encode(x), tuple) and enc.passthrough == 3
+    assert len(store) == 0
+
+
+def test_detach_puts_back_an_earlier_instance_patch(pipe):
+    def mine(*a, **k):
+        return "patched"
+
+    pipe.codec.encode = mine
+    try:
+        with CachedCodecEncode(pipe.codec, None):
+            assert isinstance(pipe.codec.__dict__["encode"], CachedCodecEncode)
+        assert pipe.codec.__dict__["encode"] is mine
+    finally:
+        del pipe.codec.encode
 
 
 def test_returned_codes_are_copies_and_hits_equal_misses(pipe):
@@ -236,6 +309,11 @@ def test_other_calls_pass_through_and_wrong_setups_are_refused(pipe):
         CachedCodecEncode(pipe.codec, {})
     with pytest.raises(InvalidRequest):
         voice_prompt("transcript", "  ")
+    for injected in ("<|AUDIO|>", "<|audio_eos|>", "<|endoftext|>[3]"):
+        with pytest.raises(InvalidRequest, match="special token"):
+            voice_prompt(f"transcript {injected}", "text")
+        with pytest.raises(InvalidRequest, match="special token"):
+            voice_prompt("transcript", f"text {injected}")
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------
@@ -255,12 +333,13 @@ def test_cases_and_stream(cases, tmp_path):
 def test_benchmark_run_reports_calls_identity_and_its_table(pipe, monkeypatch):
     monkeypatch.setattr(voice, "csm_pipeline", lambda codec: pipe)
     args = types.SimpleNamespace(quick=False, rounds=1, runs=1, frames=1, codec="tiny", threads=1, seed=0,
-                                 no_estimate=True)
+                                 no_estimate=False)  # the FLOP estimate needs the published codec: skipped, said
     r = voice.run(args)
     assert r["stream"] == {"requests": 10, "unique_references": 5}
     assert r["off"]["reference_encoder_calls"] == 10 and r["on"]["reference_encoder_calls"] == 5
     assert r["on"]["store_hits"] == 5 and r["on"]["bit_identical"] and r["targets"]["calls_met"]
     assert r["targets"]["encoder_time_cut_ideal"] == 0.5
+    assert "estimate" not in r and "--codec mimi" in r["estimate_skipped"]
     rows = voice.table_rows(r)
     assert [row.metric for row in rows][:3] == ["reference-encoder calls", "reference-encoder time",
                                                 "time to first audio p50"]
