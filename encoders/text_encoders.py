@@ -204,17 +204,23 @@ class TokenizationMemo:
 
     The key is (tokenizer fingerprint, ``_call_state``, ``_TOKENIZER_CALL``, max length, exact text); the text
     itself, not a digest of it, so two prompts never share an entry. At most ``entries`` prompts are kept, and
-    none longer than ``max_text_chars`` characters (those are tokenized every time), so the memo holds at most
-    ``entries * (max_text_chars + 21 * max_length)`` bytes or so. Safe to call from several threads.
+    none longer than ``max_text_chars`` characters (those are tokenized every time); an entry costs about
+    ``21 * max_length + 4 * len(text)`` bytes (int64 ids and mask, the verified token bytes, the text), and the
+    least recently used entries are dropped while the sum passes ``max_bytes`` (32 MiB: all 1024 entries at
+    Wan's text length 512, about 350 at T5's longest, 4096). Safe to call from several threads.
     """
 
-    def __init__(self, tokenizer, entries: int = 1024, max_text_chars: int = 8192):
+    def __init__(self, tokenizer, entries: int = 1024, max_text_chars: int = 8192, max_bytes: int = 32 * 2**20):
         if not callable(tokenizer):
             raise InvalidRequest(f"a tokenizer must be callable, got {type(tokenizer).__name__}")
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
             raise InvalidRequest(f"entries must be an int >= 0, got {entries!r}")
         if isinstance(max_text_chars, bool) or not isinstance(max_text_chars, int) or max_text_chars < 0:
             raise InvalidRequest(f"max_text_chars must be an int >= 0, got {max_text_chars!r}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise InvalidRequest(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the estimated size of the entries held (see the class docstring)
         self.tokenizer = tokenizer
         self.entries = entries
         self.max_text_chars = max_text_chars
@@ -251,13 +257,24 @@ class TokenizationMemo:
                 self.hits += 1
                 return tokens
         tokens = tokenize(self.tokenizer, text, max_length)  # outside the lock: other prompts' hits go on
+        size = _memo_bytes(key)
+        if size > self.max_bytes:
+            return tokens
         with self._lock:
             self.misses += 1
+            if key not in self._memo:
+                self.bytes += size
             self._memo[key] = tokens
             self._memo.move_to_end(key)
-            while len(self._memo) > self.entries:
-                self._memo.popitem(last=False)
+            while len(self._memo) > self.entries or self.bytes > self.max_bytes:
+                old, _ = self._memo.popitem(last=False)
+                self.bytes -= _memo_bytes(old)
         return tokens
+
+
+def _memo_bytes(key: tuple) -> int:
+    """An entry's estimated size from its key (max length, text): see ``TokenizationMemo``."""
+    return 21 * key[3] + 4 * len(key[4])
 
 
 class TextEncoderAdapter(abc.ABC):

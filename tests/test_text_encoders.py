@@ -362,6 +362,21 @@ def test_memo_is_a_bounded_lru():
             TokenizationMemo(off.tokenizer, max_text_chars=bad)
 
 
+def test_memo_is_bounded_in_bytes_too():
+    # An entry costs 21 bytes per token of max length plus 4 per character: 21 * 64 + 4 = 1348 bytes here.
+    memo = TokenizationMemo(t5_tokenizer(), max_bytes=3 * 1348)
+    for text in "abcde":
+        memo(text, 64)
+    assert len(memo) == 3 and memo.bytes == 3 * 1348
+    memo("c", 64)  # still held: the three most recent are c, d, e
+    assert memo.hits == 1
+    memo("a", 128)  # 2692 bytes: two older entries go
+    assert len(memo) == 2 and memo.bytes == 1348 + 2692 and memo.bytes <= memo.max_bytes
+    assert same_as_tokenizer(memo, "x", 256) and len(memo) == 2  # 5380 bytes alone: never kept
+    with pytest.raises(InvalidRequest):
+        TokenizationMemo(memo.tokenizer, max_bytes=-1)
+
+
 def test_memo_keys_max_length_and_refuses_bad_input():
     memo = TokenizationMemo(t5_tokenizer())
     assert not torch.equal(memo("a red fox", 8).input_ids[:4], memo("a red fox", 4).input_ids)
