@@ -109,6 +109,12 @@ def csm_pipeline(codec: str = "mimi", backbone: str = "tiny", seed: int = 0) -> 
         torch.manual_seed(seed)
         model = CsmForConditionalGeneration(config).eval()
         _seed_codebooks(model.codec_model)
+    # Audio frames hold codes below the codec's codebook size; the heads' last ids (CSM's padding and end
+    # markers) are not codes the codec can decode. A trained model does not emit them inside a frame; random
+    # heads would, so generation suppresses them, in the backbone (codebook 0) and the depth decoder.
+    specials = list(range(config.codec_config.codebook_size, config.vocab_size))
+    model.generation_config.suppress_tokens = specials
+    model.depth_decoder.generation_config.suppress_tokens = specials
     return VoicePipeline(model, processor)
 
 

@@ -176,6 +176,15 @@ def test_the_seeded_codec_gives_codes_that_depend_on_the_audio(pipe, cases):
     assert a.unique().numel() > 100 and not torch.equal(a[..., :20], b[..., :20])
 
 
+def test_generated_frames_hold_only_codes_the_codec_decodes(pipe, cases):
+    # Random heads would pick CSM's padding/end ids (2048-2050) inside frames, which Mimi cannot decode.
+    with torch.inference_mode():
+        for case in cases[:4]:
+            out = pipe.model.generate(**inputs(pipe, case), max_new_tokens=12, do_sample=False, output_audio=True,
+                                      return_dict_in_generate=True)
+            assert int(out.sequences.max()) < pipe.codec.config.codebook_size and out.audio[0].numel() > 0
+
+
 def test_keys_name_the_samples_the_settings_and_the_weights(pipe):
     enc = CachedCodecEncode(pipe.codec, EncoderOutputStore(2**20))
     x = torch.from_numpy(tone(0.5))[None, None]
