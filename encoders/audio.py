@@ -30,7 +30,7 @@ import soundfile
 from mmcache.checks import positive_int
 from mmcache.errors import InvalidRequest, MediaDecodeError
 
-from .media import SOURCE_BYTES, SOURCE_DATA_URL, SOURCE_PATH, MediaRef, data_url_payload, read_path
+from .media import MediaRef, check_limits, read_source
 
 DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}", "decode": "float32,mean-of-channels"}
 """The decoder and its conversion rule, for any key taken over decoded samples."""
@@ -49,16 +49,10 @@ class AudioLimits:
     path_root: Path | None = None  # when set, file paths must resolve inside this folder
 
     def __post_init__(self):
-        for name in ("max_bytes", "max_channels"):
-            if not positive_int(getattr(self, name)):
-                raise InvalidRequest(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        check_limits(self, ("max_bytes", "max_channels"))
         m = self.max_seconds
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
             raise InvalidRequest(f"max_seconds must be a positive finite number, got {m!r}")
-        if not isinstance(self.allow_paths, bool):
-            raise InvalidRequest(f"allow_paths must be a bool, got {self.allow_paths!r}")
-        if self.path_root is not None and not isinstance(self.path_root, (str, Path)):
-            raise InvalidRequest(f"path_root must be a folder path or None, got {self.path_root!r}")
 
 
 @dataclass(frozen=True)
@@ -74,20 +68,7 @@ def read_audio(source: object, index: int = 0, limits: AudioLimits = AudioLimits
     _check_limits(limits)
     if isinstance(source, RawAudio):
         return source
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        ref = MediaRef(index, SOURCE_BYTES, "audio")
-        data = bytes(source)
-        if len(data) > limits.max_bytes:
-            raise MediaDecodeError(ref, f"{len(data)} bytes exceed the limit of {limits.max_bytes}")
-        return RawAudio(data, ref)
-    if isinstance(source, str) and source[:5].lower() == "data:":
-        ref = MediaRef(index, SOURCE_DATA_URL, "audio")
-        return RawAudio(data_url_payload(source, ref, limits), ref)
-    if isinstance(source, (str, Path)):
-        ref = MediaRef(index, SOURCE_PATH, "audio")
-        return RawAudio(read_path(source, ref, limits), ref)
-    raise MediaDecodeError(MediaRef(index, type(source).__name__, "audio"),
-                           "audio must be bytes, a file path or a data URL")
+    return RawAudio(*read_source(source, index, limits, "audio"))
 
 
 def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioLimits()) -> np.ndarray:

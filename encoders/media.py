@@ -61,16 +61,22 @@ class ImageLimits:
     path_root: Path | None = None  # when set, file paths must resolve inside this folder
 
     def __post_init__(self):
-        for name in ("max_pixels", "max_bytes"):
-            if not positive_int(getattr(self, name)):
-                raise InvalidRequest(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        check_limits(self, ("max_pixels", "max_bytes"))
         if not isinstance(self.formats, (tuple, list)) or not all(isinstance(f, str) for f in self.formats):
             raise InvalidRequest(f"formats must be a tuple of format names, got {self.formats!r}")
         object.__setattr__(self, "formats", tuple(self.formats))
-        if not isinstance(self.allow_paths, bool):
-            raise InvalidRequest(f"allow_paths must be a bool, got {self.allow_paths!r}")
-        if self.path_root is not None and not isinstance(self.path_root, (str, Path)):
-            raise InvalidRequest(f"path_root must be a folder path or None, got {self.path_root!r}")
+
+
+def check_limits(limits, counts: tuple[str, ...]) -> None:
+    """The checks every medium's limits share: the named counts are positive ints, ``allow_paths`` a bool and
+    ``path_root`` a folder path or None."""
+    for name in counts:
+        if not positive_int(getattr(limits, name)):
+            raise InvalidRequest(f"{name} must be a positive int, got {getattr(limits, name)!r}")
+    if not isinstance(limits.allow_paths, bool):
+        raise InvalidRequest(f"allow_paths must be a bool, got {limits.allow_paths!r}")
+    if limits.path_root is not None and not isinstance(limits.path_root, (str, Path)):
+        raise InvalidRequest(f"path_root must be a folder path or None, got {limits.path_root!r}")
 
 
 @dataclass(frozen=True)
@@ -98,20 +104,26 @@ def read_image(source: object, index: int = 0, limits: ImageLimits = ImageLimits
     """The bytes as sent of ``source`` (bytes-like, path, ``file://`` URL or data URL), without decoding them."""
     if isinstance(source, RawImage):
         return source
+    return RawImage(*read_source(source, index, limits, "image"))
+
+
+def read_source(source: object, index: int, limits, medium: str) -> tuple[bytes, MediaRef]:
+    """The bytes as sent of a ``medium`` item (bytes-like, path, ``file://`` URL or data URL) and its
+    ``MediaRef``, under ``limits`` (an ``ImageLimits`` or ``audio.AudioLimits``)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        ref = MediaRef(index, SOURCE_BYTES)
+        ref = MediaRef(index, SOURCE_BYTES, medium)
         data = bytes(source)
         if len(data) > limits.max_bytes:
             raise MediaDecodeError(ref, f"{len(data)} bytes exceed the limit of {limits.max_bytes}")
-        return RawImage(data, ref)
+        return data, ref
     if isinstance(source, str) and source[:5].lower() == "data:":
-        ref = MediaRef(index, SOURCE_DATA_URL)
-        return RawImage(data_url_payload(source, ref, limits), ref)
+        ref = MediaRef(index, SOURCE_DATA_URL, medium)
+        return data_url_payload(source, ref, limits), ref
     if isinstance(source, (str, Path)):
-        ref = MediaRef(index, SOURCE_PATH)
-        return RawImage(read_path(source, ref, limits), ref)
-    raise MediaDecodeError(MediaRef(index, type(source).__name__),
-                           "an image must be bytes, a file path or a data URL")
+        ref = MediaRef(index, SOURCE_PATH, medium)
+        return read_path(source, ref, limits), ref
+    raise MediaDecodeError(MediaRef(index, type(source).__name__, medium),
+                           f"{medium} must be bytes, a file path or a data URL")
 
 
 def data_url_payload(url: str, ref: MediaRef, limits) -> bytes:

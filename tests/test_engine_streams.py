@@ -10,12 +10,12 @@ import gc
 import logging
 import weakref
 
-import numpy as np
 import pytest
 
 from mmcache.errors import InvalidRequest
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine import Engine, Request, SamplingParams
 from mmcache.engine.models import build_model
+from test_engine_lifecycle import assert_pools_whole, engine, greedy, prompts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
@@ -58,30 +58,6 @@ def no_automatic_gc():
     yield
     if was:
         gc.enable()
-
-
-def greedy(n=12, **kw):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def prompts(n, seed=0, lo=20, hi=60):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 512, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-def engine(tiny, **kw):
-    kw.setdefault("page_size", 16)
-    kw.setdefault("num_pages", 128)
-    return Engine(tiny[0], tiny[1], EngineConfig(**kw))
-
-
-def assert_pools_whole(eng: Engine):
-    eng.check_invariants()
-    assert not eng.has_unfinished()
-    for label, m in eng.managers.items():
-        assert m.num_requests == 0, label
-        # Every page is free or owned by the index alone.
-        np.testing.assert_array_equal(m.pool.refcount, m.index.in_index.astype(np.int32))
 
 
 def run_to_end(eng: Engine) -> dict:
