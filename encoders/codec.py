@@ -26,8 +26,10 @@ Invariants:
   a copy, so a caller cannot change a stored entry. No lease outlives the call; a failing encode stores nothing.
 * Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples) is refused with
   ``InvalidRequest`` before anything runs or is stored.
-* The fingerprint is taken again whenever a weight tensor was replaced or written in place (its identity and
-  version counter) or the configuration changed, so new weights never meet old entries.
+* The fingerprint is taken again whenever a weight tensor was replaced (its identity or storage) or written in
+  place through autograd's view (its version counter, as ``load_state_dict`` writes), and at every ``attach``
+  (the configuration); after a write through ``.data`` or a replaced submodule, which those cannot see, call
+  ``refresh``.
 * ``attach`` patches the codec instance and ``detach`` puts back what was there; one attach per codec at a
   time (a second is refused): a server handling requests concurrently attaches once, not per request.
 """
@@ -68,6 +70,8 @@ class CachedCodecEncode:
         self._max_quantizers = codec.config.num_quantizers
         self._lock = threading.Lock()
         self._fingerprint: tuple[tuple, str] | None = None  # (what it was taken over, the fingerprint)
+        self._slot_list: list | None = None  # where each weight lives (see _slots)
+        self._config: str | None = None  # the configuration when last attached
         self._replaced: list = []  # what ``encode`` was on the instance before each attach (a stack)
         self.calls = 0  # codec forwards run (misses, passthroughs and every call with the store off)
         self.hits = 0
@@ -81,6 +85,10 @@ class CachedCodecEncode:
         if isinstance(self.codec.__dict__.get("encode"), CachedCodecEncode):
             raise InvalidRequest("this codec's encode is already served through a store")
         self._replaced.append(self.codec.__dict__.get("encode", _ABSENT))
+        config = self._config_state()
+        if config != self._config:  # a configuration changed while detached is seen
+            self.refresh()
+            self._config = config
         self.codec.encode = self
         return self
 
@@ -102,12 +110,12 @@ class CachedCodecEncode:
     # ---- keys ----------------------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
-        """The codec's fingerprint, taken again whenever a weight was replaced or written in place (tensor
-        identity and version counter) or its configuration changed since it was last taken."""
-        tensors = self.codec.state_dict(keep_vars=True)
-        seen = (tuple((name, id(t), t._version, t.dtype, t.device) for name, t in tensors.items()),
-                self.codec.config.to_json_string(), repr(attention_implementations(self.codec.config)),
-                repr(attention_implementations(self.codec.encoder.config)))
+        """The codec's fingerprint, taken again when a weight tensor was replaced (in ``_parameters`` /
+        ``_buffers``, or its storage through ``.data = ...``) or written in place through autograd's view of it
+        (its version counter), and at each ``attach`` or ``refresh`` (the configuration is compared then). A
+        write through ``.data`` (``p.data.copy_(...)``) bypasses the version counter: call ``refresh`` after
+        one, as after replacing a submodule."""
+        seen = tuple((id(t), t._version, t.data_ptr()) for t in (slot[name] for slot, name in self._slots()))
         with self._lock:
             held = self._fingerprint
         if held is not None and held[0] == seen:
@@ -117,6 +125,28 @@ class CachedCodecEncode:
         with self._lock:
             self._fingerprint = (seen, fp)
         return fp
+
+    def _config_state(self) -> str:
+        c, e = self.codec.config, self.codec.encoder.config
+        return c.to_json_string() + e.to_json_string() + repr(attention_implementations(c)) \
+            + repr(attention_implementations(e))
+
+    def refresh(self) -> None:
+        """Take the fingerprint again at the next call (after changes ``fingerprint`` cannot see)."""
+        with self._lock:
+            self._fingerprint = None
+            self._slot_list = None
+
+    def _slots(self) -> list:
+        """``(module._parameters or module._buffers, name)`` of every weight, found once per refresh: looking a
+        tensor up where its module keeps it sees a replaced one, at a fraction of ``state_dict``'s cost."""
+        slots = self._slot_list
+        if slots is None:
+            slots = [(table, name) for module in self.codec.modules()
+                     for table in (module._parameters, module._buffers)
+                     for name, t in table.items() if t is not None]
+            self._slot_list = slots
+        return slots
 
     def key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None = None,
             num_quantizers: int | None = None) -> bytes:
@@ -146,7 +176,8 @@ class CachedCodecEncode:
     # ---- the call ------------------------------------------------------------------------------------
     def __call__(self, input_values, padding_mask=None, num_quantizers=None, *args, **kwargs):
         original = type(self.codec).encode
-        if args or set(kwargs) - set(_STATE_KEYWORDS) or any(kwargs.values()) or not self._plain_call():
+        state = any(v is not None and v is not False for v in kwargs.values())  # an empty cache object is state
+        if args or set(kwargs) - set(_STATE_KEYWORDS) or state or not self._plain_call():
             with self._lock:
                 self.passthrough += 1
                 self.calls += 1

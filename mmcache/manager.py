@@ -172,6 +172,12 @@ class AllocationManager:
             return RequestView(request_id, np.asarray(req.pages, dtype=np.int32), req.seq_len,
                                req.position_id_start, req.matched_tokens, req.suspended_ids is not None)
 
+    def pages_held(self, request_id) -> int:
+        """How many pages the request holds (0 for one this manager does not know); no copy is made."""
+        with self._lock:
+            req = _lookup(self._requests, request_id)
+            return 0 if req is None else len(req.pages)
+
     def page_table(self, request_id) -> np.ndarray:
         """The request's page indices (a copy), for building a forward's slot mapping."""
         return self.state(request_id).page_indices

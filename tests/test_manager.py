@@ -40,8 +40,10 @@ def test_hit_reuses_pages_and_leaves_one_token_to_compute():
     view = mgr.state("b")
     assert view.seq_len == 12 and view.position_id_start == 0
     assert (mgr.pool.refcount[view.page_indices] == 2).all()  # index + request
+    assert mgr.pages_held("b") == 3 and mgr.pages_held("absent") == 0 and mgr.pages_held(["unhashable"]) == 0
     mgr.abort("b")
     mgr.check_invariants()
+    assert mgr.pages_held("b") == 0
 
 
 def test_generated_pages_are_stored_and_extend_the_chain():

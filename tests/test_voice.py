@@ -220,6 +220,35 @@ def test_new_weights_between_attaches_never_meet_old_entries(pipe):
     assert torch.equal(after, truth) and not torch.equal(before, truth)
 
 
+def test_weights_replaced_through_data_are_seen_and_refresh_covers_writes_through_it():
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.4))[None, None]
+    codec = csm_pipeline(codec="tiny").codec
+    other = dict(csm_pipeline(codec="tiny", seed=1).codec.named_parameters())
+    enc = CachedCodecEncode(codec, store)
+    with enc:
+        codec.encode(x)
+        for name, p in codec.named_parameters():  # new storage behind the same Parameter objects
+            p.data = other[name].data.clone()
+        codec.encode(x)
+        assert enc.calls == 2 and enc.hits == 0
+        for name, p in codec.named_parameters():  # written through .data: no version bump, so say so
+            p.data.copy_(other[name].data * 0.5)
+        enc.refresh()
+        codec.encode(x)
+        assert enc.calls == 3 and enc.hits == 0
+
+
+def test_a_call_carrying_an_empty_cache_object_passes_through(pipe):
+    from transformers import DynamicCache
+
+    store = EncoderOutputStore(2**20)
+    x = torch.from_numpy(tone(0.2))[None, None]
+    with CachedCodecEncode(pipe.codec, store) as enc, torch.no_grad():
+        pipe.codec.encode(x, encoder_cache=DynamicCache())  # falsy, but streaming state all the same
+    assert enc.passthrough == 1 and len(store) == 0
+
+
 def test_the_full_quantizer_count_and_none_share_one_key(pipe):
     enc = CachedCodecEncode(pipe.codec, None)
     x = torch.from_numpy(tone(0.3))[None, None]

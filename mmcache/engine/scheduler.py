@@ -164,11 +164,11 @@ class Scheduler:
     def _victim(self, live: LiveRequest, short: Branch, scheduled: set) -> LiveRequest | None:
         """Whom to preempt when ``short`` could not reserve: only a request holding pages of the short pool
         can give it room (a request without a branch there would be recomputed for nothing)."""
-        holders = [r for r in self.running if r is not live and _holds_pages(r, short.manager)]
-        for cand in reversed(holders):
-            if id(cand) not in scheduled:
+        others = [r for r in reversed(self.running) if r is not live]
+        for cand in others:
+            if id(cand) not in scheduled and _holds_pages(cand, short.manager):
                 return cand
-        return live if holders else None
+        return live if any(_holds_pages(r, short.manager) for r in others) else None
 
     def _admit(self, plan: StepPlan, budget: int, scheduled: set) -> None:
         lim = self.limits
@@ -290,5 +290,5 @@ class Scheduler:
 
 
 def _holds_pages(live: LiveRequest, manager) -> bool:
-    return any(b.admitted and b.manager is manager and len(manager.page_table(live.request_id))
+    return any(b.admitted and b.manager is manager and manager.pages_held(live.request_id)
                for b in live.branches.values())
