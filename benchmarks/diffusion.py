@@ -73,10 +73,15 @@ REAL_WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_hea
 REAL_TEXT_LEN, REAL_STEPS, REAL_LATENT = 512, 50, (16, 21, 60, 104)  # 81 frames, 480x832, VAE stride 4x8x8
 
 
+FULL = {"requests": 64, "runs": 3}
+QUICK = {"requests": 24, "runs": 1}  # --quick's values for the options not given
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--requests", type=count(MAX_REQUESTS), default=64, help="requests per stream (quick: 24)")
-    p.add_argument("--runs", type=count(MAX_REPEATS), default=3,
-                   help="runs per mode; figures are medians (quick: 1)")
+    p.add_argument("--requests", type=count(MAX_REQUESTS), default=None,
+                   help=f"requests per stream (default {FULL['requests']}, quick {QUICK['requests']})")
+    p.add_argument("--runs", type=count(MAX_REPEATS), default=None,
+                   help=f"runs per mode; figures are medians (default {FULL['runs']}, quick {QUICK['runs']})")
     p.add_argument("--zipf", type=real(minimum=0.0), default=1.1,
                    help="Zipf exponent s of prompt popularity, a finite s >= 0 (0: uniform; a large s puts every "
                         "request on the most popular prompt)")
@@ -264,8 +269,11 @@ def paper_estimate() -> dict:
 
 
 def run(args) -> dict:
+    for name, value in (QUICK if args.quick else FULL).items():  # what is given wins over --quick
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
-        args.requests, args.runs, args.no_estimate = min(args.requests, 24), 1, True
+        args.no_estimate = True
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

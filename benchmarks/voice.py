@@ -46,6 +46,8 @@ DESCRIPTION = "voice cloning (CSM + Mimi): reference-encoder calls/time and time
 DATA = Path(__file__).resolve().parents[1] / "datasets" / "voice" / "seedtts_en_sample"
 STORE_BYTES = 256 * 2**20
 MAX_FRAMES = 1000  # 80 s of audio
+FULL = {"rounds": 4, "runs": 3}
+QUICK = {"rounds": 2, "runs": 1}  # --quick's values for the options not given
 
 
 class VoiceDataMissing(MmcacheError, FileNotFoundError):
@@ -85,9 +87,11 @@ def voice_stream(cases: list[Case], rounds: int, seed_: int) -> list[Case]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--rounds", type=count(MAX_REPEATS), default=4,
-                   help="times the 10 cases repeat in the stream (quick: 2); each reference serves 2 x rounds requests")
-    p.add_argument("--runs", type=count(MAX_REPEATS), default=3, help="runs per mode; figures are medians (quick: 1)")
+    p.add_argument("--rounds", type=count(MAX_REPEATS), default=None,
+                   help=f"times the 10 cases repeat in the stream (default {FULL['rounds']}, quick {QUICK['rounds']}); "
+                        f"each reference serves 2 x rounds requests")
+    p.add_argument("--runs", type=count(MAX_REPEATS), default=None,
+                   help=f"runs per mode; figures are medians (default {FULL['runs']}, quick {QUICK['runs']})")
     p.add_argument("--frames", type=count(MAX_FRAMES), default=1,
                    help="audio frames (80 ms each) generated per request; 1 measures the time to first audio")
     p.add_argument("--codec", choices=tuple(CODECS), default="mimi", help="Mimi at its published size, or tiny")
@@ -143,8 +147,11 @@ def _median(runs: list[dict], mode: str) -> dict:
 
 
 def run(args) -> dict:
+    for name, value in (QUICK if args.quick else FULL).items():  # what is given wins over --quick
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
-        args.rounds, args.runs, args.no_estimate = min(args.rounds, 2), 1, True
+        args.no_estimate = True
     skipped = None
     if args.codec != "mimi" and not args.no_estimate:  # the estimate counts the published codec's FLOPs
         args.no_estimate, skipped = True, f"needs --codec mimi (this run: {args.codec})"

@@ -44,6 +44,7 @@ import abc
 import json
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -159,12 +160,32 @@ def _check_text(text: object, max_length: object) -> None:
         raise InvalidRequest(f"max_length must be a positive int, got {max_length!r}")
 
 
+_TOKENIZER_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TOKENIZER_LOCKS_GUARD = threading.Lock()
+_UNWEAKABLE_LOCK = threading.Lock()  # for a tokenizer object that takes no weak reference
+
+
+def tokenizer_lock(tokenizer) -> threading.Lock:
+    """The lock of one tokenizer object. A fast tokenizer's call first sets its shared backend's padding and
+    truncation, then encodes: two threads calling it with other lengths in between get each other's settings
+    (wrong ids, of the right length). Per object, not per adapter: SD3 hands one CLIP tokenizer to two."""
+    with _TOKENIZER_LOCKS_GUARD:
+        try:
+            lock = _TOKENIZER_LOCKS.get(tokenizer)
+            if lock is None:
+                lock = _TOKENIZER_LOCKS[tokenizer] = threading.Lock()
+            return lock
+        except TypeError:
+            return _UNWEAKABLE_LOCK
+
+
 def tokenize(tokenizer, text: str, max_length: int) -> TokenizedPrompt:
     """``text`` as the pipelines tokenize one prompt: padded to ``max_length``, truncated to it, special tokens
-    added."""
+    added. Calls on one tokenizer object are serialised (``tokenizer_lock``)."""
     _check_text(text, max_length)
-    enc = tokenizer(text, max_length=max_length, return_attention_mask=True, return_tensors="pt",
-                    **dict(_TOKENIZER_CALL))
+    with tokenizer_lock(tokenizer):
+        enc = tokenizer(text, max_length=max_length, return_attention_mask=True, return_tensors="pt",
+                        **dict(_TOKENIZER_CALL))
     # A tokenizer cannot truncate below the special tokens it adds (CLIP's two): it then returns the prompt
     # untruncated, which would be keyed and encoded as a prompt of max_length tokens.
     if enc.input_ids.shape[-1] != max_length:

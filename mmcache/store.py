@@ -13,7 +13,8 @@ Invariants (``check_invariants``):
 * An entry that cannot fit (larger than the budget, or the budget is pinned by held entries) bypasses the
   store: the caller still gets its outputs, nothing is stored, ``bypasses`` counts it.
 * A key is computed at most once at a time: concurrent ``get_or_compute`` calls for one key wait for the
-  first; if it fails, the next waiter computes.
+  first; if it fails, the next waiter computes; if its outputs bypassed the store, the waiters get those same
+  outputs (each lease ``bypassed``), not a computation each.
 * Different salts give different keys, so tenants share no entries.
 
 Stored tensors are returned as they were stored (no copy): callers must not modify them in place. A tensor
@@ -136,6 +137,15 @@ class Lease:
         self.release()
 
 
+@dataclass
+class _Flight:
+    """One computation of a key in progress: waiters wait on ``done``; ``bypassed`` holds its outputs and meta
+    when they did not fit the store, so the waiters take those instead of computing them again, one by one."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    bypassed: tuple | None = None
+
+
 def _key(key) -> bytes | None:
     """``key`` as bytes when it is a 16-byte digest (``store_key``'s, or the same bytes in a bytearray)."""
     if isinstance(key, (bytes, bytearray)) and len(key) == 16:
@@ -169,7 +179,7 @@ class EncoderOutputStore:
         self.metrics = StoreMetrics()
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
-        self._computing: dict[bytes, threading.Event] = {}
+        self._computing: dict[bytes, _Flight] = {}
 
     def __contains__(self, key: bytes) -> bool:
         return _key(key) in self._entries  # a malformed key names no entry
@@ -268,10 +278,13 @@ class EncoderOutputStore:
                     return lease
                 waiting = self._computing.get(key)
                 if waiting is None:
-                    done = self._computing[key] = threading.Event()
+                    flight = self._computing[key] = _Flight()
                     break
-            waiting.wait()
+            waiting.done.wait()
             with self._lock:
+                if waiting.bypassed is not None:  # computed but not stored: the same outputs, not a second run
+                    self.metrics.bypasses += 1
+                    return Lease(key, *waiting.bypassed, hit=False, bypassed=True)
                 self.metrics.lookups -= 1  # the retry counts as one lookup, not two
         try:
             result = compute()
@@ -280,11 +293,14 @@ class EncoderOutputStore:
             outputs, meta = result
             with self._lock:
                 self.metrics.computes += 1
-            return self.put(key, outputs, meta, spec)
+            lease = self.put(key, outputs, meta, spec)
+            if lease.bypassed:
+                flight.bypassed = (lease.outputs, lease.meta)
+            return lease
         finally:
             with self._lock:
                 self._computing.pop(key, None)
-            done.set()
+            flight.done.set()
 
     def _release(self, key: bytes) -> None:
         with self._lock:

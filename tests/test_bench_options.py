@@ -76,7 +76,7 @@ def test_a_value_out_of_range_is_refused_by_the_parser(name, option, value, says
 def test_bounds_keep_every_default_and_the_edges_of_the_range():
     """A bound refuses only what was meaningless: each default parses as before, and so do the range's edges."""
     defaults = {"core": {"tokens": None, "repeats": None}, "sampling": {"batch": 8, "tokens": None},
-                "diffusion": {"zipf": 1.1, "seed": 0, "requests": 64, "runs": 3, "steps": 4, "threads": 1},
+                "diffusion": {"zipf": 1.1, "seed": 0, "requests": None, "runs": None, "steps": 4, "threads": 1},
                 "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": None, "max_tokens": None},
                 "vlm": {"seed": 0, "page_size": 16, "num_pages": 2048, "threads": 1, "guard_runs": None},
                 "prefix": {"seed": 0, "page_size": 128, "workdir": None}}

@@ -149,3 +149,26 @@ def test_a_subcommand_missing_from_the_install_says_so(monkeypatch, capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["replay", "--help"])  # the others are there
     assert done.value.code == 0
+
+
+@pytest.mark.parametrize("name, argv, expected", [
+    ("voice", [], (4, 3)), ("voice", ["--quick"], (2, 1)), ("voice", ["--quick", "--rounds", "5", "--runs", "2"], (5, 2)),
+    ("diffusion", [], (64, 3)), ("diffusion", ["--quick"], (24, 1)),
+    ("diffusion", ["--quick", "--requests", "40", "--runs", "2"], (40, 2))])
+def test_voice_and_diffusion_options_given_win_over_quick(monkeypatch, name, argv, expected):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+
+    class Sized(Exception):
+        pass
+
+    def stop(args):
+        raise Sized((args.rounds, args.runs) if name == "voice" else (args.requests, args.runs))
+
+    # The first thing each run builds after sizing itself: stop there.
+    monkeypatch.setattr(module, "load_cases" if name == "voice" else "tiny_wan_pipeline", lambda *a, **k: stop(args))
+    args = _parse(module, name, argv)
+    with pytest.raises(Sized) as sized:
+        module.run(args)
+    assert sized.value.args[0] == expected

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 
-from mmcache.errors import InvalidRequest
+from mmcache.errors import DuplicateRequest, InvalidRequest
 from mmcache.engine import Engine, Request, SamplingParams
 from mmcache.engine.models import build_model
 from test_engine_lifecycle import assert_pools_whole, engine, greedy, prompts
@@ -153,6 +153,48 @@ def test_automatic_ids_skip_ids_callers_chose_for_live_requests(tiny):
     assert eng.add_request(q, greedy(2)) == "req-2"
     ended = run_to_end(eng)
     assert {rid: o.finish_reason for rid, o in ended.items()} == {"req-0": "length", "req-2": "length"}
+    assert_pools_whole(eng)
+
+
+def test_an_automatic_id_is_held_while_its_request_is_being_added(tiny, monkeypatch):
+    # A caller adds "req-0" by hand while the engine is still checking the unnamed request it gave "req-0":
+    # the caller is refused as for a live id, and the two requests never share one.
+    p, q = prompts(2, seed=5)
+    eng = engine(tiny)
+    real, events = eng.intake.live, []
+
+    def live(req, rid, arrival):
+        if req.request_id is None:  # the unnamed request, between naming and registration
+            eng.add_request(q, greedy(2), request_id=rid)
+            events.extend(eng.step())
+        return real(req, rid, arrival)
+
+    monkeypatch.setattr(eng.intake, "live", live)
+    assert eng.add_request(p, greedy(3)) == "req-0"
+    refused = [e.output for e in events if e.finished]
+    assert len(refused) == 1 and isinstance(refused[0].error, DuplicateRequest)
+    ended = run_to_end(eng)
+    assert list(ended) == ["req-0"] and ended["req-0"].finish_reason == "length"
+    assert_pools_whole(eng)
+
+
+def test_metrics_while_another_thread_adds_the_first_cfg_request(tiny, monkeypatch):
+    # The CFG label's manager appears when the first request with a negative prompt is added; metrics()
+    # iterating the managers meanwhile raised "dictionary changed size during iteration".
+    p, n = prompts(2, seed=6)
+    eng = engine(tiny)
+    main = eng.managers["main"]
+    real = main.metrics.as_dict
+
+    def as_dict():
+        if "cfg" not in eng.managers:
+            eng.add_request(Request(p, greedy(2), negative_prompt=n, guidance_scale=2.0))
+        return real()
+
+    monkeypatch.setattr(main.metrics, "as_dict", as_dict)
+    m = eng.metrics()
+    assert "main" in m and "cfg" in eng.managers
+    run_to_end(eng)
     assert_pools_whole(eng)
 
 

@@ -183,3 +183,28 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
     with store.put(bytearray(key(4)), {"features": torch.zeros(2)}) as lease:
         assert not lease.bypassed and key(4) in store and lease.key == key(4)
     store.check_invariants()
+
+
+def test_waiters_on_a_computation_that_bypassed_take_its_outputs_not_a_run_each():
+    store = EncoderOutputStore(budget_bytes=0)  # nothing fits: every output bypasses
+    runs, leases, start = [], [], threading.Barrier(6)
+
+    def compute():
+        runs.append(1)
+        time.sleep(0.3)  # long enough for every other caller to be waiting on this computation
+        return {"features": torch.arange(4.0)}, {"n": 4}
+
+    def call():
+        start.wait()
+        leases.append(store.get_or_compute(key(9), compute))
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(runs) == 1 and len(leases) == 6 and all(lease.bypassed for lease in leases)
+    assert all(torch.equal(lease.outputs["features"], torch.arange(4.0)) and lease.meta == {"n": 4}
+               for lease in leases)
+    assert store.metrics.bypasses == 6 and store.metrics.computes == 1 and not store._computing
+    store.check_invariants()

@@ -7,6 +7,7 @@ pipeline tokenizes and truncates" is checked against the real code, not a copy o
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
 from encoders.text_encoders import (T5_MAX_LENGTH, CLIPEncoderAdapter, ForwardCounter, T5EncoderAdapter, T5Recipe,
-                                    TokenizationMemo, module_fingerprint, tokenizer_fingerprint)
+                                    TokenizationMemo, module_fingerprint, tokenizer_fingerprint, tokenize)
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore, store_key
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -521,3 +522,40 @@ def test_adapters_refuse_missing_or_wrong_parts(wan, sd3):
     with pytest.raises(InvalidRequest, match="limit"):  # tokenize pads to max_length: the limit applies to it too
         narrow.tokenize("a red fox", 17)
     assert narrow.tokenize("a red fox", 16).max_length == 16
+
+
+def test_calls_on_one_tokenizer_object_never_overlap():
+    # A fast tokenizer sets its shared backend's padding and truncation, then encodes: overlapping calls with
+    # other max lengths read each other's settings. Calls through the adapters' tokenize are serialised.
+    real = t5_tokenizer()
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    class Watched:
+        backend_tokenizer = None  # not memoized: every call reaches the tokenizer
+
+        def __call__(self, *args, **kwargs):
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.02)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with guard:
+                    inside[0] -= 1
+
+    watched = Watched()
+    results = {}
+
+    def work(n):
+        results[n] = [tokenize(watched, "a red fox in the snow", length) for length in (8, 32, 8, 32)]
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1 and len(results) == 4
+    want = [tokenize(real, "a red fox in the snow", length).input_ids for length in (8, 32, 8, 32)]
+    assert all(torch.equal(got.input_ids, w) for r in results.values() for got, w in zip(r, want))

@@ -503,3 +503,38 @@ def test_two_requests_built_at_once_get_different_automatic_ids(llava, crops):
         ended.update((e.request_id, e.output) for e in vlm.step() if e.finished)
     assert set(ended) == set(ids) and all(o.finish_reason == "length" for o in ended.values())
     assert_whole(vlm)
+
+
+def test_automatic_ids_skip_an_id_a_caller_chose(llava, crops):
+    vlm = front(llava)
+    assert vlm.add_request(ask(crops[0], n=4, rid="vlm-0")) == "vlm-0"
+    out = vlm.generate([ask(crops[1], n=4)])[0]  # no id given: it was "vlm-0" too, refused as a duplicate
+    assert out.error is None and out.request_id == "vlm-1"
+    while vlm.has_unfinished():
+        vlm.step()
+    assert_whole(vlm)
+
+
+def test_a_stream_collected_inside_a_step_keeps_its_leases_until_its_request_ends(llava, crops):
+    # The engine defers the abort of a stream the garbage collector closes inside a forward to the step's end;
+    # the VLM stream's own cleanup must leave the leases to the engine until then.
+    vlm = front(llava)
+    key = vlm.builder.adapter.key(crops[3])
+    stream = vlm.stream([ask(crops[3], n=12)])
+    assert next(stream).token_id is not None
+    held_inside = []
+
+    def hook(module, args):
+        nonlocal stream
+        if stream is not None:
+            stream.close()  # what the collector does to an unreachable stream, here on the step's thread
+            stream = None
+            held_inside.append(vlm.store.held(key))
+
+    handle = llava.model.register_forward_pre_hook(hook)
+    try:
+        vlm.generate([ask(crops[4], n=2)])
+    finally:
+        handle.remove()
+    assert held_inside == [1]  # still held inside the step that aborts it
+    assert_whole(vlm, [key])

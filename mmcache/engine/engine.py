@@ -28,7 +28,9 @@ requests. Invariants:
   returns True; the request still ends ``"eos"``/``"length"``/... instead if it finishes in that step.
 * A stream that is closed (or collected) aborts its own unfinished requests only: never a later request that
   took the id of one of them after it ended.
-* A request added without an id gets ``req-N``, N counting up per engine and skipping ids live at that moment.
+* A request added without an id gets ``req-N``, N counting up per engine and skipping ids live or handed out
+  to a request still being added; a caller adding such an id meanwhile gets ``DuplicateRequest``, as for a
+  live one, so two requests never share an id.
 * Decoding an output's text never prevents its finished event: a tokenizer whose ``decode`` raises leaves
   ``text`` None and logs why.
 """
@@ -184,6 +186,7 @@ class Engine:
         self._deferred_aborts: list[LiveRequest] = []  # aborts that re-entered a change; applied when it ends
         self._events: list[StreamEvent] = []  # events of requests added with add_request
         self._next_id = 0
+        self._naming: set = set()  # automatic ids handed out whose requests are not registered yet
         # prompt_tokens: tokens of forwards at prompt positions (negative prompts included), hits excluded.
         self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "prompt_tokens": 0, "failed_forwards": 0}
 
@@ -288,10 +291,22 @@ class Engine:
             live = self._live.get(request_id)
             return live is not None and self._abort(live)
 
+    def is_live(self, request_id) -> bool:
+        """Whether a request with this id is live (added, not yet finished)."""
+        with self._lock:
+            return _holds(self._live.keys(), request_id)
+
+    def holds(self, request: Request) -> bool:
+        """Whether this ``Request`` object is live here (not merely one with its id): its resources, such as
+        ``mm.release``, are then the engine's to give back when it ends."""
+        with self._lock:
+            live = self._live.get(request.request_id) if _holds(self._live.keys(), request.request_id) else None
+            return live is not None and live.request is request
+
     def metrics(self) -> dict:
         """Per label the core's ``CacheMetrics`` (plus ``shadow`` in shadow mode), and engine counters."""
         out: dict = {}
-        for label, m in self.managers.items():
+        for label, m in list(self.managers.items()):  # a copy: adding a first CFG request inserts a label
             d = m.metrics.as_dict()
             d["num_pages"] = m.pool.num_pages
             d["free_pages"] = m.pool.num_free
@@ -352,23 +367,33 @@ class Engine:
     def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
         """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
         arrival = time.perf_counter()
-        rid = req.request_id
-        if rid is None:
-            with self._lock:  # skips ids a caller chose for live requests ("req-0" is an id like any other)
-                while (rid := f"req-{self._next_id}") in self._live:
+        rid, named = req.request_id, req.request_id is None
+        if named:
+            with self._lock:  # skips ids live or being added ("req-0" is an id like any other), and holds it
+                while (rid := f"req-{self._next_id}") in self._live or rid in self._naming:
                     self._next_id += 1
                 self._next_id += 1
+                self._naming.add(rid)
         try:
             live = self.intake.live(req, rid, arrival)
         except MmcacheError as err:
             _release_media(req)
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
             with self._lock:  # step copies and clears the event list under it
+                if named:
+                    self._naming.discard(rid)
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
             return None, rid
+        except BaseException:
+            if named:
+                with self._lock:
+                    self._naming.discard(rid)
+            raise
         live.sink, live.key = sink, key
         with self._changing_state():
-            if rid in self._live:
+            if named:
+                self._naming.discard(rid)
+            if rid in self._live or (not named and _holds(self._naming, rid)):
                 err = DuplicateRequest(rid)
                 _release_media(req)
                 out = RequestOutput(rid, live.prompt_len, [], 0, "error", err, arrival, None, [])
@@ -393,13 +418,19 @@ class Engine:
             try:
                 yield
             finally:
+                failure = None
                 try:
                     while self._deferred_aborts:  # an abort applied here may itself queue more
                         live = self._deferred_aborts.pop(0)
-                        if self._is_live(live):
-                            self._finish(live, "abort", None, store=True)
+                        try:
+                            if self._is_live(live):
+                                self._finish(live, "abort", None, store=True)
+                        except Exception as e:  # the others are still ended; the first failure is raised after
+                            failure = failure or e
                 finally:
                     self._changing = False
+                if failure is not None:
+                    raise failure
 
     def _abort(self, live: LiveRequest) -> bool:
         """End ``live`` as aborted if it is still the live request of its id (now, or when the change to the
@@ -533,6 +564,13 @@ def _sampling_per_prompt(prompts, sampling) -> list:
     if len(sampling) != len(prompts):
         raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
     return list(sampling)
+
+
+def _holds(ids, rid) -> bool:
+    try:
+        return rid in ids
+    except TypeError:  # an unhashable id is refused at intake; it names nothing here
+        return False
 
 
 def _release_media(req: Request) -> None:

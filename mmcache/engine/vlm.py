@@ -228,8 +228,9 @@ class VLMEngine:
         arrival = time.perf_counter()
         rid = request.request_id if isinstance(request, VLMRequest) else None
         if rid is None:
-            with self._lock:
-                rid = f"vlm-{self._next_id}"
+            with self._lock:  # skips ids live in the engine ("vlm-0" is an id a caller may choose)
+                while self.engine.is_live(rid := f"vlm-{self._next_id}"):
+                    self._next_id += 1
                 self._next_id += 1
         try:
             prompt = self._prompt(request, rid)
@@ -260,12 +261,13 @@ class VLMEngine:
             raise InvalidRequest(f"images must be a list of images, got {type(request.images).__name__}", rid)
         return self.builder.from_token_ids(request.token_ids, list(request.images), salt=request.salt)
 
-    @staticmethod
-    def _release_unhanded(built: list[Request]) -> None:
-        """Release the leases of built requests no longer live in the engine: a no-op for those it ended, the
-        release for those it never took (a stream closed early, an exception while adding)."""
+    def _release_unhanded(self, built: list[Request]) -> None:
+        """Release the leases of built requests the engine does not hold: a no-op for those it ended, the
+        release for those it never took (a stream closed early, an exception while adding). One it still holds
+        (a stream collected inside a step: its abort waits for the step's end) is released when it ends."""
         for req in built:
-            req.mm.release()
+            if not self.engine.holds(req):
+                req.mm.release()
 
 
 def _hf_tokenizer(preset):
