@@ -29,7 +29,7 @@ from mmcache.engine.models import DTYPES
 from mmcache.engine.presets import PRESETS
 
 from .diffusion import zipf_stream
-from .options import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_THREADS, count, real, seed
+from .options import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_THREADS, count, fill_sizes, real, seed
 from .table import Row
 
 DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch reuse, TTFT cache on vs off"
@@ -74,9 +74,7 @@ def _serve(eng: Engine, rid, prompt: str, negative: str, args):
 
 
 def run(args) -> dict:
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, FULL, QUICK)
     if args.threads:
         torch.set_num_threads(args.threads)
     negative = "，".join([wan_negative_prompt()] * args.negative_repeat)

@@ -47,7 +47,7 @@ from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
 from mmcache.store import EncoderOutputStore
 
-from .options import MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, count, real, seed
+from .options import MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, count, fill_sizes, real, seed
 from .table import Row
 
 DESCRIPTION = "generation with a fixed negative prompt: text-encoder calls/time and latency, store off vs on"
@@ -269,9 +269,7 @@ def paper_estimate() -> dict:
 
 
 def run(args) -> dict:
-    for name, value in (QUICK if args.quick else FULL).items():  # what is given wins over --quick
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, FULL, QUICK)
     if args.quick:
         args.no_estimate = True
     threads = torch.get_num_threads()

@@ -63,3 +63,11 @@ def folder(text: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{path} is not writable")
     return text
+
+
+def fill_sizes(args, full: dict, quick: dict) -> None:
+    """Set each size option left unset (None) to its full or, with ``--quick``, its quick value: an option
+    given on the command line wins over ``--quick``."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)

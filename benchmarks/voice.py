@@ -39,7 +39,7 @@ from encoders.tts_presets import CODECS, SAMPLING_RATE, csm_pipeline, voice_prom
 from mmcache.errors import InvalidRequest, MmcacheError
 from mmcache.store import EncoderOutputStore
 
-from .options import MAX_REPEATS, MAX_THREADS, count, seed
+from .options import MAX_REPEATS, MAX_THREADS, count, fill_sizes, seed
 from .table import Row
 
 DESCRIPTION = "voice cloning (CSM + Mimi): reference-encoder calls/time and time to first audio, store off vs on"
@@ -147,9 +147,7 @@ def _median(runs: list[dict], mode: str) -> dict:
 
 
 def run(args) -> dict:
-    for name, value in (QUICK if args.quick else FULL).items():  # what is given wins over --quick
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, FULL, QUICK)
     if args.quick:
         args.no_estimate = True
     skipped = None

@@ -228,10 +228,13 @@ class VLMEngine:
         arrival = time.perf_counter()
         rid = request.request_id if isinstance(request, VLMRequest) else None
         if rid is None:
-            with self._lock:  # skips ids live in the engine ("vlm-0" is an id a caller may choose)
-                while self.engine.is_live(rid := f"vlm-{self._next_id}"):
+            while True:  # skips ids live in the engine ("vlm-0" is an id a caller may choose)
+                with self._lock:
+                    rid = f"vlm-{self._next_id}"
                     self._next_id += 1
-                self._next_id += 1
+                # Asked outside this front's lock: a step holding the engine's lock takes it to release leases.
+                if not self.engine.is_live(rid):
+                    break
         try:
             prompt = self._prompt(request, rid)
         except MmcacheError as err:
