@@ -27,9 +27,9 @@ Invariants:
 * Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples) is refused with
   ``InvalidRequest`` before anything runs or is stored.
 * The fingerprint is taken again whenever a weight tensor was replaced (its identity or storage) or written in
-  place through autograd's view (its version counter, as ``load_state_dict`` writes), and at every ``attach``
-  (the configuration); after a write through ``.data`` or a replaced submodule, which those cannot see, call
-  ``refresh``.
+  place through autograd's view (its version counter, as ``load_state_dict`` writes), and when the
+  configuration changed (compared at every ``attach``); after a write through ``.data`` or a replaced
+  submodule, which those cannot see, call ``refresh``.
 * ``attach`` patches the codec instance and ``detach`` puts back what was there; one attach per codec at a
   time (a second is refused): a server handling requests concurrently attaches once, not per request.
 """
