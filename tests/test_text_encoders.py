@@ -67,8 +67,8 @@ def test_fingerprint_follows_weights_recipe_and_seed(wan):
 
 def test_attention_implementation_is_part_of_the_fingerprint(sd3):
     # transformers keeps ``_attn_implementation`` out of ``config.to_dict()``, yet sdpa and eager CLIP encoders over
-    # the same weights differ in their last bits: they must not share entries. Found by
-    # /tmp/hunt_keys/clip_store_attn.py (the eager adapter was served the sdpa adapter's hidden states).
+    # the same weights differ in their last bits: they must not share entries (the eager adapter
+    # was served the sdpa adapter's hidden states).
     sdpa_model = sd3.text_encoder
     assert sdpa_model.config._attn_implementation == "sdpa"
     eager_model = copy.deepcopy(sdpa_model)

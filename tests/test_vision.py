@@ -164,8 +164,8 @@ def test_fingerprint_follows_weights_config_and_seed(presets):
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
 def test_attention_implementation_is_part_of_the_fingerprint(name, presets, images):
     # transformers keeps ``_attn_implementation`` out of the config's JSON, yet sdpa and eager towers over the same
-    # weights give features that differ in their last bits: they must not share entries. Found by
-    # /tmp/hunt_keys/attn.py (the eager adapter was served the sdpa adapter's features).
+    # weights give features that differ in their last bits: they must not share entries (the eager
+    # adapter was served the sdpa adapter's features).
     preset = presets[name]
     store = EncoderOutputStore(1 << 24)
     sdpa = preset.adapter(store)

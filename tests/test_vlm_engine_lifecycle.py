@@ -358,7 +358,7 @@ def assert_pools_whole(eng: Engine):
 
 def test_embeds_need_a_media_item_of_their_own_at_their_start(llava):
     # Names hash ids and media only: embeds no media item names would let a request with other rows (or
-    # none) be seeded with this one's KV. Found by /tmp/hunt_keys/embeds_no_media.py.
+    # none) be seeded with this one's KV.
     eng = exact_engine(llava)
     hidden = eng.adapter.hidden_size
     rows_a, rows_b = torch.randn(2, 4, hidden, generator=torch.Generator().manual_seed(0))
@@ -392,7 +392,7 @@ def test_embeds_need_a_media_item_of_their_own_at_their_start(llava):
 
 def test_3d_positions_must_be_a_text_requests_where_no_media_item_names_them(qwen):
     # Positions are not hashed: before the first media item (or everywhere, with none) they must be the plain
-    # ones a text request with the same ids has. Found by /tmp/hunt_keys/mrope_no_media.py.
+    # ones a text request with the same ids has.
     eng = exact_engine(qwen)
     ids = list(range(5, 17))
     sp = greedy(6)
