@@ -24,18 +24,24 @@ from array import array
 import numpy as np
 
 from mmcache import AllocationManager, CacheConfig, Fingerprint
-from .options import MAX_REPEATS, MAX_TOKENS, count
+from .options import MAX_REPEATS, MAX_TOKENS, count, fill_sizes
 from .table import Row
 
 DESCRIPTION = "core costs: naming, lookup, eviction, metadata per page"
 PAGE = 128
 
 
+FULL = {"repeats": 7, "tokens": 1 << 20}
+QUICK = {"repeats": 3, "tokens": 1 << 18}  # --quick's values for the options not given
+
+
 def add_arguments(p) -> None:
     p.add_argument("--repeats", type=count(MAX_REPEATS), default=None,
-                   help=f"timed repeats per figure (the median is kept; default 7, quick 3; at most {MAX_REPEATS})")
+                   help=f"timed repeats per figure (the median is kept; default {FULL['repeats']}, quick "
+                        f"{QUICK['repeats']}; at most {MAX_REPEATS})")
     p.add_argument("--tokens", type=count(MAX_TOKENS), default=None,
-                   help=f"tokens named per naming repeat (default {1 << 20}, quick {1 << 18}; at most {MAX_TOKENS})")
+                   help=f"tokens named per naming repeat (default {FULL['tokens']}, quick {QUICK['tokens']}; at most "
+                        f"{MAX_TOKENS})")
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -167,8 +173,8 @@ def bench_metadata() -> dict:
 
 
 def run(args) -> dict:
-    repeats = args.repeats or (3 if args.quick else 7)  # --quick fills in what was not given
-    tokens = args.tokens or ((1 << 18) if args.quick else (1 << 20))
+    fill_sizes(args, FULL, QUICK)
+    repeats, tokens = args.repeats, args.tokens
     meta = bench_metadata()
     return {
         "naming": bench_naming(tokens, repeats * 3),

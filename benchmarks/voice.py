@@ -142,8 +142,8 @@ def _run_once(pipe, stream: list[Case], frames: int, run: int) -> dict:
 
 def _median(runs: list[dict], mode: str) -> dict:
     keys = runs[0][mode]
-    return {k: (all(r[mode][k] for r in runs) if isinstance(keys[k], bool) else statistics.median(r[mode][k] for r in runs))
-            for k in keys}
+    return {k: all(r[mode][k] for r in runs) if isinstance(keys[k], bool)
+            else statistics.median(r[mode][k] for r in runs) for k in keys}
 
 
 def run(args) -> dict:

@@ -60,7 +60,8 @@ class CachedCodecEncode:
         from transformers import MimiModel
 
         if not isinstance(codec, MimiModel):
-            raise InvalidRequest(f"the codec must be a transformers MimiModel (CSM's codec), got {type(codec).__name__}")
+            raise InvalidRequest(f"the codec must be a transformers MimiModel (CSM's codec), got "
+                                 f"{type(codec).__name__}")
         if store is not None and not isinstance(store, EncoderOutputStore):
             raise InvalidRequest(f"store must be an EncoderOutputStore or None, got {type(store).__name__}")
         self.codec = codec
@@ -151,8 +152,8 @@ class CachedCodecEncode:
     def key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None = None,
             num_quantizers: int | None = None) -> bytes:
         q = self._check(input_values, padding_mask, num_quantizers)
-        mask = None if padding_mask is None else media_digest(_bytes(padding_mask), {"shape": list(padding_mask.shape),
-                                                                                       "dtype": str(padding_mask.dtype)})
+        mask = None if padding_mask is None else media_digest(
+            _bytes(padding_mask), {"shape": list(padding_mask.shape), "dtype": str(padding_mask.dtype)})
         params = {"dtype": str(input_values.dtype), "shape": list(input_values.shape),
                   "padding_mask": None if mask is None else mask.hex(), "num_quantizers": q}
         return store_key(self.fingerprint, media_digest(_bytes(input_values), params), self.salt)

@@ -2,8 +2,9 @@
 
 The rule (the project's design notes, DESIGN.md in the team's shared folder, "Release"): cached pages fill
 prepaid headroom and nothing is reclaimed until a live request needs a page. Then, under the manager's lock:
-take free pages, then evict cold tails, and only then fail. A *cold tail* starts at the least recently used evictable leaf: an index page that no request holds
-(owner count 1, the index) and that no other entry extends (no children). From it the batch climbs parent by
+take free pages, then evict cold tails, and only then fail. A *cold tail* starts at the least recently used
+evictable leaf: an index page that no request holds (owner count 1, the index) and that no other entry
+extends (no children). From it the batch climbs parent by
 parent while the parent is also held by the index alone and the batch's page was its only child, i.e. down to
 the first page another owner still holds or another branch still needs. The whole batch is dropped at once,
 and batches repeat, least recent run first, until the shortfall is covered or nothing evictable is left.

@@ -152,7 +152,8 @@ def test_a_subcommand_missing_from_the_install_says_so(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name, argv, expected", [
-    ("voice", [], (4, 3)), ("voice", ["--quick"], (2, 1)), ("voice", ["--quick", "--rounds", "5", "--runs", "2"], (5, 2)),
+    ("voice", [], (4, 3)), ("voice", ["--quick"], (2, 1)),
+    ("voice", ["--quick", "--rounds", "5", "--runs", "2"], (5, 2)),
     ("diffusion", [], (64, 3)), ("diffusion", ["--quick"], (24, 1)),
     ("diffusion", ["--quick", "--requests", "40", "--runs", "2"], (40, 2))])
 def test_voice_and_diffusion_options_given_win_over_quick(monkeypatch, name, argv, expected):

@@ -31,8 +31,8 @@ allow. Invariants:
   could read it in the same forward, a step sooner) would leave pages of a failed forward in the index.
 * ``schedule="serial"`` runs one request at a time (admitted when nothing else runs). With
   ``prefill_chunk_tokens == page_size`` this is the *exact* schedule: every prefill forward holds one page of
-  one branch of one request (a CFG request's branches take turns), every decode forward one token per branch, so a cache-off run computes each shared page in a forward identical to the
-  one that produced the cached page, and every forward after the match is identical in both runs. (CPU GEMMs
+  one branch of one request (a CFG request's branches take turns), every decode forward one token per branch,
+  so a cache-off run computes each shared page in a forward identical to the one that produced the cached page, and every forward after the match is identical in both runs. (CPU GEMMs
   are not row-independent for small row counts, so "same schedule" must mean identical forwards.) This
   covers prompt pages; a matched page holding positions that an earlier request *decoded* is exact only
   against a run that decoded them too, since a cache-off run recomputes them in a prefill forward.

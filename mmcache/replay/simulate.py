@@ -2,8 +2,8 @@
 
 This is the shadow mode's code path (the project's design notes, DESIGN.md in the team's shared folder,
 "Shadow mode"): each replica is an ``AllocationManager`` in mode ``on`` with ``kv_spec=None``, exactly the
-manager ``AllocationManager.shadow`` holds, driven by the same calls the shadow mirror replays (``admit`` with a ``PreparedPrompt``, ``reserve``, ``commit``,
-``teardown``, ``abort``). Names, index, seeding, eviction and the would-have-matched accounting
+manager ``AllocationManager.shadow`` holds, driven by the same calls the shadow mirror replays (``admit``
+with a ``PreparedPrompt``, ``reserve``, ``commit``, ``teardown``, ``abort``). Names, index, seeding, eviction and the would-have-matched accounting
 (``AdmitResult.matched_tokens`` and ``forfeit_tokens``) are the core's; nothing here keeps an index.
 
 A request's life, at simulated times:
