@@ -283,25 +283,28 @@ class Engine:
         cannot be hashed names no request: ``add_request`` refuses those). Called on the thread of a running
         step (a model hook, a stream collected by the garbage collector), it ends the request when that step
         ends, before the step returns its events."""
-        try:
-            hash(request_id)
-        except TypeError:
-            return False
         with self._lock:
-            live = self._live.get(request_id)
+            live = self._live_of(request_id)
             return live is not None and self._abort(live)
 
     def is_live(self, request_id) -> bool:
         """Whether a request with this id is live (added, not yet finished)."""
         with self._lock:
-            return _holds(self._live.keys(), request_id)
+            return self._live_of(request_id) is not None
 
     def holds(self, request: Request) -> bool:
         """Whether this ``Request`` object is live here (not merely one with its id): its resources, such as
         ``mm.release``, are then the engine's to give back when it ends."""
         with self._lock:
-            live = self._live.get(request.request_id) if _holds(self._live.keys(), request.request_id) else None
+            live = self._live_of(request.request_id)
             return live is not None and live.request is request
+
+    def _live_of(self, request_id) -> LiveRequest | None:
+        """The live request of ``request_id``, or None (also for an id that cannot be hashed: none has one)."""
+        try:
+            return self._live.get(request_id)
+        except TypeError:
+            return None
 
     def metrics(self) -> dict:
         """Per label the core's ``CacheMetrics`` (plus ``shadow`` in shadow mode), and engine counters."""
@@ -393,7 +396,7 @@ class Engine:
         with self._changing_state():
             if named:
                 self._naming.discard(rid)
-            if rid in self._live or (not named and _holds(self._naming, rid)):
+            if rid in self._live or (not named and rid in self._naming):
                 err = DuplicateRequest(rid)
                 _release_media(req)
                 out = RequestOutput(rid, live.prompt_len, [], 0, "error", err, arrival, None, [])
@@ -564,13 +567,6 @@ def _sampling_per_prompt(prompts, sampling) -> list:
     if len(sampling) != len(prompts):
         raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
     return list(sampling)
-
-
-def _holds(ids, rid) -> bool:
-    try:
-        return rid in ids
-    except TypeError:  # an unhashable id is refused at intake; it names nothing here
-        return False
 
 
 def _release_media(req: Request) -> None:
