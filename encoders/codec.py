@@ -47,7 +47,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.names import Namer, media_digest
 from mmcache.store import EncoderOutputStore, OutputSpec, store_key
 
-from .text_encoders import attention_implementations, module_fingerprint
+from .text_encoders import kernel_implementations, module_fingerprint
 
 ADAPTER_VERSION = 1
 _STATE_KEYWORDS = ("encoder_cache", "padding_cache", "use_streaming")
@@ -129,8 +129,8 @@ class CachedCodecEncode:
 
     def _config_state(self) -> str:
         c, e = self.codec.config, self.codec.encoder.config
-        return c.to_json_string() + e.to_json_string() + repr(attention_implementations(c)) \
-            + repr(attention_implementations(e))
+        return c.to_json_string() + e.to_json_string() + repr(kernel_implementations(c)) \
+            + repr(kernel_implementations(e))
 
     def refresh(self) -> None:
         """Take the fingerprint again at the next call (after changes ``fingerprint`` cannot see)."""

@@ -71,23 +71,29 @@ _TOKENIZER_CALL = (("padding", "max_length"), ("truncation", True), ("add_specia
 _PER_CALL_BACKEND_KEYS = ("padding", "truncation")
 
 
-def attention_implementations(config: object) -> dict[str, str | None]:
-    """The attention implementation (``sdpa``, ``eager``, ``flash_attention_2``, ...; None where unset) of
-    ``config`` and of every config nested in it (``text_config``, ``vision_config``, ... found by walking its
-    attributes, not by a list of names), keyed by attribute path, ``""`` for ``config`` itself.
+def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
+    """The kernels chosen for ``config`` and for every config nested in it (``text_config``, ``vision_config``,
+    ... found by walking its attributes, not by a list of names), keyed by attribute path, ``""`` for ``config``
+    itself: ``{"attention": ..., "experts": ...}``, the attention implementation (``sdpa``, ``eager``,
+    ``flash_attention_2``, ...) and the mixture-of-experts one (``eager``, ``grouped_mm``, ``batched_mm``, ...),
+    None where unset.
 
-    transformers keeps it in the private ``_attn_implementation``, which ``to_dict`` and ``to_json_string``
-    leave out; yet the kernels round differently, so outputs of the same weights differ in their last bits and a
-    fingerprint must hold it."""
-    out: dict[str, str | None] = {}
+    transformers keeps both in private attributes (``_attn_implementation``, ``_experts_implementation``) that
+    ``to_dict`` and ``to_json_string`` leave out; yet the kernels round differently, so outputs of the same
+    weights differ in their last bits and a fingerprint must hold them."""
+    out: dict[str, dict[str, str | None]] = {}
     seen: set[int] = set()
+
+    def chosen(cfg: object, attribute: str) -> str | None:
+        value = getattr(cfg, attribute, None)
+        return None if value is None else str(value)
 
     def walk(cfg: object, path: str) -> None:
         if id(cfg) in seen:  # a config reachable under two names (an alias) is listed once
             return
         seen.add(id(cfg))
-        impl = getattr(cfg, "_attn_implementation", None)
-        out[path] = None if impl is None else str(impl)
+        out[path] = {"attention": chosen(cfg, "_attn_implementation"),
+                     "experts": chosen(cfg, "_experts_implementation")}
         for name, value in sorted(getattr(cfg, "__dict__", {}).items()):
             if hasattr(value, "_attn_implementation") and hasattr(value, "to_dict"):
                 walk(value, f"{path}.{name}" if path else name)
@@ -99,9 +105,9 @@ def attention_implementations(config: object) -> dict[str, str | None]:
 
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
     """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config, the
-    attention implementation of the config and of its nested configs (``attention_implementations``) and every
-    state-dict tensor (name, dtype, shape, bytes). Computed once per adapter; about one second per 10 GB of
-    weights."""
+    attention and experts implementations of the config and of its nested configs (``kernel_implementations``)
+    and every state-dict tensor (name, dtype, shape, bytes). Computed once per adapter; about one second per 10 GB
+    of weights."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
     if not isinstance(recipe, Mapping):
@@ -112,7 +118,7 @@ def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
     h.update(canonical_encoding({"recipe": dict(recipe), "class": type(model).__qualname__,
                                  "version": ADAPTER_VERSION,
                                  "device": sorted({t.device.type for t in tensors.values()}),
-                                 "attention": attention_implementations(config)}))
+                                 "kernels": kernel_implementations(config)}))
     if config is not None:
         cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
         h.update(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8"))

@@ -10,9 +10,9 @@ Invariants:
 * ``preprocess_params`` holds every parameter that changes an image's embedding: the image processor's full
   configuration, its class and the transformers version, and the decode rule (``media.DECODE_PARAMS``). The
   media digest is ``names.media_digest(bytes as sent, preprocess_params)``.
-* ``fingerprint`` is a digest of the adapter kind, the tower and projector configuration, the attention
-  implementation of each tower module's config and of every config nested in it (``text_encoders.
-  attention_implementations``: transformers leaves it out of the config's JSON, yet sdpa and eager features
+* ``fingerprint`` is a digest of the adapter kind, the tower and projector configuration, the attention and
+  experts implementations of each tower module's config and of every config nested in it (``text_encoders.
+  kernel_implementations``: transformers leaves them out of the config's JSON, yet sdpa and eager features
   differ in their last bits), their weights (every tensor's name, dtype, shape and bytes), the device type and
   ``preprocess_params``. The language model's attention is not part of it (the engine routes it through its
   paged backend when it attaches; the features do not depend on it). It is computed once; changing weights or
@@ -46,7 +46,7 @@ from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
-from .text_encoders import attention_implementations
+from .text_encoders import kernel_implementations
 
 ADAPTER_VERSION = 1
 
@@ -145,7 +145,7 @@ class VisionAdapter(ABC):
             # each tower module's own config (a transformers sub-model carries one; the projector has none), not
             # the whole model's: the engine sets the language model's attention when it attaches, which must
             # not key the same tower's features apart
-            "attention": [attention_implementations(getattr(m, "config", None)) for m in self._tower_modules()],
+            "kernels": [kernel_implementations(getattr(m, "config", None)) for m in self._tower_modules()],
             "weights": weights_digest(self._tower_modules()),
             "device": next(model.parameters()).device.type,
             "preprocess": self.preprocess_params,

@@ -16,7 +16,8 @@ from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
 from encoders.text_encoders import (T5_MAX_LENGTH, CLIPEncoderAdapter, ForwardCounter, T5EncoderAdapter, T5Recipe,
-                                    TokenizationMemo, module_fingerprint, tokenizer_fingerprint, tokenize)
+                                    TokenizationMemo, kernel_implementations, module_fingerprint,
+                                    tokenizer_fingerprint, tokenize)
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore, store_key
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -113,6 +114,28 @@ def test_fingerprint_holds_nested_attention_implementations_and_the_device_type(
     assert module_fingerprint(model("eager"), {"kind": "clip"}) != base
     if torch.cuda.is_available():
         assert module_fingerprint(model().cuda(), {"kind": "clip"}) != base
+
+
+def test_fingerprint_holds_the_experts_implementation():
+    # Like the attention implementation, transformers keeps a mixture-of-experts model's kernel choice out of the
+    # config's JSON, and its kernels round differently.
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    def model(experts=None):
+        torch.manual_seed(0)
+        m = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                               moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                               num_experts=4, num_experts_per_tok=2)).eval()
+        if experts:
+            m.set_experts_implementation(experts)
+        return m
+
+    base = module_fingerprint(model(), {"kind": "moe"})
+    assert module_fingerprint(model(), {"kind": "moe"}) == base
+    assert model("eager").config.to_json_string() == model().config.to_json_string()
+    assert module_fingerprint(model("eager"), {"kind": "moe"}) != base
+    assert kernel_implementations(model("eager").config)[""] == {"attention": "sdpa", "experts": "eager"}
 
 
 def test_equal_text_at_different_max_lengths_never_collides(wan):
