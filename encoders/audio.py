@@ -14,6 +14,9 @@ Invariants:
 * The sample rate is never changed here: a file at another rate than the encoder's is refused with the two
   rates named (resampling is a preprocessing choice with its own filter, so it belongs to the caller, and the
   codec would otherwise see other samples than the caller believes it sent).
+* A truncated file is refused, not decoded to the frames it still holds: a WAV whose data chunk declares more
+  bytes than the file holds (libsndfile would shorten it silently), any file that decodes to fewer frames than
+  its header declares.
 * A decoded waveform is float32, mono (several channels are averaged, the rule ``DECODE_PARAMS`` names) and
   finite; an empty or non-finite file is refused.
 """
@@ -80,6 +83,10 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
         raise InvalidRequest(f"decode_audio takes a RawAudio (see read_audio), got {type(raw).__name__}")
     if not raw.data:
         raise MediaDecodeError(raw.ref, "audio bytes are empty")
+    shortfall = wav_data_shortfall(raw.data)
+    if shortfall:
+        raise MediaDecodeError(raw.ref, f"truncated WAV: its data chunk declares {shortfall[0]} bytes, the file "
+                                        f"holds {shortfall[1]}")
     try:
         with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
             rate, frames, channels = f.samplerate, f.frames, f.channels
@@ -105,6 +112,26 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     if not np.isfinite(wave).all():
         raise MediaDecodeError(raw.ref, "audio holds non-finite samples")
     return np.ascontiguousarray(wave, dtype=np.float32)
+
+
+_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # what streaming writers put where the length is not known yet
+
+
+def wav_data_shortfall(data: bytes) -> tuple[int, int] | None:
+    """``(declared, held)`` bytes of a RIFF/RIFX WAVE file's data chunk when it declares more than the file
+    holds after its header, else None (also for other formats, a data chunk of unknown size, or a chunk list
+    too broken to walk, which the decoder refuses on its own)."""
+    if len(data) < 12 or data[:4] not in (b"RIFF", b"RIFX") or data[8:12] != b"WAVE":
+        return None
+    order = "little" if data[:4] == b"RIFF" else "big"
+    at = 12
+    while at + 8 <= len(data):
+        size = int.from_bytes(data[at + 4:at + 8], order)
+        if data[at:at + 4] == b"data":
+            held = len(data) - (at + 8)
+            return (size, held) if size not in _WAV_UNKNOWN_SIZES and size > held else None
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return None
 
 
 def _check_limits(limits) -> None:

@@ -79,6 +79,23 @@ def test_corrupt_or_empty_bytes_raise_media_decode_error(data, reason):
     assert e.value.item == MediaRef(4, SOURCE_BYTES, "audio") and "audio #4" in str(e.value)
 
 
+def test_truncated_files_are_refused_not_shortened():
+    # libsndfile decodes a WAV cut short to the frames it still holds, and says so only in its log.
+    data = wav(tone(0.1))
+    assert len(decode_audio(read_audio(data), SAMPLING_RATE)) == 2400
+    for cut in (data[:-1], data[:len(data) // 2]):
+        with pytest.raises(MediaDecodeError, match="truncated WAV: its data chunk declares 4800 bytes"):
+            decode_audio(read_audio(cut), SAMPLING_RATE)
+    at = data.index(b"data") + 4  # a streaming writer's unknown length: the data runs to the end of the file
+    streamed = data[:at] + (0xFFFFFFFF).to_bytes(4, "little") + data[at + 4:]
+    assert np.array_equal(decode_audio(read_audio(streamed), SAMPLING_RATE), decode_audio(read_audio(data),
+                                                                                           SAMPLING_RATE))
+    flac = io.BytesIO()
+    soundfile.write(flac, tone(0.1), SAMPLING_RATE, format="FLAC")
+    with pytest.raises(MediaDecodeError):
+        decode_audio(read_audio(flac.getvalue()[:len(flac.getvalue()) // 2]), SAMPLING_RATE)
+
+
 def test_another_sample_rate_is_refused_naming_both_rates():
     with pytest.raises(MediaDecodeError, match="16000 Hz.*24000 Hz"):
         decode_audio(read_audio(wav(tone(0.5, 16000), 16000)), SAMPLING_RATE)
