@@ -28,6 +28,9 @@ Invariants:
   probe inputs (within float rounding); otherwise the linears are packed one by one.
 * A group hands a part out from its kept product only for the very tensor object that product was computed
   from, and keeps nothing once every part is out, so no activation outlives its forward.
+* Several engines may share one model object, and so these modules, each stepping on its own thread. Every
+  module here computes from its arguments and its weights alone; the one thing kept between calls, a group's
+  parts, is kept per thread (``threading.local``), so a thread is only ever handed parts of its own input.
 * Results are deterministic for a given input shape, like the unpacked path; they differ from it in the
   last bits, so cache-on and cache-off runs must use the same setting (the engine uses one for its life).
   On the row kernel a row's result depends only on that row (any company, any number of threads).
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 
 import torch
 from torch import nn
@@ -188,6 +192,16 @@ class PackedGatedMLP(nn.Module):
         return down_w.output(down_w.product(hidden))
 
 
+class _Kept:
+    """What one thread keeps of a ``PackedProjections``: the tensor its product was computed from, the parts not
+    handed out yet (None where handed out) and how many remain; nothing (None, (), 0) between forwards."""
+
+    __slots__ = ("x", "parts", "left")
+
+    def __init__(self):
+        self.x, self.parts, self.left = None, (), 0
+
+
 class PackedProjections:
     """The query, key and value projections of one attention module as one packed product over their
     concatenated weights (one weight read and one call instead of three), handed out part by part.
@@ -195,23 +209,52 @@ class PackedProjections:
     Attention modules call ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` on one tensor in turn: the first call
     computes all three parts and keeps them; a later call on that same tensor object (``is``, never an equal
     one) returns its kept part; a call on any other tensor computes afresh. The parts are column slices of
-    one result (views, rows ``sum(widths)`` apart). The kept parts are dropped once all are handed out."""
+    one result (views, rows ``sum(widths)`` apart). The kept parts are dropped once all are handed out.
+
+    The parts are kept per thread (a ``_Kept`` in a ``threading.local``): forwards of engines that share this
+    module on other threads neither see nor replace them, and a thread's kept tensor and parts are always read
+    from that thread's own record, so they belong together. A plain local holding a slotted record costs about
+    a tenth of a microsecond per call more than attributes of the group (a ``threading.local`` subclass with
+    class defaults costs several times that)."""
 
     def __init__(self, linears: list[nn.Linear], rows=None):
         has_bias = linears[0].bias is not None
         self.packed = PackedWeight(torch.cat([m.weight.detach() for m in linears]),
                                    torch.cat([m.bias.detach() for m in linears]) if has_bias else None, rows=rows)
         self.widths = [m.out_features for m in linears]
-        self._x, self._parts, self._left = None, (), 0
+        self._local = threading.local()
+
+    def _kept(self) -> _Kept:
+        """The calling thread's record (made on its first call)."""
+        try:
+            return self._local.kept
+        except AttributeError:
+            kept = self._local.kept = _Kept()
+            return kept
+
+    @property
+    def _x(self) -> torch.Tensor | None:
+        """The tensor whose parts the calling thread keeps, or None."""
+        return self._kept().x
+
+    @property
+    def _parts(self) -> list | tuple:
+        """The parts the calling thread keeps (None where handed out), or ``()``."""
+        return self._kept().parts
 
     def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if self._x is not x or self._parts[i] is None:
-            out = self.packed(x)
-            self._x, self._parts, self._left = x, list(out.split(self.widths, dim=-1)), len(self.widths)
-        part, self._parts[i] = self._parts[i], None
-        self._left -= 1
-        if self._left == 0:
-            self._x, self._parts = None, ()
+        try:  # inline ``_kept``: this runs three times per layer and step
+            kept = self._local.kept
+        except AttributeError:
+            kept = self._kept()
+        parts = kept.parts
+        if kept.x is not x or parts[i] is None:
+            parts = kept.parts = list(self.packed(x).split(self.widths, dim=-1))
+            kept.x, kept.left = x, len(parts)
+        part, parts[i] = parts[i], None
+        kept.left -= 1
+        if kept.left == 0:
+            kept.x, kept.parts = None, ()
         return part
 
 
