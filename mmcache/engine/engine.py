@@ -64,6 +64,10 @@ from .sequence import CFG, MAIN, LiveRequest
 
 
 _log = logging.getLogger("mmcache.engine")
+_SETTING_UP = threading.Lock()
+"""Held while an engine sets up its model (routes its attention, claims or replaces its modules, names its
+compute path), so engines built at once on one model object from several threads neither both replace the
+modules nor one name its backend from a half-replaced model. Building an engine is rare; serving never takes it."""
 PACKING_HEADROOM = 0.9  # pack only when the packed copy and the KV pool fit in this share of available memory
 # The chunk kernel's two ways differ in the last bits (their sums run in other orders), so each names the backend.
 _CHUNK_SUFFIX = {native.CHUNK_TILES: "+native-chunk", native.CHUNK_VECTOR: "+native-chunk-vector",
@@ -121,58 +125,59 @@ class Engine:
         self._lock = threading.RLock()
         self.model = model
         self.tokenizer = tokenizer
-        self.adapter = adapter_for(model)
-        self.adapter.attach()
-        a = self.adapter
-        self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
-        self.kv_dtype = a.dtype
-        digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
-        elem = torch.empty(0, dtype=a.dtype).element_size()
-        self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
-        self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
-        self._check_pool_fits(self.num_pages, "num_pages")  # before anything is set up on the model
-        # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
-        # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
-        # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
-        decode_kernel = native.library() if a.device.type == "cpu" else None
-        packs = config.packed_linears and kernels.available(a.device, a.dtype)
-        rows = decode_kernel if packs and config.row_products and native.row_products(decode_kernel) else None
-        requested = {"packed_linears": packs, "layer_kernels": config.layer_kernels and decode_kernel is not None,
-                     "row_products": rows is not None}
-        held = a.claim_compute_path(requested)
-        #: Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
-        #: the packed copy beside the KV pool), or None.
-        self.packing_skipped = held["packing_skipped"] if held else None
-        #: Why the row kernel's copies of the weights were left out although ``row_products`` asked for them
-        #: (they did not fit beside the packed copy and the KV pool; the packed copy alone did), or None.
-        self.row_products_skipped = held["row_products_skipped"] if held else None
-        if held is None:  # the first engine on this model sets up its modules
-            if requested["packed_linears"]:
-                pool = self.page_bytes * self.num_pages
-                self.packing_skipped = _packing_room(a.bytes_to_pack(rows is not None), pool)
-                if self.packing_skipped and rows is not None and _packing_room(a.bytes_to_pack(), pool) is None:
-                    self.row_products_skipped, self.packing_skipped, rows = self.packing_skipped, None, None
-                    _log.warning("row kernel left out (packed linears alone fit): %s", self.row_products_skipped)
-                if self.packing_skipped is None:
-                    a.pack_linears(rows)
-                else:
-                    _log.warning("linears left unpacked: %s", self.packing_skipped)
-                a.record_compute_path(self.packing_skipped, self.row_products_skipped)
-            if requested["layer_kernels"]:
-                a.install_layer_kernels(decode_kernel)
-        if config.tune_malloc:
-            kernels.tune_malloc()
-        # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
-        # in the last bits, so the compute path is part of the backend's name.
-        packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
-        packed += "+native-rows" if a.num_row_product_linears else ""
-        self.backend = (ATTENTION_BACKEND + packed
-                        + ("+native-decode" if decode_kernel is not None else "")
-                        + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]
-                           if a.dtype == torch.bfloat16 else "")
-                        + ("+native-norm" if a.num_native_norms else ""))
-        self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
-                                       attention_backend=self.backend, page_size=config.page_size)
+        with _SETTING_UP:  # see _SETTING_UP
+            self.adapter = adapter_for(model)
+            self.adapter.attach()
+            a = self.adapter
+            self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
+            self.kv_dtype = a.dtype
+            digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
+            elem = torch.empty(0, dtype=a.dtype).element_size()
+            self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
+            self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
+            self._check_pool_fits(self.num_pages, "num_pages")  # before anything is set up on the model
+            # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
+            # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
+            # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
+            decode_kernel = native.library() if a.device.type == "cpu" else None
+            packs = config.packed_linears and kernels.available(a.device, a.dtype)
+            rows = decode_kernel if packs and config.row_products and native.row_products(decode_kernel) else None
+            requested = {"packed_linears": packs, "layer_kernels": config.layer_kernels and decode_kernel is not None,
+                         "row_products": rows is not None}
+            held = a.claim_compute_path(requested)
+            #: Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
+            #: the packed copy beside the KV pool), or None.
+            self.packing_skipped = held["packing_skipped"] if held else None
+            #: Why the row kernel's copies of the weights were left out although ``row_products`` asked for them
+            #: (they did not fit beside the packed copy and the KV pool; the packed copy alone did), or None.
+            self.row_products_skipped = held["row_products_skipped"] if held else None
+            if held is None:  # the first engine on this model sets up its modules
+                if requested["packed_linears"]:
+                    pool = self.page_bytes * self.num_pages
+                    self.packing_skipped = _packing_room(a.bytes_to_pack(rows is not None), pool)
+                    if self.packing_skipped and rows is not None and _packing_room(a.bytes_to_pack(), pool) is None:
+                        self.row_products_skipped, self.packing_skipped, rows = self.packing_skipped, None, None
+                        _log.warning("row kernel left out (packed linears alone fit): %s", self.row_products_skipped)
+                    if self.packing_skipped is None:
+                        a.pack_linears(rows)
+                    else:
+                        _log.warning("linears left unpacked: %s", self.packing_skipped)
+                    a.record_compute_path(self.packing_skipped, self.row_products_skipped)
+                if requested["layer_kernels"]:
+                    a.install_layer_kernels(decode_kernel)
+            if config.tune_malloc:
+                kernels.tune_malloc()
+            # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
+            # in the last bits, so the compute path is part of the backend's name.
+            packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
+            packed += "+native-rows" if a.num_row_product_linears else ""
+            self.backend = (ATTENTION_BACKEND + packed
+                            + ("+native-decode" if decode_kernel is not None else "")
+                            + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]
+                               if a.dtype == torch.bfloat16 else "")
+                            + ("+native-norm" if a.num_native_norms else ""))
+            self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
+                                           attention_backend=self.backend, page_size=config.page_size)
         self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",

@@ -55,6 +55,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -86,6 +87,7 @@ class NativeConfigError(MmcacheError, ValueError):
 
 
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None; filled once per process
+_state_lock = threading.Lock()  # threads wanting the library at once build and load it once
 
 
 def choice() -> str:
@@ -145,7 +147,8 @@ def build(compiler: str | None = None, directory: Path | None = None,
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    # one file per builder (processes, and threads of one process), moved into place whole
+    partial = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         done = subprocess.run([cc, *FLAGS, "-o", str(partial), *map(str, sources), *LIBS], capture_output=True,
                               text=True, timeout=600)
@@ -200,12 +203,15 @@ def library() -> ctypes.CDLL | None:
     mode = choice()
     if mode == "off":
         return None
-    if "lib" not in _state:
-        try:
-            _state["lib"], _state["why"] = load(build()), None
-        except (NativeKernelUnavailable, OSError) as exc:
-            _state["lib"], _state["why"] = None, str(exc)
-            _log.info("decode kernel unavailable, using ATen: %s", exc)
+    with _state_lock:
+        if "lib" not in _state:
+            try:
+                lib, why = load(build()), None
+            except (NativeKernelUnavailable, OSError) as exc:
+                lib, why = None, str(exc)
+                _log.info("decode kernel unavailable, using ATen: %s", exc)
+            _state["why"] = why
+            _state["lib"] = lib  # last: a reader that finds "lib" finds "why" too
     if _state["lib"] is None and mode == "require":
         raise NativeKernelUnavailable(_state["why"])
     return _state["lib"]
