@@ -6,10 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from transformers.utils import logging as transformers_logging
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# transformers' log handler writes to the stderr of its first use: set it up now, not inside a test capturing
+# stderr, whose stream closes with the test (later warnings would print "--- Logging error ---" tracebacks)
+transformers_logging.get_logger("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -66,6 +66,14 @@ def test_an_export_fills_a_new_folder_or_refreshes_an_export_and_otherwise_write
     assert cli_main(["export-model", "tiny", ""]) == 1  # "" was the current folder: it wrote into it
     assert "non-empty path" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
+    theirs = tmp_path / "theirs"  # a model saved by transformers, with the very names an export writes
+    assert cli_main(["export-model", "tiny-llama", str(theirs), "--dtype", "float32"]) == 0
+    (theirs / models.EXPORT_MARK).unlink()
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    capsys.readouterr()
+    assert cli_main(["export-model", "tiny", str(theirs)]) == 1  # it was overwritten
+    assert "did not export" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before
     other = tmp_path / "other"
     other.mkdir()
     (other / "model.safetensors.index.json").write_text("{}")  # another model's files: not mixed with these
@@ -87,7 +95,7 @@ def test_an_export_fills_a_new_folder_or_refreshes_an_export_and_otherwise_write
     monkeypatch.setattr(models, "build_model", failing_tokenizer)
     assert cli_main(["export-model", "tiny", str(tmp_path / "new")]) == 1  # a traceback before
     assert "No space left" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "other"]  # no half-written folder, no leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "other", "theirs"]  # no half-written folder
 
 
 def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
@@ -150,6 +158,24 @@ def _wider_config(d):
     (d / "config.json").write_text(json.dumps(dict(cfg, hidden_size=2 * cfg["hidden_size"])))
 
 
+def _edit_weights(d, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
 def _unknown_architecture(d):
     (d / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
 
@@ -161,8 +187,17 @@ def _unknown_architecture(d):
     (lambda d: (d / "config.json").write_text("{"), "config.json"),
     (lambda d: (d / "tokenizer.json").write_text("not json"), "cannot load the tokenizer"),
     (lambda d: (d / "tokenizer.json").unlink(), "no vocabulary besides its special tokens"),
+    # transformers only warns of these, drawing what the files lack at random and dropping what the config has
+    # no place for: the model loaded, ran and answered wrongly (differently on every load)
+    (lambda d: _edit_weights(d, lambda t: t.pop("model.layers.1.mlp.down_proj.weight")),
+     "weights the config needs are not in the files"),
+    (lambda d: _edit_config(d, num_hidden_layers=1, layer_types=["full_attention"]),
+     "the files hold weights the config has no place for"),
+    (lambda d: _edit_config(d, num_hidden_layers=None, layer_types=None),
+     "weights the config needs are not in the files"),
 ], ids=["cut weights", "config wider than the weights", "unknown architecture", "broken config",
-        "broken tokenizer", "tokenizer config without its vocabulary"])
+        "broken tokenizer", "tokenizer config without its vocabulary", "a weight dropped", "config of fewer layers",
+        "config without its depth"])
 def test_a_damaged_model_folder_is_refused_with_a_typed_error(damage, says, tmp_path, capsys):
     # Each used to escape as the library's own exception (a traceback from the CLI), and a tokenizer config
     # without tokenizer.json loaded as an empty tokenizer that turned every prompt into no tokens.
@@ -216,6 +251,25 @@ def _unsupported(kind):
     return tf.Gemma2ForCausalLM(tf.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                                 attn_logit_softcapping=None, **ids))
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mamba"])
+def test_a_folder_of_an_architecture_the_engine_cannot_serve_is_refused_as_unsupported(kind, tmp_path):
+    # Gemma 2 and GPT-OSS have no sdpa path: loading them asking for sdpa raised transformers' ValueError, which
+    # became a ModelLoadError; Mamba has no attention heads and raised AttributeError.
+    import transformers as tf
+
+    ids = dict(vocab_size=512, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    config = {"gemma2": lambda: tf.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, num_key_value_heads=1, head_dim=16, **ids),
+              "gpt_oss": lambda: tf.GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                                 num_local_experts=2, num_experts_per_tok=1, **ids),
+              "mamba": lambda: tf.MambaConfig(hidden_size=32, num_hidden_layers=1, state_size=4, **ids)}[kind]()
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / kind)
+    with pytest.raises(UnsupportedModel):
+        Engine.from_pretrained(tmp_path / kind, dtype="float32", config=EngineConfig(page_size=8, num_pages=16))
 
 
 @pytest.mark.parametrize("kind", ["falcon", "lfm2", "stablelm", "gemma2"])

@@ -36,12 +36,16 @@ class CausalLMAdapter:
         for attr in ("attn_logit_softcapping",):
             if getattr(tc, attr, None):
                 raise UnsupportedModel(f"{type(model).__name__}: {attr} is not supported by {ATTENTION_BACKEND}")
-        self.num_layers = int(tc.num_hidden_layers)
-        self.num_heads = int(tc.num_attention_heads)
-        self.num_kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
-        self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-        self.hidden_size = int(tc.hidden_size)
-        self.vocab_size = int(tc.vocab_size)
+        try:
+            self.num_layers = int(tc.num_hidden_layers)
+            self.num_heads = int(tc.num_attention_heads)
+            self.num_kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
+            self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+            self.hidden_size = int(tc.hidden_size)
+            self.vocab_size = int(tc.vocab_size)
+        except (AttributeError, TypeError, ValueError) as e:  # a state-space model (Mamba) has no attention heads
+            raise UnsupportedModel(f"{type(model).__name__} is not an attention decoder the engine can serve: its "
+                                   f"config lacks an attention shape ({e})") from None
         self.max_model_len = int(getattr(tc, "max_position_embeddings", 0) or 1 << 20)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device

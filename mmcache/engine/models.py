@@ -8,7 +8,11 @@ Invariants:
 * ``export_model`` writes an ordinary Hugging Face folder (``EXPORT_FILES``: config.json, model.safetensors,
   generation config, tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM load, and
   that ``load_model`` reads back to the same digest. The folder gets every file or none: they are written
-  beside it and moved in only when all are written.
+  beside it and moved in only when all are written. It overwrites only a folder that its own mark
+  (``EXPORT_MARK``) names an earlier export.
+* ``load_model`` serves the folder's own weights or refuses it (``ModelLoadError``): a weight the config needs
+  and the files lack, one the files hold and the config has no place for, or one of another shape, which
+  transformers would draw at random, drop or refuse, each refuses the folder.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from .tokenizer import hf_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DIGEST_SKIP = {"architectures", "dtype", "torch_dtype", "transformers_version"}
+EXPORT_MARK = "mmcache_export.json"
+"""Written into every export (the preset and dtype it holds): a folder without it is not an earlier export,
+whatever files it holds, and is never overwritten."""
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json")
+                "tokenizer_config.json", EXPORT_MARK)
 
 
 class ModelExportError(MmcacheError, OSError):
@@ -77,9 +84,18 @@ def load_model(path, dtype="bfloat16"):
     # RuntimeError for mismatched shapes, SafetensorError for a cut weights file, the tokenizers library's
     # own): each becomes a ModelLoadError that names the folder and keeps the cause.
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa",
+                                                               output_loading_info=True)
+        except ValueError as e:
+            if "sdpa" not in str(e) and "scaled_dot_product_attention" not in str(e):
+                raise
+            # An architecture without an sdpa path (Gemma 2, GPT-OSS, state-space models): load it with its own
+            # attention, so the engine's checks name what it cannot serve (UnsupportedModel) instead of this.
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True)
     except Exception as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
+    _check_weights_fit(path, info)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         try:
@@ -94,12 +110,30 @@ def load_model(path, dtype="bfloat16"):
     return model.eval(), tokenizer
 
 
+def _check_weights_fit(path: Path, info: dict) -> None:
+    """Refuse a folder whose weights and config disagree. transformers only warns: it draws every weight the
+    files lack at random (a dropped tensor, a config without ``num_hidden_layers`` that builds its default
+    depth) and drops every weight the config has no place for (a config naming fewer layers), so the model
+    would run and answer wrongly, differently on every load."""
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        names = sorted(str(k) for k in info.get(kind) or ())
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            what = {"missing_keys": "weights the config needs are not in the files",
+                    "unexpected_keys": "the files hold weights the config has no place for",
+                    "mismatched_keys": "weights have other shapes than the config gives"}[kind]
+            raise ModelLoadError(f"cannot load {path}: {what} ({shown}); the config and the weights do not belong "
+                                 f"together")
+
+
 def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
     """Write an embedded preset as a Hugging Face folder; returns the folder.
 
-    ``out_dir`` may be new, empty, or an earlier export (its files are replaced). A folder holding anything
-    else is refused before the model is built: another model's files beside these (a shard index, say) would
-    make a folder that loads wrongly, and an empty path would mean the current folder. The files are written
+    ``out_dir`` may be new, empty, or an earlier export (its files are replaced; it is known by its
+    ``EXPORT_MARK``). Any other folder is refused before the model is built: one holding another model's files
+    (written by ``save_pretrained``, say, with the very names an export writes) would lose them, one holding
+    other files beside these (a shard index) would load wrongly, and an empty path would mean the current
+    folder. The files are written
     into a temporary folder beside ``out_dir`` and moved in once all are written, so a failure (no space,
     an unwritable file) leaves ``out_dir`` as it was. Every file gets the mode an ordinary write gives (0666
     less the umask)."""
@@ -113,6 +147,9 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
         if other:
             raise ModelExportError(f"{out} holds files an export does not write ({', '.join(other[:5])}); "
                                    f"export into a new or empty folder")
+        if any(out.iterdir()) and not (out / EXPORT_MARK).is_file():
+            raise ModelExportError(f"{out} holds a model that mmcache did not export (no {EXPORT_MARK}); its files "
+                                   f"would be replaced: export into a new or empty folder")
     model, tokenizer = build_model(preset_name, dtype)
     tmp = None
     try:
@@ -126,13 +163,15 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
         cfg = json.loads(tok_cfg.read_text())
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / EXPORT_MARK).write_text(json.dumps({"preset": preset_name, "dtype": str(dtype)}, indent=2) + "\n")
         # safetensors' save_file makes its file private (0600); give every file the mode the others have.
         mode = _new_file_mode(tmp)
         for path in tmp.iterdir():
             if path.is_file():
                 path.chmod(mode)
         out.mkdir(exist_ok=True)
-        for name in sorted(p.name for p in tmp.iterdir()):
+        # the mark last, so a new folder is marked only once every file is in it
+        for name in sorted((p.name for p in tmp.iterdir()), key=lambda name: (name == EXPORT_MARK, name)):
             os.replace(tmp / name, out / name)
     except Exception as e:  # OSError, safetensors' and the tokenizers library's own errors for a failed write
         raise ModelExportError(f"cannot write {out}: {type(e).__name__}: {e}") from e
