@@ -69,7 +69,7 @@ def build_model(preset_name: str, dtype="float32"):
         torch.manual_seed(preset.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model = model.to(resolve_dtype(dtype)).eval()
-    return model, hf_tokenizer(preset.tokenizer_vocab)
+    return model, hf_tokenizer(preset.tokenizer_vocab, model_type=preset.model_type)
 
 
 def load_model(path, dtype="bfloat16"):

@@ -6,6 +6,8 @@ the caller's random state is untouched. Invariants:
 
 * A preset name always yields the same config, weights and tokenizer (hence the same model digest per dtype).
 * The tokenizer vocabulary never exceeds the model's; ids 0 and 1 are EOS/BOS and PAD in both.
+* The tokenizer is trained under the pipeline transformers' ``AutoTokenizer`` imposes on the preset's
+  ``model_type`` (see tokenizer.py), so an exported folder tokenizes exactly as the engine does.
 * ``tiny*`` presets run a test in seconds; their weights are drawn wider than transformers' default (0.02)
   so that attention and MLP outputs are not drowned by the embeddings and greedy outputs depend on context.
 * ``small`` is Qwen2.5-0.5B's shape with 8 of its 24 layers; ``qwen2.5-0.5b`` is Qwen2.5-0.5B's published
