@@ -12,6 +12,13 @@ Invariants:
   (``position_dims``) and returns float logits of shape (len(logits_index), vocab) computed only at those rows.
 * Model geometry (layers, KV heads, head size, vocabulary, context limit) comes from the text config, so a
   VLM's language model is described by the same fields.
+* Every layer attends with the window its config gives it (``expected_windows``), and the paged backend
+  applies a window only when the layer passes it as ``sliding_window``: a model that keeps a layer's window
+  (or chunked attention) in transformers' mask alone, which the backend does not build, is refused.
+* The context limit holds every position at rotary factors that do not depend on the forward's length: a
+  ``longrope`` model (Phi-3 long-context) is served up to its ``original_max_position_embeddings``, because
+  transformers picks short or long factors per forward from its longest position, so pages computed in one
+  forward would not match the same tokens computed in another.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ class CausalLMAdapter:
             raise UnsupportedModel(f"{type(model).__name__} is not an attention decoder the engine can serve: its "
                                    f"config lacks an attention shape ({e})") from None
         self.max_model_len = int(getattr(tc, "max_position_embeddings", 0) or 1 << 20)
+        for factors_below in _longrope_limits(tc):
+            self.max_model_len = min(self.max_model_len, factors_below)
+        layer_types = getattr(tc, "layer_types", None) or ()
+        if getattr(tc, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+            raise UnsupportedModel(f"{type(model).__name__}: chunked attention (attention_chunk_size) is not "
+                                   f"implemented by {ATTENTION_BACKEND}")
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
@@ -89,7 +102,7 @@ class CausalLMAdapter:
         kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, 1, 1, self.head_dim, dtype=self.dtype,
                          device=self.device)
         write = WriteGroup(kv, slice(0, 1), torch.zeros(1, dtype=torch.int64, device=self.device))
-        batch = PagedBatch([Segment(slice(0, 1), 0, 1, kv, None)], [], [write], page_size=1)
+        batch = PagedBatch([Segment(slice(0, 1), 0, 1, kv, None)], [], [write], page_size=1, windows={})
         positions = torch.zeros((self.position_dims, 1) if self.position_dims > 1 else (1,), dtype=torch.long,
                                 device=self.device)
         token = torch.randn(1, self.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -104,6 +117,14 @@ class CausalLMAdapter:
             raise UnsupportedModel(f"{name}: a one-token forward through {ATTENTION_BACKEND} failed: "
                                    f"{type(e).__name__}: {e}") from e
         silent = [i for i in range(self.num_layers) if not bool(kv[i].ne(0).any())]
+        expected = expected_windows(self.text_config, self.num_layers)
+        unwindowed = [(i, expected[i], batch.windows.get(i)) for i in range(self.num_layers)
+                      if i not in silent and batch.windows.get(i) != expected[i]]
+        if unwindowed:
+            shown = ", ".join(f"layer {i}: {want} in its config, {got} passed" for i, want, got in unwindowed[:4])
+            raise UnsupportedModel(f"{name}: decoder layers do not pass their sliding window to the attention "
+                                   f"function ({shown}); transformers applies such a window through its mask "
+                                   f"alone, which {ATTENTION_BACKEND} does not build")
         if silent:
             raise UnsupportedModel(f"{name}: decoder layer(s) {silent} do not attend through {ATTENTION_BACKEND} "
                                    f"(recurrent, convolutional or linear-attention layers, or attention that ignores "
@@ -218,6 +239,33 @@ class MRopeAdapter(CausalLMAdapter):
     """Models whose rotary positions are 3-D (temporal, height, width), e.g. Qwen2-VL's language model."""
 
     position_dims = 3
+
+
+def expected_windows(tc, num_layers: int) -> list[int | None]:
+    """The sliding window each decoder layer attends with by its config (None: full causal attention):
+    ``sliding_window`` on the layers ``layer_types`` marks ``sliding_attention``; on every layer where the
+    config has no ``layer_types`` and does not turn the window off (``use_sliding_window``)."""
+    window = getattr(tc, "sliding_window", None) or None
+    layer_types = getattr(tc, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window if getattr(tc, "use_sliding_window", True) else None] * num_layers
+
+
+def _longrope_limits(tc) -> list[int]:
+    """``original_max_position_embeddings`` of each ``longrope`` rotary parameter set of ``tc`` (one, or one
+    per layer type), below which transformers always takes the short factors."""
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    sets = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    limits = []
+    for params in sets:
+        if (params.get("rope_type") or params.get("type")) == "longrope":
+            original = params.get("original_max_position_embeddings") or getattr(
+                tc, "original_max_position_embeddings", None)
+            if not original:
+                raise UnsupportedModel("a longrope rotary embedding without original_max_position_embeddings")
+            limits.append(int(original))
+    return limits
 
 
 def adapter_for(model: torch.nn.Module) -> CausalLMAdapter:

@@ -108,6 +108,7 @@ class PagedBatch:
     writes: list[WriteGroup]
     page_size: int
     kernel: object = None  # the compiled decode kernel (``native.library()``) the engine chose, or None: ATen
+    windows: dict | None = None  # when a dict, each layer records the sliding window it was called with (a probe)
     _memo: dict = field(default_factory=dict)  # per-forward results (masks, shared pages, page runs), by key
 
     def mask(self, index: int, window: int | None, dtype: torch.dtype,
@@ -226,6 +227,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise UnsupportedModel(f"{ATTENTION_BACKEND} does not implement soft-capping or attention sinks")
     layer = module.layer_idx
+    if batch.windows is not None:
+        batch.windows[layer] = sliding_window
     q, k, v = query[0], key[0], value[0]
     heads, total, dim = q.shape
     kv_heads = k.shape[0]
