@@ -199,6 +199,11 @@ def shape_from_args(args) -> Shape:
 
 
 def engines_from_args(args) -> list[str]:
+    """The engines to run: ``--engines`` when given, else mmcache and cache off, plus transformers_cb in full
+    mode, plus the peers with ``--peers`` (vllm_cpu, and transformers_cb in quick mode). An option this list
+    would leave without effect is refused (``WorkloadShapeError``): ``--peers`` with an ``--engines`` that
+    leaves out a peer it adds, ``--vllm-eager`` without vllm_cpu."""
+    peers = ["transformers_cb", "vllm_cpu"] if args.quick else ["vllm_cpu"]
     if args.engines is not None:
         names = [e.strip() for e in args.engines.split(",") if e.strip()]
         unknown = set(names) - set(ENGINES)
@@ -206,12 +211,20 @@ def engines_from_args(args) -> list[str]:
             raise tw.WorkloadShapeError(f"unknown engines {sorted(unknown)}; known: {ENGINES}")
         if not names:
             raise tw.WorkloadShapeError(f"--engines {args.engines!r} names no engine; known: {ENGINES}")
-        return names
-    names = ["mmcache", "mmcache_nocache"]
-    if args.peers or not args.quick:
-        names.append("transformers_cb")
-    if args.peers:
-        names.append("vllm_cpu")
+        left_out = [e for e in peers if e not in names]
+        if args.peers and left_out:
+            raise tw.WorkloadShapeError(
+                f"--peers adds {' and '.join(peers)}{' in quick mode' if args.quick else ''}, which --engines "
+                f"{args.engines!r} leaves out ({', '.join(left_out)}): add them there, or drop --peers")
+    else:
+        names = ["mmcache", "mmcache_nocache"]
+        if args.peers or not args.quick:
+            names.append("transformers_cb")
+        if args.peers:
+            names.append("vllm_cpu")
+    if args.vllm_eager and "vllm_cpu" not in names:
+        raise tw.WorkloadShapeError("--vllm-eager sets how vLLM starts, but this run has no vllm_cpu: add --peers "
+                                    "or name it in --engines")
     return names
 
 

@@ -24,7 +24,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="run benchmarks and print the comparison table",
                        description="mmcache bench [NAME] [--json PATH] [--quick] [NAME's options]. Without NAME, "
                                    "every benchmark runs in quick mode. Benchmarks: " + ", ".join(REGISTRY))
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON (also accepted after NAME)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON (or after NAME, not both)")
     p.add_argument("--quick", action="store_true",
                    help="NAME's small configuration (also accepted after NAME; without NAME every benchmark is quick)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="NAME and its options")
@@ -39,6 +39,18 @@ def bench_parser(name: str, module) -> argparse.ArgumentParser:
     return p
 
 
+def _with_options_before_name(parser: argparse.ArgumentParser, opts, before, name: str):
+    """``opts`` (parsed after NAME) with the options given before it (``before``: `mmcache bench --json PATH
+    --quick NAME ...`). ``--json`` on both sides is refused with ``parser``'s error (exit code 2) rather than
+    one path silently dropped; ``--quick`` on either side counts."""
+    if before.json is not None:  # an empty path too: writable refuses it
+        if opts.json is not None:
+            parser.error(f"--json given both before {name} ({before.json}) and after it ({opts.json}); give it once")
+        opts.json = before.json
+    opts.quick = opts.quick or before.quick
+    return opts
+
+
 def main(args) -> int:
     import torch  # noqa: F401  (loads torch's OpenMP library, so the line below can name it)
 
@@ -47,16 +59,11 @@ def main(args) -> int:
     print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
     print(f"[mmcache] decode attention: {native.status()} (MMCACHE_NATIVE, see README)", file=sys.stderr)
     rest = list(args.rest)
-    # Options given before NAME (`mmcache bench --json PATH --quick NAME ...`) go on with the rest.
-    at = 1 if rest and rest[0] in REGISTRY else 0
-    if args.json is not None:  # an empty path too: writable refuses it
-        rest[at:at] = ["--json", args.json]
-    if args.quick and at:
-        rest[at:at] = ["--quick"]
     if rest and rest[0] in REGISTRY:
         name = rest.pop(0)
         module = importlib.import_module(REGISTRY[name])
-        opts = bench_parser(name, module).parse_args(rest)
+        parser = bench_parser(name, module)
+        opts = _with_options_before_name(parser, parser.parse_args(rest), args, name)
         if not writable(opts.json, "mmcache bench"):
             return 2
         try:
@@ -72,7 +79,7 @@ def main(args) -> int:
         return 2
     allp = argparse.ArgumentParser(prog="mmcache bench")
     allp.add_argument("--json", metavar="PATH", help="write every result as one JSON object")
-    opts = allp.parse_args(rest)
+    opts = allp.parse_args(([] if args.json is None else ["--json", args.json]) + rest)
     if not writable(opts.json, "mmcache bench"):
         return 2
     results, rows, failed = {}, [], []

@@ -75,14 +75,30 @@ def plan(env: dict[str, str], platform: str = sys.platform, found: str | None = 
     return child
 
 
-def maybe_reexec(argv: list[str], entry: tuple[str, str] = ("-m", "mmcache.cli")) -> None:
-    """Replace this process by ``python ENTRY ARGV`` on Intel's runtime when ``plan`` says so; else return."""
+def _child_entry() -> tuple[str, str]:
+    """``-c CODE`` that runs ``mmcache.cli.main`` on ``sys.argv[1:]``, importing nothing from the current
+    directory: ``python -m`` and ``-c`` put that directory first on ``sys.path``, where a user's own
+    ``benchmarks`` package would take the place of this project's. ``-P`` leaves it out only from Python 3.11
+    (this project supports 3.10), so the code drops that first entry itself (``''``; absent under
+    ``PYTHONSAFEPATH``) and appends the folder holding this mmcache when the path lacks it (a clone run as
+    ``python -m mmcache.cli`` without an install), so the child runs the parent's mmcache."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return "-c", ("import sys\n"
+                  "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
+                  f"if {root!r} not in sys.path:\n    sys.path.append({root!r})\n"
+                  "from mmcache.cli import main\n"
+                  "sys.exit(main())\n")
+
+
+def maybe_reexec(argv: list[str], entry: tuple[str, str] | None = None) -> None:
+    """Replace this process by ``python ENTRY ARGV`` on Intel's runtime when ``plan`` says so; else return.
+    ``entry`` (None: ``_child_entry``, the command line) is for tests."""
     child = plan(dict(os.environ), found=find_intel_openmp())
     if child is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *entry, *argv], child)
+    os.execve(sys.executable, [sys.executable, *(entry or _child_entry()), *argv], child)
 
 
 def loaded_runtime(maps_path: str = "/proc/self/maps") -> str:

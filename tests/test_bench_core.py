@@ -3,8 +3,10 @@
 import argparse
 
 import numpy as np
+import pytest
 
-from benchmarks import core
+from benchmarks import core, runner
+from benchmarks.table import render
 
 
 def test_the_three_naming_schemes_name_the_same_pages():
@@ -30,3 +32,36 @@ def test_quick_run_reports_every_figure_with_side_by_side_ratios():
     assert 0 < r["metadata_array_bytes_per_page"] <= r["metadata_bytes_per_page"] < 4096
     rows = core.table_rows(r)
     assert [row.metric for row in rows][:2] == ["page naming throughput"] * 2
+
+
+@pytest.mark.parametrize("tokens", ["1", str(core.MIN_TOKENS - 1)])
+def test_too_few_tokens_for_every_scheme_to_name_a_page_are_refused_by_the_parser(tokens, capsys):
+    # 1 token divided by zero; up to 1023 the reference schemes, naming an eighth of them, named no page.
+    parser = runner.bench_parser("core", core)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--quick", "--tokens", tokens, "--repeats", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument --tokens: must be at least {core.MIN_TOKENS}, got {tokens}" in err
+    assert parser.parse_args(["--tokens", str(core.MIN_TOKENS)]).tokens == core.MIN_TOKENS == 8 * core.PAGE
+
+
+def test_the_smallest_naming_run_names_a_page_with_every_scheme():
+    n = core.bench_naming(core.MIN_TOKENS, 1)
+    for k in ("mmcache", "mmcache_from_list", "sha256_pickle", "blake2b"):
+        assert n[f"{k}_mtok_s"] > 0
+    assert n["vs_sha256_pickle"] > 0 and n["vs_blake2b"] > 0
+    with pytest.raises(ValueError, match=f"at least {core.MIN_TOKENS}"):
+        core.bench_naming(core.MIN_TOKENS - 1, 1)
+
+
+def test_the_table_gives_the_paired_naming_ratios_of_the_json():
+    # Medians 300 against 30 and 20 would read 10x and 15x; the JSON's paired ratios (RESULTS.md quotes them)
+    # are what the table must give, marked as such.
+    naming = {"mmcache_mtok_s": 300.0, "sha256_pickle_mtok_s": 30.0, "blake2b_mtok_s": 20.0,
+              "vs_sha256_pickle": 14.5, "vs_blake2b": 17.25}
+    r = {"naming": naming, "lookup_ms": {"pages_1000": 0.3, "pages_100": 0.07}, "evict_ms_per_1000_pages": 4.6,
+         "metadata_bytes_per_page": 577.0}
+    sha, blake = core.table_rows(r)[:2]
+    assert (sha.ratio, blake.ratio) == (14.5, 17.25)
+    table = render([sha, blake])
+    assert "14.50x paired" in table and "17.25x paired" in table

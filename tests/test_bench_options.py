@@ -16,7 +16,7 @@ from benchmarks.runner import bench_parser
 from mmcache.cli import main as cli
 from mmcache.cli import positive_int, writable
 
-COUNTS = {"core": ["--repeats", "--tokens"], "prefix": ["--page-size"],
+COUNTS = {"core": ["--repeats"], "prefix": ["--page-size"],  # core's --tokens starts higher (test_bench_core)
           "vlm": ["--page-size", "--num-pages", "--threads"],
           "diffusion": ["--requests", "--runs", "--steps", "--threads"],
           "cfg": ["--requests", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
@@ -159,6 +159,17 @@ def test_options_are_taken_before_the_name_as_after_it(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli(["bench", "--json"])
     assert exc.value.code == 2
+
+
+def test_a_json_path_before_and_after_the_name_is_refused(tmp_path, monkeypatch, capsys):
+    """`mmcache bench --json a.json NAME --json b.json` wrote b.json alone, a.json silently dropped."""
+    ran = stand_in_benchmark(monkeypatch)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    with pytest.raises(SystemExit) as exc:
+        cli(["bench", "--json", str(a), "fake", "--json", str(b)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and ran == [] and not a.exists() and not b.exists()
+    assert f"mmcache bench fake: error: --json given both before fake ({a}) and after it ({b}); give it once" in err
 
 
 def test_a_failing_benchmark_does_not_lose_the_others(tmp_path, monkeypatch, capsys):

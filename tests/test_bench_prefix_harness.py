@@ -134,6 +134,12 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
                                        (["--probe-shared", "4096"], "shared_len"),
                                        (["--gsp-question-len", "0"], "positive"),
                                        (["--engines", ","], "names no engine"),
+                                       (["--peers", "--engines", "mmcache,mmcache_nocache"],
+                                        "leaves out (transformers_cb, vllm_cpu)"),
+                                       (["--peers", "--engines", "mmcache,vllm_cpu"],
+                                        "--peers adds transformers_cb and vllm_cpu in quick mode"),
+                                       (["--vllm-eager"], "--vllm-eager sets how vLLM starts"),
+                                       (["--vllm-eager", "--engines", "mmcache,transformers_cb"], "no vllm_cpu"),
                                        (["--probe-len", str(10**30)], "probe_len"),
                                        (["--probe-repeats", str(10**30)], "probe_repeats"),
                                        (["--gsp-num-groups", "1000", "--gsp-prompts-per-group", "1000"],
@@ -149,6 +155,19 @@ def test_bad_shapes_fail_before_anything_runs(bad, says, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "WorkloadShapeError" in err and says in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing exported
+
+
+def test_peers_and_vllm_eager_agree_with_the_engines_named():
+    """--peers adds vllm_cpu (and, in quick mode, transformers_cb): an --engines list with them is accepted (the
+    runs in RESULTS.md), one without them refused; --vllm-eager needs vllm_cpu among the engines."""
+    parse = bench_runner.bench_parser("prefix", prefix).parse_args
+    assert prefix.engines_from_args(parse(["--peers", "--engines", "mmcache,vllm_cpu"])) == ["mmcache", "vllm_cpu"]
+    assert prefix.engines_from_args(parse(["--peers", "--vllm-eager", "--quick"]))[-1] == "vllm_cpu"
+    assert prefix.engines_from_args(parse(["--vllm-eager", "--engines", "vllm_cpu"])) == ["vllm_cpu"]
+    for argv in (["--peers", "--engines", "mmcache,transformers_cb"], ["--vllm-eager", "--quick"],
+                 ["--quick", "--peers", "--engines", "vllm_cpu"], ["--vllm-eager"]):
+        with pytest.raises(tw.WorkloadShapeError):
+            prefix.engines_from_args(parse(argv))
 
 
 def test_a_workdir_that_cannot_be_a_folder_is_refused_by_the_parser(tmp_path, capsys):

@@ -76,7 +76,7 @@ def _parse(module, name, argv):
 
 @pytest.mark.parametrize("argv, repeats, tokens", [
     ([], 7, 1 << 20), (["--quick"], 3, 1 << 18),
-    (["--quick", "--repeats", "5", "--tokens", "1000"], 5, 1000), (["--quick", "--tokens", "1000"], 3, 1000)])
+    (["--quick", "--repeats", "5", "--tokens", "2048"], 5, 2048), (["--quick", "--tokens", "2048"], 3, 2048)])
 def test_core_options_given_win_over_quick(monkeypatch, argv, repeats, tokens):
     from benchmarks import core
 

@@ -94,6 +94,28 @@ def test_reexec_starts_a_child_with_the_library_mapped():
     assert out.stdout.split() == ["True", gomp[0]]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is the Linux loader's")
+def test_the_reexecuted_command_line_imports_nothing_from_the_current_directory(tmp_path):
+    # A folder of the user's own holding packages named like this project's: the child that the re-execution
+    # starts must still import mmcache's, as the parent (the installed `mmcache` script) does.
+    script = os.path.join(os.path.dirname(sys.executable), "mmcache")
+    gomp = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    if not os.path.isfile(script) or not gomp:
+        pytest.skip("needs the installed `mmcache` script and torch's libgomp to stand in for Intel's runtime")
+    for name in ("benchmarks", "mmcache", "encoders"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"print('decoy {name} imported'); raise SystemExit(99)\n")
+    env = {**os.environ, ENV_CHOICE: "intel", ENV_LIB: gomp[0]}
+    env.pop(openmp._MARKER, None)
+    env.pop("LD_PRELOAD", None)
+    env.pop("PYTHONSAFEPATH", None)
+    helped = subprocess.run([script, "bench", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert helped.returncode == 0 and "decoy" not in helped.stdout + helped.stderr
+    assert helped.stdout.startswith("usage: mmcache bench")
+    refused = subprocess.run([script, "replay"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert refused.returncode == 2 and "required: TRACE" in refused.stderr and "decoy" not in refused.stdout
+
+
 @pytest.mark.parametrize("env, message", [
     ({ENV_CHOICE: "llvm"}, "expected one of"),
     ({ENV_CHOICE: "intel", ENV_LIB: "/nonexistent/libiomp5.so"}, "not a file"),

@@ -97,9 +97,13 @@ def test_a_plot_path_that_cannot_take_the_plot_is_refused_before_the_replay(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.png", "t.jsonl"]
 
 
-def test_plot_without_sweep_is_refused(tmp_path):
+@pytest.mark.parametrize("option", [["--plot", "p.png"], ["--sweep-pools", "1000"],
+                                    ["--sweep-pools", "65536,131072,262144,524288"]])  # the default, given
+def test_a_sweep_option_without_sweep_is_refused(tmp_path, capsys, option):
     trace = write_trace(tmp_path / "t.jsonl", records(3))
-    assert main(["replay", str(trace), "--plot", str(tmp_path / "p.png")]) == 2
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), *option, "--json", str(out)]) == 2
+    assert capsys.readouterr().err == f"mmcache replay: {option[0]} needs --sweep\n" and not out.exists()
 
 
 def test_limit_replays_the_first_requests_and_is_refused_for_sessions(tmp_path):

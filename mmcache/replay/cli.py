@@ -61,8 +61,9 @@ def register(sub) -> None:
     p.add_argument("--store-at", choices=STORE_AT + ("both",), default="both",
                    help="when pages enter the index; both replays each setting")
     p.add_argument("--sweep", action="store_true", help="also run every pool of --sweep-pools and policy")
-    p.add_argument("--sweep-pools", type=_pools, default=list(DEFAULT_POOLS), metavar="N,N,...",
-                   help="pool sizes of the sweep, tokens per replica")
+    # The default is DEFAULT_POOLS itself, so that main can tell the option given (a new list) from not given.
+    p.add_argument("--sweep-pools", type=_pools, default=DEFAULT_POOLS, metavar="N,N,...",
+                   help="pool sizes of the sweep, tokens per replica (with --sweep)")
     p.add_argument("--json", metavar="PATH", help="write the records as JSON")
     p.add_argument("--plot", metavar="PNG",
                    help="the sweep plot (with --sweep; without this option it goes beside --json)")
@@ -133,9 +134,10 @@ def _plot_path(args) -> str | None | bool:
 
 
 def main(args) -> int:
-    if args.plot and not args.sweep:
-        print("mmcache replay: --plot needs --sweep", file=sys.stderr)
-        return 2
+    for option, given in (("--plot", args.plot), ("--sweep-pools", args.sweep_pools is not DEFAULT_POOLS)):
+        if given and not args.sweep:  # refused, not ignored
+            print(f"mmcache replay: {option} needs --sweep", file=sys.stderr)
+            return 2
     if args.plot and not can_plot():  # refused before the replay, not after it
         print("mmcache replay: --plot needs matplotlib (pip install 'mmcache[bench]')", file=sys.stderr)
         return 2
