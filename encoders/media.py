@@ -10,9 +10,10 @@ Invariants:
 * ``RawImage.data`` is never re-encoded: equal bytes give equal digests whatever the source kind was.
 * Every failure to read or decode an item raises ``MediaDecodeError`` whose ``item`` is the ``MediaRef`` (index
   in the request, source kind); nothing else escapes for bad input, and nothing is cached or held by a failure.
-* The pixel count (width * height from the header) is checked against ``ImageLimits.max_pixels`` before any
-  pixel is decoded, and byte sizes against ``max_bytes`` before a payload is read or base64-decoded, so a
-  decompression bomb or an oversized upload costs no memory.
+* The pixel count (width * height from the header) and the aspect ratio are checked against
+  ``ImageLimits.max_pixels`` and ``max_aspect_ratio`` before any pixel is decoded, and byte sizes against
+  ``max_bytes`` before a payload is read or base64-decoded, so a decompression bomb, an oversized upload or a
+  strip that a processor would upscale into gigabytes costs no memory.
 * A decoded image is fully loaded RGB: the first frame, EXIF orientation applied, transparency composited on
   white (the rule of transformers' ``convert_to_rgb``). ``DECODE_PARAMS`` names this rule; it is part of every
   media digest, so changing the rule changes the digests.
@@ -59,9 +60,16 @@ class ImageLimits:
     formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
     allow_paths: bool = True
     path_root: Path | None = None  # when set, file paths must resolve inside this folder
+    # Longest over shortest edge. Image processors resize the shortest edge up to their size, so a 1-pixel-high
+    # strip of a few hundred bytes grows by its width times that size squared (about 10 KB per pixel of width
+    # at CLIP's 32, 49 times more at 224). 200 is the bound Qwen2-VL's own processor sets.
+    max_aspect_ratio: float = 200.0
 
     def __post_init__(self):
         check_limits(self, ("max_pixels", "max_bytes"))
+        r = self.max_aspect_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r < float("inf"):
+            raise InvalidRequest(f"max_aspect_ratio must be a finite number of at least 1, got {r!r}")
         if not isinstance(self.formats, (tuple, list)) or not all(isinstance(f, str) for f in self.formats):
             raise InvalidRequest(f"formats must be a tuple of format names, got {self.formats!r}")
         object.__setattr__(self, "formats", tuple(self.formats))
@@ -215,6 +223,10 @@ def decode_image(raw: RawImage, limits: ImageLimits = ImageLimits()) -> Image.Im
         if width * height > limits.max_pixels:
             raise MediaDecodeError(raw.ref, f"{width}x{height} = {width * height} pixels exceed the limit of "
                                             f"{limits.max_pixels} (refused before decoding)")
+        if max(width, height) > limits.max_aspect_ratio * min(width, height):
+            raise MediaDecodeError(raw.ref, f"{width}x{height}: the long edge is more than "
+                                            f"{limits.max_aspect_ratio:g} times the short one (max_aspect_ratio; "
+                                            f"refused before decoding)")
         fmt = image.format
         try:
             image.load()

@@ -117,7 +117,8 @@ except Exception as e:
 
 @pytest.mark.parametrize("setting", [{"max_pixels": 0}, {"max_bytes": "1 MiB"}, {"max_pixels": True},
                                      {"max_bytes": 1.5}, {"formats": "PNG"}, {"formats": None}, {"formats": (1,)},
-                                     {"allow_paths": "no"}, {"path_root": 5}])
+                                     {"allow_paths": "no"}, {"path_root": 5}, {"max_aspect_ratio": 0.5},
+                                     {"max_aspect_ratio": float("inf")}, {"max_aspect_ratio": "200"}])
 def test_image_limits_refuse_bad_settings_with_a_typed_error(setting):
     # A string limit used to fail comparing with 0 (TypeError), a float or bool passed, a bad formats value
     # surfaced only when an image was decoded.
@@ -195,6 +196,20 @@ def test_pixel_limit_is_checked_from_the_header(png):
     with pytest.raises(MediaDecodeError, match=r"451x300 = 135300 pixels exceed the limit of 135299"):
         decode_image(RawImage(png, MediaRef(0, SOURCE_BYTES)), ImageLimits(max_pixels=135299))
     assert decode_image(RawImage(png, MediaRef(0, SOURCE_BYTES)), ImageLimits(max_pixels=135300)).size == (451, 300)
+
+
+def test_aspect_ratio_is_checked_from_the_header():
+    # A 1-pixel-high strip of a few hundred bytes passed the pixel limit; LLaVA's processor then resized its
+    # short edge up to 32 and worked on 32x32 times its width: about 4 GB for 1x400000, a MemoryError or the
+    # process killed.
+    for width, height in ((400_000, 1), (1, 201), (2010, 10)):
+        with pytest.raises(MediaDecodeError, match="more than 200 times the short one"):
+            decode_image(RawImage(png_with_header(width, height), MediaRef(0, SOURCE_BYTES)))
+    strip = io.BytesIO()
+    Image.new("RGB", (200, 1), "white").save(strip, format="PNG")
+    assert decode_image(RawImage(strip.getvalue(), MediaRef(0, SOURCE_BYTES))).size == (200, 1)
+    with pytest.raises(MediaDecodeError, match="more than 100 times"):
+        decode_image(RawImage(strip.getvalue(), MediaRef(0, SOURCE_BYTES)), ImageLimits(max_aspect_ratio=100))
 
 
 def test_formats_outside_the_accepted_list_are_refused(png):
