@@ -10,6 +10,15 @@ the first page another owner still holds or another branch still needs. The whol
 and batches repeat, least recent run first, until the shortfall is covered or nothing evictable is left.
 
 Evicting leaves only keeps every entry's parent in the index, so no page is ever stranded behind a hole.
+
+Windowed labels are the one way an index-only page can sit above pages a live request holds: ``release_oldest``
+gives back a seeded (or prefill-published) page while the request keeps the later pages of that chain, which
+stay in the index. No leaf is then ever reachable above them. So, when no evictable leaf is left, the batch
+*detaches* the least recent such page: its index descendants all leave the index at once (each is held by a
+windowed request that released an ancestor, or is index-only and freed), which makes the page a leaf that the
+next cold tail takes. The requests keep their pages; only the index's ownership is dropped. A page in a live
+request's chain is never detached: a chain runs unbroken from the root, so its ancestors are held too.
+After ``evict`` stopped short, therefore, the index alone holds no page at all.
 """
 
 from __future__ import annotations
@@ -42,18 +51,36 @@ def cold_tail(index: PrefixIndex, pool: PagePool) -> np.ndarray:
     return np.asarray(batch, dtype=np.int32)
 
 
-def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int) -> tuple[int, int]:
-    """Evict cold tails until ``pages_wanted`` pages were freed or none is evictable.
+def stranded_descendants(index: PrefixIndex, pool: PagePool) -> np.ndarray:
+    """The index descendants of the least recent index-only page that has children (empty when there is
+    none). Call it only when no leaf is evictable: then every such page sits above pages a windowed request
+    still holds (see the module docstring)."""
+    stranded = index.in_index & (pool.refcount == 1) & (index.children > 0)
+    if not stranded.any():
+        return np.empty(0, dtype=np.int32)
+    top = int(np.where(stranded, index.stamp, _NEVER).argmin())
+    entries = np.flatnonzero(index.in_index).astype(np.int32)
+    found, level = [], np.asarray([top], dtype=np.int32)
+    while len(level):
+        level = entries[np.isin(index.parent[entries], level)]
+        found.append(level)
+    return np.concatenate(found)
 
-    Returns ``(pages_freed, batches)``. A batch is never split: it may free more than wanted.
+
+def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int) -> tuple[int, int]:
+    """Evict cold tails until ``pages_wanted`` pages were freed or the index alone holds no page.
+
+    Returns ``(pages_freed, batches)``. A batch is never split: it may free more than wanted. A detachment
+    counts as a batch; of its pages only those it freed (the index-only ones) count as freed.
     """
     freed = batches = 0
     while freed < pages_wanted:
         batch = cold_tail(index, pool)
         if not len(batch):
-            break
+            batch = stranded_descendants(index, pool)
+            if not len(batch):
+                break
         index.remove(batch)
-        pool.decref(batch)
-        freed += len(batch)
+        freed += len(pool.decref(batch))
         batches += 1
     return freed, batches

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InvalidRequest
 from .names import Extras
 from .pool import PagePool
 
@@ -44,15 +45,18 @@ class PrefixIndex:
         # Each entry owns a distinct page, so at most half the slots are live; tombstones are bounded by
         # rebuilding, so live + tombstone slots stay <= 3/4 of them and every probe sequence meets an EMPTY.
         self._cap = max(8, 2 * n)
-        self._keys = np.zeros(self._cap, dtype=np.uint64)
-        self._vals = np.full(self._cap, EMPTY, dtype=np.int32)
+        try:
+            self._keys = np.zeros(self._cap, dtype=np.uint64)
+            self._vals = np.full(self._cap, EMPTY, dtype=np.int32)
+            self.name = np.zeros(n, dtype=np.uint64)
+            self.parent = np.zeros(n, dtype=np.int32)
+            self.in_index = np.zeros(n, dtype=bool)
+            self.children = np.zeros(n, dtype=np.int32)
+            self.stamp = np.zeros(n, dtype=np.int64)
+            self.has_extras = np.zeros(n, dtype=bool)
+        except (MemoryError, ValueError) as e:  # numpy's refusal of a size, or of the memory (as PagePool)
+            raise InvalidRequest(f"an index over {n} pages cannot be allocated: {type(e).__name__}: {e}") from None
         self._tombstones = 0
-        self.name = np.zeros(n, dtype=np.uint64)
-        self.parent = np.zeros(n, dtype=np.int32)
-        self.in_index = np.zeros(n, dtype=bool)
-        self.children = np.zeros(n, dtype=np.int32)
-        self.stamp = np.zeros(n, dtype=np.int64)
-        self.has_extras = np.zeros(n, dtype=bool)
         self._extras: dict[int, Extras] = {}
         self._clock = 0
         self.size = 0

@@ -16,7 +16,9 @@ Invariants (``check_invariants``):
 * Seeding matches whole pages and always leaves at least one prompt token to compute (the first output needs
   logits), so the write frontier opens a fresh page and nothing is copied.
 * A failed call leaves the manager as it was, except that cached pages may have been evicted; a live request
-  never fails to allocate while the index alone holds a page (``alloc_failures_cache_held`` stays 0).
+  never fails to allocate while the index alone holds a page (``alloc_failures_cache_held`` stays 0). This
+  holds for windowed labels too: a page ``release_oldest`` gave back to the index while the request keeps
+  later pages of its chain is reclaimed by detaching those later pages from the index (``eviction``).
 
 Modes: ``on`` (seed and store), ``off`` (today's behaviour: every page freed at teardown, no names), and
 ``shadow``: pages behave as ``off`` while a metadata-only ``on`` manager (``self.shadow``) mirrors every call
@@ -33,14 +35,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, RequestStateError,
+from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, MmcacheError, RequestStateError,
                      UnknownRequest)
 from .checks import positive_int
 from .eviction import evict
 from .index import PrefixIndex
 from .metrics import CacheMetrics
 from .names import Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_extras
-from .pool import KVSpec, PagePool
+from .pool import MAX_PAGES, KVSpec, PagePool
 
 MODES = ("on", "off", "shadow")
 ROOTS_KEPT = 1024  # root materials (fingerprint + salt) kept before unused ones are forgotten (index.forget_roots)
@@ -57,6 +59,8 @@ class CacheConfig:
     def __post_init__(self):
         if not positive_int(self.num_pages):
             raise InvalidRequest(f"num_pages must be a positive int, got {self.num_pages!r}")
+        if self.num_pages > MAX_PAGES:
+            raise InvalidRequest(f"num_pages must be at most {MAX_PAGES} (page ids are int32), got {self.num_pages}")
         if not positive_int(self.page_size):
             raise InvalidRequest(f"page_size must be a positive int, got {self.page_size!r}")
         if self.mode not in MODES:
@@ -559,7 +563,12 @@ class AllocationManager:
 
     def release_oldest(self, request_id, num_pages: int) -> np.ndarray:
         """Release the ``num_pages`` oldest full pages after the protected prefix, through the counted free
-        (a shared page is decremented, not freed). Returns the released page ids."""
+        (a shared page is decremented, not freed). Returns the released page ids.
+
+        The first release makes the label windowed (protected prefix 0 unless ``protect_prefix`` set one).
+        Releasing 0 pages changes nothing: the label does not become windowed and an empty array is returned.
+        A released page the index also holds stays cached; if the request still holds later pages of its
+        chain, eviction reaches it by first dropping those later pages from the index (``eviction``)."""
         with self._lock:
             req = self._live(request_id, "release_oldest")
             p = self.page_size
@@ -568,6 +577,8 @@ class AllocationManager:
             if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
                     or not 0 <= num_pages <= len(candidates):
                 raise InvalidRequest(f"can release 0..{len(candidates)} pages, asked {num_pages!r}", request_id)
+            if num_pages == 0:
+                return np.empty(0, dtype=np.int32)
             if req.protected_tokens is None:
                 req.protected_tokens = 0
             out = []
@@ -579,14 +590,15 @@ class AllocationManager:
                 req.released.add(i)
             released = np.asarray(out, dtype=np.int32)
             self.pool.decref(released)
-            if req.chain and len(req.chain) > min(req.released):
-                req.chain = req.chain[:min(req.released)]
+            # The chain holds only pages the request holds: it ends before the first released position.
+            del req.chain[min(req.released):]
             self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
         return released
 
     def clear_cache(self) -> int:
-        """Evict every cached page no request holds (cold tails, as on shortfall). Returns the pages freed,
-        the shadow manager's included."""
+        """Evict every cached page no request holds (cold tails, as on shortfall; pages a windowed request
+        still holds leave the index if that is what reaches one it released). Returns the pages freed, the
+        shadow manager's included."""
         with self._lock:
             freed, batches = evict(self.index, self.pool, self.pool.num_pages) if self.mode == "on" else (0, 0)
             self.metrics.evicted_pages += freed
@@ -605,8 +617,9 @@ class AllocationManager:
         return req
 
     def _mirror(self, request_id, call: Callable[["AllocationManager"], object], ending: bool = False) -> None:
-        """Replay a successful call on the shadow manager. The shadow never fails the real request: if it
-        runs out of pages it drops that request from its accounting (``shadow_failures``)."""
+        """Replay a successful call on the shadow manager. The shadow never fails the real request, whose
+        call has already taken effect: if the shadow raises one of mmcache's errors (it ran out of pages, or
+        its state let it refuse the call) it drops that request from its accounting (``shadow_failures``)."""
         if self.shadow is None:
             return
         if request_id in self._shadow_dropped:
@@ -615,9 +628,10 @@ class AllocationManager:
             return
         try:
             call(self.shadow)
-        except AllocationFailed:
+        except MmcacheError:
             self.shadow_failures += 1
-            self.shadow.abort(request_id)
+            if request_id in self.shadow:
+                self.shadow.abort(request_id)
             if not ending:
                 self._shadow_dropped.add(request_id)
 

@@ -31,6 +31,9 @@ from .checks import positive_int
 from .errors import InvalidRequest
 from .names import TOKEN_DTYPE
 
+MAX_PAGES = 2**31 - 1
+"""The most pages one pool may have: page ids are int32 everywhere (free stack, page tables, index links)."""
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -63,16 +66,18 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int, kv_spec: KVSpec | None = None):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        if num_pages > MAX_PAGES:
+            raise InvalidRequest(f"a pool holds at most {MAX_PAGES} pages (int32 page ids), got {num_pages}")
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         try:
             self.refcount = np.zeros(self.num_pages, dtype=np.int32)
             self.ids = np.zeros((self.num_pages, self.page_size), dtype=TOKEN_DTYPE)
+            # Free stack: _free[:_free_top] are free; popping from the top reuses recently freed pages first.
+            self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         except (MemoryError, ValueError) as e:  # numpy's refusal of a size, or of the memory
             raise InvalidRequest(f"a pool of {num_pages} pages of {page_size} tokens cannot be allocated: "
                                  f"{type(e).__name__}: {e}") from None
-        # Free stack: _free[:_free_top] are free; popping from the top reuses recently freed pages first.
-        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._free_top = self.num_pages
         self.kv_spec = kv_spec
         self.kv = None

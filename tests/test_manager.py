@@ -1,6 +1,7 @@
 """Allocation manager behaviour: salts, extras, eviction order, suspension, windowing, threads, bad input."""
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,8 +9,9 @@ import torch
 
 from mmcache import (AllocationFailed, AllocationManager, CacheConfig, DuplicateRequest, Fingerprint,
                      InvalidRequest, MediaItem, RequestStateError, UnknownRequest, media_digest)
+from mmcache.index import PrefixIndex
 from mmcache.manager import ROOTS_KEPT
-from mmcache.pool import KVSpec
+from mmcache.pool import KVSpec, PagePool
 
 P = 4
 
@@ -371,13 +373,27 @@ def test_config_validation():
     lambda: Fingerprint(5, "none", "none", 4),
     lambda: AllocationManager(CacheConfig(num_pages=4, page_size=4), None),  # AttributeError
     lambda: AllocationManager(CacheConfig(num_pages=4, page_size=4), Fingerprint.for_tests(4), kv_spec="float32"),
-    lambda: AllocationManager(CacheConfig(num_pages=10**13, page_size=4), Fingerprint.for_tests(4)),  # MemoryError
-    lambda: AllocationManager(CacheConfig(num_pages=10**23, page_size=10**22),  # numpy ValueError
-                              Fingerprint.for_tests(10**22)),
+    lambda: AllocationManager(CacheConfig(num_pages=10**13, page_size=4), Fingerprint.for_tests(4)),  # past int32
+    lambda: AllocationManager(CacheConfig(num_pages=2**20, page_size=2**30),  # MemoryError
+                              Fingerprint.for_tests(2**30)),
+    lambda: AllocationManager(CacheConfig(num_pages=2**20, page_size=2**42),  # numpy ValueError
+                              Fingerprint.for_tests(2**42)),
 ])
 def test_bad_pool_settings_are_typed_errors(make_it):
     with pytest.raises(InvalidRequest):
         make_it()
+
+
+def test_pools_past_int32_page_ids_or_memory_are_typed_errors():
+    # 2**31 pages raised OverflowError from the int32 free stack; an index too large for memory raised numpy's
+    # MemoryError unwrapped.
+    assert CacheConfig(num_pages=2**31 - 1).num_pages == 2**31 - 1  # the largest (only the config is built)
+    with pytest.raises(InvalidRequest, match="at most 2147483647"):
+        CacheConfig(num_pages=2**31)
+    with pytest.raises(InvalidRequest, match="at most 2147483647"):
+        PagePool(2**31, 1)
+    with pytest.raises(InvalidRequest, match="index over"):
+        PrefixIndex(SimpleNamespace(num_pages=10**13, page_size=4))  # PrefixIndex reads only these
 
 
 def test_a_kv_spec_names_its_dtype_by_name_or_object():

@@ -3,6 +3,8 @@
 The checks here are independent of the manager's own bookkeeping: owners are recounted from the public
 page tables and the index flags, written ids are compared with what this test wrote, and every index entry's
 chain (walked through parents to the root) must spell a prefix of a sequence some request actually wrote.
+Windowed labels take part (``protect_prefix``, ``release_oldest`` on seeded and published pages), and an
+allocation that fails must leave no page held by the index alone (``alloc_failures_cache_held`` stays 0).
 """
 
 import numpy as np
@@ -10,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mmcache import AllocationFailed, AllocationManager, CacheConfig, Fingerprint
+from mmcache import AllocationFailed, AllocationManager, CacheConfig, Fingerprint, InvalidRequest
 
 P = 4
 NUM_PAGES = 20
@@ -56,7 +58,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if k:
             got = self.mgr.pool.ids[view.page_indices[: k // P]].reshape(-1)
             assert np.array_equal(got, prompt[:k]), "a seeded page holds other ids than the prompt"
-        self.live[rid] = {"prompt": prompt, "target": prompt, "written": list(prompt[:k]), "suspended": False}
+        self.live[rid] = {"prompt": prompt, "target": prompt, "written": list(prompt[:k]), "suspended": False,
+                          "windowed": False, "released": False}
 
     @precondition(lambda self: self._running(lambda r: len(r["written"]) < len(r["target"])))
     @rule(data=st.data(), n=st.integers(1, 9))
@@ -102,10 +105,37 @@ class ManagerMachine(RuleBasedStateMachine):
         self.sequences.append(tuple(r["written"]))  # published-at-prefill pages may stay indexed
         self.mgr.abort(rid)
 
+    @precondition(lambda self: self._running(lambda r: not r["windowed"]))
+    @rule(data=st.data(), tokens=st.integers(0, 40))
+    def protect_prefix(self, data, tokens):
+        rid = data.draw(st.sampled_from(self._running(lambda r: not r["windowed"])))
+        limit = max(len(self.live[rid]["prompt"]), self._snapshot(rid)[1])
+        self.mgr.protect_prefix(rid, min(tokens, limit))
+        self.live[rid]["windowed"] = True
+
     @precondition(lambda self: self._running())
+    @rule(data=st.data(), n=st.integers(0, 3))
+    def release_oldest(self, data, n):
+        """Seeded and published pages included; releasing 0 pages changes nothing."""
+        rid = data.draw(st.sampled_from(self._running()))
+        before = self._snapshot(rid)
+        rc_before = self.mgr.pool.refcount.copy()
+        try:
+            released = self.mgr.release_oldest(rid, n)
+        except InvalidRequest:
+            assert self._snapshot(rid) == before and np.array_equal(self.mgr.pool.refcount, rc_before)
+            return
+        assert len(released) == n
+        pages, seq_len = self._snapshot(rid)
+        assert seq_len == before[1] and pages == [-1 if p in released else p for p in before[0]]
+        assert np.array_equal(rc_before[released] - 1, self.mgr.pool.refcount[released])
+        if n:
+            self.live[rid]["windowed"] = self.live[rid]["released"] = True
+
+    @precondition(lambda self: self._running(lambda r: not r["released"]))
     @rule(data=st.data())
     def suspend(self, data):
-        rid = data.draw(st.sampled_from(self._running()))
+        rid = data.draw(st.sampled_from(self._running(lambda r: not r["released"])))
         pages, _ = self._snapshot(rid)
         rc_before = self.mgr.pool.refcount.copy()
         ids = self.mgr.suspend(rid)
@@ -170,9 +200,10 @@ class ManagerMachine(RuleBasedStateMachine):
             assert seq_len == len(r["written"])
             held = [p for p in pages if p >= 0]
             np.add.at(owners, np.asarray(held, dtype=np.int64), 1)
-            if seq_len:
-                got = mgr.pool.ids[np.asarray(pages[: -(-seq_len // P)])].reshape(-1)[:seq_len]
-                assert got.tolist() == r["written"], "a live request's pages lost what it wrote"
+            for i, page in enumerate(pages[: -(-seq_len // P)]):
+                if page >= 0:  # -1: released by release_oldest
+                    got = mgr.pool.ids[page][: seq_len - i * P].tolist()
+                    assert got == r["written"][i * P:(i + 1) * P], "a live request's pages lost what it wrote"
             for p in pages[seq_len // P:]:
                 assert p not in tails, "a page is two requests' tail"
                 tails[p] = rid
@@ -180,6 +211,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert np.array_equal(owners, rc), "owner counts differ from the owners"
         assert set(np.flatnonzero(rc == 0).tolist()) == set(mgr.pool.free_pages().tolist())
         assert mgr.metrics.alloc_failures_cache_held == 0
+        if mgr.shadow is not None:
+            assert mgr.shadow.metrics.alloc_failures_cache_held == 0
         written = self.sequences + [tuple(r["written"]) for r in self.live.values()]
         idx = mgr.index
         for page in np.flatnonzero(idx.in_index):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from mmcache import AllocationManager, CacheConfig, TraceFormatError
+from mmcache import AllocationManager, CacheConfig, InvalidRequest, TraceFormatError
 from mmcache.replay import AgentSessions, MooncakeTrace, SessionParams, SessionParamsError, load_params
 from mmcache.replay.report import duplicate_media_rate
 from mmcache.replay.sessions import DEFAULT_PARAMS, Dist, MediaParams, params_to_dict
@@ -195,3 +195,13 @@ def test_distinct_images_give_distinct_page_names():
     first_image_page = a.media()[0].position // 4
     np.testing.assert_array_equal(names_a[:first_image_page], names_b[:first_image_page])
     assert names_a[first_image_page] != names_b[first_image_page]
+
+
+def test_a_replayed_pool_past_int32_page_ids_is_refused_by_its_config():
+    # 2**31 pages got through ReplayConfig and raised OverflowError from the pool's int32 free stack (the
+    # replay CLI printed a traceback instead of its one-line error).
+    assert ReplayConfig(pool_tokens=2**31 - 1, page_size=1).num_pages == 2**31 - 1
+    with pytest.raises(InvalidRequest, match="at most 2147483647 pages"):
+        ReplayConfig(pool_tokens=2**31, page_size=1)
+    with pytest.raises(InvalidRequest, match="at most 2147483647 pages"):
+        ReplayConfig(pool_tokens=2**40, page_size=128)

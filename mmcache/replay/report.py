@@ -10,7 +10,9 @@ counts in the denominator and matches nothing):
 * ``replica_ceiling_share``: the ceiling when each replica only sees what was routed to it, so
   ``dilution_share = ceiling_share - replica_ceiling_share`` is the repeat-prefix share routing sent to a
   replica that never saw the prefix;
-* ``residual_share``: the rest of the gap to the ceiling (pool size: evictions, queueing, rejections).
+* ``residual_share = ceiling_share - realized_share - forfeit_share``: the gap to the ceiling that the
+  forfeit does not explain. It holds ``dilution_share`` (0 with one replica) as well as what the pool size
+  costs (evictions, queueing, rejections), so residual and dilution overlap and are not to be added.
 
 ``stalls`` counts allocations that failed while cached data still held pages (must be 0); a request held
 because live requests alone filled its pool is counted in ``queue`` instead.

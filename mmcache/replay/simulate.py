@@ -18,8 +18,9 @@ A request's life, at simulated times:
   for the rest of its final sequence at once (a scheduler reserving ``max_tokens``, so nothing is preempted
   later), and ``commit`` writes its uncached prompt. When ``reserve`` raises ``AllocationFailed`` the pool
   is full of live requests (the manager evicted every cached page it could first), so the request is
-  aborted, which gives back what seeding took, and waits at the head of the queue until a request of that
-  replica ends. A queue wait is counted apart from stalls caused by cached data
+  aborted with ``requeue=True``, which gives back what seeding took and takes its lookup back out of the
+  manager's metrics (a request is counted once, at the admission that ran), and waits at the head of the
+  queue until a request of that replica ends. A queue wait is counted apart from stalls caused by cached data
   (``alloc_failures_cache_held``), which must stay 0; if a replica with nothing running cannot admit its
   head, only cached data can be in the way and ``ReplayStalled`` is raised rather than waiting forever.
 * end, ``CostModel`` seconds later: ``commit`` of the output ids, then ``teardown`` stores every full page.
@@ -42,6 +43,7 @@ import numpy as np
 from ..errors import AllocationFailed, InvalidRequest, MmcacheError
 from ..manager import STORE_AT, AllocationManager, CacheConfig
 from ..names import Fingerprint
+from ..pool import MAX_PAGES
 from ..router import ReplicaRouter, RouterConfig
 from .costmodel import CostModel
 from .workload import RequestSpec, Workload
@@ -98,6 +100,9 @@ class ReplayConfig:
             raise InvalidRequest(f"replicas must be at most {MAX_REPLICAS}, got {self.replicas}")
         if self.pool_tokens < self.page_size:
             raise InvalidRequest(f"pool of {self.pool_tokens} tokens holds no {self.page_size}-token page")
+        if self.num_pages > MAX_PAGES:
+            raise InvalidRequest(f"pool of {self.pool_tokens} tokens is {self.num_pages} pages of {self.page_size}; "
+                                 f"a pool holds at most {MAX_PAGES} pages (page ids are int32)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRequest(f"seed must be a non-negative int, got {self.seed!r}")
         if self.routing not in ROUTINGS:
@@ -170,7 +175,7 @@ def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
             try:
                 m.reserve(spec.request_id, spec.prompt_len - res.matched_tokens + spec.output_len)
             except AllocationFailed:
-                m.abort(spec.request_id)
+                m.abort(spec.request_id, requeue=True)  # it is admitted again: its lookup counts once
                 log.waited[i] = True
                 if rep.running == 0:
                     raise ReplayStalled(r, spec.request_id, m.metrics.alloc_failures_cache_held) from None
