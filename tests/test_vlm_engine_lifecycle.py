@@ -241,8 +241,11 @@ def test_an_image_the_models_processor_refuses_fails_its_request_only(crops):
 
     from PIL import Image
 
+    from encoders.media import ImageLimits
+
     qwen = build_vlm("tiny-qwen2-vl")
-    vlm = front(qwen)
+    vlm = VLMEngine(Engine(qwen.model, None, EngineConfig(page_size=P, num_pages=256)),
+                    qwen.prompt_builder(EncoderOutputStore(1 << 24), ImageLimits(max_aspect_ratio=10_000)))
     sliver = io.BytesIO()
     Image.new("RGB", (3000, 2), (10, 200, 30)).save(sliver, "PNG")
     outs = vlm.generate([ask(crops[0], rid="good"), ask(sliver.getvalue(), rid="sliver"), ask(crops[1], rid="too")])
@@ -251,6 +254,9 @@ def test_an_image_the_models_processor_refuses_fails_its_request_only(crops):
     assert isinstance(outs[1].error, MediaDecodeError) and "aspect ratio" in str(outs[1].error)
     assert len(vlm.store) == 2  # nothing stored for the refused image
     assert_whole(vlm)
+    # under the default limits the same image is refused from its header, before the processor sees it
+    outs = front(qwen).generate([ask(sliver.getvalue(), rid="sliver")])
+    assert isinstance(outs[0].error, MediaDecodeError) and "max_aspect_ratio" in str(outs[0].error)
 
 
 def test_abort_abandoned_stream_forward_error_and_refusals_release_leases_once(llava, crops):
