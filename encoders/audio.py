@@ -14,9 +14,13 @@ Invariants:
 * The sample rate is never changed here: a file at another rate than the encoder's is refused with the two
   rates named (resampling is a preprocessing choice with its own filter, so it belongs to the caller, and the
   codec would otherwise see other samples than the caller believes it sent).
-* A truncated file is refused, not decoded to the frames it still holds: a WAV whose data chunk declares more
-  bytes than the file holds (libsndfile would shorten it silently), any file that decodes to fewer frames than
-  its header declares.
+* Only the containers ``AudioLimits.formats`` names are decoded (WAV, FLAC and OGG by default), refused from
+  the header otherwise.
+* A truncated WAV is refused, not decoded to the frames it still holds: its data chunk declares more bytes
+  than the file holds (libsndfile would shorten it silently); so is a file that decodes to fewer frames than
+  its header declares (FLAC's stream info). An OGG file declares no length before its last page, so one cut
+  short decodes to the pages it holds; other containers (AIFF, CAF, W64, RF64), which libsndfile also
+  shortens silently, are outside the default formats.
 * A decoded waveform is float32, mono (several channels are averaged, the rule ``DECODE_PARAMS`` names) and
   finite; an empty or non-finite file is refused.
 """
@@ -48,11 +52,15 @@ class AudioLimits:
     max_seconds: float = 300.0
     max_bytes: int = 64 * 2**20
     max_channels: int = 2  # a voice clip is mono or stereo; each channel costs a full decode
+    formats: tuple[str, ...] = ("WAV", "FLAC", "OGG")  # libsndfile's container names
     allow_paths: bool = True
     path_root: Path | None = None  # when set, file paths must resolve inside this folder
 
     def __post_init__(self):
         check_limits(self, ("max_bytes", "max_channels"))
+        if not isinstance(self.formats, (tuple, list)) or not all(isinstance(f, str) for f in self.formats):
+            raise InvalidRequest(f"formats must be a tuple of container names, got {self.formats!r}")
+        object.__setattr__(self, "formats", tuple(self.formats))
         m = self.max_seconds
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
             raise InvalidRequest(f"max_seconds must be a positive finite number, got {m!r}")
@@ -90,6 +98,9 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     try:
         with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
             rate, frames, channels = f.samplerate, f.frames, f.channels
+            if f.format not in limits.formats:
+                raise MediaDecodeError(raw.ref, f"container {f.format} is not accepted "
+                                                f"(accepted: {', '.join(limits.formats)})")
             if channels > limits.max_channels:
                 raise MediaDecodeError(raw.ref, f"{channels} channels exceed the limit of {limits.max_channels} "
                                                 f"(refused before decoding)")

@@ -54,17 +54,26 @@ def cold_tail(index: PrefixIndex, pool: PagePool) -> np.ndarray:
 def stranded_descendants(index: PrefixIndex, pool: PagePool) -> np.ndarray:
     """The index descendants of the least recent index-only page that has children (empty when there is
     none). Call it only when no leaf is evictable: then every such page sits above pages a windowed request
-    still holds (see the module docstring)."""
+    still holds (see the module docstring).
+
+    Found by pointer jumping over the whole index at once: each round doubles how far up every entry looks,
+    so a chain of depth d costs about log2(d) passes over the pages, not one pass per level."""
     stranded = index.in_index & (pool.refcount == 1) & (index.children > 0)
     if not stranded.any():
         return np.empty(0, dtype=np.int32)
     top = int(np.where(stranded, index.stamp, _NEVER).argmin())
-    entries = np.flatnonzero(index.in_index).astype(np.int32)
-    found, level = [], np.asarray([top], dtype=np.int32)
-    while len(level):
-        level = entries[np.isin(index.parent[entries], level)]
-        found.append(level)
-    return np.concatenate(found)
+    pages = np.arange(len(index.parent), dtype=np.int32)
+    # up[p]: the page 2^k levels above p (p itself past its chain's first page or outside the index)
+    up = np.where(index.in_index & (index.parent >= 0), index.parent, pages)
+    below = up == top  # whether top lies above p, within the levels looked at so far
+    while True:
+        further = up[up]
+        below |= below[up]
+        if np.array_equal(further, up):
+            break
+        up = further
+    below[top] = False  # a first page of its chain points at itself: top is not its own descendant
+    return np.flatnonzero(below & index.in_index).astype(np.int32)
 
 
 def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int) -> tuple[int, int]:

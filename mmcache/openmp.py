@@ -80,12 +80,13 @@ def _child_entry() -> tuple[str, str]:
     directory: ``python -m`` and ``-c`` put that directory first on ``sys.path``, where a user's own
     ``benchmarks`` package would take the place of this project's. ``-P`` leaves it out only from Python 3.11
     (this project supports 3.10), so the code drops that first entry itself (``''``; absent under
-    ``PYTHONSAFEPATH``) and appends the folder holding this mmcache when the path lacks it (a clone run as
-    ``python -m mmcache.cli`` without an install), so the child runs the parent's mmcache."""
+    ``PYTHONSAFEPATH``) and, when the path lacks the folder holding this mmcache (a clone run as ``python -m
+    mmcache.cli``, its folder known only as ``''``), puts it first, ahead of any installed copy, so the child
+    runs the parent's mmcache."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return "-c", ("import sys\n"
                   "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
-                  f"if {root!r} not in sys.path:\n    sys.path.append({root!r})\n"
+                  f"if {root!r} not in sys.path:\n    sys.path.insert(0, {root!r})\n"
                   "from mmcache.cli import main\n"
                   "sys.exit(main())\n")
 

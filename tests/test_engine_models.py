@@ -12,7 +12,7 @@ from mmcache.engine import (ATTENTION_BACKEND, Engine, EngineConfig, ModelLoadEr
                             Request, SamplingParams, UnknownPreset, UnsupportedModel)
 from mmcache.engine import kernels, native
 from mmcache.errors import InvalidRequest
-from mmcache.engine.models import build_model, model_digest
+from mmcache.engine.models import build_model, load_model, model_digest
 from mmcache.engine.presets import PRESETS, get_preset, preset_config
 from mmcache.engine.tokenizer import train_tokenizer
 from mmcache.names import MediaItem, media_digest
@@ -252,6 +252,17 @@ def _unsupported(kind):
     return tf.Gemma2ForCausalLM(tf.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                                 attn_logit_softcapping=None, **ids))
+
+
+def test_left_over_tensors_of_kinds_the_model_lacks_are_ignored_as_transformers_ignores_them(tmp_path):
+    # Older transformers saved buffers such as rotary inv_freq or GPT-2's masked_bias; the model has no such
+    # tensor at any layer, so they are not a layer the config dropped.
+    folder = tmp_path / "tiny"
+    assert cli_main(["export-model", "tiny", str(folder), "--dtype", "float32"]) == 0
+    _edit_weights(folder, lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                              for i in range(2)}))
+    model, _ = load_model(folder, "float32")
+    assert model_digest(model) == model_digest(build_model("tiny", "float32")[0])
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mamba"])
@@ -541,3 +552,12 @@ def test_a_longrope_model_is_served_up_to_its_original_context():
     too_long = eng.generate([Request(longer + longer, params)])[0]
     assert isinstance(too_long.error, InvalidRequest) and "max_model_len 64" in str(too_long.error)
     eng.check_invariants()
+
+
+def test_a_max_model_len_past_what_the_model_serves_is_lowered_with_a_warning(caplog):
+    model, tok = build_model("tiny", "float32")
+    limit = model.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="mmcache.engine"):
+        eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=16, max_model_len=limit + 1))
+    assert eng.max_model_len == limit
+    assert f"max_model_len {limit + 1} is more than this model serves; using {limit}" in caplog.text

@@ -105,3 +105,43 @@ def test_a_typed_error_of_the_shadow_never_escapes_a_real_call_that_took_effect(
     assert mgr.shadow_failures == 1 and "w" not in mgr.shadow
     mgr.teardown("w")
     mgr.check_invariants()
+
+
+def test_stranded_descendants_are_exactly_the_subtree_below_the_least_recent_stranded_page():
+    # Pointer jumping against a walk up each entry's chain, on random forests (duck-typed index and pool).
+    from types import SimpleNamespace
+
+    from mmcache.eviction import stranded_descendants
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(2, 60))
+        parent = np.full(n, -1, dtype=np.int32)
+        for p in range(1, n):
+            if rng.random() < 0.8:
+                parent[p] = rng.integers(0, p)  # an earlier page: a forest
+        in_index = rng.random(n) < 0.9
+        for p in range(n):  # an entry's parent is in the index (eviction removes leaves only)
+            q = p
+            while q >= 0 and in_index[q]:
+                q = parent[q]
+            if q >= 0:
+                in_index[p] = False
+        children = np.bincount(parent[in_index & (parent >= 0)], minlength=n).astype(np.int32)
+        refcount = np.where(rng.random(n) < 0.5, 1, 2).astype(np.int32)
+        index = SimpleNamespace(in_index=in_index, parent=parent, children=children,
+                                stamp=rng.permutation(n).astype(np.int64))
+        got = set(stranded_descendants(index, SimpleNamespace(refcount=refcount)).tolist())
+        stranded = [p for p in range(n) if in_index[p] and refcount[p] == 1 and children[p] > 0]
+        if not stranded:
+            assert got == set()
+            continue
+        top = min(stranded, key=lambda p: index.stamp[p])
+
+        def above(p):
+            q = parent[p]
+            while q >= 0:
+                yield int(q)
+                q = parent[q]
+
+        assert got == {p for p in range(n) if in_index[p] and top in above(p)}

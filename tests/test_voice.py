@@ -90,6 +90,11 @@ def test_truncated_files_are_refused_not_shortened():
     streamed = data[:at] + (0xFFFFFFFF).to_bytes(4, "little") + data[at + 4:]
     assert np.array_equal(decode_audio(read_audio(streamed), SAMPLING_RATE), decode_audio(read_audio(data),
                                                                                            SAMPLING_RATE))
+    aiff = io.BytesIO()  # libsndfile shortens a cut AIFF silently too: outside the default formats
+    soundfile.write(aiff, tone(0.1), SAMPLING_RATE, format="AIFF")
+    with pytest.raises(MediaDecodeError, match=r"container AIFF is not accepted \(accepted: WAV, FLAC, OGG\)"):
+        decode_audio(read_audio(aiff.getvalue()), SAMPLING_RATE)
+    assert len(decode_audio(read_audio(aiff.getvalue()), SAMPLING_RATE, AudioLimits(formats=("AIFF",)))) == 2400
     flac = io.BytesIO()
     soundfile.write(flac, tone(0.1), SAMPLING_RATE, format="FLAC")
     with pytest.raises(MediaDecodeError):

@@ -54,8 +54,12 @@ class CausalLMAdapter:
             raise UnsupportedModel(f"{type(model).__name__} is not an attention decoder the engine can serve: its "
                                    f"config lacks an attention shape ({e})") from None
         self.max_model_len = int(getattr(tc, "max_position_embeddings", 0) or 1 << 20)
+        self.max_model_len_reason = "its max_position_embeddings"
         for factors_below in _longrope_limits(tc):
-            self.max_model_len = min(self.max_model_len, factors_below)
+            if factors_below < self.max_model_len:
+                self.max_model_len = factors_below
+                self.max_model_len_reason = ("its longrope original_max_position_embeddings: transformers picks the "
+                                             "rotary factors per forward beyond it")
         layer_types = getattr(tc, "layer_types", None) or ()
         if getattr(tc, "attention_chunk_size", None) or "chunked_attention" in layer_types:
             raise UnsupportedModel(f"{type(model).__name__}: chunked attention (attention_chunk_size) is not "

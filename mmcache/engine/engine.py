@@ -130,6 +130,9 @@ class Engine:
             self.adapter.attach()
             a = self.adapter
             self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
+            if config.max_model_len and config.max_model_len > a.max_model_len:
+                _log.warning("max_model_len %d is more than this model serves; using %d (%s)", config.max_model_len,
+                             a.max_model_len, a.max_model_len_reason)
             self.kv_dtype = a.dtype
             digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
             elem = torch.empty(0, dtype=a.dtype).element_size()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -95,7 +96,7 @@ def load_model(path, dtype="bfloat16"):
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True)
     except Exception as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
-    _check_weights_fit(path, info)
+    _check_weights_fit(path, model, info)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         try:
@@ -110,20 +111,31 @@ def load_model(path, dtype="bfloat16"):
     return model.eval(), tokenizer
 
 
-def _check_weights_fit(path: Path, info: dict) -> None:
+def _check_weights_fit(path: Path, model: torch.nn.Module, info: dict) -> None:
     """Refuse a folder whose weights and config disagree. transformers only warns: it draws every weight the
     files lack at random (a dropped tensor, a config without ``num_hidden_layers`` that builds its default
     depth) and drops every weight the config has no place for (a config naming fewer layers), so the model
-    would run and answer wrongly, differently on every load."""
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        names = sorted(str(k) for k in info.get(kind) or ())
+    would run and answer wrongly, differently on every load.
+
+    A left-over tensor is refused when it has the name of one of the model's own tensors up to layer indices
+    (a layer the config dropped); one of a kind the model does not have at all (a buffer older transformers
+    saved, GPT-2's ``masked_bias``, GPTBigCode's ``attn.bias``) is ignored, as transformers ignores it."""
+    own = {_SHAPE_OF_NAME.sub("N", name) for name in model.state_dict()}
+    problems = {
+        "weights the config needs are not in the files": sorted(str(k) for k in info.get("missing_keys") or ()),
+        "the files hold weights the config has no place for": sorted(
+            str(k) for k in info.get("unexpected_keys") or () if _SHAPE_OF_NAME.sub("N", str(k)) in own),
+        "weights have other shapes than the config gives": sorted(
+            str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ()),
+    }
+    for what, names in problems.items():
         if names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            what = {"missing_keys": "weights the config needs are not in the files",
-                    "unexpected_keys": "the files hold weights the config has no place for",
-                    "mismatched_keys": "weights have other shapes than the config gives"}[kind]
             raise ModelLoadError(f"cannot load {path}: {what} ({shown}); the config and the weights do not belong "
                                  f"together")
+
+
+_SHAPE_OF_NAME = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a tensor name
 
 
 def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
@@ -149,7 +161,8 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
                                    f"export into a new or empty folder")
         if any(out.iterdir()) and not (out / EXPORT_MARK).is_file():
             raise ModelExportError(f"{out} holds a model that mmcache did not export (no {EXPORT_MARK}); its files "
-                                   f"would be replaced: export into a new or empty folder")
+                                   f"would be replaced: export into a new or empty folder (an export written "
+                                   f"before exports were marked has no mark either: delete it first)")
     model, tokenizer = build_model(preset_name, dtype)
     tmp = None
     try:

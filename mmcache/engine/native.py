@@ -212,9 +212,10 @@ def library() -> ctypes.CDLL | None:
                 _log.info("decode kernel unavailable, using ATen: %s", exc)
             _state["why"] = why
             _state["lib"] = lib  # last: a reader that finds "lib" finds "why" too
-    if _state["lib"] is None and mode == "require":
-        raise NativeKernelUnavailable(_state["why"])
-    return _state["lib"]
+        lib, why = _state["lib"], _state["why"]
+    if lib is None and mode == "require":
+        raise NativeKernelUnavailable(why)
+    return lib
 
 
 def status() -> str:
@@ -236,7 +237,8 @@ def status() -> str:
 
 def reset() -> None:
     """Forget the loaded library and the reason for its absence (the next ``library()`` tries again)."""
-    _state.clear()
+    with _state_lock:
+        _state.clear()
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
