@@ -8,7 +8,8 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
 * ``num_pages`` (per label) is explicit or derived from ``kv_cache_bytes``, capped at four times what
   ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
 * ``schedule="serial"`` with ``prefill_chunk_tokens == page_size`` (``EngineConfig.exact``) is the schedule
-  under which cache-on logits equal cache-off logits bit for bit (see ``scheduler``).
+  under which cache-on logits equal cache-off logits bit for bit, for hits on prompt pages (pages of tokens an
+  earlier request generated were written by decode steps; see ``scheduler``).
 * ``defer_shared_prefill`` only changes the schedule: a waiting request whose next unmatched prompt page a
   running request is writing waits for it to be published instead of computing it too (see ``scheduler``).
   It acts only where full prompt pages are published as prefill writes them (``store_at="prefill"``);
