@@ -26,10 +26,11 @@ Invariants:
   a copy, so a caller cannot change a stored entry. No lease outlives the call; a failing encode stores nothing.
 * Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples) is refused with
   ``InvalidRequest`` before anything runs or is stored.
-* The fingerprint is taken again whenever a weight tensor was replaced (its identity or storage) or written in
-  place through autograd's view (its version counter, as ``load_state_dict`` writes), and when the
-  configuration changed (compared at every ``attach``); after a write through ``.data`` or a replaced
-  submodule, which those cannot see, call ``refresh``.
+* The fingerprint follows the codec through ``text_encoders.LiveFingerprint``, as the text encoders' does: it is
+  taken again whenever a weight tensor was replaced, moved or cast (its identity, storage, dtype or device) or
+  written in place through autograd's view (its version counter, as ``load_state_dict`` writes), when an
+  attention kernel changed, and when the configuration changed (compared at every ``attach``); after a write
+  through ``.data`` or a replaced submodule, which those cannot see, call ``refresh``.
 * ``attach`` patches the codec instance and ``detach`` puts back what was there; one attach per codec at a
   time (a second is refused): a server handling requests concurrently attaches once, not per request.
 """
@@ -47,7 +48,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.names import Namer, media_digest
 from mmcache.store import EncoderOutputStore, OutputSpec, store_key
 
-from .text_encoders import kernel_implementations, module_fingerprint
+from .text_encoders import LiveFingerprint, kernel_implementations, module_fingerprint
 
 ADAPTER_VERSION = 1
 _STATE_KEYWORDS = ("encoder_cache", "padding_cache", "use_streaming")
@@ -70,8 +71,9 @@ class CachedCodecEncode:
         self.spec = OutputSpec({"audio_codes": ((None, None, None), torch.int64)})
         self._max_quantizers = codec.config.num_quantizers
         self._lock = threading.Lock()
-        self._fingerprint: tuple[tuple, str] | None = None  # (what it was taken over, the fingerprint)
-        self._slot_list: list | None = None  # where each weight lives (see _slots)
+        self._fingerprint = LiveFingerprint(codec, lambda: module_fingerprint(codec, {
+            "adapter": "codec-encode", "version": ADAPTER_VERSION,
+            "encoder_config": codec.encoder.config.to_json_string()}))
         self._config: str | None = None  # the configuration when last attached
         self._replaced: list = []  # what ``encode`` was on the instance before each attach (a stack)
         self.calls = 0  # codec forwards run (misses, passthroughs and every call with the store off)
@@ -112,20 +114,11 @@ class CachedCodecEncode:
     @property
     def fingerprint(self) -> str:
         """The codec's fingerprint, taken again when a weight tensor was replaced (in ``_parameters`` /
-        ``_buffers``, or its storage through ``.data = ...``) or written in place through autograd's view of it
-        (its version counter), and at each ``attach`` or ``refresh`` (the configuration is compared then). A
-        write through ``.data`` (``p.data.copy_(...)``) bypasses the version counter: call ``refresh`` after
-        one, as after replacing a submodule."""
-        seen = tuple((id(t), t._version, t.data_ptr()) for t in (slot[name] for slot, name in self._slots()))
-        with self._lock:
-            held = self._fingerprint
-        if held is not None and held[0] == seen:
-            return held[1]
-        fp = module_fingerprint(self.codec, {"adapter": "codec-encode", "version": ADAPTER_VERSION,
-                                             "encoder_config": self.codec.encoder.config.to_json_string()})
-        with self._lock:
-            self._fingerprint = (seen, fp)
-        return fp
+        ``_buffers``, or its storage through ``.data = ...`` or ``.to``), written in place through autograd's view
+        of it (its version counter) or the attention kernel changed (``LiveFingerprint``), and at each ``attach``
+        or ``refresh`` (the configuration is compared then). A write through ``.data`` (``p.data.copy_(...)``)
+        bypasses the version counter: call ``refresh`` after one, as after replacing a submodule."""
+        return self._fingerprint()
 
     def _config_state(self) -> str:
         c, e = self.codec.config, self.codec.encoder.config
@@ -134,20 +127,7 @@ class CachedCodecEncode:
 
     def refresh(self) -> None:
         """Take the fingerprint again at the next call (after changes ``fingerprint`` cannot see)."""
-        with self._lock:
-            self._fingerprint = None
-            self._slot_list = None
-
-    def _slots(self) -> list:
-        """``(module._parameters or module._buffers, name)`` of every weight, found once per refresh: looking a
-        tensor up where its module keeps it sees a replaced one, at a fraction of ``state_dict``'s cost."""
-        slots = self._slot_list
-        if slots is None:
-            slots = [(table, name) for module in self.codec.modules()
-                     for table in (module._parameters, module._buffers)
-                     for name, t in table.items() if t is not None]
-            self._slot_list = slots
-        return slots
+        self._fingerprint.refresh()
 
     def key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None = None,
             num_quantizers: int | None = None) -> bytes:

@@ -19,6 +19,10 @@ Invariants:
   end of ``__call__``), also when encoding or the pipeline fails, so entries in use are never evicted and a
   failed request holds nothing afterwards.
 * ``store=None`` runs the same code with every prompt encoded (the store-off baseline).
+* The adapters follow the pipeline's components: before each request an adapter whose text encoder or tokenizer
+  is no longer the pipeline's (identity; ``register_modules``) is built again, and SD3's T5 adapter appears and
+  disappears with ``text_encoder_3`` (without it, the pipeline's zeros). Changes inside a component are the
+  adapter's to follow (``text_encoders.LiveFingerprint``).
 * The embeddings are placed on the pipeline's ``_execution_device``, which diffusers finds by walking every
   module of every component (milliseconds). The wrapper reads it once and again only when the placement
   may have moved (``_placement_state``): a component replaced, its first parameter on another device
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import abc
 import inspect
+import numbers
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -89,9 +95,16 @@ def _negatives(negative: object, batch: int, what: str = "negative_prompt") -> l
 
 
 def _int_at_least(value: object, low: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """``value`` as an int: any integer but a bool (numpy's too, which the pipelines take), at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise InvalidRequest(f"{what} must be an int >= {low}, got {value!r}")
-    return value
+    return int(value)
+
+
+def _check_negative_type(negative: object) -> None:
+    """WanPipeline.check_inputs's rule, applied whether or not the negative branch runs: None, a str or a list."""
+    if negative is not None and not isinstance(negative, (str, list)):
+        raise InvalidRequest(f"negative_prompt must be a str or a list of str, got {type(negative).__name__}")
 
 
 def _guidance_scale(value: object) -> float:
@@ -112,6 +125,11 @@ def _repeat(embeds: torch.Tensor, n: int) -> torch.Tensor:
     if embeds.dim() == 2:
         return embeds.repeat(1, n).view(embeds.shape[0] * n, -1)
     return embeds.repeat(1, n, 1).view(embeds.shape[0] * n, embeds.shape[1], -1)
+
+
+def _follows(adapter, tokenizer, model) -> bool:
+    """Whether ``adapter`` runs exactly these components (identity: an equal copy is another model)."""
+    return adapter is not None and adapter.tokenizer is tokenizer and adapter.model is model
 
 
 def _hooks(module: torch.nn.Module) -> tuple:
@@ -140,6 +158,7 @@ class _CachedPipeline(abc.ABC):
         self._takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self._component_names = tuple(pipe.components)  # fixed by the pipeline class's signature
         self._placement: tuple = ((), None)  # (placement state, execution device), replaced as one
+        self._adapters_lock = threading.Lock()  # one rebuild when two requests see a replaced component
 
     def execution_device(self) -> torch.device:
         """``pipe._execution_device``, read again only when ``_placement_state`` of a component has changed."""
@@ -157,9 +176,21 @@ class _CachedPipeline(abc.ABC):
         """The pipeline's text encoders, checked before every request."""
 
     @property
-    @abc.abstractmethod
     def adapters(self) -> list:
-        """The text-encoder adapters, one per text encoder (their tokenization memos carry hit counts)."""
+        """The text-encoder adapters, one per text encoder of the pipeline as it is now (their tokenization memos
+        carry hit counts)."""
+        with self._adapters_lock:
+            self._follow_components()
+            return self._adapter_list()
+
+    @abc.abstractmethod
+    def _adapter_list(self) -> list:
+        """The adapters held, in the pipeline's order of text encoders."""
+
+    @abc.abstractmethod
+    def _follow_components(self) -> None:
+        """Build again each adapter whose components are no longer the pipeline's (``_follows``); under
+        ``_adapters_lock``."""
 
     @abc.abstractmethod
     def _build(self, leases: list[Lease], prompt, negative_prompt, kwargs: dict) -> dict:
@@ -177,6 +208,8 @@ class _CachedPipeline(abc.ABC):
             if getattr(module, "_hf_peft_config_loaded", False):
                 raise InvalidRequest("a text encoder carries LoRA layers, whose scale is not part of the store "
                                      "key; the store wrapper refuses such pipelines")
+        with self._adapters_lock:
+            self._follow_components()
         leases: list[Lease] = []
         try:
             return PreparedCall(self._build(leases, prompt, negative_prompt, dict(kwargs)), leases)
@@ -206,14 +239,19 @@ class CachedWanPipeline(_CachedPipeline):
     def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
                  max_sequence_length_limit: int = T5_MAX_LENGTH):
         super().__init__(pipe, store, salt)
-        self.text = T5EncoderAdapter(pipe.tokenizer, pipe.text_encoder,
-                                     T5Recipe(attention_mask=True, trim_to_length=True), max_sequence_length_limit)
+        self._max_length_limit = max_sequence_length_limit
+        self.text = None
+        self._follow_components()
+
+    def _follow_components(self) -> None:
+        if not _follows(self.text, self.pipe.tokenizer, self.pipe.text_encoder):
+            self.text = T5EncoderAdapter(self.pipe.tokenizer, self.pipe.text_encoder,
+                                         T5Recipe(attention_mask=True, trim_to_length=True), self._max_length_limit)
 
     def _text_encoders(self):
         return [self.pipe.text_encoder]
 
-    @property
-    def adapters(self):
+    def _adapter_list(self):
         return [self.text]
 
     def _embeds(self, leases, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
@@ -235,6 +273,7 @@ class CachedWanPipeline(_CachedPipeline):
                                  f"{self.text.max_length_limit} (max_sequence_length_limit)")
         n = _int_at_least(self._arg(kwargs, "num_videos_per_prompt"), 1, "num_videos_per_prompt")
         guidance = _guidance_scale(self._arg(kwargs, "guidance_scale"))
+        _check_negative_type(negative_prompt)
         # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.
         negatives = _negatives(negative_prompt, len(prompts)) if guidance > 1.0 else None
         place = {"dtype": self.pipe.text_encoder.dtype, "device": self.execution_device()}
@@ -250,16 +289,26 @@ class CachedSD3Pipeline(_CachedPipeline):
 
     def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
         super().__init__(pipe, store, salt)
-        self.clip = [CLIPEncoderAdapter(pipe.tokenizer, pipe.text_encoder),
-                     CLIPEncoderAdapter(pipe.tokenizer_2, pipe.text_encoder_2)]
-        self.t5 = None if pipe.text_encoder_3 is None else T5EncoderAdapter(
-            pipe.tokenizer_3, pipe.text_encoder_3, T5Recipe(attention_mask=False, trim_to_length=False))
+        self.clip: list = [None, None]
+        self.t5 = None
+        self._follow_components()
+
+    def _follow_components(self) -> None:
+        pipe = self.pipe
+        for i, (tokenizer, model) in enumerate(((pipe.tokenizer, pipe.text_encoder),
+                                                (pipe.tokenizer_2, pipe.text_encoder_2))):
+            if not _follows(self.clip[i], tokenizer, model):
+                self.clip[i] = CLIPEncoderAdapter(tokenizer, model)
+        if pipe.text_encoder_3 is None:  # the pipeline then stands zeros in for T5's output
+            self.t5 = None
+        elif not _follows(self.t5, pipe.tokenizer_3, pipe.text_encoder_3):
+            self.t5 = T5EncoderAdapter(pipe.tokenizer_3, pipe.text_encoder_3,
+                                       T5Recipe(attention_mask=False, trim_to_length=False))
 
     def _text_encoders(self):
         return [m for m in (self.pipe.text_encoder, self.pipe.text_encoder_2, self.pipe.text_encoder_3) if m]
 
-    @property
-    def adapters(self):
+    def _adapter_list(self):
         return [a for a in (*self.clip, self.t5) if a is not None]
 
     def _clip(self, leases, index: int, texts: list[str], hidden_layer: int, n: int, place: dict):

@@ -23,19 +23,25 @@ Invariants:
   shape or dtype is refused with ``StoreEntryRejected`` and nothing is stored.
 * A hit is used only after the token ids stored with the entry equal the request's (the design's
   "hashes nominate, ids confirm"); on a mismatch the adapter encodes without the store.
-* The model's weights must not change while an adapter holds its fingerprint: after loading or fusing adapter
-  weights, build a new adapter.
+* The fingerprint and the declared dtype follow the model (``LiveFingerprint``): they are taken again at the
+  next encode after a weight or buffer is replaced, moved or cast (``load_state_dict``, ``.to(...)``), written in
+  place through autograd's view (``weight.mul_(...)`` under ``no_grad``), or a config attribute changes (the
+  attention or experts kernel: ``set_attn_implementation``). A write through ``.data``, a replaced or added
+  submodule, tensor or nested config, and a config value edited in place are not seen by themselves: call
+  ``refresh()`` after them (after fusing adapter weights through ``.data`` too). None of these may run
+  concurrently with an encode.
 
 Tokenizing is memoized on the store path, so a hit costs dictionary lookups, not a tokenization
 (``TokenizationMemo``): a bounded LRU from (tokenizer fingerprint, tokenizer settings, call arguments, max
 length, exact text) to the ``TokenizedPrompt`` the tokenizer returned for it. The tokenizer fingerprint digests
 the tokenizer's serialized pipeline (vocabulary, normalizer, pre-tokenizer, model, post-processor, added
-tokens); it is recomputed whenever the tokenizer's size, special tokens, bos/eos flags or backend object change
-(``add_tokens`` for textual inversion, ``add_eos_token = False`` ...), and the settings that shape ids (padding
-and truncation side, pad token, ``split_special_tokens``) are read on every call. Editing the backend's
-components in place (``backend_tokenizer.normalizer = ...``) is not seen: build a new adapter after it, as after
-changing weights. Memoized tensors are shared, never modified. With ``store=None`` every prompt is tokenized,
-as the pipeline tokenizes it.
+tokens); it is recomputed whenever the tokenizer's size, added-token table (each token with its flags),
+post-processor, special tokens, bos/eos flags or backend object change (``add_tokens`` for textual inversion,
+``add_special_tokens``, ``add_eos_token = False`` ...), and the settings that shape ids (padding and truncation
+side, pad token, ``split_special_tokens``) are read on every call. Editing the backend's other components in
+place (``backend_tokenizer.normalizer = ...``) is not seen: call the adapter's ``refresh()`` after it.
+Memoized tensors are shared, never modified. With ``store=None`` every prompt is tokenized, as the pipeline
+tokenizes it.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping
+from operator import attrgetter
+from typing import Callable, Generic, Mapping, TypeVar
 
 import numpy as np
 import torch
@@ -71,29 +78,18 @@ _TOKENIZER_CALL = (("padding", "max_length"), ("truncation", True), ("add_specia
 _PER_CALL_BACKEND_KEYS = ("padding", "truncation")
 
 
-def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
-    """The kernels chosen for ``config`` and for every config nested in it (``text_config``, ``vision_config``,
-    ... found by walking its attributes, not by a list of names), keyed by attribute path, ``""`` for ``config``
-    itself: ``{"attention": ..., "experts": ...}``, the attention implementation (``sdpa``, ``eager``,
-    ``flash_attention_2``, ...) and the mixture-of-experts one (``eager``, ``grouped_mm``, ``batched_mm``, ...),
-    None where unset.
-
-    transformers keeps both in private attributes (``_attn_implementation``, ``_experts_implementation``) that
-    ``to_dict`` and ``to_json_string`` leave out; yet the kernels round differently, so outputs of the same
-    weights differ in their last bits and a fingerprint must hold them."""
-    out: dict[str, dict[str, str | None]] = {}
+def nested_configs(config: object) -> dict[str, object]:
+    """``config`` and every config nested in it (``text_config``, ``vision_config``, ... found by walking its
+    attributes, not by a list of names), keyed by attribute path, ``""`` for ``config`` itself; a config reachable
+    under two names (an alias) is listed once. Empty for None or an object that is not a transformers config."""
+    out: dict[str, object] = {}
     seen: set[int] = set()
 
-    def chosen(cfg: object, attribute: str) -> str | None:
-        value = getattr(cfg, attribute, None)
-        return None if value is None else str(value)
-
     def walk(cfg: object, path: str) -> None:
-        if id(cfg) in seen:  # a config reachable under two names (an alias) is listed once
+        if id(cfg) in seen:
             return
         seen.add(id(cfg))
-        out[path] = {"attention": chosen(cfg, "_attn_implementation"),
-                     "experts": chosen(cfg, "_experts_implementation")}
+        out[path] = cfg
         for name, value in sorted(getattr(cfg, "__dict__", {}).items()):
             if hasattr(value, "_attn_implementation") and hasattr(value, "to_dict"):
                 walk(value, f"{path}.{name}" if path else name)
@@ -103,11 +99,28 @@ def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
     return out
 
 
+def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
+    """The kernels chosen for ``config`` and for every config nested in it (``nested_configs``), keyed by attribute
+    path: ``{"attention": ..., "experts": ...}``, the attention implementation (``sdpa``, ``eager``,
+    ``flash_attention_2``, ...) and the mixture-of-experts one (``eager``, ``grouped_mm``, ``batched_mm``, ...),
+    None where unset.
+
+    transformers keeps both in private attributes (``_attn_implementation``, ``_experts_implementation``) that
+    ``to_dict`` and ``to_json_string`` leave out; yet the kernels round differently, so outputs of the same
+    weights differ in their last bits and a fingerprint must hold them."""
+    def chosen(cfg: object, attribute: str) -> str | None:
+        value = getattr(cfg, attribute, None)
+        return None if value is None else str(value)
+
+    return {path: {"attention": chosen(cfg, "_attn_implementation"), "experts": chosen(cfg, "_experts_implementation")}
+            for path, cfg in nested_configs(config).items()}
+
+
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
     """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config, the
     attention and experts implementations of the config and of its nested configs (``kernel_implementations``)
-    and every state-dict tensor (name, dtype, shape, bytes). Computed once per adapter; about one second per 10 GB
-    of weights."""
+    and every state-dict tensor (name, dtype, shape, bytes). About one second per 10 GB of weights: taken when a
+    ``LiveFingerprint`` sees the module change, not per call."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
     if not isinstance(recipe, Mapping):
@@ -126,6 +139,88 @@ def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
         h.update(canonical_encoding([name, str(t.dtype), list(t.shape)]))
         h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+T = TypeVar("T")
+_VERSION, _DTYPE, _DEVICE = attrgetter("_version"), attrgetter("dtype"), attrgetter("device")
+
+
+class LiveFingerprint(Generic[T]):
+    """``take()`` (a module's fingerprint, or a record holding one) kept while the module's state token is the one
+    it was taken at, and taken again at the first call that sees another: shared by the text-encoder adapters and
+    the codec.
+
+    The token holds, for every parameter and buffer looked up where its module keeps it (``module._parameters``
+    / ``_buffers``), its identity, version counter, storage address, dtype and device, then a copy of the
+    attributes of the module's config and of each config nested in it (``nested_configs``; the attention and
+    experts kernels are among them, in ``_attn_implementation_internal`` ...). So a tensor replaced
+    (``load_state_dict(assign=True)``, ``p.data = ...``, ``.to(dtype or device)``), written in place through
+    autograd's view of it (``mul_`` under ``no_grad``, ``load_state_dict``), another kernel
+    (``set_attn_implementation``) or another config value takes it again. Where the tensors and configs live is
+    found at the first call and again after each change seen; alone, these are not seen, so call ``refresh``
+    after them: a write through ``.data`` (``p.data.mul_(...)`` bumps no version counter), a submodule, tensor or
+    nested config replaced or added (not where the token looks), a config value changed in place (a list
+    edited), and a storage freed and another of the same dtype allocated at its address between two calls
+    (``.to(bfloat16)`` then ``.to(float32)``).
+
+    A call costs about half a microsecond per tensor and one per config (``take`` aside): a look at a few hundred
+    tensors, not a hash of gigabytes. The config attributes are read from ``__dict__``: through transformers'
+    ``__getattribute__``, ``kernel_implementations`` costs tens of microseconds. Thread-safe: the token and what
+    was taken at it are replaced as one pair, never kept when a ``refresh`` came while ``take`` ran; two threads
+    seeing one change may both take it.
+    """
+
+    def __init__(self, module: torch.nn.Module, take: Callable[[], T]):
+        if not isinstance(module, torch.nn.Module):
+            raise InvalidRequest(f"a fingerprinted module must be a torch module, got {type(module).__name__}")
+        self.module = module
+        self._take = take
+        self._lock = threading.Lock()
+        # ([(module._parameters or module._buffers, name) of every tensor], [every config]), or None: find them
+        self._places: tuple[list, list] | None = None
+        self._held: tuple | None = None  # (token, what take returned at it)
+        self._refreshes = 0
+
+    def __call__(self) -> T:
+        with self._lock:
+            held, refreshes = self._held, self._refreshes
+        token = self.token()
+        if held is not None and held[0] == token:
+            return held[1]
+        self._find()  # the module changed: where its tensors and configs live may have too
+        token = self.token()
+        taken = self._take()  # outside the lock: seconds on a large model, while other modules' calls go on
+        with self._lock:
+            if self._refreshes == refreshes:
+                self._held = (token, taken)
+        return taken
+
+    def refresh(self) -> None:
+        """Find the tensors and configs again and take the fingerprint again at the next call (after changes the
+        token cannot see)."""
+        with self._lock:
+            self._held, self._places = None, None
+            self._refreshes += 1
+
+    def token(self) -> tuple:
+        """The module's state as compared at each call (see the class docstring)."""
+        places = self._places
+        try:
+            return self._token(*(self._find() if places is None else places))
+        except (KeyError, AttributeError):  # a tensor deleted from its module, or set to None: find them again
+            return self._token(*self._find())
+
+    def _find(self) -> tuple[list, list]:
+        slots = [(table, name) for module in self.module.modules() for table in (module._parameters, module._buffers)
+                 for name, t in table.items() if t is not None]
+        self._places = places = (slots, list(nested_configs(getattr(self.module, "config", None)).values()))
+        return places
+
+    @staticmethod
+    def _token(slots: list, configs: list) -> tuple:
+        tensors = [table[name] for table, name in slots]
+        return (*map(id, tensors), *map(_VERSION, tensors), *map(torch.Tensor.data_ptr, tensors),
+                *map(_DTYPE, tensors), *map(_DEVICE, tensors), *(dict(vars(config)) for config in configs))
 
 
 @dataclass(frozen=True)
@@ -215,9 +310,15 @@ def tokenizer_fingerprint(tokenizer) -> str | None:
 
 
 def _content_state(tokenizer) -> tuple:
-    """What changes the tokenizer's content through its own API; a change re-fingerprints it (tens of us)."""
-    return (tokenizer.backend_tokenizer, len(tokenizer), getattr(tokenizer, "add_bos_token", None),
-            getattr(tokenizer, "add_eos_token", None), tokenizer.bos_token, tokenizer.eos_token)
+    """What changes the tokenizer's content through its own API; a change re-fingerprints it. Read on every call:
+    about 2 us plus 0.4 us per added token (the table is copied out of the backend; AddedToken equality compares
+    every flag). The post-processor is compared serialized, since ``add_bos_token = True`` on a T5 tokenizer
+    rewrites it (dropping ``</s>``) while the attribute reads back False."""
+    backend = tokenizer.backend_tokenizer
+    post = backend.post_processor
+    return (backend, len(tokenizer), getattr(tokenizer, "add_bos_token", None),
+            getattr(tokenizer, "add_eos_token", None), tokenizer.bos_token, tokenizer.eos_token,
+            backend.get_added_tokens_decoder(), None if post is None else post.__getstate__())
 
 
 def _call_state(tokenizer) -> tuple:
@@ -268,6 +369,11 @@ class TokenizationMemo:
                 self._content, self._fingerprint = state, tokenizer_fingerprint(self.tokenizer)
             return self._fingerprint
 
+    def refresh(self) -> None:
+        """Fingerprint the tokenizer again at the next call (after an edit ``_content_state`` cannot see)."""
+        with self._lock:
+            self._content = ()
+
     def __len__(self) -> int:
         return len(self._memo)
 
@@ -317,9 +423,26 @@ class TextEncoderAdapter(abc.ABC):
         self.tokenizer = tokenizer
         self.model = model
         self.max_length_limit = max_length_limit  # encode refuses a longer max_length
-        self.fingerprint = module_fingerprint(model, recipe)
-        self.dtype = model.dtype  # the dtype the fingerprint saw: what every output is declared as
+        # (fingerprint, the dtype it saw: what every output is declared as), taken again when the model changes
+        self._state = LiveFingerprint(model, lambda: (module_fingerprint(model, recipe), model.dtype))
+        self._state()  # now, so that the first request does not pay for it
         self.memo = TokenizationMemo(tokenizer)
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint as it is now (``LiveFingerprint``)."""
+        return self._state()[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype when its fingerprint was taken: what every output is declared as."""
+        return self._state()[1]
+
+    def refresh(self) -> None:
+        """Take the model's and the tokenizer's fingerprints again at the next encode: after a change neither can
+        see (a write through ``.data``, a replaced submodule, a tokenizer backend component edited in place)."""
+        self._state.refresh()
+        self.memo.refresh()
 
     def tokenize(self, text: str, max_length: int) -> TokenizedPrompt:
         """A fresh tokenization (the store-off path, as the pipeline tokenizes)."""
@@ -334,7 +457,11 @@ class TextEncoderAdapter(abc.ABC):
     def key(self, tokens: TokenizedPrompt, selector: Mapping | None = None, salt: bytes | str | None = b"") -> bytes:
         if not isinstance(tokens, TokenizedPrompt):
             raise InvalidRequest(f"tokens must be a TokenizedPrompt, got {type(tokens).__name__}")
-        return store_key(self.fingerprint, tokens.digest(self.check_selector(selector)), salt)
+        return self._key(self.fingerprint, tokens, self.check_selector(selector), salt)
+
+    @staticmethod
+    def _key(fingerprint: str, tokens: TokenizedPrompt, selector: dict, salt: bytes | str | None) -> bytes:
+        return store_key(fingerprint, tokens.digest(selector), salt)
 
     def check_selector(self, selector: Mapping | None) -> dict:
         """``selector`` as a dict (``{}`` for None); ``InvalidRequest`` for a name this adapter does not use, which
@@ -350,8 +477,8 @@ class TextEncoderAdapter(abc.ABC):
         return dict(selector)
 
     @abc.abstractmethod
-    def spec(self, tokens: TokenizedPrompt, selector: Mapping) -> OutputSpec:
-        """What ``forward`` returns for ``tokens``: names, shapes, dtypes."""
+    def spec(self, tokens: TokenizedPrompt, selector: Mapping, dtype: torch.dtype) -> OutputSpec:
+        """What ``forward`` returns for ``tokens`` from the model in ``dtype``: names, shapes, dtypes."""
 
     @abc.abstractmethod
     def forward(self, tokens: TokenizedPrompt, selector: Mapping) -> dict[str, torch.Tensor]:
@@ -369,8 +496,9 @@ class TextEncoderAdapter(abc.ABC):
             raise InvalidRequest(f"store must be an EncoderOutputStore or None, got {type(store).__name__}")
         selector = self.check_selector(selector)
         tokens = self.tokenize(text, max_length) if store is None else self.memo(text, max_length)
-        key = self.key(tokens, selector, salt)
-        spec = self.spec(tokens, selector)
+        fingerprint, dtype = self._state()  # one look at the model per call: key and spec from the same state
+        key = self._key(fingerprint, tokens, selector, salt)
+        spec = self.spec(tokens, selector, dtype)
 
         def compute():
             return self.forward(tokens, selector), {"tokens": tokens.token_bytes(), "length": tokens.length}
@@ -417,9 +545,9 @@ class T5EncoderAdapter(TextEncoderAdapter):
                                             "trim_to_length": recipe.trim_to_length}, max_length_limit)
         self.recipe = recipe
 
-    def spec(self, tokens, selector) -> OutputSpec:
+    def spec(self, tokens, selector, dtype) -> OutputSpec:
         rows = tokens.length if self.recipe.trim_to_length else tokens.max_length
-        return OutputSpec({"hidden": ((rows, self.model.config.d_model), self.dtype)})
+        return OutputSpec({"hidden": ((rows, self.model.config.d_model), dtype)})
 
     def forward(self, tokens, selector):
         ids = tokens.input_ids[None].to(self.device)
@@ -458,10 +586,10 @@ class CLIPEncoderAdapter(TextEncoderAdapter):
                 raise InvalidRequest(f"hidden_layer must be an int in [{-layers}, -1], got {hidden_layer!r}")
         return selector
 
-    def spec(self, tokens, selector) -> OutputSpec:
+    def spec(self, tokens, selector, dtype) -> OutputSpec:
         cfg = self.model.config
-        return OutputSpec({"hidden": ((tokens.max_length, cfg.hidden_size), self.dtype),
-                           "pooled": ((cfg.projection_dim,), self.dtype)})
+        return OutputSpec({"hidden": ((tokens.max_length, cfg.hidden_size), dtype),
+                           "pooled": ((cfg.projection_dim,), dtype)})
 
     def forward(self, tokens, selector):
         with torch.no_grad():

@@ -226,7 +226,7 @@ def test_clip_truncates_the_negative_prompt_as_sd3_does(sd3):
 def test_store_refuses_tensors_of_the_wrong_shape_or_dtype(wan, bad):
     adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
     tokens = adapter.tokenize("a red fox", 16)
-    key, spec = adapter.key(tokens), adapter.spec(tokens, {})
+    key, spec = adapter.key(tokens), adapter.spec(tokens, {}, adapter.dtype)
     store.put(key, {"hidden": torch.zeros(tokens.length, wan.text_encoder.config.d_model)}, spec=spec).release()
     store = EncoderOutputStore(1 << 24)
     with pytest.raises(StoreEntryRejected):
