@@ -213,3 +213,32 @@ def test_the_native_library_is_built_and_loaded_once_by_threads_wanting_it_at_on
         t.join()
     assert results == [None, None, None] and len(builds) == 1
     assert native._state == {"why": "test build", "lib": None}
+
+
+def test_reset_waits_for_a_build_in_progress(monkeypatch):
+    # reset() cleared the state without the lock, so a library() reading it after its build could meet an
+    # empty dict (KeyError); reset now takes the lock and so waits for the build.
+    from mmcache.engine import native
+
+    building, finish = threading.Event(), threading.Event()
+
+    def slow_build():
+        building.set()
+        finish.wait(5)
+        raise native.NativeKernelUnavailable("test build")
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "build", slow_build)
+    monkeypatch.setenv("MMCACHE_NATIVE", "auto")
+    results = []
+    builder = threading.Thread(target=lambda: results.append(native.library()))
+    builder.start()
+    building.wait(5)
+    resetter = threading.Thread(target=native.reset)
+    resetter.start()
+    resetter.join(0.2)
+    assert resetter.is_alive()  # held off while the build runs
+    finish.set()
+    builder.join()
+    resetter.join()
+    assert results == [None] and native._state == {}

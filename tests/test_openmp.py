@@ -151,3 +151,21 @@ def test_the_package_still_exports_its_names_lazily():
     assert set(mmcache.__all__) <= set(dir(mmcache))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mmcache.nope  # noqa: B018
+
+
+def test_the_child_runs_the_parents_mmcache_ahead_of_another_copy_on_its_path(tmp_path):
+    # A clone run as `python -m mmcache.cli` beside another mmcache on the path (installed, or on PYTHONPATH):
+    # the parent ran the clone's, so the re-executed child must import the clone's too, and nothing from the
+    # current directory.
+    flag, code = openmp._child_entry()
+    assert code.endswith("from mmcache.cli import main\nsys.exit(main())\n")
+    probe = code.replace("from mmcache.cli import main\nsys.exit(main())\n",
+                         "import mmcache\nprint(mmcache.__file__)\n")
+    other = tmp_path / "other"
+    for folder in (tmp_path, other):
+        (folder / "mmcache").mkdir(parents=True)
+        (folder / "mmcache" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    env.pop("PYTHONSAFEPATH", None)
+    out = subprocess.run([sys.executable, flag, probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == openmp.__file__.replace("openmp.py", "__init__.py")
