@@ -55,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
-from typing import Callable, Generic, Mapping, TypeVar
+from typing import Callable, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -147,13 +147,15 @@ _VERSION, _DTYPE, _DEVICE = attrgetter("_version"), attrgetter("dtype"), attrget
 
 class LiveFingerprint(Generic[T]):
     """``take()`` (a module's fingerprint, or a record holding one) kept while the module's state token is the one
-    it was taken at, and taken again at the first call that sees another: shared by the text-encoder adapters and
-    the codec.
+    it was taken at, and taken again at the first call that sees another: shared by the text-encoder adapters,
+    the codec and the vision adapters (which follow several modules: tower and projector).
 
-    The token holds, for every parameter and buffer looked up where its module keeps it (``module._parameters``
-    / ``_buffers``), its identity, version counter, storage address, dtype and device, then a copy of the
-    attributes of the module's config and of each config nested in it (``nested_configs``; the attention and
-    experts kernels are among them, in ``_attn_implementation_internal`` ...). So a tensor replaced
+    The token holds, for every parameter and buffer of the module (or of each module of a list) looked up where
+    its module keeps it (``module._parameters`` / ``_buffers``), its identity, version counter, storage address,
+    dtype and device, then a copy of the attributes of each watched object: by default the module's config and
+    each config nested in it (``nested_configs``; the attention and experts kernels are among them, in
+    ``_attn_implementation_internal`` ...), or what ``watched()`` returns (a vision adapter's tower configs, the
+    top-level config without the language model's, the image processor). So a tensor replaced
     (``load_state_dict(assign=True)``, ``p.data = ...``, ``.to(dtype or device)``), written in place through
     autograd's view of it (``mul_`` under ``no_grad``, ``load_state_dict``), another kernel
     (``set_attn_implementation``) or another config value takes it again. Where the tensors and configs live is
@@ -170,11 +172,17 @@ class LiveFingerprint(Generic[T]):
     seeing one change may both take it.
     """
 
-    def __init__(self, module: torch.nn.Module, take: Callable[[], T]):
-        if not isinstance(module, torch.nn.Module):
-            raise InvalidRequest(f"a fingerprinted module must be a torch module, got {type(module).__name__}")
-        self.module = module
+    def __init__(self, module: torch.nn.Module | Sequence[torch.nn.Module], take: Callable[[], T],
+                 watched: Callable[[], Sequence[object]] | None = None):
+        modules = [module] if isinstance(module, torch.nn.Module) else module
+        if (not isinstance(modules, (list, tuple)) or not modules
+                or not all(isinstance(m, torch.nn.Module) for m in modules)):
+            raise InvalidRequest(f"a fingerprinted module must be a torch module or a non-empty list of them, got "
+                                 f"{type(module).__name__}")
+        self.modules = list(modules)
         self._take = take
+        self._watched = watched or (lambda: [cfg for m in self.modules
+                                             for cfg in nested_configs(getattr(m, "config", None)).values()])
         self._lock = threading.Lock()
         # ([(module._parameters or module._buffers, name) of every tensor], [every config]), or None: find them
         self._places: tuple[list, list] | None = None
@@ -211,16 +219,18 @@ class LiveFingerprint(Generic[T]):
             return self._token(*self._find())
 
     def _find(self) -> tuple[list, list]:
-        slots = [(table, name) for module in self.module.modules() for table in (module._parameters, module._buffers)
+        modules = {id(m): m for root in self.modules for m in root.modules()}  # a module two roots share: once
+        slots = [(table, name) for module in modules.values() for table in (module._parameters, module._buffers)
                  for name, t in table.items() if t is not None]
-        self._places = places = (slots, list(nested_configs(getattr(self.module, "config", None)).values()))
+        watched = list({id(o): o for o in self._watched()}.values())  # each object once, in order
+        self._places = places = (slots, watched)
         return places
 
     @staticmethod
     def _token(slots: list, configs: list) -> tuple:
         tensors = [table[name] for table, name in slots]
         return (*map(id, tensors), *map(_VERSION, tensors), *map(torch.Tensor.data_ptr, tensors),
-                *map(_DTYPE, tensors), *map(_DEVICE, tensors), *(dict(vars(config)) for config in configs))
+                *map(_DTYPE, tensors), *map(_DEVICE, tensors), *(dict(vars(obj)) for obj in configs))
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,14 @@ Invariants:
   kernel_implementations``: transformers leaves them out of the config's JSON, yet sdpa and eager features
   differ in their last bits), their weights (every tensor's name, dtype, shape and bytes), the device type and
   ``preprocess_params``. The language model's attention is not part of it (the engine routes it through its
-  paged backend when it attaches; the features do not depend on it). It is computed once; changing weights or
-  the attention implementation in place afterwards is not detected (build a new adapter).
+  paged backend when it attaches; the features do not depend on it).
+* The fingerprint, ``preprocess_params`` and the declared dtype follow the model and the image processor
+  (``text_encoders.LiveFingerprint`` over the tower modules): they are taken again at the next encode after a
+  tower weight or buffer is replaced, moved or cast, written in place through autograd's view, a tower config
+  or top-level config attribute changes (``set_attn_implementation`` on the tower, ``vision_feature_layer``) or
+  an image processor attribute is set. A write through ``.data``, a replaced submodule and a value edited in
+  place (a list or dict changed, not set) are not seen by themselves: call ``refresh()`` after them. None of
+  these may run concurrently with an encode.
 * Store key = ``store_key(fingerprint, media digest, salt)``. The tower runs only on a store miss, once per key
   at a time; a hit decodes nothing. Decode or encode failures store nothing.
 * Every ``EncodedImage`` holds a lease on its entry until ``release``; ``encode_all`` either returns one held
@@ -46,7 +52,7 @@ from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
-from .text_encoders import kernel_implementations
+from .text_encoders import LiveFingerprint, kernel_implementations, nested_configs
 
 ADAPTER_VERSION = 1
 
@@ -137,7 +143,21 @@ class VisionAdapter(ABC):
         self.image_processor = image_processor
         self.store = store
         self.limits = limits
-        self.preprocess_params = preprocessor_params(image_processor)
+        preprocessor_params(image_processor)  # refuses what is not an image processor, before anything is taken
+        # (fingerprint, preprocess params, output spec), taken again when the tower, its configs or the image
+        # processor change (``text_encoders.LiveFingerprint``)
+        self._state = LiveFingerprint(self._tower_modules(), self._describe, watched=self._watched)
+        self._state()  # now, so that the first request does not pay for it
+
+    def _watched(self) -> list[object]:
+        """What the fingerprint reads besides the tower's tensors: each tower module's config and the configs
+        nested in it, the model's top-level config (its own attributes: the language model's nested config is
+        not followed, the engine sets its attention when it attaches) and the image processor."""
+        towers = [cfg for m in self._tower_modules() for cfg in nested_configs(getattr(m, "config", None)).values()]
+        return [*towers, self.model.config, self.image_processor]
+
+    def _describe(self) -> tuple[str, dict, OutputSpec]:
+        params = preprocessor_params(self.image_processor)
         description = {
             "adapter": self.kind,
             "adapter_version": ADAPTER_VERSION,
@@ -147,11 +167,31 @@ class VisionAdapter(ABC):
             # not key the same tower's features apart
             "kernels": [kernel_implementations(getattr(m, "config", None)) for m in self._tower_modules()],
             "weights": weights_digest(self._tower_modules()),
-            "device": next(model.parameters()).device.type,
-            "preprocess": self.preprocess_params,
+            "device": next(self.model.parameters()).device.type,
+            "preprocess": params,
         }
-        self.fingerprint = xxhash.xxh3_128_hexdigest(canonical_encoding(description))
-        self.spec = OutputSpec({"features": ((None, self.text_hidden), self.tower_dtype)})
+        spec = OutputSpec({"features": ((None, self.text_hidden), self.tower_dtype)})
+        return xxhash.xxh3_128_hexdigest(canonical_encoding(description)), params, spec
+
+    @property
+    def fingerprint(self) -> str:
+        """The tower's fingerprint as it is now (taken again after a change; see the module docstring)."""
+        return self._state()[0]
+
+    @property
+    def preprocess_params(self) -> dict:
+        """The image processor's parameters as they are now: what every media digest is taken with."""
+        return self._state()[1]
+
+    @property
+    def spec(self) -> OutputSpec:
+        """The features' declared shape and dtype (the tower's dtype when the fingerprint was taken)."""
+        return self._state()[2]
+
+    def refresh(self) -> None:
+        """Take the fingerprint again at the next encode: after a change it cannot see by itself (a write through
+        ``.data``, a replaced submodule, a config or processor value edited in place)."""
+        self._state.refresh()
 
     @property
     @abstractmethod
@@ -181,16 +221,21 @@ class VisionAdapter(ABC):
     def digest(self, raw: RawImage | bytes) -> bytes:
         """The media digest of an image's bytes as sent (``RawImage`` or bytes-like); ``InvalidRequest`` for
         anything else (a path or data URL must be read first: ``media.read_image``)."""
+        return self._digest(raw, self.preprocess_params)
+
+    @staticmethod
+    def _digest(raw: RawImage | bytes, params: dict) -> bytes:
         if isinstance(raw, RawImage):
             data = raw.data
         elif isinstance(raw, (bytes, bytearray, memoryview)):
             data = bytes(raw)
         else:
             raise InvalidRequest(f"an image digest is taken over a RawImage or bytes, got {type(raw).__name__}")
-        return media_digest(data, self.preprocess_params)
+        return media_digest(data, params)
 
     def key(self, raw: RawImage | bytes, salt: bytes | str | None = b"") -> bytes:
-        return store_key(self.fingerprint, self.digest(raw), salt)
+        fingerprint, params, _ = self._state()
+        return store_key(fingerprint, self._digest(raw, params), salt)
 
     def encode(self, image: object, *, salt: bytes | str | None = b"", index: int = 0) -> EncodedImage:
         """Held features of ``image`` (bytes, path, data URL or ``RawImage``); the tower runs on a store miss.
@@ -201,8 +246,9 @@ class VisionAdapter(ABC):
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise InvalidRequest(f"index must be an int >= 0, got {index!r}")
         raw = read_image(image, index, self.limits)
-        digest = self.digest(raw)
-        return self._acquire(raw, digest, store_key(self.fingerprint, digest, salt))
+        fingerprint, params, spec = self._state()
+        digest = self._digest(raw, params)
+        return self._acquire(raw, digest, store_key(fingerprint, digest, salt), spec)
 
     def encode_all(self, images: Sequence[object], *, salt: bytes | str | None = b"") -> list[EncodedImage]:
         """``encode`` for each item in request order (index = position in ``images``); repeated bytes share one
@@ -210,15 +256,16 @@ class VisionAdapter(ABC):
         if not isinstance(images, (list, tuple)):  # one bytes object or path would read as many items
             raise InvalidRequest(f"images must be a list of images, got {type(images).__name__}")
         Namer.salt_bytes(salt)  # refused even when there is no image to key
+        fingerprint, params, spec = self._state()  # one state for the whole request
         out: list[EncodedImage] = []
         by_key: dict[bytes, EncodedImage] = {}
         try:
             for index, image in enumerate(images):
                 raw = read_image(image, index, self.limits)
-                digest = self.digest(raw)
-                key = store_key(self.fingerprint, digest, salt)
+                digest = self._digest(raw, params)
+                key = store_key(fingerprint, digest, salt)
                 if key not in by_key:
-                    by_key[key] = self._acquire(raw, digest, key)
+                    by_key[key] = self._acquire(raw, digest, key, spec)
                 out.append(by_key[key])
         except BaseException:
             for encoded in by_key.values():
@@ -226,8 +273,8 @@ class VisionAdapter(ABC):
             raise
         return out
 
-    def _acquire(self, raw: RawImage, digest: bytes, key: bytes) -> EncodedImage:
-        lease = self.store.get_or_compute(key, lambda: self._compute(raw), self.spec)
+    def _acquire(self, raw: RawImage, digest: bytes, key: bytes, spec: OutputSpec) -> EncodedImage:
+        lease = self.store.get_or_compute(key, lambda: self._compute(raw), spec)
         return EncodedImage(digest, key, lease)
 
     def _compute(self, raw: RawImage) -> tuple[dict, dict]:

@@ -11,6 +11,7 @@ from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import t5_tokenizer, wan_negative_prompt
 from encoders.text_encoders import LiveFingerprint, T5EncoderAdapter, T5Recipe, TokenizationMemo
+from encoders.vlm_presets import build_preset
 from mmcache.store import EncoderOutputStore
 
 NEG = wan_negative_prompt()
@@ -149,3 +150,75 @@ def test_memo_sees_an_edited_backend_component_after_refresh():
     assert not torch.equal(fresh, before.input_ids)
     memo.refresh()
     assert torch.equal(memo(text, 16).input_ids, fresh)
+
+
+def _tower_weight(model) -> torch.Tensor:
+    return next(model.model.vision_tower.parameters()) if hasattr(model.model, "vision_tower") \
+        else next(model.model.visual.parameters())
+
+
+VISION_CHANGES = {
+    "weight in place": lambda p: _tower_weight(p.model).mul_(1.5),
+    "tower kernel": lambda p: p.model.set_attn_implementation({"vision_config": "eager"}),
+    "cast": lambda p: p.model.to(torch.bfloat16),
+    "processor attribute": lambda p: setattr(p.image_processor, "rescale_factor", 1 / 128),
+}
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("change", VISION_CHANGES)
+def test_a_vision_adapter_follows_its_tower_and_processor(name, change, datasets_dir):
+    # Compared with an adapter built after the change (what a new process would compute), never with an entry.
+    image = (datasets_dir / "images" / "chelsea.png").read_bytes()
+    preset = build_preset(name)
+    store = EncoderOutputStore(1 << 24)
+    adapter = preset.adapter(store)
+    fingerprint, digest = adapter.fingerprint, adapter.digest(image)
+    adapter.encode(image).release()
+    with torch.no_grad():
+        VISION_CHANGES[change](preset)
+    assert adapter.fingerprint != fingerprint
+    assert (adapter.digest(image) != digest) == (change == "processor attribute")
+    served = adapter.encode(image)
+    own = preset.adapter_class(preset.model, preset.image_processor, EncoderOutputStore(1 << 24)).encode(image)
+    assert not served.hit and served.key == own.key and torch.equal(served.features, own.features)
+    assert served.features.dtype == _tower_weight(preset.model).dtype
+    held = adapter._state._held
+    again = adapter.encode(image)
+    assert again.hit and adapter._state._held is held  # its own entry, without fingerprinting again
+    for encoded in (served, own, again):
+        encoded.release()
+
+
+def test_a_vision_adapter_keys_apart_a_top_level_setting_and_not_the_language_model(datasets_dir):
+    image = (datasets_dir / "images" / "chelsea.png").read_bytes()
+    preset = build_preset("tiny-llava")
+    adapter = preset.adapter(EncoderOutputStore(1 << 24))
+    fingerprint = adapter.fingerprint
+    with torch.no_grad():
+        next(preset.model.model.language_model.parameters()).mul_(2)
+    preset.model.set_attn_implementation({"text_config": "eager"})
+    assert adapter.fingerprint == fingerprint  # the features do not depend on the language model
+    preset.model.config.vision_feature_layer = -1  # a top-level setting the features do depend on
+    assert adapter.fingerprint != fingerprint
+    served = adapter.encode(image)
+    own = preset.adapter_class(preset.model, preset.image_processor, EncoderOutputStore(1 << 24)).encode(image)
+    assert not served.hit and torch.equal(served.features, own.features)
+    served.release()
+    own.release()
+
+
+def test_a_vision_adapter_sees_a_write_through_data_after_refresh(datasets_dir):
+    image = (datasets_dir / "images" / "chelsea.png").read_bytes()
+    preset = build_preset("tiny-qwen2-vl")
+    adapter = preset.adapter(EncoderOutputStore(1 << 24))
+    fingerprint = adapter.fingerprint
+    _tower_weight(preset.model).data.mul_(1.5)
+    assert adapter.fingerprint == fingerprint  # not seen by itself (documented) ...
+    adapter.refresh()
+    assert adapter.fingerprint != fingerprint  # ... until refresh
+    served = adapter.encode(image)
+    own = preset.adapter_class(preset.model, preset.image_processor, EncoderOutputStore(1 << 24)).encode(image)
+    assert not served.hit and torch.equal(served.features, own.features)
+    served.release()
+    own.release()
