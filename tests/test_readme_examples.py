@@ -1,0 +1,56 @@
+"""The README's Python examples run as written, from the project root, and print what their comments say.
+
+Every ```python block of README.md is run in one fresh interpreter (each block in its own namespace, in order;
+one interpreter so that torch and transformers are imported once). A ``print(...)  # VALUE: why`` line states
+the line it prints: the k-th print of a block writes the k-th line of that block's output.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "----- mmcache readme block -----"
+_DRIVER = f"""
+import sys
+for source in sys.argv[1:]:
+    print({MARK!r}, flush=True)
+    exec(compile(source, "README.md", "exec"), {{"__name__": "__readme__"}})
+    sys.stdout.flush()
+"""
+_STATED = re.compile(r"^\s*print\(.*\)\s+#\s*([^:#]+?)\s*:")
+
+
+def readme_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+
+
+def stated_lines(block: str) -> list[str | None]:
+    """For each print of ``block`` in order, the line its comment states, or None where it states none."""
+    return [(m.group(1) if (m := _STATED.match(line)) else None)
+            for line in block.splitlines() if line.lstrip().startswith("print(")]
+
+
+def test_the_readme_statements_are_read_as_intended():
+    blocks = readme_blocks()
+    assert len(blocks) >= 5  # the core, engine, VLM, diffusion and voice examples
+    assert stated_lines("x = 1\nprint(a.b)   # 1920: every full page\nprint(c)\nprint(d, e)  # 1 1: once") \
+        == ["1920", None, "1 1"]
+    assert sum(s is not None for b in blocks for s in stated_lines(b)) >= 3
+
+
+def test_the_readme_examples_run_and_print_what_they_state():
+    blocks = readme_blocks()
+    run = subprocess.run([sys.executable, "-c", _DRIVER, *blocks], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outputs = run.stdout.split(MARK + "\n")[1:]
+    assert len(outputs) == len(blocks), run.stdout[-2000:]
+    for block, output in zip(blocks, outputs):
+        printed = output.splitlines()
+        stated = stated_lines(block)
+        assert len(printed) == len(stated), (block, output)
+        for want, got in zip(stated, printed):
+            if want is not None:
+                assert got == want, (block, output)
