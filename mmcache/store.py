@@ -17,16 +17,24 @@ Invariants (``check_invariants``):
   outputs (each lease ``bypassed``), not a computation each.
 * Different salts give different keys, so tenants share no entries.
 
-Stored tensors are returned as they were stored (no copy): callers must not modify them in place. A tensor
-that is a view into a larger storage is copied on ``put``, so the budget counts every byte an entry keeps
-alive.
+* ``put`` copies every output tensor into memory of its own (contiguous, exactly its bytes), so the budget
+  counts every byte an entry keeps alive (a view into a larger tensor or a numpy array keeps nothing of it
+  alive) and the caller's tensors stay the caller's. ``meta`` holds plain values only (None, bool, int, float,
+  str, bytes, and lists, tuples and str-keyed dicts of them), not counted in the budget; a tensor or array
+  there is refused (``StoreEntryRejected``).
+* A lease hands out read-only views of the entry's ``outputs`` and ``meta`` mappings: a name cannot be pointed
+  at another tensor. The tensors themselves are returned as stored (no copy per hit): callers must not modify
+  them in place.
+* Each lease is one hold: releasing it again, or releasing a copy of it, does nothing more.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Mapping
 
 import torch
@@ -108,27 +116,42 @@ class StoreMetrics:
 
 @dataclass
 class _Entry:
-    outputs: dict
-    meta: dict
+    outputs: Mapping  # read-only views, handed to every lease
+    meta: Mapping
     nbytes: int
-    holds: int = 0
+    holders: set = field(default_factory=set)  # the hold tokens of the open leases
+
+    @property
+    def holds(self) -> int:
+        return len(self.holders)
+
+
+_HOLD_TOKENS = itertools.count(1)
 
 
 @dataclass
 class Lease:
-    """A handle on stored outputs; the entry stays resident until ``release`` (or the ``with`` block ends)."""
+    """A handle on stored outputs; the entry stays resident until ``release`` (or the ``with`` block ends).
+    ``outputs`` and ``meta`` are read-only mappings; release is idempotent, for a copy of the lease too."""
 
     key: bytes
-    outputs: dict
-    meta: dict
+    outputs: Mapping[str, torch.Tensor]
+    meta: Mapping
     hit: bool
     bypassed: bool = False
     _store: "EncoderOutputStore | None" = field(default=None, repr=False)
+    _hold: int = field(default=0, repr=False)  # this lease's token in the entry's holders
+
+    def __post_init__(self):
+        if not isinstance(self.outputs, MappingProxyType):
+            self.outputs = MappingProxyType(dict(self.outputs))
+        if not isinstance(self.meta, MappingProxyType):
+            self.meta = MappingProxyType(dict(self.meta))
 
     def release(self) -> None:
         if self._store is not None:
             store, self._store = self._store, None
-            store._release(self.key)
+            store._release(self.key, self._hold)
 
     def __enter__(self) -> "Lease":
         return self
@@ -153,6 +176,11 @@ def _key(key) -> bytes | None:
     return None
 
 
+def _check_spec(spec) -> None:
+    if spec is not None and not isinstance(spec, OutputSpec):
+        raise InvalidRequest(f"spec must be an OutputSpec or None, got {type(spec).__name__}")
+
+
 def _check_key(key) -> bytes:
     k = _key(key)
     if k is None:
@@ -160,11 +188,27 @@ def _check_key(key) -> bytes:
     return k
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a copy when it is a view into a larger storage: the budget counts what stays alive."""
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in memory of its own. Always a copy: a tensor over a numpy array, or over a
+    slice of one, reports only its own bytes as its storage, yet keeps the whole array alive."""
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` is a plain meta value: None, bool, int, float, str, bytes, or lists, tuples and
+    str-keyed dicts of them (nested at most 8 deep)."""
+    if isinstance(value, _PLAIN):
+        return True
+    if depth >= 8:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _nbytes(outputs: Mapping[str, torch.Tensor]) -> int:
@@ -198,10 +242,11 @@ class EncoderOutputStore:
         e = self._entries.get(key)
         if e is None:
             return None
-        e.holds += 1
+        token = next(_HOLD_TOKENS)
+        e.holders.add(token)
         self._entries.move_to_end(key)
         self.metrics.hits += 1
-        return Lease(key, e.outputs, e.meta, hit=True, _store=self)
+        return Lease(key, e.outputs, e.meta, hit=True, _store=self, _hold=token)
 
     def put(self, key: bytes, outputs: Mapping[str, torch.Tensor], meta: Mapping | None = None,
             spec: OutputSpec | None = None) -> Lease:
@@ -215,19 +260,23 @@ class EncoderOutputStore:
             raise StoreEntryRejected(key.hex(), "outputs must be a non-empty mapping of name to tensor")
         if not all(isinstance(name, str) for name in outputs):
             raise StoreEntryRejected(key.hex(), f"output names must be str, got {list(outputs)!r}")
-        if spec is not None:
-            if not isinstance(spec, OutputSpec):
-                raise InvalidRequest(f"spec must be an OutputSpec or None, got {type(spec).__name__}")
-            spec.check(key, outputs)
+        _check_spec(spec)
         for name, t in outputs.items():
             if not isinstance(t, torch.Tensor):
                 raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
-            if t.layout != torch.strided:  # a sparse tensor has no single storage to count
-                raise StoreEntryRejected(key.hex(), f"output {name!r} has layout {t.layout}, not strided")
+            if t.layout != torch.strided or t.is_nested:  # no single storage to count (sparse, nested)
+                kind = "nested" if t.is_nested else str(t.layout)
+                raise StoreEntryRejected(key.hex(), f"output {name!r} is a {kind} tensor, not a strided one")
+        if spec is not None:
+            spec.check(key, outputs)
         if meta is not None and not isinstance(meta, Mapping):
             raise StoreEntryRejected(key.hex(), f"meta must be a mapping, got {type(meta).__name__}")
-        outs = {k: _compact(v.detach()) for k, v in outputs.items()}
         meta = dict(meta or {})
+        if not all(isinstance(k, str) for k in meta) or not _plain(list(meta.values())):
+            raise StoreEntryRejected(key.hex(), "meta holds plain values only (None, bool, int, float, str, bytes, "
+                                                "and lists, tuples and str-keyed dicts of them)")
+        outs = MappingProxyType({k: _own(v) for k, v in outputs.items()})
+        meta = MappingProxyType(meta)
         size = _nbytes(outs)
         with self._lock:
             lease = self._hold(key)
@@ -237,13 +286,14 @@ class EncoderOutputStore:
             if size > self.budget_bytes or not self._make_room(size):
                 self.metrics.bypasses += 1
                 return Lease(key, outs, meta, hit=False, bypassed=True)
-            self._entries[key] = _Entry(outs, meta, size, holds=1)
+            token = next(_HOLD_TOKENS)
+            self._entries[key] = _Entry(outs, meta, size, {token})
             m = self.metrics
             m.inserts += 1
             m.bytes += size
             m.entries = len(self._entries)
             m.peak_bytes = max(m.peak_bytes, m.bytes)
-            return Lease(key, outs, meta, hit=False, _store=self)
+            return Lease(key, outs, meta, hit=False, _store=self, _hold=token)
 
     def _make_room(self, size: int) -> bool:
         free = self.budget_bytes - self.metrics.bytes
@@ -267,9 +317,11 @@ class EncoderOutputStore:
         """The held entry for ``key``, running ``compute() -> (outputs, meta)`` on a miss.
 
         Concurrent callers with the same key wait for one computation. An exception from ``compute``
-        propagates to its caller and stores nothing. A malformed key is refused before anything is computed.
+        propagates to its caller and stores nothing. A malformed key or spec is refused before anything is
+        computed.
         """
         key = _check_key(key)
+        _check_spec(spec)
         while True:
             with self._lock:
                 self.metrics.lookups += 1
@@ -302,12 +354,11 @@ class EncoderOutputStore:
                 self._computing.pop(key, None)
             flight.done.set()
 
-    def _release(self, key: bytes) -> None:
+    def _release(self, key: bytes, token: int) -> None:
         with self._lock:
             e = self._entries.get(key)
-            if e is None or e.holds <= 0:
-                raise AssertionError("lease released twice or for a missing entry")  # a store bug
-            e.holds -= 1
+            if e is not None:
+                e.holders.discard(token)  # a copy of a released lease holds nothing any more
 
     def held(self, key: bytes) -> int:
         e = self._entries.get(_key(key))
@@ -320,5 +371,5 @@ class EncoderOutputStore:
                 raise AssertionError(f"bytes counter {self.metrics.bytes} differs from entries {total}")
             if total > self.budget_bytes:
                 raise AssertionError(f"store holds {total} bytes over its budget {self.budget_bytes}")
-            if any(e.holds < 0 for e in self._entries.values()):
-                raise AssertionError("negative hold count")
+            if any(not isinstance(e.outputs, MappingProxyType) for e in self._entries.values()):
+                raise AssertionError("an entry's outputs are not a read-only mapping")

@@ -1,8 +1,11 @@
 """Encoder-output store: keys, budget, holding, bypass, single computation under concurrency, validation."""
 
+import copy
 import threading
 import time
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,9 +138,18 @@ def test_views_into_larger_storage_are_compacted_so_the_budget_is_honest():
         kept = lease.outputs["features"]
         assert torch.equal(kept, big[:10])
         assert kept.untyped_storage().nbytes() == 10 * 256 * 4 == store.metrics.bytes
+    # A tensor over a slice of a numpy array reports only the slice as its storage, yet keeps the whole array
+    # alive: the store keeps a copy of its own, so 40 bytes of budget hold 40 bytes, not 40 MB.
+    array = np.zeros(10_000_000, dtype=np.float32)
+    with store.put(key(2), {"features": torch.from_numpy(array[:10])}) as lease:
+        assert store.metrics.bytes == 10 * 256 * 4 + 40
+        array[:10] = 1  # and the caller's memory stays the caller's
+        assert not lease.outputs["features"].any()
+        assert not np.shares_memory(lease.outputs["features"].numpy(), array)
     whole = torch.zeros(4, 4)
-    with store.put(key(2), {"features": whole}) as lease:
-        assert lease.outputs["features"].data_ptr() == whole.data_ptr()  # compact tensors are not copied
+    with store.put(key(3), {"features": whole}) as lease:
+        whole += 1
+        assert not lease.outputs["features"].any()
 
 
 def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_nothing():
@@ -150,7 +162,9 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
 
     with pytest.raises(InvalidRequest):  # refused before the (expensive) compute runs
         store.get_or_compute(b"short", compute)
-    assert ran == []
+    with pytest.raises(InvalidRequest, match="OutputSpec"):  # a bad spec too (it ran compute, then refused)
+        store.get_or_compute(key(2), compute, spec={"features": ((None,), torch.float32)})
+    assert ran == [] and store.metrics.computes == 0
     for bad in (None, 7, ""):
         with pytest.raises(InvalidRequest):
             store_key(bad, media_digest(b"x"))
@@ -164,10 +178,19 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
         with pytest.raises(StoreEntryRejected, match="compute must return"):
             store.get_or_compute(key(2), lambda result=result: result)
     spec = OutputSpec({"features": ((None,), torch.float32)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
     for outputs, with_spec in (({1: torch.zeros(2), "features": torch.zeros(2)}, True),  # sorted() raised TypeError
-                               ({"features": torch.zeros(4).to_sparse()}, False)):  # NotImplementedError
+                               ({"features": torch.zeros(4).to_sparse()}, False),  # NotImplementedError
+                               ({"features": nested}, True), ({"features": nested}, False)):  # RuntimeError
         with pytest.raises(StoreEntryRejected):
             store.put(key(3), outputs, spec=spec if with_spec else None)
+    # meta holds plain values: a tensor or array there would live outside the budget
+    for meta in ({"grid": torch.zeros(1000)}, {"grid": np.zeros(3)}, {"rows": [1, {"deep": torch.zeros(1)}]},
+                 {1: "not a str key"}, {"obj": object()}):
+        with pytest.raises(StoreEntryRejected, match="plain values"):
+            store.put(key(3), {"features": torch.zeros(2)}, meta=meta)
     with pytest.raises(InvalidRequest, match="OutputSpec"):  # AttributeError before
         store.put(key(3), {"features": torch.zeros(2)}, spec={"features": ((None,), torch.float32)})
     for bad in ([1], None, b"short"):  # unhashable keys raised TypeError
@@ -175,6 +198,9 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
             store.acquire(bad)
         assert bad not in store and store.held(bad) == 0
     assert len(store) == 0 and not store._computing and store.metrics.lookups == 3  # refused keys count none
+    with store.put(key(5), {"features": torch.zeros(2)}, meta={"n": 2, "grid": [1, 2, (3,)], "t": b"\x00",
+                                                                "x": {"a": None, "b": 0.5, "c": True}}) as lease:
+        assert lease.meta["grid"] == [1, 2, (3,)]
     with store.get_or_compute(key(2), compute) as lease:  # the next caller computes
         assert not lease.hit and ran == [1]
     # the same 16 bytes in a bytearray name the same entry (it raised TypeError: unhashable)
@@ -207,4 +233,25 @@ def test_waiters_on_a_computation_that_bypassed_take_its_outputs_not_a_run_each(
     assert all(torch.equal(lease.outputs["features"], torch.arange(4.0)) and lease.meta == {"n": 4}
                for lease in leases)
     assert store.metrics.bypasses == 6 and store.metrics.computes == 1 and not store._computing
+    store.check_invariants()
+
+
+def test_a_lease_cannot_repoint_the_entry_and_a_copy_releases_nothing_more():
+    store = EncoderOutputStore(1000)
+    first = store.put(key(1), *entry(4))
+    with pytest.raises(TypeError):  # read-only views: later hits would get the other tensor, unbudgeted
+        first.outputs["features"] = torch.zeros(10_000)
+    with pytest.raises(TypeError):
+        first.meta["placeholders"] = 99
+    second = store.acquire(key(1))
+    copied = copy.copy(first)
+    first.release()
+    copied.release()  # released twice the one hold, and dropped second's: the entry could be evicted while held
+    first.release()
+    assert store.held(key(1)) == 1
+    with store.put(key(2), {"features": torch.zeros(250)}) as big:  # the whole budget: key(1) is held ...
+        assert big.bypassed  # ... so it bypasses (key(1) was evicted while second held it)
+    assert key(1) in store and torch.equal(second.outputs["features"], torch.zeros(4))
+    second.release()
+    assert store.held(key(1)) == 0 and store.acquire(key(1)).meta["placeholders"] == 4
     store.check_invariants()
