@@ -110,7 +110,7 @@ def parse_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message]
         if not isinstance(message, Mapping):
             raise InvalidRequest(f"message {i} is {type(message).__name__}, not an object")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # an array's `in` would raise, not compare
             raise InvalidRequest(f"message {i} has role {role!r}; expected one of {ROLES}")
         content = message.get("content")
         content = "" if content is None else content  # an assistant turn may carry only token_ids
@@ -120,6 +120,7 @@ def parse_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message]
         parts: list[TextPart | ImagePart] = []
         for j, part in enumerate(raw_parts):
             kind = part.get("type") if isinstance(part, Mapping) else None
+            kind = kind if isinstance(kind, str) else None  # an array's == would raise, not compare
             if kind == "text" and isinstance(part.get("text"), str):
                 if not unicode_text(part["text"]):
                     raise InvalidRequest(f"message {i} part {j}: text is not valid Unicode (a lone surrogate)")

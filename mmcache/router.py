@@ -67,6 +67,11 @@ class RouterConfig:
 
 
 def _page_names(names) -> np.ndarray:
+    if isinstance(names, (list, tuple)):  # names at and past 2**63 beside smaller ones would turn into float64
+        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and 0 <= n < 2**64
+                   for n in names):
+            raise InvalidRequest("page names must be ints in [0, 2**64)")
+        return np.array([int(n) for n in names], dtype=np.uint64)
     try:
         arr = np.asarray(names)
     except (ValueError, TypeError, OverflowError):  # ragged nesting
@@ -81,6 +86,8 @@ class ReplicaRouter:
     """Stateless apart from its configuration; safe to share between threads."""
 
     def __init__(self, config: RouterConfig):
+        if not isinstance(config, RouterConfig):
+            raise InvalidRequest(f"a router takes a RouterConfig, got {type(config).__name__}")
         self.config = config
         self._seeds = [xxhash.xxh64_intdigest(r.encode("utf-8")) for r in config.replicas]
 
@@ -109,8 +116,9 @@ class ReplicaRouter:
         return None if name is None else self.ranking(name)[0]
 
     def _loads(self, loads: Sequence[float]) -> list:
-        if not isinstance(loads, (list, tuple, np.ndarray)):
-            raise InvalidRequest(f"loads must be a list with one load per replica, got {type(loads).__name__}")
+        if not isinstance(loads, (list, tuple, np.ndarray)) or np.ndim(loads) != 1:
+            raise InvalidRequest(f"loads must be a list with one load per replica, got {type(loads).__name__} "
+                                 f"of {np.ndim(loads)} dimensions")
         loads = list(loads)
         if len(loads) != self.num_replicas:
             raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")
@@ -121,7 +129,8 @@ class ReplicaRouter:
     def threshold(self, loads: Sequence[float]) -> float:
         """The load past which a preferred replica is skipped."""
         loads = self._loads(loads)
-        return max(self.config.min_load, self.config.load_factor * sum(loads) / len(loads))
+        mean = sum(x / len(loads) for x in loads)  # each term first: a sum of finite loads can overflow
+        return max(self.config.min_load, self.config.load_factor * mean)
 
     def route(self, names: np.ndarray, loads: Sequence[float]) -> int:
         """The replica for a prompt with page names ``names`` given each replica's current load."""

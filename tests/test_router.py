@@ -164,3 +164,32 @@ def test_page_names_that_are_not_a_vector_of_names_are_refused(names):
         router.route(names, [0, 0, 0])
     with pytest.raises(InvalidRequest, match="page names"):
         router.preferred(names)
+
+
+def test_page_names_as_a_list_route_as_the_same_names_in_a_uint64_array():
+    # Half of all xxh64 names are >= 2**63: numpy turns a list mixing them with smaller ones into float64
+    # (lossy), which was refused although the same names in a uint64 array route.
+    router = ReplicaRouter(RouterConfig.numbered(5, depth_pages=2))
+    for names in ([2**64 - 1, 7], [7, 2**63], [np.uint64(2**63 + 5), 3], (1, 2**64 - 2)):
+        assert router.preferred(names) == router.preferred(np.array(names, dtype=np.uint64))
+        assert router.route(names, [0] * 5) == router.route(np.array(names, dtype=np.uint64), [0] * 5)
+    for bad in ([2**64, 1], [-1, 1], [True, 1], [1.0, 2]):
+        with pytest.raises(InvalidRequest, match="page names"):
+            router.preferred(bad)
+
+
+def test_loads_of_another_shape_and_a_config_of_another_type_are_refused():
+    router = ReplicaRouter(RouterConfig.numbered(3))
+    for loads in (np.array(5), np.zeros((3, 1))):  # TypeError (iterating a 0-d array) before
+        with pytest.raises(InvalidRequest, match="loads"):
+            router.route([1], loads)
+    for config in (("a", "b"), None, 3):  # AttributeError before
+        with pytest.raises(InvalidRequest, match="RouterConfig"):
+            ReplicaRouter(config)
+
+
+def test_finite_loads_whose_sum_overflows_still_shed_an_overloaded_replica():
+    router = ReplicaRouter(RouterConfig.numbered(3, load_factor=1.0, min_load=0))
+    names = [next(n for n in range(1000) if router.preferred([n]) == 0)]
+    loads = [1.7e308, 8.5e307, 0.0]  # their sum is inf: the threshold was inf and nothing was shed
+    assert router.threshold(loads) == pytest.approx(8.5e307) and router.route(names, loads) == 2

@@ -147,6 +147,8 @@ def test_malformed_token_ids_are_refused_before_encoding(ids_of, count, match, p
     ([{"role": "user", "content": "hi", "token_ids": [1, 2]}], "assistant messages only"),
     ([{"role": "assistant", "content": "a", "token_ids": [10**6]}], "outside the vocabulary"),
     (["hello"], "not an object"),
+    ([{"role": np.array(["user", "x"]), "content": "hi"}], "role array"),  # ValueError (truth value) before
+    ([{"role": "user", "content": [{"type": np.array(["text"]), "text": "hi"}]}], "part 0"),
 ])
 def test_malformed_messages_raise_invalid_request(messages, match, presets):
     store = EncoderOutputStore(1 << 24)
