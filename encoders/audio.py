@@ -14,8 +14,8 @@ Invariants:
 * The sample rate is never changed here: a file at another rate than the encoder's is refused with the two
   rates named (resampling is a preprocessing choice with its own filter, so it belongs to the caller, and the
   codec would otherwise see other samples than the caller believes it sent).
-* Only the containers ``AudioLimits.formats`` names are decoded (WAV, FLAC and OGG by default), refused from
-  the header otherwise.
+* Only the containers ``AudioLimits.formats`` names are decoded (WAV, FLAC and OGG by default; WAV covers its
+  extensible header, WAVEX), refused from the header otherwise.
 * A truncated WAV is refused, not decoded to the frames it still holds: its data chunk declares more bytes
   than the file holds (libsndfile would shorten it silently); so is a file that decodes to fewer frames than
   its header declares (FLAC's stream info). An OGG file declares no length before its last page, so one cut
@@ -41,6 +41,10 @@ from .media import MediaRef, check_limits, read_source
 
 DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}", "decode": "float32,mean-of-channels"}
 """The decoder and its conversion rule, for any key taken over decoded samples."""
+
+# libsndfile's name of a container -> the name ``AudioLimits.formats`` accepts it under: WAVEX is WAV's
+# extensible header (the layout ffmpeg and SoX write for 24-bit and multichannel files), the same RIFF WAVE file.
+_CONTAINERS = {"WAVEX": "WAV"}
 
 _DECODE_FAILURES = (RuntimeError, TypeError, ValueError, EOFError, OSError)  # soundfile's errors for bad data
 
@@ -98,7 +102,7 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     try:
         with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
             rate, frames, channels = f.samplerate, f.frames, f.channels
-            if f.format not in limits.formats:
+            if _CONTAINERS.get(f.format, f.format) not in limits.formats:
                 raise MediaDecodeError(raw.ref, f"container {f.format} is not accepted "
                                                 f"(accepted: {', '.join(limits.formats)})")
             if channels > limits.max_channels:

@@ -8,11 +8,14 @@ pipeline's code is unchanged) with a lookup in the encoder-output store.
 
 ``key = store_key(fingerprint, content digest, salt)`` where
 
-* ``fingerprint`` = ``text_encoders.module_fingerprint`` of the codec: its class, configuration, attention
-  implementation, device type and every weight, with this adapter's recipe;
+* ``fingerprint`` = ``text_encoders.module_fingerprint`` of the codec: its class, configuration and the copy
+  its encoder runs on, their attention implementations, device type and every weight, with this adapter's
+  recipe. Taking it drops the codebooks' cached centroids (``_embed``), which transformers' Mimi computes at
+  first use and never again, so codes filed under new weights are computed with them;
 * the content digest is ``names.media_digest`` over the bytes of the waveform tensor ``encode`` receives, with
-  its dtype and shape, the padding mask's bytes and ``num_quantizers``: the key names the samples the codec
-  computes on, so any change before the codec (another file, gain, resampling, padding) changes the key.
+  its dtype and shape, the padding mask's bytes, ``num_quantizers`` and the autocast dtype when autocast is on
+  (it changes the codes): the key names the samples the codec computes on, so any change before the codec
+  (another file, gain, resampling, padding) changes the key.
 
 Invariants:
 
@@ -24,8 +27,8 @@ Invariants:
 * Store on and store off give bit-identical codes: an entry holds the codes one ``encode`` of the same tensor
   returned, checked against the declared output (``int64 [batch, quantizers, frames]``), and every call returns
   a copy, so a caller cannot change a stored entry. No lease outlives the call; a failing encode stores nothing.
-* Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples) is refused with
-  ``InvalidRequest`` before anything runs or is stored.
+* Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples, on the codec's device
+  type, in its dtype unless autocast is on) is refused with ``InvalidRequest`` before anything runs or is stored.
 * The fingerprint follows the codec through ``text_encoders.LiveFingerprint``, as the text encoders' does: it is
   taken again whenever a weight tensor was replaced, moved or cast (its identity, storage, dtype or device) or
   written in place through autograd's view (its version counter, as ``load_state_dict`` writes), when an
@@ -71,9 +74,7 @@ class CachedCodecEncode:
         self.spec = OutputSpec({"audio_codes": ((None, None, None), torch.int64)})
         self._max_quantizers = codec.config.num_quantizers
         self._lock = threading.Lock()
-        self._fingerprint = LiveFingerprint(codec, lambda: module_fingerprint(codec, {
-            "adapter": "codec-encode", "version": ADAPTER_VERSION,
-            "encoder_config": codec.encoder.config.to_json_string()}))
+        self._fingerprint = LiveFingerprint(codec, self._take_fingerprint)
         self._config: str | None = None  # the configuration when last attached
         self._replaced: list = []  # what ``encode`` was on the instance before each attach (a stack)
         self.calls = 0  # codec forwards run (misses, passthroughs and every call with the store off)
@@ -120,6 +121,15 @@ class CachedCodecEncode:
         bypasses the version counter: call ``refresh`` after one, as after replacing a submodule."""
         return self._fingerprint()
 
+    def _take_fingerprint(self) -> str:
+        """The codec's fingerprint, after dropping its derived state: each Mimi codebook caches its centroids
+        (``_embed``, ``embed_sum / cluster_usage``) at first use and never again, so after new weights it would
+        quantize with the old ones and file those codes under the new weights' key."""
+        for module in self.codec.modules():
+            if "_embed" in vars(module) and isinstance(module._embed, torch.Tensor | None):
+                module._embed = None
+        return module_fingerprint(self.codec, {"adapter": "codec-encode", "version": ADAPTER_VERSION})
+
     def _config_state(self) -> str:
         c, e = self.codec.config, self.codec.encoder.config
         return c.to_json_string() + e.to_json_string() + repr(kernel_implementations(c)) \
@@ -135,7 +145,8 @@ class CachedCodecEncode:
         mask = None if padding_mask is None else media_digest(
             _bytes(padding_mask), {"shape": list(padding_mask.shape), "dtype": str(padding_mask.dtype)})
         params = {"dtype": str(input_values.dtype), "shape": list(input_values.shape),
-                  "padding_mask": None if mask is None else mask.hex(), "num_quantizers": q}
+                  "padding_mask": None if mask is None else mask.hex(), "num_quantizers": q,
+                  "autocast": _autocast(input_values.device.type)}
         return store_key(self.fingerprint, media_digest(_bytes(input_values), params), self.salt)
 
     def _check(self, input_values, padding_mask, num_quantizers) -> int:
@@ -145,6 +156,11 @@ class CachedCodecEncode:
                 and t.shape[1] == channels and t.shape[2] > 0):
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise InvalidRequest(f"codec input must be a floating-point tensor [batch, {channels}, samples], got {got}")
+        weight = next(self.codec.parameters())
+        mixed = t.dtype != weight.dtype and _autocast(weight.device.type) is None  # autocast casts both
+        if mixed or t.device.type != weight.device.type:  # the convolution would raise
+            raise InvalidRequest(f"codec input is {t.dtype} on {t.device.type}; the codec runs in {weight.dtype} on "
+                                 f"{weight.device.type} (cast the waveform first)")
         m = padding_mask
         if m is not None and not (isinstance(m, torch.Tensor) and m.dim() >= 2 and m.shape[0] == t.shape[0]
                                   and m.shape[-1] == t.shape[-1]):
@@ -166,6 +182,7 @@ class CachedCodecEncode:
         t0 = time.perf_counter()
         try:
             if self.store is None:
+                self._fingerprint()  # nothing is keyed, but new weights drop the stale centroids here too
                 q = self._check(input_values, padding_mask, num_quantizers)
                 codes = self._run(original, input_values, padding_mask, q)["audio_codes"]
             else:
@@ -204,6 +221,13 @@ class CachedCodecEncode:
 
 
 _ABSENT = object()
+
+
+def _autocast(device_type: str) -> str | None:
+    """The dtype autocast computes in on ``device_type`` now, or None when it is off: the codes depend on it."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return str(torch.get_autocast_dtype(device_type))
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

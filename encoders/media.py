@@ -120,10 +120,13 @@ def read_source(source: object, index: int, limits, medium: str) -> tuple[bytes,
     ``MediaRef``, under ``limits`` (an ``ImageLimits`` or ``audio.AudioLimits``)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         ref = MediaRef(index, SOURCE_BYTES, medium)
-        data = bytes(source)
-        if len(data) > limits.max_bytes:
-            raise MediaDecodeError(ref, f"{len(data)} bytes exceed the limit of {limits.max_bytes}")
-        return data, ref
+        try:
+            size = source.nbytes if isinstance(source, memoryview) else len(source)
+            if size > limits.max_bytes:  # before the copy
+                raise MediaDecodeError(ref, f"{size} bytes exceed the limit of {limits.max_bytes}")
+            return bytes(source), ref
+        except ValueError as e:  # a released memoryview
+            raise MediaDecodeError(ref, f"the {medium} buffer cannot be read: {e}") from None
     if isinstance(source, str) and source[:5].lower() == "data:":
         ref = MediaRef(index, SOURCE_DATA_URL, medium)
         return data_url_payload(source, ref, limits), ref
@@ -170,7 +173,10 @@ def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
     ``allow_paths``, ``path_root``: an ``ImageLimits`` or ``audio.AudioLimits``)."""
     text = str(source)
     if text.lower().startswith("file://"):
-        url = urllib.parse.urlparse(text)
+        try:
+            url = urllib.parse.urlparse(text)
+        except ValueError as e:  # "file://[abc/x" (an unclosed IPv6 host)
+            raise MediaDecodeError(ref, f"not a valid file URL: {e}") from None
         if url.netloc not in ("", "localhost"):
             raise MediaDecodeError(ref, f"file URL names host {url.netloc!r}; only local files are read")
         text = urllib.parse.unquote(url.path)

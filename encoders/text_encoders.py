@@ -99,6 +99,21 @@ def nested_configs(config: object) -> dict[str, object]:
     return out
 
 
+def module_configs(module: torch.nn.Module) -> dict[str, object]:
+    """Every distinct config reachable from ``module``: the ``config`` of the module and of each submodule, and
+    the configs nested in each (``nested_configs``), keyed ``"<module path>:<attribute path>"``; a config object
+    reachable twice is listed once, at its first path. A submodule may run on a config of its own, not the
+    top-level one: Mimi's encoder keeps a copy, whose attention kernel is set apart from the model's."""
+    out: dict[str, object] = {}
+    seen: set[int] = set()
+    for path, sub in module.named_modules():
+        for attribute, cfg in nested_configs(getattr(sub, "config", None)).items():
+            if id(cfg) not in seen:
+                seen.add(id(cfg))
+                out[f"{path}:{attribute}"] = cfg
+    return out
+
+
 def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
     """The kernels chosen for ``config`` and for every config nested in it (``nested_configs``), keyed by attribute
     path: ``{"attention": ..., "experts": ...}``, the attention implementation (``sdpa``, ``eager``,
@@ -117,9 +132,9 @@ def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
 
 
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
-    """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config, the
-    attention and experts implementations of the config and of its nested configs (``kernel_implementations``)
-    and every state-dict tensor (name, dtype, shape, bytes). About one second per 10 GB of weights: taken when a
+    """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config and every
+    other config a submodule runs on (``module_configs``), the attention and experts implementations of each
+    (``kernel_implementations``) and every state-dict tensor (name, dtype, shape, bytes). About one second per 10 GB of weights: taken when a
     ``LiveFingerprint`` sees the module change, not per call."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
@@ -127,14 +142,18 @@ def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
         raise InvalidRequest(f"an adapter recipe must be a mapping, got {type(recipe).__name__}")
     tensors = model.state_dict()
     config = getattr(model, "config", None)
+    configs = module_configs(model)
     h = xxhash.xxh3_128()
     h.update(canonical_encoding({"recipe": dict(recipe), "class": type(model).__qualname__,
                                  "version": ADAPTER_VERSION,
                                  "device": sorted({t.device.type for t in tensors.values()}),
-                                 "kernels": kernel_implementations(config)}))
-    if config is not None:
-        cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-        h.update(json.dumps(cfg, sort_keys=True, default=str).encode("utf-8"))
+                                 "kernels": {path: kernel_implementations(cfg)[""] for path, cfg in configs.items()}}))
+    # the top-level config (its nested ones are in its dict), then each config a submodule keeps of its own
+    for path, cfg in [("", config), *((p, c) for p, c in configs.items() if not p.startswith(":"))]:
+        if cfg is not None:
+            values = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+            h.update(canonical_encoding(path))
+            h.update(json.dumps(values, sort_keys=True, default=str).encode("utf-8"))
     for name, t in tensors.items():
         h.update(canonical_encoding([name, str(t.dtype), list(t.shape)]))
         h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -152,8 +171,8 @@ class LiveFingerprint(Generic[T]):
 
     The token holds, for every parameter and buffer of the module (or of each module of a list) looked up where
     its module keeps it (``module._parameters`` / ``_buffers``), its identity, version counter, storage address,
-    dtype and device, then a copy of the attributes of each watched object: by default the module's config and
-    each config nested in it (``nested_configs``; the attention and experts kernels are among them, in
+    dtype and device, then a copy of the attributes of each watched object: by default every config the module
+    and its submodules run on (``module_configs``; the attention and experts kernels are among them, in
     ``_attn_implementation_internal`` ...), or what ``watched()`` returns (a vision adapter's tower configs, the
     top-level config without the language model's, the image processor). So a tensor replaced
     (``load_state_dict(assign=True)``, ``p.data = ...``, ``.to(dtype or device)``), written in place through
@@ -181,8 +200,7 @@ class LiveFingerprint(Generic[T]):
                                  f"{type(module).__name__}")
         self.modules = list(modules)
         self._take = take
-        self._watched = watched or (lambda: [cfg for m in self.modules
-                                             for cfg in nested_configs(getattr(m, "config", None)).values()])
+        self._watched = watched or (lambda: [cfg for m in self.modules for cfg in module_configs(m).values()])
         self._lock = threading.Lock()
         # ([(module._parameters or module._buffers, name) of every tensor], [every config]), or None: find them
         self._places: tuple[list, list] | None = None

@@ -11,8 +11,8 @@ Invariants:
   configuration, its class and the transformers version, and the decode rule (``media.DECODE_PARAMS``). The
   media digest is ``names.media_digest(bytes as sent, preprocess_params)``.
 * ``fingerprint`` is a digest of the adapter kind, the tower and projector configuration, the attention and
-  experts implementations of each tower module's config and of every config nested in it (``text_encoders.
-  kernel_implementations``: transformers leaves them out of the config's JSON, yet sdpa and eager features
+  experts implementations of every config the tower modules run on (``text_encoders.module_configs`` and
+  ``kernel_implementations``: transformers leaves them out of the config's JSON, yet sdpa and eager features
   differ in their last bits), their weights (every tensor's name, dtype, shape and bytes), the device type and
   ``preprocess_params``. The language model's attention is not part of it (the engine routes it through its
   paged backend when it attaches; the features do not depend on it).
@@ -52,7 +52,7 @@ from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
-from .text_encoders import LiveFingerprint, kernel_implementations, nested_configs
+from .text_encoders import LiveFingerprint, kernel_implementations, module_configs
 
 ADAPTER_VERSION = 1
 
@@ -153,7 +153,7 @@ class VisionAdapter(ABC):
         """What the fingerprint reads besides the tower's tensors: each tower module's config and the configs
         nested in it, the model's top-level config (its own attributes: the language model's nested config is
         not followed, the engine sets its attention when it attaches) and the image processor."""
-        towers = [cfg for m in self._tower_modules() for cfg in nested_configs(getattr(m, "config", None)).values()]
+        towers = [cfg for m in self._tower_modules() for cfg in module_configs(m).values()]
         return [*towers, self.model.config, self.image_processor]
 
     def _describe(self) -> tuple[str, dict, OutputSpec]:
@@ -162,10 +162,11 @@ class VisionAdapter(ABC):
             "adapter": self.kind,
             "adapter_version": ADAPTER_VERSION,
             "config": self._tower_config(),
-            # each tower module's own config (a transformers sub-model carries one; the projector has none), not
-            # the whole model's: the engine sets the language model's attention when it attaches, which must
-            # not key the same tower's features apart
-            "kernels": [kernel_implementations(getattr(m, "config", None)) for m in self._tower_modules()],
+            # the configs the tower modules run on (a transformers sub-model carries one; the projector has
+            # none), not the whole model's: the engine sets the language model's attention when it attaches,
+            # which must not key the same tower's features apart
+            "kernels": [{path: kernel_implementations(cfg)[""] for path, cfg in module_configs(m).items()}
+                        for m in self._tower_modules()],
             "weights": weights_digest(self._tower_modules()),
             "device": next(self.model.parameters()).device.type,
             "preprocess": params,

@@ -259,3 +259,17 @@ def test_digest_covers_bytes_as_sent_and_every_parameter(png):
     assert media_digest(png, {**params, "size": 33}) != base
     assert media_digest(png, {**params, "image_mean": [0.5, 0.5, 0.4]}) != base
     assert media_digest(png, dict(reversed(list(params.items())))) == base
+
+
+def test_an_unparsable_file_url_and_a_released_buffer_are_media_errors(png):
+    for url in ("file://[abc/cat.png", "file://[::1/cat.png"):  # ValueError (Invalid IPv6 URL) before
+        with pytest.raises(MediaDecodeError, match="not a valid file URL"):
+            read_image(url)
+    view = memoryview(bytearray(png))
+    view.release()
+    with pytest.raises(MediaDecodeError, match="cannot be read"):  # ValueError before
+        read_image(view)
+    wide = memoryview(bytearray(png[:400])).cast("I")  # 100 items of 4 bytes: the limit counts bytes
+    assert read_image(wide).data == png[:400]
+    with pytest.raises(MediaDecodeError, match="400 bytes exceed"):
+        read_image(wide, limits=ImageLimits(max_bytes=399))

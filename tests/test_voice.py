@@ -216,7 +216,10 @@ def test_keys_name_the_samples_the_settings_and_the_weights(pipe):
     y[0, 0, 100] += 1e-3
     assert enc.key(y) != k
     assert enc.key(x, num_quantizers=8) != k
-    assert enc.key(x.double()) != k
+    with pytest.raises(InvalidRequest, match="cast the waveform"):
+        enc.key(x.double())  # the codec's convolution would refuse it
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # another computation: another key
+        assert enc.key(x) != k and enc.key(x.double()) not in (k, enc.key(x))
     assert enc.key(x, padding_mask=torch.ones(1, 1, x.shape[-1], dtype=torch.long)) != k
     assert CachedCodecEncode(pipe.codec, None, salt="tenant-b").key(x) != k
     other = csm_pipeline(codec="tiny", seed=1)
@@ -230,16 +233,39 @@ def test_new_weights_between_attaches_never_meet_old_entries(pipe):
     enc = CachedCodecEncode(codec, store)
     with enc:
         before = codec.encode(x).audio_codes
-    codec.load_state_dict(csm_pipeline(codec="tiny", seed=1).codec.state_dict())
-    for book in codec.modules():  # transformers caches each codebook's centroids; drop the stale cache
-        if hasattr(book, "_embed"):
-            book._embed = None
+    fresh = csm_pipeline(codec="tiny", seed=1).codec
+    codec.load_state_dict(fresh.state_dict())
+    # Mimi's codebooks cache their centroids at first use and never again: the adapter drops that cache when
+    # it sees new weights, or the codes filed under the new weights' key were the old centroids' (all differed)
     with enc:
         after = codec.encode(x).audio_codes
     with torch.no_grad():
-        truth = type(codec).encode(codec, x).audio_codes
+        truth = type(fresh).encode(fresh, x).audio_codes
     assert enc.hits == 0 and enc.calls == 2 and len(store) == 2
     assert torch.equal(after, truth) and not torch.equal(before, truth)
+    with CachedCodecEncode(fresh, store) as other:  # another instance of the new weights hits that entry
+        assert torch.equal(fresh.encode(x).audio_codes, truth) and other.hits == 1
+    off = csm_pipeline(codec="tiny").codec
+    with CachedCodecEncode(off, None):  # the store-off path drops it too: on and off stay equal
+        off.encode(x)
+        off.load_state_dict(fresh.state_dict())
+        assert torch.equal(off.encode(x).audio_codes, truth)
+
+
+def test_the_encoders_own_attention_kernel_is_keyed():
+    # Mimi's encoder runs on a copy of the encoder config, whose kernel is set apart from the codec's config:
+    # the key followed only the codec's, so eager codes were served sdpa ones (they differ in the last bits of
+    # the latents, and so in codes near a codebook boundary).
+    x = torch.from_numpy(tone(0.4))[None, None]
+    codec = csm_pipeline(codec="tiny").codec
+    assert codec.encoder.config is not codec.config.encoder_config
+    enc = CachedCodecEncode(codec, EncoderOutputStore(2**20))
+    sdpa = enc.key(x)
+    codec.encoder.set_attn_implementation("eager")
+    assert codec.encoder.config._attn_implementation == "eager" and codec.config._attn_implementation == "sdpa"
+    assert enc.key(x) != sdpa  # seen at the next call, without refresh or attach
+    codec.encoder.set_attn_implementation("sdpa")
+    assert enc.key(x) == sdpa
 
 
 def test_weights_replaced_through_data_are_seen_and_refresh_covers_writes_through_it():
@@ -323,6 +349,8 @@ def test_returned_codes_are_copies_and_hits_equal_misses(pipe):
     torch.zeros(1, 1, 100, dtype=torch.int16),  # not floating point
     torch.zeros(1, 2, 100),  # Mimi is mono
     torch.zeros(1, 1, 0),  # no samples
+    torch.zeros(1, 1, 100, dtype=torch.float64),  # another dtype than the codec's (the convolution raised)
+    torch.zeros(1, 1, 100, dtype=torch.bfloat16),
 ])
 def test_bad_input_is_refused_before_anything_runs_or_is_stored(pipe, bad):
     store = EncoderOutputStore(2**20)
@@ -403,3 +431,18 @@ def test_benchmark_run_reports_calls_identity_and_its_table(pipe, monkeypatch):
     rows = voice.table_rows(r)
     assert [row.metric for row in rows][:3] == ["reference-encoder calls", "reference-encoder time",
                                                 "time to first audio p50"]
+
+
+def test_the_extensible_wav_header_is_read_as_wav():
+    # ffmpeg and SoX write 24-bit and multichannel WAV files with the extensible header (libsndfile: WAVEX)
+    buf = io.BytesIO()
+    samples = tone(0.2)
+    soundfile.write(buf, samples, SAMPLING_RATE, format="WAVEX", subtype="PCM_24")
+    raw = read_audio(buf.getvalue())
+    assert soundfile.info(io.BytesIO(raw.data)).format == "WAVEX"
+    wave = decode_audio(raw, SAMPLING_RATE)
+    assert np.array_equal(wave, soundfile.read(io.BytesIO(raw.data), dtype="float32")[0])
+    with pytest.raises(MediaDecodeError, match="container WAVEX is not accepted"):
+        decode_audio(raw, SAMPLING_RATE, AudioLimits(formats=("FLAC",)))
+    with pytest.raises(MediaDecodeError, match="truncated WAV"):
+        decode_audio(RawAudio(raw.data[:-10], raw.ref), SAMPLING_RATE)
