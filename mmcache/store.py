@@ -222,7 +222,9 @@ class EncoderOutputStore:
         self.budget_bytes = budget_bytes
         self.metrics = StoreMetrics()
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
-        self._lock = threading.Lock()
+        # Reentrant: the garbage collector may finalise an abandoned request inside an allocation made under it,
+        # on this thread, and that request's leases are released (``_release`` takes it again)
+        self._lock = threading.RLock()
         self._computing: dict[bytes, _Flight] = {}
 
     def __contains__(self, key: bytes) -> bool:

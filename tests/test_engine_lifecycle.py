@@ -657,3 +657,23 @@ def test_a_steps_greedy_tokens_are_each_rows_first_maximum(tiny):
     assert greedy_picks(logits, {"a": 0, "b": 3}) == {"a": 1, "b": 0}  # a subset of rows; ties: the first
     assert greedy_picks(logits, {"a": 1, "b": 0, "c": 2, "d": 3}) == {"a": 0, "b": 1, "c": 2, "d": 0}
     assert greedy_picks(logits, {}) == {}
+
+
+def test_a_step_whose_batched_greedy_pick_raises_samples_each_row_instead(tiny, monkeypatch):
+    # The step's greedy tokens are picked together; that call sat outside the per-request guard, so its failure
+    # escaped step() after the commits and the next step failed both requests as unschedulable.
+    ps = prompts(2, seed=21)
+    want = [o.output_ids for o in engine(tiny).generate(ps, greedy(6))]
+    eng = engine(tiny)
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise RuntimeError("injected")
+
+    import mmcache.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "greedy_picks", failing)
+    outs = eng.generate(ps, greedy(6))
+    assert calls and [o.output_ids for o in outs] == want and all(o.finish_reason == "length" for o in outs)
+    assert_pools_whole(eng)

@@ -544,3 +544,72 @@ def test_a_stream_collected_inside_a_step_keeps_its_leases_until_its_request_end
         handle.remove()
     assert held_inside == [1]  # still held inside the step that aborts it
     assert_whole(vlm, [key])
+
+
+def _in_thread(fn, timeout=30) -> bool:
+    """Whether ``fn`` returned within ``timeout`` seconds on a daemon thread (a deadlock leaves it behind)."""
+    worker = threading.Thread(target=fn, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return not worker.is_alive()
+
+
+def test_a_stream_finalised_under_the_store_lock_neither_deadlocks_nor_waits_for_another_threads_step(
+        llava, crops):
+    # The garbage collector may finalise an abandoned stream inside any allocation, such as one the store makes
+    # under its lock: the stream's abort then released its leases through that same lock, on that thread (a
+    # deadlock, found 38 times in 119 add_request calls by a fuzz). Closing the stream under the lock is that
+    # moment, made deterministic.
+    vlm = front(llava)
+    keys = [vlm.builder.adapter.key(c) for c in crops[:2]]
+    stream = vlm.stream([ask(crops[0], n=12, rid="abandoned")])
+    assert next(stream).token_id is not None and vlm.store.held(keys[0]) == 1
+
+    def close_under_the_store_lock():
+        with vlm.store._lock:
+            stream.close()
+
+    assert _in_thread(close_under_the_store_lock), "closing the stream under the store's lock deadlocked"
+    assert_whole(vlm, keys)
+
+    # Across threads: one holds the engine's lock (a step), the finaliser runs on another that holds the store's
+    # lock (which the step would take to release a lease). The finaliser must not wait: its abort is queued
+    # and applied when that step ends.
+    stream = vlm.stream([ask(crops[1], n=12, rid="abandoned-2")])
+    assert next(stream).token_id is not None and vlm.store.held(keys[1]) == 1
+    stepping, done = threading.Event(), threading.Event()
+
+    def step_holding_the_engine_lock():
+        with vlm.engine._changing_state():
+            stepping.set()
+            done.wait(120)
+
+    holder = threading.Thread(target=step_holding_the_engine_lock, daemon=True)
+    holder.start()
+    stepping.wait(60)
+    assert _in_thread(close_under_the_store_lock), "the finaliser waited for another thread's step"
+    assert list(vlm.engine._orphans) and vlm.store.held(keys[1]) == 1  # queued, not yet applied
+    done.set()
+    holder.join(60)
+    assert not vlm.engine.is_live("abandoned-2")  # applied when that change ended
+    assert_whole(vlm, keys)
+
+
+def test_build_failures_queued_for_a_step_that_raises_reach_the_next_one(llava, crops):
+    vlm = front(llava)
+    vlm.add_request(ask(crops[0], n=4, rid="good"))
+    vlm.add_request(ask(b"not an image", rid="corrupt"))  # its failure waits for the next step
+    step = vlm.engine.step
+
+    def raising_once():
+        vlm.engine.step = step
+        raise RuntimeError("injected")
+
+    vlm.engine.step = raising_once
+    with pytest.raises(RuntimeError, match="injected"):
+        vlm.step()
+    ended = {}
+    while vlm.has_unfinished():
+        ended.update({e.request_id: e.output for e in vlm.step() if e.finished})
+    assert isinstance(ended["corrupt"].error, MediaDecodeError) and ended["good"].finish_reason == "length"
+    assert_whole(vlm, [vlm.builder.adapter.key(crops[0])])

@@ -27,7 +27,10 @@ requests. Invariants:
   and before ``step`` returns its events, so the abort event reaches that same ``step``. Such an ``abort``
   returns True; the request still ends ``"eos"``/``"length"``/... instead if it finishes in that step.
 * A stream that is closed (or collected) aborts its own unfinished requests only: never a later request that
-  took the id of one of them after it ended.
+  took the id of one of them after it ended. It never waits for the engine's lock to do so: the garbage
+  collector may finalise it on a thread that holds another lock (the encoder store's, inside an allocation)
+  which a step running on another thread is about to take. When the lock is taken elsewhere, its aborts are
+  queued (``_orphans``) and applied when the change running then ends, or by the next step, abort or add.
 * A request added without an id gets ``req-N``, N counting up per engine and skipping ids live or handed out
   to a request still being added; a caller adding such an id meanwhile gets ``DuplicateRequest``, as for a
   live one, so two requests never share an id.
@@ -41,6 +44,7 @@ import logging
 import traceback
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -192,6 +196,7 @@ class Engine:
         self._live: dict[object, LiveRequest] = {}
         self._changing = False  # inside a change to the state (a step, an abort, an add); under the lock
         self._deferred_aborts: list[LiveRequest] = []  # aborts that re-entered a change; applied when it ends
+        self._orphans: deque[LiveRequest] = deque()  # aborts of streams closed while another thread held the lock
         self._events: list[StreamEvent] = []  # events of requests added with add_request
         self._next_id = 0
         self._naming: set = set()  # automatic ids handed out whose requests are not registered yet
@@ -302,10 +307,10 @@ class Engine:
 
     def holds(self, request: Request) -> bool:
         """Whether this ``Request`` object is live here (not merely one with its id): its resources, such as
-        ``mm.release``, are then the engine's to give back when it ends."""
-        with self._lock:
-            live = self._live_of(request.request_id)
-            return live is not None and live.request is request
+        ``mm.release``, are then the engine's to give back when it ends. Without the lock (one dict lookup):
+        a stream's finaliser asks it, which must never wait for a step running on another thread."""
+        live = self._live_of(request.request_id)
+        return live is not None and live.request is request
 
     def _live_of(self, request_id) -> LiveRequest | None:
         """The live request of ``request_id``, or None (also for an id that cannot be hashed: none has one)."""
@@ -372,8 +377,21 @@ class Engine:
         finally:
             # A consumer that stops iterating early (or an exception) must not leave requests holding pages. By
             # their live state, not their ids: one that ended unread may have given its id to a new request.
-            for live in pending.values():
+            self._abort_without_waiting(list(pending.values()))
+
+    def _abort_without_waiting(self, lives: list[LiveRequest]) -> None:
+        """Abort ``lives`` now if the lock is free or this thread's, else queue them for the change running on
+        the thread that holds it (see the module docstring: a stream's finaliser must never wait for the lock)."""
+        if not lives:
+            return
+        if not self._lock.acquire(blocking=False):
+            self._orphans.extend(lives)  # deque.extend is atomic: the holder's drain takes them
+            return
+        try:
+            for live in lives:
                 self._abort(live)
+        finally:
+            self._lock.release()
 
     def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
         """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
@@ -431,8 +449,9 @@ class Engine:
             finally:
                 failure = None
                 try:
-                    while self._deferred_aborts:  # an abort applied here may itself queue more
-                        live = self._deferred_aborts.pop(0)
+                    # an abort applied here may itself queue more; streams closed meanwhile on other threads too
+                    while self._deferred_aborts or self._orphans:
+                        live = self._deferred_aborts.pop(0) if self._deferred_aborts else self._orphans.popleft()
                         try:
                             if self._is_live(live):
                                 self._finish(live, "abort", None, store=True)
@@ -496,7 +515,10 @@ class Engine:
                         if w.live.sampling.greedy and CFG not in w.live.branches:
                             greedy_rows[id(w.live)] = row
                     row += 1
-            greedy = greedy_picks(logits, greedy_rows)
+            try:
+                greedy = greedy_picks(logits, greedy_rows)
+            except Exception:  # each request then samples its own row, and a failure there ends that request only
+                greedy = {}
             for live in _unique(w.live for w in works):
                 if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
                     self._emit_token(live, greedy.get(id(live)))

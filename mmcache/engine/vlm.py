@@ -106,7 +106,10 @@ class VLMEngine:
         self._keys_seen: set[bytes] = set()
         self._events: list[StreamEvent] = []  # build failures of add_request, returned by the next step
         self._next_id = 0
-        self._lock = threading.Lock()  # guards the four above; never held while calling the engine or the store
+        # guards the four above; never held while calling the engine or the store. Reentrant: the garbage
+        # collector may finalise an abandoned stream inside an allocation made under it, whose abort releases
+        # that request's leases (``_Held.release``) on this same thread
+        self._lock = threading.RLock()
 
     @classmethod
     def from_preset(cls, name: str, config: EngineConfig | None = None, dtype="float32",
@@ -168,9 +171,10 @@ class VLMEngine:
             raise
 
     def step(self) -> list[StreamEvent]:
+        stepped = self.engine.step()  # first: when it raises, the queued build failures stay for the next step
         with self._lock:
             events, self._events = self._events, []
-        return events + self.engine.step()
+        return events + stepped
 
     def has_unfinished(self) -> bool:
         return bool(self._events) or self.engine.has_unfinished()
