@@ -4,8 +4,13 @@ Each request carries its own positive prompt (PartiPrompts, drawn with the diffu
 stream) and one fixed negative prompt (Wan's default negative prompt), decoded in lockstep with guidance
 (logits = uncond + scale * (cond - uncond)). The negative branch has its own pool and index, so from the
 second request on its prompt pages are seeded instead of recomputed. Cache on and cache off run the same
-requests one at a time on two engines built from the same preset, alternating which goes first; the figures
-are medians over the stream after a first, warming request per engine. Outputs of the two engines are
+requests one at a time on two engines built from the same preset, alternating which goes first; each of
+``--runs`` runs starts with both engines' caches cleared, and its first request (which fills the cache, and in
+the first run warms both engines) is left out. ``ttft_p50_s`` and ``latency_p50_s`` are medians over runs of
+each run's median over its requests. ``ttft_ratio_paired`` is the median over runs of each run's median over
+requests of (cache-off TTFT / cache-on TTFT of the same request), which were served side by side
+(``ttft_ratio_paired_runs``: each run's); the table's "better by" (``paired``) is this figure.
+``ttft_ratio_on_over_off`` is the ratio of the two p50s, as before. Outputs of the two engines are
 compared token for token (``tokens_equal``; under this default schedule the guided bf16 logits can flip a
 near-tie, see RESULTS). ``exact_check``: the first three requests again under the exact schedule
 (``EngineConfig.exact``), where every logits row of both branches must be equal bit for bit with the cache on
@@ -29,15 +34,17 @@ from mmcache.engine.models import DTYPES
 from mmcache.engine.presets import PRESETS
 
 from .diffusion import zipf_stream
-from .options import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_THREADS, count, fill_sizes, real, seed
+from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, count, fill_sizes, real, seed
 from .table import Row
 
 DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch reuse, TTFT cache on vs off"
 MAX_CONTEXT = max(p.config["max_position_embeddings"] for p in PRESETS.values())  # the longest preset context
 # Wan's negative prompt is about 400 tokens (4 repeats: 1617), so 64 repeats nearly fill the 32k context.
 MAX_NEGATIVE_REPEAT = 64
-FULL = {"requests": 24, "max_tokens": 8, "negative_repeat": 4}
-QUICK = {"requests": 6, "max_tokens": 4, "negative_repeat": 2}  # --quick's values for the options not given
+FULL = {"requests": 24, "max_tokens": 8, "negative_repeat": 4, "runs": 3}
+# --quick's values for the options not given; one run, as a run of the quick stream takes about a minute on the
+# development machine (the cache-off prefills of the negative prompt)
+QUICK = {"requests": 6, "max_tokens": 4, "negative_repeat": 2, "runs": 1}
 
 
 def add_arguments(p) -> None:
@@ -46,6 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--requests", type=count(MAX_REQUESTS), default=None,
                    help=f"requests in the stream (default {FULL['requests']}, quick {QUICK['requests']})")
+    p.add_argument("--runs", type=count(MAX_REPEATS), default=None,
+                   help=f"runs of the stream, caches cleared before each; figures are medians over runs "
+                        f"(default {FULL['runs']}, quick {QUICK['runs']})")
     p.add_argument("--max-tokens", type=count(MAX_CONTEXT), default=None,
                    help=f"tokens per request (default {FULL['max_tokens']}, quick {QUICK['max_tokens']}); with "
                         "the prompts, within the preset's context")
@@ -73,6 +83,31 @@ def _serve(eng: Engine, rid, prompt: str, negative: str, args):
     return out
 
 
+def _run_once(engines: dict, prompts: list[str], negative: str, args, run: int) -> tuple[dict, bool]:
+    """One run of the stream on both engines, their caches cleared first: per mode the figures of every request
+    after the first, and whether every request's tokens were equal."""
+    for eng in engines.values():
+        eng.clear_cache()
+    rows = {m: [] for m in engines}
+    same = True
+    for i, prompt in enumerate(prompts):
+        order = ("on", "off") if (i + run) % 2 == 0 else ("off", "on")
+        outs = {m: _serve(engines[m], f"{run}-{i}", prompt, negative, args) for m in order}
+        same &= outs["on"].output_ids == outs["off"].output_ids
+        if i == 0:
+            continue  # the first request fills the cache (and, in the first run, warms both engines)
+        for m, o in outs.items():
+            rows[m].append({"ttft_s": o.ttft, "latency_s": o.token_times[-1] - o.arrival_time,
+                            "negative_matched": o.negative_matched_tokens, "prompt_len": o.prompt_len})
+    return rows, same
+
+
+def paired_ttft_ratio(off: list[dict], on: list[dict]) -> float:
+    """The median over requests of (cache-off TTFT / cache-on TTFT of the same request): the two were served side
+    by side, so the machine's drift over the stream cancels pair by pair."""
+    return statistics.median(a["ttft_s"] / b["ttft_s"] for a, b in zip(off, on, strict=True))
+
+
 def run(args) -> dict:
     fill_sizes(args, FULL, QUICK)
     if args.threads:
@@ -81,31 +116,26 @@ def run(args) -> dict:
     prompts = zipf_stream(parti_prompts(), args.requests + 1, 1.1, args.seed)
     engines = {"on": _engine(args, "on"), "off": _engine(args, "off")}
     neg_len = len(engines["on"].tokenizer.encode(negative))
-    rows = {m: [] for m in engines}
-    same = True
-    for i, prompt in enumerate(prompts):
-        order = ("on", "off") if i % 2 == 0 else ("off", "on")
-        outs = {m: _serve(engines[m], i, prompt, negative, args) for m in order}
-        same &= outs["on"].output_ids == outs["off"].output_ids
-        if i == 0:
-            continue  # the first request fills the cache (and warms both engines)
-        for m, o in outs.items():
-            rows[m].append({"ttft_s": o.ttft, "latency_s": o.token_times[-1] - o.arrival_time,
-                            "negative_matched": o.negative_matched_tokens, "prompt_len": o.prompt_len})
+    runs = [_run_once(engines, prompts, negative, args, r) for r in range(args.runs)]
     page = args.page_size
-    result = {"preset": args.preset, "dtype": args.dtype, "requests": args.requests, "negative_tokens": neg_len,
-              "guidance_scale": args.scale, "page_size": page, "tokens_equal": same}
-    for m, rs in rows.items():
+    result = {"preset": args.preset, "dtype": args.dtype, "requests": args.requests, "runs": args.runs,
+              "negative_tokens": neg_len, "guidance_scale": args.scale, "page_size": page,
+              "tokens_equal": all(same for _, same in runs)}
+    for m in engines:
+        every = [r for rows, _ in runs for r in rows[m]]
         result[m] = {
-            "ttft_p50_s": statistics.median(r["ttft_s"] for r in rs),
-            "latency_p50_s": statistics.median(r["latency_s"] for r in rs),
-            "negative_matched_share": sum(r["negative_matched"] for r in rs) / (neg_len * len(rs)),
+            "ttft_p50_s": statistics.median(statistics.median(r["ttft_s"] for r in rows[m]) for rows, _ in runs),
+            "latency_p50_s": statistics.median(statistics.median(r["latency_s"] for r in rows[m])
+                                               for rows, _ in runs),
+            "negative_matched_share": sum(r["negative_matched"] for r in every) / (neg_len * len(every)),
         }
     result["exact_check"] = exact_check(args, prompts[:3], negative)
-    pos = statistics.mean(r["prompt_len"] for r in rows["on"])
+    pos = statistics.mean(r["prompt_len"] for r in runs[0][0]["on"])
     reusable = ((neg_len - 1) // page) * page
     result["compute_bound_ttft_ratio"] = (pos + neg_len - reusable) / (pos + neg_len)
     result["ttft_ratio_on_over_off"] = result["on"]["ttft_p50_s"] / result["off"]["ttft_p50_s"]
+    ratios = [paired_ttft_ratio(rows["off"], rows["on"]) for rows, _ in runs]
+    result["ttft_ratio_paired"], result["ttft_ratio_paired_runs"] = statistics.median(ratios), ratios
     return result
 
 
@@ -134,7 +164,7 @@ def table_rows(r: dict) -> list[Row]:
     return [
         Row("cfg", "bit-exact (exact schedule, on vs off)", float(r["exact_check"]["bit_exact"]), target="1"),
         Row("cfg", "TTFT p50, fixed negative prompt", r["on"]["ttft_p50_s"], "s", r["off"]["ttft_p50_s"],
-            target=f"compute bound {r['compute_bound_ttft_ratio']:.2f} of off"),
+            target=f"compute bound {r['compute_bound_ttft_ratio']:.2f} of off", paired=r["ttft_ratio_paired"]),
         Row("cfg", "negative prompt tokens seeded", r["on"]["negative_matched_share"], "", None,
             target=f"default schedule, tokens equal: {r['tokens_equal']}", higher_is_better=True),
     ]

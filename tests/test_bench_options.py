@@ -19,7 +19,7 @@ from mmcache.cli import positive_int, writable
 COUNTS = {"core": ["--repeats"], "prefix": ["--page-size"],  # core's --tokens starts higher (test_bench_core)
           "vlm": ["--page-size", "--num-pages", "--threads"],
           "diffusion": ["--requests", "--runs", "--steps", "--threads"],
-          "cfg": ["--requests", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
+          "cfg": ["--requests", "--runs", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
           "sampling": ["--repeats", "--batch", "--tokens"],
           "voice": ["--rounds", "--runs", "--frames", "--threads"]}
 
@@ -52,6 +52,7 @@ BOUNDED = [("core", "--tokens", HUGE, "at most 16777216"), ("core", "--repeats",
            ("diffusion", "--runs", HUGE, "at most"), ("diffusion", "--steps", HUGE, "at most"),
            ("diffusion", "--threads", HUGE, "at most 1024"),
            ("cfg", "--seed", "-1", "at least 0"), ("cfg", "--scale", "nan", "finite"),
+           ("cfg", "--runs", HUGE, "at most"),
            ("cfg", "--scale", "-inf", "finite"), ("cfg", "--requests", HUGE, "at most"),
            ("cfg", "--max-tokens", HUGE, "at most"), ("cfg", "--negative-repeat", HUGE, "at most 64"),
            ("cfg", "--page-size", "8192", "at most 4096"), ("cfg", "--threads", HUGE, "at most"),
@@ -77,7 +78,8 @@ def test_bounds_keep_every_default_and_the_edges_of_the_range():
     """A bound refuses only what was meaningless: each default parses as before, and so do the range's edges."""
     defaults = {"core": {"tokens": None, "repeats": None}, "sampling": {"batch": 8, "tokens": None},
                 "diffusion": {"zipf": 1.1, "seed": 0, "requests": None, "runs": None, "steps": 4, "threads": 1},
-                "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": None, "max_tokens": None},
+                "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": None, "max_tokens": None,
+                        "runs": None},
                 "vlm": {"seed": 0, "page_size": 16, "num_pages": 2048, "threads": 1, "guard_runs": None},
                 "prefix": {"seed": 0, "page_size": 128, "workdir": None}}
     for name, want in defaults.items():
@@ -236,3 +238,59 @@ def test_the_scripts_refuse_a_json_path_that_cannot_be_written_before_measuring(
     (tmp_path / "a-file").write_text("")
     assert script.main(["--json", str(tmp_path / "a-file" / "out.json")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+class _FakeEngine:
+    """Stands in for the sampling benchmark's engine: every gap between two tokens of a ``generate`` call is the
+    next of the figures given for the sampler patched in at that moment (the warm-up call excepted)."""
+
+    def __init__(self, gaps: dict):
+        self.gaps = {name: iter(v) for name, v in gaps.items()}
+
+    def generate(self, prompts, sampling):
+        from benchmarks import sampling as bench
+        from mmcache.engine import engine as engine_module
+
+        if len(prompts) == 1:  # the warm-up
+            return [types.SimpleNamespace(token_times=[0.0, 1.0])]
+        gap = next(self.gaps["definition" if engine_module.sample is bench.by_definition else "mmcache"])
+        return [types.SimpleNamespace(token_times=[0.0, gap, 2 * gap]) for _ in prompts]
+
+
+def test_the_sampling_itl_ratio_is_the_median_of_per_pair_ratios(monkeypatch):
+    """Run i of the engine's sampler is paired with run i of the definition's (they ran back to back): here the
+    pairs' ratios are 2.5, 1.1 and 1.1, so the paired median is 1.1 where the ratio of the two medians (2.5 / 2)
+    would say 1.25; the table's "better by" is the paired figure."""
+    from benchmarks import sampling
+    from mmcache import engine as engine_package
+
+    gaps = {"mmcache": [1.0, 2.0, 3.0], "definition": [2.5, 2.2, 3.3]}
+    fake = _FakeEngine(gaps)
+    monkeypatch.setattr(engine_package.Engine, "from_preset", classmethod(lambda cls, *a, **k: fake))
+    e = sampling._engine_itl(batch=2, tokens=3, runs=3)
+    assert e["itl_runs_s"] == gaps and e["itl_p50_s"] == 2.0 and e["itl_p50_definition_s"] == 2.5
+    assert e["itl_ratio_pairs"] == pytest.approx([2.5, 1.1, 1.1]) and e["itl_ratio_paired"] == pytest.approx(1.1)
+    call = {"mmcache_ms": 1.0, "definition_ms": 2.0}
+    cases = ("peaked: temperature 0.8, top-p 0.9", "flat: temperature 0.8, top-p 0.9", "flat: temperature 1.0")
+    row = sampling.table_rows({"per_call": dict.fromkeys(cases, call), "engine": e})[-1]
+    assert row.ratio == pytest.approx(1.1) and row.baseline / row.value == pytest.approx(1.25)
+
+
+def test_the_sampling_engine_run_pairs_and_an_even_count_is_said(monkeypatch):
+    """Full mode runs an odd number of pairs (with four, the median was the mean of the middle two); quick mode
+    keeps two, for time, and its table row says that its ratio is the mean of the two."""
+    from benchmarks import sampling
+
+    asked = []
+    monkeypatch.setattr(sampling, "_per_call", lambda repeats: {})
+    monkeypatch.setattr(sampling, "_engine_itl", lambda batch, tokens, runs: asked.append(runs))
+    for quick in (True, False):
+        sampling.run(argparse.Namespace(quick=quick, repeats=None, tokens=None, batch=8))
+    assert asked == [2, 5]
+    call = {"mmcache_ms": 1.0, "definition_ms": 2.0}
+    cases = ("peaked: temperature 0.8, top-p 0.9", "flat: temperature 0.8, top-p 0.9", "flat: temperature 1.0")
+    engine = {"batch": 8, "itl_p50_s": 1.0, "itl_p50_definition_s": 1.2, "itl_ratio_paired": 1.1}
+    rows = {runs: sampling.table_rows({"per_call": dict.fromkeys(cases, call), "engine": dict(engine, runs=runs)})[-1]
+            for runs in (2, 5)}
+    assert "2 run pairs" in rows[2].metric and rows[2].target == "ratio: median of 2 pair ratios (even: mean of the middle two)"
+    assert "5 run pairs" in rows[5].metric and rows[5].target == ""

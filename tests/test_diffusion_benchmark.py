@@ -6,6 +6,7 @@ import torch
 
 from benchmarks import diffusion
 from benchmarks.runner import bench_parser
+from encoders.diffusion import CachedWanPipeline
 from encoders.local_tokenizers import parti_prompts
 
 
@@ -71,3 +72,34 @@ def test_the_text_encoder_size_is_chosen_and_recorded(monkeypatch):
     result = diffusion.run(args)
     assert built[0].text_encoder == small and result["t2v"]["shape"]["text_encoders"][0]["d_model"] == 48
     assert result["config"]["text_encoder"] == "large" and result["t2v"]["on"]["bit_identical"]
+
+
+def test_both_sides_are_warmed_alike_by_throwaway_wrappers(monkeypatch):
+    """Before the timed stream one request goes through a store-off and a store-on wrapper (so the store-on side
+    does not pay its first call inside the stream); those wrappers and the warm-up's store are never timed, and
+    every run times a fresh wrapper per side whose store starts empty: unique + 1 computes, as without warm-up."""
+    events = []
+
+    class Spy(CachedWanPipeline):
+        def __call__(self, *args, **kwargs):
+            events.append(("warm-up", self.store is None, self))  # held: no id is reused by a later wrapper
+            return super().__call__(*args, **kwargs)
+
+    serve = diffusion._Tally.serve
+
+    def timed(tally, wrapper, *args):
+        events.append(("timed", wrapper.store is None, wrapper))
+        return serve(tally, wrapper, *args)
+
+    monkeypatch.setattr(diffusion, "CachedWanPipeline", Spy)
+    monkeypatch.setattr(diffusion._Tally, "serve", timed)
+    args = bench_parser("diffusion", diffusion).parse_args(
+        ["--requests", "3", "--runs", "2", "--steps", "1", "--no-estimate", "--zipf", "3", "--modes", "t2v"])
+    r = diffusion.run(args)["t2v"]
+    warm, rest = events[:2], events[2:]
+    assert [off for _, off, _ in warm] == [True, False] and {kind for kind, _, _ in warm} == {"warm-up"}
+    ids = lambda part: {id(w) for _, _, w in part}
+    assert {kind for kind, _, _ in rest} == {"timed"} and not ids(warm) & ids(rest)
+    per_run = [ids(rest[:6]), ids(rest[6:])]
+    assert len(per_run[0]) == len(per_run[1]) == 2 and not per_run[0] & per_run[1]  # fresh wrappers per run
+    assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1

@@ -427,10 +427,49 @@ def test_benchmark_run_reports_calls_identity_and_its_table(pipe, monkeypatch):
     assert r["off"]["reference_encoder_calls"] == 10 and r["on"]["reference_encoder_calls"] == 5
     assert r["on"]["store_hits"] == 5 and r["on"]["bit_identical"] and r["targets"]["calls_met"]
     assert r["targets"]["encoder_time_cut_ideal"] == 0.5
+    assert r["targets"]["encoder_time_cut_runs"] == [r["targets"]["encoder_time_cut"]]  # one run
+    assert r["targets"]["latency_ratio_per_request"] > 0
     assert "estimate" not in r and "--codec mimi" in r["estimate_skipped"]
     rows = voice.table_rows(r)
     assert [row.metric for row in rows][:3] == ["reference-encoder calls", "reference-encoder time",
                                                 "time to first audio p50"]
+
+
+def test_the_latency_ratio_is_paired_by_request():
+    # The same three requests with the store off and on: the middle one's p50 pair says 2.0, while the
+    # requests' own ratios are 1.11, 2.0 and 1.03.
+    off, on = [1.0, 2.0, 4.0], [0.9, 1.0, 3.9]
+    assert voice.per_request_ratio(off, on) == pytest.approx(1.0 / 0.9)
+    with pytest.raises(ValueError):
+        voice.per_request_ratio(off, on[:2])
+
+
+def _fake_run(encoder_off: float, encoder_on: float, per_request: float, of_p50s: float) -> dict:
+    side = lambda encoder: {"latency_p50_s": 1.0, "latency_mean_s": 1.0, "reference_encoder_s": encoder,
+                            "reference_encoder_calls": 10, "store_hits": 0, "bit_identical": True}
+    return {"off": side(encoder_off), "on": side(encoder_on), "latency_ratio": of_p50s,
+            "latency_ratio_per_request": per_request}
+
+
+def test_the_targets_are_medians_of_per_run_figures_and_both_sides_are_warmed(pipe, monkeypatch):
+    """Cuts 0.5, 0.8, 0.25: their median is 0.5 where the cut between the medians over runs (0.5 / 2.0) is 0.75;
+    the table's paired "better by" is the per-request figure. Before the runs one store-off and one store-on
+    request warm each side (the store-on one through a throwaway store)."""
+    fake = [_fake_run(1.0, 0.5, 1.5, 1.1), _fake_run(2.0, 0.4, 2.0, 1.0), _fake_run(4.0, 3.0, 1.2, 1.3)]
+    monkeypatch.setattr(voice, "csm_pipeline", lambda codec: pipe)
+    monkeypatch.setattr(voice, "_run_once", lambda pipe_, stream, frames, r: fake[r])
+    warmed = []
+    real_mode = voice._Mode
+    monkeypatch.setattr(voice, "_Mode", lambda pipe_, store_on: warmed.append(store_on) or real_mode(pipe_, store_on))
+    args = types.SimpleNamespace(quick=False, rounds=1, runs=3, frames=1, codec="tiny", threads=1, seed=0,
+                                 no_estimate=True)
+    result = voice.run(args)
+    t = result["targets"]
+    assert warmed == [False, True]
+    assert t["encoder_time_cut_runs"] == pytest.approx([0.5, 0.8, 0.25]) and t["encoder_time_cut"] == 0.5
+    assert t["latency_ratio_per_request"] == 1.5 and t["latency_ratio_paired"] == 1.1  # the latter: by run only
+    row = voice.table_rows(result)[2]
+    assert row.metric == "time to first audio p50" and row.ratio == 1.5 and row.paired == 1.5
 
 
 def test_the_extensible_wav_header_is_read_as_wav():
