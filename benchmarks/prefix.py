@@ -9,12 +9,16 @@ with block sharing, and, with ``--peers`` and ``VLLM_PEER_PYTHON`` set, vLLM's C
 small workloads and no peers (``--peers`` adds them). Workloads are in ``text_workloads``; every engine plays
 them through ``peers.protocol.play``, so prompts, order and timing are the same for all.
 
-Figures: the probe (cold / same / 1920 shared + 128 new / another cold; one request at a time with one output
-token, so the call latency is the time to first token; the median of ``--probe-repeats`` repeats, each on fresh
-tokens); per workload the time to first token (p50, p90; first token stamp minus arrival stamp), inter-token
-latency p50, output tokens per second over the workload's wall time, and the share of prompt tokens served from
-a prefix cache. ``bit_exact`` comes from mmcache's exact schedule (one request at a time, one page per prefill
-forward), cache on against cache off, on prompts that hit the cache: every logits row and output id equal.
+Figures: the probe (cold / same / 1920 shared + 128 new / another cold; one request at a time; the median of
+``--probe-repeats`` repeats, each on fresh tokens). Every engine's probe figure is the same span,
+``probe_figure``: the wall time of ``protocol.play``'s round (building the request, generating, tearing down,
+building the record) less the time between the request's first and last token stamps. The request asks for one
+token, so that is the round's wall time and the time to first token; transformers' asks for two (see
+``ProbeMethod``), and the decode step of its second token is what is left out. Per workload the time to first
+token (p50, p90; first token stamp minus arrival stamp), inter-token latency p50, output tokens per second over
+the workload's wall time, and the share of prompt tokens served from a prefix cache. ``bit_exact`` comes from
+mmcache's exact schedule (one request at a time, one page per prefill forward), cache on against cache off, on
+prompts that hit the cache: every logits row and output id equal.
 
 Engines are interleaved: all are loaded and warmed up on unrelated tokens first; then each probe repeat, and
 then each repeat of each workload (``workload_repeats``, each on fresh tokens), is played by every engine in
@@ -22,7 +26,13 @@ turn (the order rotating from one play to the next), so that what one engine is 
 minutes, not a quarter of an hour, apart. This machine's speed drifts by up to 2x within minutes; run one
 engine after another and a peer's figures can differ from mmcache's by that drift alone. A workload's figures
 pool its repeats; the table's "better by" for a workload is the median of the per-repeat ratios
-(``paired_workloads``), as it is for the probe (``paired_probe``).
+(``paired_workloads``), as it is for the probe (``paired_probe``): for a time, the median of peer over mmcache
+(``better_by``). The median of two values is their mean, and the JSON and the table say so (``middle_of``).
+
+Every engine schedules under the same limits, ``StepBudget``: mmcache's ``EngineConfig`` defaults for the
+tokens one forward may hold and the sequences it may hold, given to transformers (``max_batch_tokens``,
+``max_requests_per_batch``) and vLLM (``max_num_batched_tokens``, ``max_num_seqs``) and recorded in the JSON
+(``step_budget``).
 
 Invariants: engines run one at a time, never together (vLLM's process waits on its input while the others
 run); every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
@@ -143,14 +153,17 @@ def _size_help(name: str) -> str:
 
 
 # Nine probe repeats: a repeat's engines run within a minute of each other, but this machine's speed moves
-# by up to 2x between minutes, so the paired median needs several repeats (RESULTS.md, run 5).
+# by up to 2x between minutes, so the paired median needs several repeats (RESULTS.md, run 5). Quick mode plays
+# three, the fewest whose median is not a mean (a repeat of its two engines is six cold 2048-token prefills and
+# two hits, about 7 s on the small preset); its workloads two (a repeat adds about 30 s to `mmcache bench`), so
+# their paired figures say they are a mean of 2 (``paired_note``).
 FULL = Shape(probe_repeats=9, probe_len=2048, probe_shared=1920,
              vpc_prefix_len=1024, vpc_input_range=(1152, 1280), vpc_num_prompts=4, vpc_repeat_count=3,
              vpc_output_len=10,
              gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=2048, gsp_question_len=128,
              gsp_output_len=32,
              mt_conversations=4, mt_max_user_turns=3, mt_max_answer_tokens=120, workload_repeats=3)
-QUICK = replace(FULL, probe_repeats=2, workload_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768),
+QUICK = replace(FULL, probe_repeats=3, workload_repeats=2, vpc_prefix_len=512, vpc_input_range=(640, 768),
                 vpc_num_prompts=3, vpc_repeat_count=2, gsp_prompts_per_group=3, gsp_system_prompt_len=1024,
                 gsp_output_len=16,
                 mt_conversations=2, mt_max_user_turns=2, mt_max_answer_tokens=16)  # what differs from FULL
@@ -314,37 +327,63 @@ def summarize(rounds: list[RoundResult]) -> dict:
     return out
 
 
+def middle_of(n: int) -> str:
+    """What ``statistics.median`` of ``n`` values is, in words: of two values it is their mean, and says so."""
+    return "the single value" if n == 1 else "mean of 2" if n == 2 else f"median of {n}"
+
+
 @dataclass(frozen=True)
 class ProbeMethod:
-    """How an engine's probe is timed. The default: one output token, and the figure is the call latency (which
-    is then the time to first token). transformers publishes a request's blocks only while it is still running,
-    so a one-token request never leaves a prefix to hit: it gets two tokens, and the figure is its own
-    first-token stamp minus its arrival stamp."""
+    """How many tokens an engine's probe request asks for: one, so the round ends at the first token.
+    transformers publishes a request's blocks only while it is still running, so a one-token request never
+    leaves a prefix to hit: it gets two. The figure is the same span for every engine (``probe_figure``)."""
 
     max_tokens: int = 1
-    figure: str = "wall"  # "wall" (round latency) | "ttft" (first-token stamp minus arrival stamp)
 
-    def describe(self) -> str:
-        if self.figure == "wall":
-            return f"latency of a {self.max_tokens}-token request run alone (= time to first token), median"
-        return f"time to first token (engine stamps) of a {self.max_tokens}-token request run alone, median"
+    def describe(self, repeats: int) -> str:
+        return (f"wall time of a round of one {self.max_tokens}-token request run alone, less the time from its "
+                f"first to its last token stamp (= time to first token), {middle_of(repeats)}")
+
+
+def probe_figure(rnd: RoundResult) -> float:
+    """The probe figure of every engine: the round's wall time (``protocol.play``'s span, from building the
+    request to its record) less the time between its one request's first and last token stamps. For a one-token
+    request that is the wall time itself; for transformers' two-token request it leaves out the second token's
+    decode step. Whatever else the engine does between those two stamps is left out with it, so the figure can
+    only flatter that engine, never the one it is compared with."""
+    rec = rnd.records[0]
+    return rnd.wall_s - (rec.token_times[-1] - rec.token_times[0])
 
 
 def summarize_probe(repeats: list[list[RoundResult]], method: ProbeMethod = ProbeMethod()) -> dict:
+    """Per repeat, every engine's figure (``probe_figure``) and, beside it, the round's wall time, the engine's
+    own first-token stamp minus its arrival stamp, and the prompt tokens it matched; the median of the figures."""
     rows = []
     for rounds in repeats:
         row = {}
         for key, rnd in zip(PROBE_KEYS, rounds):
             rec = rnd.records[0]
-            row[key] = rnd.wall_s if method.figure == "wall" else rec.ttft_s
+            row[key] = probe_figure(rnd)
             row[key.replace("_s", "_wall_s")] = rnd.wall_s
             row[key.replace("_s", "_ttft_s")] = rec.ttft_s
             row[key.replace("_s", "_matched")] = rec.matched_tokens
         rows.append(row)
     out = {k: statistics.median(r[k] for r in rows) for k in PROBE_KEYS}
     out["repeats"] = rows
-    out["figure"] = method.describe()
+    out["figure"] = method.describe(len(rows))
     return out
+
+
+def ratio_stat(xs: list[float]) -> dict:
+    """Per-repeat ratios, their median (``p50``; of two, their mean, which ``statistic`` says) and range."""
+    return {"p50": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs, "statistic": middle_of(len(xs))}
+
+
+def better_by(ratio: dict) -> float:
+    """How many times faster mmcache is on a time, from its per-repeat ratios of mmcache over the peer
+    (``ratio_stat``): the median of peer over mmcache, repeat by repeat. Not the inverse of the median of
+    mmcache over peer, which differs from it wherever the median is a mean (an even count of repeats)."""
+    return statistics.median(1.0 / r for r in ratio["runs"])
 
 
 def paired_probe(engines: dict) -> dict:
@@ -354,14 +393,11 @@ def paired_probe(engines: dict) -> dict:
 
     ``engines`` maps an engine name to its JSON entry (with ``probe.repeats``). Returns, per engine,
     ``same_vs_cold`` (cold over same, per repeat) and, for every other engine, ``over_<peer>``: mmcache's cold
-    and hit (same) figures over the peer's, per repeat, with their median and range."""
-    def stat(xs: list[float]) -> dict:
-        return {"p50": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-
+    and hit (same) figures over the peer's, per repeat, with their median and range (``ratio_stat``)."""
     out = {}
     for name, e in engines.items():
         reps = e["probe"]["repeats"]
-        out[name] = {"same_vs_cold": stat([r["cold_s"] / r["same_s"] for r in reps])}
+        out[name] = {"same_vs_cold": ratio_stat([r["cold_s"] / r["same_s"] for r in reps])}
     mm = engines.get("mmcache")
     if mm is not None:
         for name, e in engines.items():
@@ -369,8 +405,8 @@ def paired_probe(engines: dict) -> dict:
                 continue
             pairs = list(zip(mm["probe"]["repeats"], e["probe"]["repeats"]))
             out["mmcache"][f"over_{name}"] = {
-                "cold": stat([a["cold_s"] / b["cold_s"] for a, b in pairs]),
-                "hit": stat([a["same_s"] / b["same_s"] for a, b in pairs])}
+                "cold": ratio_stat([a["cold_s"] / b["cold_s"] for a, b in pairs]),
+                "hit": ratio_stat([a["same_s"] / b["same_s"] for a, b in pairs])}
     return out
 
 
@@ -382,9 +418,10 @@ def paired_workloads(engines: dict) -> dict:
     after the other, minutes apart at most), then the median, as ``paired_probe`` does for the probe.
 
     Returns ``{"over_<peer>": {workload: {"ttft_p50" | "itl_p50" | "throughput": {"p50", "min", "max",
-    "runs"}}}}`` for the workloads both engines played with at least two repeats; a figure missing or zero in
-    either engine's repeat (no ITL where every request asked for one token) is left out of that repeat. Times:
-    below 1 means mmcache is faster; throughput: above 1 means mmcache is faster."""
+    "runs", "statistic"}}}}`` for the workloads both engines played with at least two repeats; a figure missing
+    or zero in either engine's repeat (no ITL where every request asked for one token) is left out of that
+    repeat. Times: below 1 means mmcache is faster (the table's "better by" is ``better_by``); throughput: above
+    1 means mmcache is faster."""
     out: dict = {}
     mm = engines.get("mmcache")
     if mm is None:
@@ -401,12 +438,28 @@ def paired_workloads(engines: dict) -> dict:
             for label, key in WORKLOAD_RATIOS:
                 runs = [x[key] / y[key] for x, y in zip(a, b) if x.get(key) and y.get(key)]
                 if runs:
-                    figures[label] = {"p50": statistics.median(runs), "min": min(runs), "max": max(runs),
-                                      "runs": runs}
+                    figures[label] = ratio_stat(runs)
             if figures:
                 per[w] = figures
         out[f"over_{name}"] = per
     return out
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What one forward of every engine may hold: ``max_tokens_per_step`` tokens (transformers'
+    ``max_batch_tokens``, vLLM's ``max_num_batched_tokens``) of at most ``max_num_seqs`` sequences (transformers'
+    ``max_requests_per_batch``). ``of_mmcache`` is the one source: mmcache's ``EngineConfig`` defaults."""
+
+    max_tokens_per_step: int
+    max_num_seqs: int
+
+    @classmethod
+    def of_mmcache(cls) -> "StepBudget":
+        from mmcache.engine import EngineConfig
+
+        c = EngineConfig()
+        return cls(c.max_tokens_per_step, c.max_num_seqs)
 
 
 @dataclass
@@ -489,14 +542,18 @@ def in_process_player(name: str, runner, load_s: float, method: ProbeMethod = Pr
     return Player(name, lambda w: protocol.play(w, runner.run_round), runner.close, meta, method, final)
 
 
-def vllm_player(model_dir, space, shape, workloads: list[Workload], seed, args, workdir) -> Player:
+def vllm_player(model_dir, space, shape, workloads: list[Workload], seed, args, workdir,
+                budget: StepBudget) -> Player:
+    """vLLM's server, with a context long enough for every request and session, under ``budget`` (vLLM V1 chunks
+    a prefill longer than its step budget, so a budget below the context is accepted)."""
     probes = probe_workloads(space, shape, seed, ProbeMethod())
     longest = max(len(r.tokens) + r.max_tokens for w in workloads + probes for rnd in w.rounds for r in rnd)
     history = max([_session_len(w) for w in workloads] + [0])
     max_len = 1024 * -(-max(longest, history, 8192) // 1024)
     server = vllm_cpu.VllmServer(model_dir, warmup_workload(space, seed, shape.probe_len), workdir,
                                  dtype=args.dtype, block_size=args.page_size, max_model_len=max_len,
-                                 eager=args.vllm_eager)
+                                 max_num_batched_tokens=budget.max_tokens_per_step,
+                                 max_num_seqs=budget.max_num_seqs, eager=args.vllm_eager)
     meta = {"version": server.version, "init_s": server.init_s, "settings": server.settings}
     return Player("vllm_cpu", server.play, server.close, meta)
 
@@ -664,6 +721,7 @@ def run(args) -> dict:
         every = [w for ws in repeats for w in ws]
         check_context(every, shape, args.page_size, context)
         num_pages = _pages_needed(every, shape, args.page_size)
+        budget = StepBudget.of_mmcache()
         _progress("bit-exact check (exact schedule, cache on vs off)")
         exact = bit_exact_check(model_dir, args.dtype, args.page_size, space, args.seed, args.store_at)
         _progress(f"bit_exact: {exact['bit_exact']}")
@@ -672,18 +730,20 @@ def run(args) -> dict:
             for name in engines:
                 _progress(f"{name}: loading")
                 if name == "vllm_cpu":
-                    players.append(vllm_player(model_dir, space, shape, every, args.seed, args, workdir))
+                    players.append(vllm_player(model_dir, space, shape, every, args.seed, args, workdir, budget))
                     continue
                 t0 = time.perf_counter()
                 method = ProbeMethod()
                 if name == "transformers_cb":
                     from .peers.transformers_cb import TransformersCB
 
-                    runner = TransformersCB(model_dir, args.dtype, page_size=args.page_size, num_blocks=num_pages)
-                    method = ProbeMethod(max_tokens=2, figure="ttft")
+                    runner = TransformersCB(model_dir, args.dtype, page_size=args.page_size, num_blocks=num_pages,
+                                            max_batch_tokens=budget.max_tokens_per_step,
+                                            max_requests_per_batch=budget.max_num_seqs)
+                    method = ProbeMethod(max_tokens=2)
                 else:
                     runner = MmcacheRunner(model_dir, args.dtype, "on" if name == "mmcache" else "off",
-                                           args.page_size, num_pages, store_at=args.store_at)
+                                           args.page_size, num_pages, store_at=args.store_at, **asdict(budget))
                 players.append(in_process_player(name, runner, time.perf_counter() - t0, method))
             results = play_interleaved(players, space, shape, repeats, args.seed)
         finally:
@@ -702,7 +762,7 @@ def run(args) -> dict:
     return {"bit_exact": exact["bit_exact"], "bit_exact_check": exact, "engines": engines_out,
             "probe_paired": paired_probe(engines_out), "workloads_paired": paired_workloads(engines_out),
             "preset": preset, "dtype": args.dtype, "page_size": args.page_size, "store_at": args.store_at,
-            "quick": bool(args.quick),
+            "step_budget": asdict(budget), "quick": bool(args.quick),
             "shape": asdict(shape),
             "workloads": _workload_params(repeats), "token_space": asdict(space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
@@ -750,6 +810,11 @@ def _progress(msg: str) -> None:
 # ---- the table ---------------------------------------------------------------------------------------
 
 
+def paired_note(repeats: int) -> str:
+    """What a paired row's metric adds when its "median" of per-repeat ratios is the mean of two."""
+    return f" (paired: {middle_of(repeats)})" if repeats == 2 else ""
+
+
 def table_rows(result: dict) -> list[Row]:
     e = result["engines"]
     mm = e.get("mmcache")
@@ -758,30 +823,31 @@ def table_rows(result: dict) -> list[Row]:
     if mm is None:
         return rows
     p = mm["probe"]
-    # "better by" on the probe rows is the median of per-repeat ratios (see paired_probe); the figures shown
-    # are each engine's medians.
+    # "better by" on the probe rows is the median of per-repeat ratios (see paired_probe, better_by); the
+    # figures shown are each engine's medians.
     ours = paired_probe(e)["mmcache"]
 
     def peer(name: str, key: str) -> float:
-        return 1.0 / ours[f"over_{name}"][key]["p50"]
+        return better_by(ours[f"over_{name}"][key])
 
-    rows.append(Row("prefix", "probe: same 2048 prompt, TTFT", p["same_s"], "s", p["cold_s"], "cold", ">= 12x",
+    pn = paired_note(len(p["repeats"]))
+    rows.append(Row("prefix", f"probe: same 2048 prompt, TTFT{pn}", p["same_s"], "s", p["cold_s"], "cold", ">= 12x",
                     paired=ours["same_vs_cold"]["p50"]))
     rows.append(Row("prefix", "probe: 1920 shared + 128 new, TTFT", p["shared1920_s"], "s", p["cold_s"], "cold"))
     off = e.get("mmcache_nocache")
     if off:
-        rows.append(Row("prefix", "probe: cold 2048, TTFT", p["cold_s"], "s", off["probe"]["cold_s"], "cache off",
+        rows.append(Row("prefix", f"probe: cold 2048, TTFT{pn}", p["cold_s"], "s", off["probe"]["cold_s"], "cache off",
                         "~1x (overhead)", paired=peer("mmcache_nocache", "cold")))
     tcb = e.get("transformers_cb")
     if tcb:
-        rows.append(Row("prefix", "probe: hit TTFT", p["same_s"], "s", tcb["probe"]["same_s"], "transformers CB",
+        rows.append(Row("prefix", f"probe: hit TTFT{pn}", p["same_s"], "s", tcb["probe"]["same_s"], "transformers CB",
                         ">= 3x", paired=peer("transformers_cb", "hit")))
     vl = e.get("vllm_cpu")
     if vl:
-        rows.append(Row("prefix", "probe: cold TTFT", p["cold_s"], "s", vl["probe"]["cold_s"], "vLLM CPU", ">= 0.77x",
-                        paired=peer("vllm_cpu", "cold")))
-        rows.append(Row("prefix", "probe: hit TTFT", p["same_s"], "s", vl["probe"]["same_s"], "vLLM CPU", ">= 0.77x",
-                        paired=peer("vllm_cpu", "hit")))
+        rows.append(Row("prefix", f"probe: cold TTFT{pn}", p["cold_s"], "s", vl["probe"]["cold_s"], "vLLM CPU",
+                        ">= 0.77x", paired=peer("vllm_cpu", "cold")))
+        rows.append(Row("prefix", f"probe: hit TTFT{pn}", p["same_s"], "s", vl["probe"]["same_s"], "vLLM CPU",
+                        ">= 0.77x", paired=peer("vllm_cpu", "hit")))
     work_pairs = paired_workloads(e)
 
     def better(peer: str, w: str, label: str) -> float | None:
@@ -789,22 +855,23 @@ def table_rows(result: dict) -> list[Row]:
         ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
         if ratio is None:
             return None
-        return ratio["p50"] if label == "throughput" else 1.0 / ratio["p50"]
+        return ratio["p50"] if label == "throughput" else better_by(ratio)
 
     for w in WORKLOADS:
         if w not in mm:
             continue
+        wn = paired_note(len(mm[w].get("by_repeat", ())))
         for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
                             ("vllm_cpu", "vLLM CPU")):
             if peer in e and w in e[peer]:
-                rows.append(Row("prefix", f"{w}: TTFT p50", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
+                rows.append(Row("prefix", f"{w}: TTFT p50{wn}", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
                                 label, paired=better(peer, w, "ttft_p50")))
         for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
             if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
-                rows.append(Row("prefix", f"{w}: ITL p50", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label,
+                rows.append(Row("prefix", f"{w}: ITL p50{wn}", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label,
                                 paired=better(peer, w, "itl_p50")))
         if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
-            rows.append(Row("prefix", f"{w}: output tokens/s", mm[w]["throughput_tok_s"], "tok/s",
+            rows.append(Row("prefix", f"{w}: output tokens/s{wn}", mm[w]["throughput_tok_s"], "tok/s",
                             e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True,
                             paired=better("mmcache_nocache", w, "throughput")))
         rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))

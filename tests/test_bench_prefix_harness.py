@@ -1,6 +1,7 @@
 """The prefix benchmark's harness on the tiny preset: mmcache and transformers runners, the bit-exact check,
 a whole ``mmcache bench prefix`` run, and the vLLM peer's failure paths."""
 
+import inspect
 import json
 import sys
 
@@ -11,6 +12,7 @@ from benchmarks import runner as bench_runner
 from benchmarks import text_workloads as tw
 from benchmarks.peers import protocol, vllm_cpu
 from mmcache.cli import main as cli
+from mmcache.engine import EngineConfig
 
 PAGE = 16
 SHAPE = prefix.Shape(probe_repeats=1, probe_len=4 * PAGE, probe_shared=3 * PAGE, vpc_prefix_len=2 * PAGE,
@@ -52,6 +54,8 @@ def test_mmcache_probe_matches_exactly(tiny_dir, mode):
     runner = prefix.MmcacheRunner(tiny_dir, "float32", mode, PAGE, 64, store_at="teardown")
     probes = play_probes(runner.run_round, space)
     rows = probe_rows(probes[0])
+    figures = prefix.summarize_probe(probes)["repeats"][0]
+    assert all(figures[k] == rnd.wall_s >= rows[k].ttft_s for k, rnd in zip(prefix.PROBE_KEYS, probes[0]))
     hit = 3 * PAGE if mode == "on" else 0  # the repeat keeps its last page to compute the first token's logits
     assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, hit, hit, 0]
     assert all(len(r.output_ids) == 1 and r.first_token >= r.arrival for r in rows.values())
@@ -82,13 +86,19 @@ def test_transformers_cb_reuses_blocks_across_rounds(tiny_dir):
     space = prefix.token_space(tiny_dir)
     peer = TransformersCB(tiny_dir, "float32", page_size=PAGE, num_blocks=64, max_batch_tokens=256)
     try:
-        probes = play_probes(peer.run_round, space, prefix.ProbeMethod(2, "ttft"))
+        probes = play_probes(peer.run_round, space, prefix.ProbeMethod(2))
     finally:
         peer.close()
     rows = probe_rows(probes[0])
     assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, 3 * PAGE, 3 * PAGE, 0]
     for r in rows.values():
         assert len(r.output_ids) == 2 and r.arrival <= r.token_times[0] <= r.token_times[1]
+    # Its probe figure is the round's wall time, as mmcache's and vLLM's, less its second token's step; that
+    # span holds the engine's own first-token stamp minus arrival, and more (handing the request over).
+    figures = prefix.summarize_probe(probes, prefix.ProbeMethod(2))["repeats"][0]
+    for key, rnd in zip(prefix.PROBE_KEYS, probes[0]):
+        step = rows[key].token_times[1] - rows[key].token_times[0]
+        assert figures[key] == pytest.approx(rnd.wall_s - step) and figures[key] >= rows[key].ttft_s
 
 
 def test_bit_exact_check_hits_and_agrees(tiny_dir):
@@ -111,6 +121,14 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["bit_exact"] is True
     assert set(result["engines"]) == {"mmcache", "mmcache_nocache", "transformers_cb"}
+    defaults = EngineConfig()  # every engine schedules under mmcache's step budget, and the JSON says which
+    budget = {"max_tokens_per_step": defaults.max_tokens_per_step, "max_num_seqs": defaults.max_num_seqs}
+    assert result["step_budget"] == budget
+    for name in ("mmcache", "mmcache_nocache"):
+        settings = result["engines"][name]["meta"]["settings"]
+        assert {k: settings[k] for k in budget} == budget
+    cb = result["engines"]["transformers_cb"]["meta"]["settings"]
+    assert (cb["max_batch_tokens"], cb["max_requests_per_batch"]) == tuple(budget.values())
     for name, e in result["engines"].items():
         assert set(prefix.PROBE_KEYS) <= set(e["probe"]) and len(e["probe"]["repeats"]) == 1
         for w in ("vllm_prefix_caching", "generated_shared_prefix"):
@@ -126,7 +144,7 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     assert len(paired["over_mmcache_nocache"]["generated_shared_prefix"]["ttft_p50"]["runs"]) == 2
     table = capsys.readouterr().out
     assert "probe: same 2048 prompt, TTFT" in table and "transformers CB" in table
-    assert any("generated_shared_prefix: TTFT p50" in line and "paired" in line for line in table.splitlines())
+    assert any("generated_shared_prefix: TTFT p50 (paired: mean of 2)" in line for line in table.splitlines())
 
 
 @pytest.mark.parametrize("bad, says", [(["--probe-repeats", "0"], "probe_repeats"),
@@ -237,7 +255,7 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path):
 
         return prefix.Player(name, play, lambda: log.append((name, "closed", "")), {"who": name}, method)
 
-    players = [fake("a"), fake("b", prefix.ProbeMethod(2, "ttft")), fake("c")]
+    players = [fake("a"), fake("b", prefix.ProbeMethod(2)), fake("c")]
     out = prefix.play_interleaved(players, space, shape, repeats, 0)
     played = [(n, w, i) for n, w, i in log if not w.startswith("warmup")]
     probe_order = [n for n, w, _ in played if w.startswith("probe")]
@@ -255,8 +273,9 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path):
     assert len(pooled["by_repeat"]) == 2
     assert pooled["requests"] == sum(r["requests"] for r in pooled["by_repeat"]) == 2 * repeats[0][0].num_requests
     assert len(out["a"].outputs) == 3 * 4 + 2 * sum(w.num_requests for w in repeats[0])  # no id played twice
-    assert out["b"].probe["figure"].startswith("time to first token (engine stamps) of a 2-token")  # b's own method
-    assert out["a"].probe["figure"].startswith("latency of a 1-token")
+    assert out["b"].probe["figure"].startswith("wall time of a round of one 2-token")  # b's own method
+    assert out["a"].probe["figure"].startswith("wall time of a round of one 1-token")
+    assert out["a"].probe["figure"].endswith("median of 3")
 
 
 def test_workload_repeats_draw_fresh_tokens_and_the_first_is_the_single_play():
@@ -308,6 +327,10 @@ class _Engine:
 
 class LLM:
     def __init__(self, **kw):
+        import json, os
+        if os.environ.get("FAKE_VLLM_KW"):  # what the runner started vLLM with, for the test to read
+            with open(os.environ["FAKE_VLLM_KW"], "w") as f:
+                json.dump(kw, f)
         self.llm_engine = _Engine()
 """,
     "inputs.py": "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n",
@@ -338,6 +361,34 @@ def test_vllm_server_plays_workloads_on_request_and_skips_vllms_own_output(tmp_p
     monkeypatch.setenv("PYTHONPATH", "")
     with pytest.raises(vllm_cpu.VllmUnavailable, match="vllm"):
         vllm_cpu.VllmServer(str(tmp_path), w1, str(tmp_path))
+
+
+def test_vllm_runs_under_mmcaches_step_budget(tmp_path, monkeypatch):
+    """vLLM gets the token budget and sequence cap mmcache runs with (not its own default budget, the context
+    length): from the benchmark's player through the server and the runner's command line to ``LLM``."""
+    pkg = tmp_path / "fake" / "vllm"
+    pkg.mkdir(parents=True)
+    for name, text in FAKE_VLLM.items():
+        (pkg / name).write_text(text)
+    kw_file = tmp_path / "llm_kwargs.json"
+    monkeypatch.setenv(vllm_cpu.ENV_VAR, sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_KW", str(kw_file))
+    defaults = EngineConfig()
+    budget = prefix.StepBudget.of_mmcache()
+    assert (budget.max_tokens_per_step, budget.max_num_seqs) == (defaults.max_tokens_per_step, defaults.max_num_seqs)
+    args = bench_runner.bench_parser("prefix", prefix).parse_args(["--dtype", "float32", "--page-size", str(PAGE)])
+    space = tw.TokenSpace(2, 100)
+    player = prefix.vllm_player(str(tmp_path), space, SHAPE, prefix.build_workloads(SHAPE, space, 0, ["multi_turn"]),
+                                0, args, str(tmp_path), budget)
+    player.close()
+    kw = json.loads(kw_file.read_text())
+    assert (kw["max_num_batched_tokens"], kw["max_num_seqs"]) == (defaults.max_tokens_per_step, defaults.max_num_seqs)
+    assert kw["max_model_len"] > kw["max_num_batched_tokens"]  # vLLM V1 chunks the longer prefills
+    assert player.meta["settings"]["max_num_batched_tokens"] == defaults.max_tokens_per_step
+    for params in (inspect.signature(vllm_cpu.VllmServer).parameters, inspect.signature(vllm_cpu.run).parameters):
+        assert params["max_num_batched_tokens"].default == defaults.max_tokens_per_step
+        assert params["max_num_seqs"].default == defaults.max_num_seqs
 
 
 def test_probe_ratios_are_taken_repeat_by_repeat():

@@ -2,6 +2,7 @@
 
 import json
 import random
+import statistics
 from collections import Counter
 
 import pytest
@@ -195,9 +196,60 @@ def test_summaries():
                                     [one(5, 4.9, 0), one(3, 2.9, 6), one(1, 0.6, 6), one(3, 3, 0)]])
     assert (probe["cold_s"], probe["same_s"], probe["shared1920_s"], probe["cold2_s"]) == (5, 2, 1, 4)
     assert probe["repeats"][1]["same_matched"] == 6
-    by_ttft = prefix.summarize_probe([[one(4, 3.9, 0), one(1, 0.9, 6), one(1, 0.8, 6), one(4, 4, 0)]],
-                                     prefix.ProbeMethod(2, "ttft"))
-    assert by_ttft["cold_s"] == 3.9 and by_ttft["repeats"][0]["cold_wall_s"] == 4
+    assert probe["figure"].endswith("median of 3")
+
+
+def test_the_probe_figure_is_the_same_span_for_every_engine():
+    """Every engine's probe figure is the round's wall time less the span between its request's first and last
+    token stamps: a one-token request's wall time (mmcache, vLLM); a two-token request's (transformers) less its
+    second token's step. Never an engine's own first-token stamp minus its arrival stamp, which leaves out what
+    the wall time holds (building the request, handing it over, the record), so it would flatter that engine."""
+    def rnd(wall, arrival, *stamps):
+        return RoundResult([Record("p", 8, [1] * len(stamps), arrival, stamps[0], list(stamps), 0)], wall)
+
+    one = [rnd(4.0, 10.0, 13.5), rnd(0.5, 20.0, 20.3), rnd(0.5, 30.0, 30.3), rnd(4.0, 40.0, 43.5)]
+    two = [rnd(4.2, 10.0, 13.5, 13.7), rnd(0.7, 20.0, 20.3, 20.5), rnd(0.6, 30.0, 30.3, 30.4),
+           rnd(4.0, 40.0, 43.5, 43.5)]
+    a = prefix.summarize_probe([one])
+    b = prefix.summarize_probe([two], prefix.ProbeMethod(2))
+    assert [a[k] for k in prefix.PROBE_KEYS] == pytest.approx([4.0, 0.5, 0.5, 4.0])
+    assert [b[k] for k in prefix.PROBE_KEYS] == pytest.approx([4.0, 0.5, 0.5, 4.0])
+    rep = b["repeats"][0]  # the round's wall time and the engine's own stamps stay on record beside the figure
+    assert rep["same_wall_s"] == 0.7 and rep["same_ttft_s"] == pytest.approx(0.3)
+    assert rep["same_s"] == pytest.approx(0.5)
+    assert b["figure"].startswith("wall time of a round of one 2-token request") and "single value" in b["figure"]
+
+
+def test_better_by_is_the_median_of_peer_over_mmcache():
+    """With an even count of repeats the median is a mean, and the mean of ratios is not the inverse of the mean
+    of their inverses: mmcache over peer 0.5 and 2.0 (median 1.25) is peer over mmcache 2.0 and 0.5 (median
+    1.25), where the inverse of the first median would say 0.8."""
+    def probe(colds):
+        reps = [{"cold_s": c, "same_s": c / 10} for c in colds]
+        return {"cold_s": statistics.median(colds), "same_s": statistics.median(colds) / 10, "shared1920_s": 0.1,
+                "cold2_s": 1.0, "repeats": reps}
+
+    def workload(ttfts):
+        return {"ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": 1.0, "itl_p50_s": 0.1,
+                "throughput_tok_s": 10.0, "matched_share": 0.5,
+                "by_repeat": [{"ttft_p50_s": t, "itl_p50_s": 0.1, "throughput_tok_s": 10.0} for t in ttfts]}
+
+    engines = {"mmcache": {"probe": probe([1.0, 4.0]), "multi_turn": workload([1.0, 4.0])},
+               "vllm_cpu": {"probe": probe([2.0, 2.0]), "multi_turn": workload([2.0, 2.0])}}
+    over = prefix.paired_probe(engines)["mmcache"]["over_vllm_cpu"]["cold"]
+    assert over["runs"] == [0.5, 2.0] and over["statistic"] == "mean of 2"
+    assert prefix.better_by(over) == pytest.approx(1.25)
+    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    assert rows[("probe: cold TTFT (paired: mean of 2)", "vLLM CPU")].ratio == pytest.approx(1.25)
+    assert rows[("multi_turn: TTFT p50 (paired: mean of 2)", "vLLM CPU")].ratio == pytest.approx(1.25)
+    assert prefix.paired_workloads(engines)["over_vllm_cpu"]["multi_turn"]["ttft_p50"]["statistic"] == "mean of 2"
+
+
+def test_quick_mode_takes_a_true_median_of_its_probe_repeats():
+    """statistics.median of two repeats is their mean; quick mode's probe has an odd count."""
+    assert prefix.QUICK.probe_repeats % 2 == 1 and prefix.FULL.probe_repeats % 2 == 1
+    assert [prefix.middle_of(n) for n in (1, 2, 3, 4)] == ["the single value", "mean of 2", "median of 3",
+                                                          "median of 4"]
 
 
 def test_token_space_avoids_special_tokens(tmp_path):

@@ -5,14 +5,17 @@ One ``ContinuousBatchingManager`` (the machinery behind ``model.generate_batch``
 so blocks cached by one round can serve the next, as a server would. ``generate_batch`` itself builds and tears
 down a manager per call, which would drop the cache between the probe's requests.
 
-How it is timed: every request is added with ``record_timestamps=True``; its time to first token is its first
-token stamp minus its ``created_time`` (both ``perf_counter``, taken by transformers itself), its inter-token
-latencies the gaps between stamps. transformers reports no per-request hit length, so the prefix length its
-scheduler matched is recorded by wrapping this manager's own ``cache.search_prefix_match``; the wrapper returns
-the value unchanged.
+How it is timed: every request is added with ``record_timestamps=True``; its record's time to first token is its
+first token stamp minus its ``created_time`` (both ``perf_counter``, taken by transformers itself), its
+inter-token latencies the gaps between stamps. (The benchmark's probe figure is not that difference but the
+round's wall time, as for every engine; see ``prefix.probe_figure``.) transformers reports no per-request hit
+length, so the prefix length its scheduler matched is recorded by wrapping this manager's own
+``cache.search_prefix_match``; the wrapper returns the value unchanged.
 
-Invariants: requests are greedy with end-of-sequence disabled, so each produces exactly ``max_tokens`` tokens;
-a failed request raises ``PeerFailed`` and the round is abandoned.
+Invariants: the per-step token budget (``max_batch_tokens``) and request cap (``max_requests_per_batch``)
+default to mmcache's ``EngineConfig`` defaults, the benchmark's one source of them; requests are greedy with
+end-of-sequence disabled, so each produces exactly ``max_tokens`` tokens; a failed request raises
+``PeerFailed`` and the round is abandoned.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from mmcache.engine.config import EngineConfig
 from mmcache.errors import MmcacheError
 
 from .protocol import Record
@@ -36,7 +40,8 @@ class TransformersCB:
     name = "transformers_cb"
 
     def __init__(self, model_dir: str, dtype: str, page_size: int = 128, num_blocks: int = 512,
-                 max_batch_tokens: int = 4096, max_requests_per_batch: int = 32, result_timeout_s: float = 600.0):
+                 max_batch_tokens: int = EngineConfig.max_tokens_per_step,
+                 max_requests_per_batch: int = EngineConfig.max_num_seqs, result_timeout_s: float = 600.0):
         from transformers import AutoModelForCausalLM, GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

@@ -5,7 +5,9 @@ vLLM is a measuring instrument here, never a dependency: its interpreter is prep
 setup script the README names, whose ``env.sh`` sets ``VLLM_PEER_PYTHON`` and vLLM's CPU settings (threads bound
 to the cores, KV space, offline mode). This module passes the environment through unchanged.
 
-Invariants: one vLLM process per call (``run``) or per ``VllmServer`` serves every workload given, in order;
+Invariants: vLLM's per-step token budget (``max_num_batched_tokens``) and sequence cap (``max_num_seqs``) default
+to mmcache's ``EngineConfig`` defaults, the benchmark's one source of them (vLLM's own default budget is
+``max_model_len``); one vLLM process per call (``run``) or per ``VllmServer`` serves every workload given, in order;
 the answer holds one list of rounds per workload; a failed or silent run raises ``VllmUnavailable`` with the
 tail of vLLM's log.
 """
@@ -19,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmcache.engine.config import EngineConfig
 from mmcache.errors import MmcacheError
 
 from .protocol import RoundResult, Workload, dump, load, results_from_json, workload_to_json
@@ -51,10 +54,10 @@ def interpreter() -> str:
 
 
 def _command(python: str, model_dir: str, spec: str, dtype: str, block_size: int, max_model_len: int,
-             max_num_seqs: int, eager: bool) -> list[str]:
+             max_num_batched_tokens: int, max_num_seqs: int, eager: bool) -> list[str]:
     return [python, str(RUNNER), "--model", model_dir, "--workloads", spec, "--dtype", dtype,
-            "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--max-num-seqs",
-            str(max_num_seqs)] + (["--eager"] if eager else [])
+            "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--max-num-batched-tokens",
+            str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs)] + (["--eager"] if eager else [])
 
 
 class VllmServer:
@@ -65,12 +68,15 @@ class VllmServer:
     """
 
     def __init__(self, model_dir: str, warmup: Workload, workdir: str, dtype: str = "bfloat16",
-                 block_size: int = 128, max_model_len: int = 8192, max_num_seqs: int = 16, eager: bool = False):
+                 block_size: int = 128, max_model_len: int = 8192,
+                 max_num_batched_tokens: int = EngineConfig.max_tokens_per_step,
+                 max_num_seqs: int = EngineConfig.max_num_seqs, eager: bool = False):
         python = interpreter()
         spec = os.path.join(workdir, "vllm_serve_in.json")
         self.log = os.path.join(workdir, "vllm.log")
         dump({"warmup": workload_to_json(warmup), "workloads": []}, spec)
-        cmd = _command(python, model_dir, spec, dtype, block_size, max_model_len, max_num_seqs, eager) + ["--serve"]
+        cmd = _command(python, model_dir, spec, dtype, block_size, max_model_len, max_num_batched_tokens,
+                       max_num_seqs, eager) + ["--serve"]
         print(f"[prefix] vllm_cpu: starting vLLM ({'eager' if eager else 'torch.compile'}); log {self.log}",
               file=sys.stderr, flush=True)
         self._log = open(self.log, "w")
@@ -113,12 +119,14 @@ class VllmServer:
 
 
 def run(model_dir: str, warmup: Workload, workloads: list[Workload], workdir: str, dtype: str = "bfloat16",
-        block_size: int = 128, max_model_len: int = 8192, max_num_seqs: int = 16, eager: bool = False,
-        timeout_s: float = 3600.0) -> VllmRun:
+        block_size: int = 128, max_model_len: int = 8192,
+        max_num_batched_tokens: int = EngineConfig.max_tokens_per_step, max_num_seqs: int = EngineConfig.max_num_seqs,
+        eager: bool = False, timeout_s: float = 3600.0) -> VllmRun:
     python = interpreter()
     spec, out, log = (os.path.join(workdir, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
     dump({"warmup": workload_to_json(warmup), "workloads": [workload_to_json(w) for w in workloads]}, spec)
-    cmd = _command(python, model_dir, spec, dtype, block_size, max_model_len, max_num_seqs, eager) + ["--out", out]
+    cmd = _command(python, model_dir, spec, dtype, block_size, max_model_len, max_num_batched_tokens, max_num_seqs,
+                   eager) + ["--out", out]
     print(f"[prefix] vllm_cpu: starting vLLM ({'eager' if eager else 'torch.compile'}); log {log}",
           file=sys.stderr, flush=True)
     with open(log, "w") as f:

@@ -1,7 +1,8 @@
 """Plays prefix-benchmark workloads through vLLM's CPU build; run by the interpreter in ``VLLM_PEER_PYTHON``.
 
 usage: $VLLM_PEER_PYTHON vllm_runner.py --model DIR --workloads IN.json (--out OUT.json | --serve)
-          [--dtype bfloat16] [--block-size 128] [--max-model-len 8192] [--max-num-seqs 16] [--eager]
+          --max-num-batched-tokens N --max-num-seqs N [--dtype bfloat16] [--block-size 128]
+          [--max-model-len 8192] [--eager]
 
 IN.json:  {"warmup": WORKLOAD, "workloads": [WORKLOAD, ...]} in ``protocol.workload_to_json`` form.
 OUT.json: {"engine": "vllm_cpu", "version", "init_s", "settings", "results": [ROUNDS, ...]}, one
@@ -17,6 +18,10 @@ rounds and workloads as it would in a server. Each round's requests are added to
 engine is stepped until they finish; every step's outputs are stamped with ``perf_counter`` here, so a token's
 time is when this process received it (``RequestOutputKind.CUMULATIVE`` returns each new token at the step that
 produced it). ``num_cached_tokens`` is vLLM's own count of prompt tokens served by its prefix cache.
+
+The per-step token budget and sequence cap have no defaults here: the benchmark passes mmcache's (its
+``StepBudget``), so that every engine schedules under the same limits. A budget below ``max_model_len`` is
+accepted because vLLM V1 chunks long prefills (its CPU platform turns chunking off only for MLA models).
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=128, help="the CPU backend takes multiples of 32")
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, required=True, help="tokens one engine step may hold")
+    p.add_argument("--max-num-seqs", type=int, required=True, help="sequences one engine step may hold")
     p.add_argument("--eager", action="store_true", help="skip torch.compile: starts in seconds, prefills slower")
     a = p.parse_args()
 
@@ -98,7 +104,7 @@ def main() -> int:
     t0 = time.perf_counter()
     llm = LLM(model=a.model, tokenizer=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
               block_size=a.block_size, enable_prefix_caching=True, enforce_eager=a.eager,
-              max_num_batched_tokens=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0)
+              max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, seed=0)
     init_s = time.perf_counter() - t0
     run_round = make_round_runner(llm)
     play(warmup, run_round)
