@@ -113,7 +113,7 @@ def test_workload_size_help_gives_defaults_and_ranges():
 
     text = {name: _help(module, name) for name, module in (("prefix", prefix), ("vlm", vlm))}
     assert "Shape" not in text["prefix"] and "BOUNDS" not in text["vlm"]
-    assert "default 9, quick 2; at most 1000" in text["prefix"]  # --probe-repeats
+    assert "default 9, quick 3; at most 1000" in text["prefix"]  # --probe-repeats
     assert "default 1152:1280, quick 640:768" in text["prefix"]  # --vpc-input-range
     assert "default 4, quick 1; 1 to 4" in text["vlm"]  # --images
 
