@@ -811,8 +811,8 @@ def _progress(msg: str) -> None:
 
 
 def paired_note(repeats: int) -> str:
-    """What a paired row's metric adds when its "median" of per-repeat ratios is the mean of two."""
-    return f" (paired: {middle_of(repeats)})" if repeats == 2 else ""
+    """What a paired row's metric adds when its "median" of per-repeat ratios is one ratio or the mean of two."""
+    return f" (paired: {middle_of(repeats)})" if repeats in (1, 2) else ""
 
 
 def table_rows(result: dict) -> list[Row]:
@@ -857,21 +857,25 @@ def table_rows(result: dict) -> list[Row]:
             return None
         return ratio["p50"] if label == "throughput" else better_by(ratio)
 
+    def note(peer: str, w: str, label: str) -> str:
+        """``paired_note`` of the pairs that figure rests on (a repeat missing a figure on either side is not one)."""
+        ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
+        return "" if ratio is None else paired_note(len(ratio["runs"]))
+
     for w in WORKLOADS:
         if w not in mm:
             continue
-        wn = paired_note(len(mm[w].get("by_repeat", ())))
         for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
                             ("vllm_cpu", "vLLM CPU")):
             if peer in e and w in e[peer]:
-                rows.append(Row("prefix", f"{w}: TTFT p50{wn}", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
+                rows.append(Row("prefix", f"{w}: TTFT p50{note(peer, w, 'ttft_p50')}", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
                                 label, paired=better(peer, w, "ttft_p50")))
         for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
             if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
-                rows.append(Row("prefix", f"{w}: ITL p50{wn}", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label,
+                rows.append(Row("prefix", f"{w}: ITL p50{note(peer, w, 'itl_p50')}", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label,
                                 paired=better(peer, w, "itl_p50")))
         if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
-            rows.append(Row("prefix", f"{w}: output tokens/s{wn}", mm[w]["throughput_tok_s"], "tok/s",
+            rows.append(Row("prefix", f"{w}: output tokens/s{note('mmcache_nocache', w, 'throughput')}", mm[w]["throughput_tok_s"], "tok/s",
                             e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True,
                             paired=better("mmcache_nocache", w, "throughput")))
         rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))

@@ -141,7 +141,10 @@ class CachedCodecEncode:
 
     def key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None = None,
             num_quantizers: int | None = None) -> bytes:
-        q = self._check(input_values, padding_mask, num_quantizers)
+        return self._key(input_values, padding_mask, self._check(input_values, padding_mask, num_quantizers))
+
+    def _key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None, q: int) -> bytes:
+        """``key`` of input ``_check`` passed, ``q`` the quantizer count it returned."""
         mask = None if padding_mask is None else media_digest(
             _bytes(padding_mask), {"shape": list(padding_mask.shape), "dtype": str(padding_mask.dtype)})
         params = {"dtype": str(input_values.dtype), "shape": list(input_values.shape),
@@ -182,12 +185,14 @@ class CachedCodecEncode:
         t0 = time.perf_counter()
         try:
             if self.store is None:
-                self._fingerprint()  # nothing is keyed, but new weights drop the stale centroids here too
+                # nothing is keyed, but new weights drop the stale centroids here too (the first call, and the
+                # first after a change, hash the weights: about 0.2 s for the published Mimi)
+                self._fingerprint()
                 q = self._check(input_values, padding_mask, num_quantizers)
                 codes = self._run(original, input_values, padding_mask, q)["audio_codes"]
             else:
-                key = self.key(input_values, padding_mask, num_quantizers)
                 q = self._check(input_values, padding_mask, num_quantizers)
+                key = self._key(input_values, padding_mask, q)
                 with self.store.get_or_compute(key, lambda: (self._run(original, input_values, padding_mask, q), {}),
                                                self.spec) as lease:
                     codes = lease.outputs["audio_codes"].clone()

@@ -122,11 +122,11 @@ def read_source(source: object, index: int, limits, medium: str) -> tuple[bytes,
         ref = MediaRef(index, SOURCE_BYTES, medium)
         try:
             size = source.nbytes if isinstance(source, memoryview) else len(source)
-            if size > limits.max_bytes:  # before the copy
-                raise MediaDecodeError(ref, f"{size} bytes exceed the limit of {limits.max_bytes}")
-            return bytes(source), ref
         except ValueError as e:  # a released memoryview
             raise MediaDecodeError(ref, f"the {medium} buffer cannot be read: {e}") from None
+        if size > limits.max_bytes:  # before the copy
+            raise MediaDecodeError(ref, f"{size} bytes exceed the limit of {limits.max_bytes}")
+        return bytes(source), ref
     if isinstance(source, str) and source[:5].lower() == "data:":
         ref = MediaRef(index, SOURCE_DATA_URL, medium)
         return data_url_payload(source, ref, limits), ref

@@ -116,9 +116,8 @@ class ReplicaRouter:
         return None if name is None else self.ranking(name)[0]
 
     def _loads(self, loads: Sequence[float]) -> list:
-        if not isinstance(loads, (list, tuple, np.ndarray)) or np.ndim(loads) != 1:
-            raise InvalidRequest(f"loads must be a list with one load per replica, got {type(loads).__name__} "
-                                 f"of {np.ndim(loads)} dimensions")
+        if not isinstance(loads, (list, tuple, np.ndarray)) or (isinstance(loads, np.ndarray) and loads.ndim != 1):
+            raise InvalidRequest(f"loads must be a list with one load per replica, got {type(loads).__name__}")
         loads = list(loads)
         if len(loads) != self.num_replicas:
             raise InvalidRequest(f"{len(loads)} loads given for {self.num_replicas} replicas")

@@ -23,7 +23,7 @@ Invariants (``check_invariants``):
   str, bytes, and lists, tuples and str-keyed dicts of them), not counted in the budget; a tensor or array
   there is refused (``StoreEntryRejected``).
 * A lease hands out read-only views of the entry's ``outputs`` and ``meta`` mappings: a name cannot be pointed
-  at another tensor. The tensors themselves are returned as stored (no copy per hit): callers must not modify
+  at another tensor. Meta is frozen on ``put`` (lists become tuples, nested dicts read-only mappings). The tensors themselves are returned as stored (no copy per hit): callers must not modify
   them in place.
 * Each lease is one hold: releasing it again, or releasing a copy of it, does nothing more.
 """
@@ -197,6 +197,16 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
+def _frozen(value: object) -> object:
+    """A plain meta value (``_plain``) that nobody can change: lists become tuples, dicts read-only mappings, so
+    neither the caller's later edits nor a lease's reach the entry."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    return value
+
+
 def _plain(value: object, depth: int = 0) -> bool:
     """Whether ``value`` is a plain meta value: None, bool, int, float, str, bytes, or lists, tuples and
     str-keyed dicts of them (nested at most 8 deep)."""
@@ -273,12 +283,11 @@ class EncoderOutputStore:
             spec.check(key, outputs)
         if meta is not None and not isinstance(meta, Mapping):
             raise StoreEntryRejected(key.hex(), f"meta must be a mapping, got {type(meta).__name__}")
-        meta = dict(meta or {})
-        if not all(isinstance(k, str) for k in meta) or not _plain(list(meta.values())):
+        if not all(isinstance(k, str) for k in (meta or {})) or not _plain(list((meta or {}).values())):
             raise StoreEntryRejected(key.hex(), "meta holds plain values only (None, bool, int, float, str, bytes, "
                                                 "and lists, tuples and str-keyed dicts of them)")
         outs = MappingProxyType({k: _own(v) for k, v in outputs.items()})
-        meta = MappingProxyType(meta)
+        meta = _frozen(dict(meta or {}))
         size = _nbytes(outs)
         with self._lock:
             lease = self._hold(key)

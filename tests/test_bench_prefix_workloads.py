@@ -243,6 +243,12 @@ def test_better_by_is_the_median_of_peer_over_mmcache():
     assert rows[("probe: cold TTFT (paired: mean of 2)", "vLLM CPU")].ratio == pytest.approx(1.25)
     assert rows[("multi_turn: TTFT p50 (paired: mean of 2)", "vLLM CPU")].ratio == pytest.approx(1.25)
     assert prefix.paired_workloads(engines)["over_vllm_cpu"]["multi_turn"]["ttft_p50"]["statistic"] == "mean of 2"
+    # A repeat missing a figure on one side is no pair: the row says what its figure rests on, not how many
+    # repeats mmcache played (it said "mean of 2" for one pair).
+    engines["mmcache"]["multi_turn"]["by_repeat"][1]["itl_p50_s"] = None
+    names = [r.metric for r in prefix.table_rows({"bit_exact": True, "engines": engines})]
+    assert "multi_turn: ITL p50 (paired: the single value)" in names
+    assert "multi_turn: TTFT p50 (paired: mean of 2)" in names
 
 
 def test_quick_mode_takes_a_true_median_of_its_probe_repeats():

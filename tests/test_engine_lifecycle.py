@@ -677,3 +677,34 @@ def test_a_step_whose_batched_greedy_pick_raises_samples_each_row_instead(tiny, 
     outs = eng.generate(ps, greedy(6))
     assert calls and [o.output_ids for o in outs] == want and all(o.finish_reason == "length" for o in outs)
     assert_pools_whole(eng)
+
+
+@pytest.mark.parametrize("at_look", [1, 2, 3])
+def test_a_stream_closed_on_another_thread_while_a_change_runs_is_never_left_live(tiny, at_look):
+    # A stream's finaliser that finds the lock taken queues its aborts. Here it runs, on another thread, right
+    # after the holder's at_look-th look at the empty queue (the change's start, its end, after the release): the
+    # one after its last look was left live, holding its pages, until some later change.
+    from collections import deque
+
+    eng = engine(tiny)
+    stream = eng.stream([prompts(1, seed=31)[0]], greedy(40))
+    rid = next(stream).request_id
+    looks = []
+
+    class Queue(deque):
+        def __bool__(self):
+            empty = len(self) == 0
+            if empty:
+                looks.append(1)
+                if len(looks) == at_look:
+                    closing = threading.Thread(target=stream.close)
+                    closing.start()
+                    closing.join(30)
+            return not empty
+
+    eng._orphans = Queue()
+    with eng._changing_state():
+        pass
+    eng._orphans = deque(eng._orphans)
+    assert len(looks) >= at_look and not eng.is_live(rid)
+    assert_pools_whole(eng)

@@ -180,7 +180,7 @@ def test_page_names_as_a_list_route_as_the_same_names_in_a_uint64_array():
 
 def test_loads_of_another_shape_and_a_config_of_another_type_are_refused():
     router = ReplicaRouter(RouterConfig.numbered(3))
-    for loads in (np.array(5), np.zeros((3, 1))):  # TypeError (iterating a 0-d array) before
+    for loads in (np.array(5), np.zeros((3, 1)), [1, [2], 3]):  # TypeError (iterating a 0-d array) before
         with pytest.raises(InvalidRequest, match="loads"):
             router.route([1], loads)
     for config in (("a", "b"), None, 3):  # AttributeError before

@@ -200,7 +200,13 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
     assert len(store) == 0 and not store._computing and store.metrics.lookups == 3  # refused keys count none
     with store.put(key(5), {"features": torch.zeros(2)}, meta={"n": 2, "grid": [1, 2, (3,)], "t": b"\x00",
                                                                 "x": {"a": None, "b": 0.5, "c": True}}) as lease:
-        assert lease.meta["grid"] == [1, 2, (3,)]
+        assert lease.meta["grid"] == (1, 2, (3,))  # frozen: lists become tuples, dicts read-only mappings
+        with pytest.raises(TypeError):
+            lease.meta["x"]["a"] = 1
+    grid = [2, 2]
+    with store.put(key(6), {"features": torch.zeros(2)}, meta={"grid": grid}) as lease:
+        grid.append(7)  # the caller's list stays the caller's
+        assert lease.meta["grid"] == (2, 2) and store.acquire(key(6)).meta["grid"] == (2, 2)
     with store.get_or_compute(key(2), compute) as lease:  # the next caller computes
         assert not lease.hit and ran == [1]
     # the same 16 bytes in a bytearray name the same entry (it raised TypeError: unhashable)

@@ -30,7 +30,10 @@ requests. Invariants:
   took the id of one of them after it ended. It never waits for the engine's lock to do so: the garbage
   collector may finalise it on a thread that holds another lock (the encoder store's, inside an allocation)
   which a step running on another thread is about to take. When the lock is taken elsewhere, its aborts are
-  queued (``_orphans``) and applied when the change running then ends, or by the next step, abort or add.
+  queued (``_orphans``) and applied by whichever thread next finds the lock free: every holder looks when it
+  releases it (``_locked``, ``_changing_state``), and the finaliser looks again after queueing, so none is
+  left behind. A change (a step, an abort, an add) applies those queued before it at its start, so no forward
+  is computed for a closed stream's request.
 * A request added without an id gets ``req-N``, N counting up per engine and skipping ids live or handed out
   to a request still being added; a caller adding such an id meanwhile gets ``DuplicateRequest``, as for a
   live one, so two requests never share an id.
@@ -201,7 +204,8 @@ class Engine:
         self._next_id = 0
         self._naming: set = set()  # automatic ids handed out whose requests are not registered yet
         # prompt_tokens: tokens of forwards at prompt positions (negative prompts included), hits excluded.
-        self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "prompt_tokens": 0, "failed_forwards": 0}
+        self.counters = {"steps": 0, "forwards": 0, "forward_tokens": 0, "prompt_tokens": 0, "failed_forwards": 0,
+                         "greedy_pick_failures": 0}
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
@@ -233,7 +237,7 @@ class Engine:
 
     def _manager(self, label: str) -> AllocationManager:
         """The label's manager; the CFG pool is allocated on its first request."""
-        with self._lock:
+        with self._locked():
             if label not in self.managers:
                 pages = self.config.cfg_num_pages or self.num_pages
                 self._check_pool_fits(pages, "cfg_num_pages")  # fails this request with the reason, not the engine
@@ -282,7 +286,7 @@ class Engine:
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
-        with self._lock:  # an abort from another thread appends under the lock: none lands between copy and clear
+        with self._locked():  # an abort from another thread appends under the lock: none lands between copy and clear
             self._step()  # its deferred aborts are applied before it returns: their events are in this copy
             events = list(self._events)
             self._events.clear()  # cleared in place: live requests hold this list as their sink
@@ -296,13 +300,13 @@ class Engine:
         cannot be hashed names no request: ``add_request`` refuses those). Called on the thread of a running
         step (a model hook, a stream collected by the garbage collector), it ends the request when that step
         ends, before the step returns its events."""
-        with self._lock:
+        with self._locked():
             live = self._live_of(request_id)
             return live is not None and self._abort(live)
 
     def is_live(self, request_id) -> bool:
         """Whether a request with this id is live (added, not yet finished)."""
-        with self._lock:
+        with self._locked():
             return self._live_of(request_id) is not None
 
     def holds(self, request: Request) -> bool:
@@ -385,20 +389,45 @@ class Engine:
         if not lives:
             return
         if not self._lock.acquire(blocking=False):
-            self._orphans.extend(lives)  # deque.extend is atomic: the holder's drain takes them
+            self._orphans.extend(lives)  # deque.extend is atomic
+            # The holder may have looked at the queue and released the lock between our try and our append:
+            # look again. If another holder has it now, it looks when it releases it.
+            self._apply_orphans_if_free()
             return
         try:
             for live in lives:
                 self._abort(live)
         finally:
             self._lock.release()
+        self._apply_orphans_if_free()
+
+    @contextmanager
+    def _locked(self):
+        """The lock, for a read or a bookkeeping change that is not a change to the requests' state; on release,
+        the aborts streams queued meanwhile are applied if the lock is free (``_apply_orphans_if_free``)."""
+        with self._lock:
+            yield
+        self._apply_orphans_if_free()
+
+    def _apply_orphans_if_free(self) -> None:
+        """Apply the aborts queued by streams closed while another thread held the lock, if it is free now (or
+        this thread's outside a change). Never waits: it runs in finalisers too. A change running on this thread
+        (the lock held further out) applies them itself when it ends."""
+        while self._orphans and self._lock.acquire(blocking=False):
+            try:
+                if self._changing:
+                    return
+                with self._changing_state():
+                    pass  # a change applies the queued aborts at its start
+            finally:
+                self._lock.release()
 
     def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
         """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
         arrival = time.perf_counter()
         rid, named = req.request_id, req.request_id is None
         if named:
-            with self._lock:  # skips ids live or being added ("req-0" is an id like any other), and holds it
+            with self._locked():  # skips ids live or being added ("req-0" is an id like any other), and holds it
                 while (rid := f"req-{self._next_id}") in self._live or rid in self._naming:
                     self._next_id += 1
                 self._next_id += 1
@@ -408,14 +437,14 @@ class Engine:
         except MmcacheError as err:
             _release_media(req)
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
-            with self._lock:  # step copies and clears the event list under it
+            with self._locked():  # step copies and clears the event list under it
                 if named:
                     self._naming.discard(rid)
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
             return None, rid
         except BaseException:
             if named:
-                with self._lock:
+                with self._locked():
                     self._naming.discard(rid)
             raise
         live.sink, live.key = sink, key
@@ -438,34 +467,43 @@ class Engine:
         """Hold the lock for a change to the engine's state. An abort that re-enters on this thread meanwhile
         (the lock is an RLock: a stream finalised by the garbage collector inside a forward, a model hook, a
         release callback) is queued by ``_abort`` and applied here when the outermost change ends, so a request
-        never leaves between a forward and its commit, nor in the middle of a scheduler or pool update."""
+        never leaves between a forward and its commit, nor in the middle of a scheduler or pool update. The
+        aborts of streams closed on other threads (``_orphans``) are applied at its start and its end, and looked
+        for again once the lock is released (``_apply_orphans_if_free``)."""
         with self._lock:
             if self._changing:
                 yield
                 return
             self._changing = True
+            failure = None
             try:
+                failure = self._end_queued(failure)  # streams closed meanwhile: before this change's work
                 yield
             finally:
-                failure = None
                 try:
-                    # an abort applied here may itself queue more; streams closed meanwhile on other threads too
-                    while self._deferred_aborts or self._orphans:
-                        live = self._deferred_aborts.pop(0) if self._deferred_aborts else self._orphans.popleft()
-                        try:
-                            if self._is_live(live):
-                                self._finish(live, "abort", None, store=True)
-                        except Exception as e:  # the others are still ended; the first failure is raised after
-                            failure = failure or e
+                    failure = self._end_queued(failure)  # an abort applied here may itself queue more
                 finally:
                     self._changing = False
                 if failure is not None:
                     raise failure
+        self._apply_orphans_if_free()
+
+    def _end_queued(self, failure: Exception | None) -> Exception | None:
+        """Abort every queued request still live (this thread's deferred aborts, then other threads' closed
+        streams); the others are still ended when one fails, and the first failure is returned."""
+        while self._deferred_aborts or self._orphans:
+            live = self._deferred_aborts.pop(0) if self._deferred_aborts else self._orphans.popleft()
+            try:
+                if self._is_live(live):
+                    self._finish(live, "abort", None, store=True)
+            except Exception as e:
+                failure = failure or e
+        return failure
 
     def _abort(self, live: LiveRequest) -> bool:
         """End ``live`` as aborted if it is still the live request of its id (now, or when the change to the
         state running on this thread ends); False if it is not."""
-        with self._lock:
+        with self._locked():
             if not self._is_live(live):
                 return False
             if self._changing:  # this thread's change: another thread's would hold the lock
@@ -518,6 +556,9 @@ class Engine:
             try:
                 greedy = greedy_picks(logits, greedy_rows)
             except Exception:  # each request then samples its own row, and a failure there ends that request only
+                self.counters["greedy_pick_failures"] += 1
+                _log.warning("picking a step's greedy tokens together raised; each request samples its own row",
+                             exc_info=True)
                 greedy = {}
             for live in _unique(w.live for w in works):
                 if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
