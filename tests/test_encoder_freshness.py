@@ -169,10 +169,7 @@ VISION_CHANGES = {
 @pytest.mark.parametrize("change", VISION_CHANGES)
 def test_a_vision_adapter_follows_its_tower_and_processor(name, change, datasets_dir):
     # Compared with an adapter built after the change (what a new process would compute), never with an entry.
-    image = (datasets_dir / "images" / "chelsea.png").read_bytes()
-    preset = build_preset(name)
-    store = EncoderOutputStore(1 << 24)
-    adapter = preset.adapter(store)
+    image, preset, adapter = _fresh_adapter(name, datasets_dir)
     fingerprint, digest = adapter.fingerprint, adapter.digest(image)
     adapter.encode(image).release()
     with torch.no_grad():
@@ -190,10 +187,14 @@ def test_a_vision_adapter_follows_its_tower_and_processor(name, change, datasets
         encoded.release()
 
 
+def _fresh_adapter(name: str, datasets_dir):
+    """A photo's bytes, a preset of its own (the tests change it) and an adapter over it with its own store."""
+    preset = build_preset(name)
+    return (datasets_dir / "images" / "chelsea.png").read_bytes(), preset, preset.adapter(EncoderOutputStore(1 << 24))
+
+
 def test_a_vision_adapter_keys_apart_a_top_level_setting_and_not_the_language_model(datasets_dir):
-    image = (datasets_dir / "images" / "chelsea.png").read_bytes()
-    preset = build_preset("tiny-llava")
-    adapter = preset.adapter(EncoderOutputStore(1 << 24))
+    image, preset, adapter = _fresh_adapter("tiny-llava", datasets_dir)
     fingerprint = adapter.fingerprint
     with torch.no_grad():
         next(preset.model.model.language_model.parameters()).mul_(2)
@@ -201,6 +202,10 @@ def test_a_vision_adapter_keys_apart_a_top_level_setting_and_not_the_language_mo
     assert adapter.fingerprint == fingerprint  # the features do not depend on the language model
     preset.model.config.vision_feature_layer = -1  # a top-level setting the features do depend on
     assert adapter.fingerprint != fingerprint
+    _assert_served_as_a_new_adapter_computes(preset, adapter, image)
+
+
+def _assert_served_as_a_new_adapter_computes(preset, adapter, image: bytes) -> None:
     served = adapter.encode(image)
     own = preset.adapter_class(preset.model, preset.image_processor, EncoderOutputStore(1 << 24)).encode(image)
     assert not served.hit and torch.equal(served.features, own.features)
@@ -209,16 +214,10 @@ def test_a_vision_adapter_keys_apart_a_top_level_setting_and_not_the_language_mo
 
 
 def test_a_vision_adapter_sees_a_write_through_data_after_refresh(datasets_dir):
-    image = (datasets_dir / "images" / "chelsea.png").read_bytes()
-    preset = build_preset("tiny-qwen2-vl")
-    adapter = preset.adapter(EncoderOutputStore(1 << 24))
+    image, preset, adapter = _fresh_adapter("tiny-qwen2-vl", datasets_dir)
     fingerprint = adapter.fingerprint
     _tower_weight(preset.model).data.mul_(1.5)
     assert adapter.fingerprint == fingerprint  # not seen by itself (documented) ...
     adapter.refresh()
     assert adapter.fingerprint != fingerprint  # ... until refresh
-    served = adapter.encode(image)
-    own = preset.adapter_class(preset.model, preset.image_processor, EncoderOutputStore(1 << 24)).encode(image)
-    assert not served.hit and torch.equal(served.features, own.features)
-    served.release()
-    own.release()
+    _assert_served_as_a_new_adapter_computes(preset, adapter, image)
