@@ -708,3 +708,16 @@ def test_a_stream_closed_on_another_thread_while_a_change_runs_is_never_left_liv
     eng._orphans = deque(eng._orphans)
     assert len(looks) >= at_look and not eng.is_live(rid)
     assert_pools_whole(eng)
+
+
+def test_an_abort_of_a_request_a_closed_stream_already_queued_finishes_it_once(tiny):
+    # The change an abort runs first applies the aborts streams queued on other threads; when that ended the
+    # very request, the abort finished it a second time (two finished events).
+    eng = engine(tiny)
+    stream = eng.stream([prompts(1, seed=32)[0]], greedy(30))
+    rid = next(stream).request_id
+    live = eng._live[rid]
+    eng._orphans.append(live)  # as a finaliser that found the lock taken leaves it
+    assert eng.abort(rid)
+    assert [e.finish_reason for e in live.sink if e.finished] == ["abort"]
+    assert_pools_whole(eng)

@@ -510,7 +510,8 @@ class Engine:
                 self._deferred_aborts.append(live)
                 return True
             with self._changing_state():
-                self._finish(live, "abort", None, store=True)
+                if self._is_live(live):  # the change's start may have ended it (a stream closed elsewhere)
+                    self._finish(live, "abort", None, store=True)
             return True
 
     def _is_live(self, live: LiveRequest) -> bool:
