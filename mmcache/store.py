@@ -16,15 +16,14 @@ Invariants (``check_invariants``):
   first; if it fails, the next waiter computes; if its outputs bypassed the store, the waiters get those same
   outputs (each lease ``bypassed``), not a computation each.
 * Different salts give different keys, so tenants share no entries.
-
 * ``put`` copies every output tensor into memory of its own (contiguous, exactly its bytes), so the budget
   counts every byte an entry keeps alive (a view into a larger tensor or a numpy array keeps nothing of it
   alive) and the caller's tensors stay the caller's. ``meta`` holds plain values only (None, bool, int, float,
-  str, bytes, and lists, tuples and str-keyed dicts of them), not counted in the budget; a tensor or array
-  there is refused (``StoreEntryRejected``).
+  str, bytes, numpy scalars, and lists, tuples and str-keyed dicts of them), not counted in the budget; a
+  tensor or array there is refused (``StoreEntryRejected``).
 * A lease hands out read-only views of the entry's ``outputs`` and ``meta`` mappings: a name cannot be pointed
-  at another tensor. Meta is frozen on ``put`` (lists become tuples, nested dicts read-only mappings). The tensors themselves are returned as stored (no copy per hit): callers must not modify
-  them in place.
+  at another tensor, and meta is frozen on ``put`` (lists become tuples, nested dicts read-only mappings). The
+  tensors themselves are returned as stored (no copy per hit): callers must not modify them in place.
 * Each lease is one hold: releasing it again, or releasing a copy of it, does nothing more.
 """
 
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 import xxhash
 
@@ -194,7 +194,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
-_PLAIN = (type(None), bool, int, float, str, bytes)
+_PLAIN = (type(None), bool, int, float, str, bytes, np.bool_, np.integer, np.floating)  # all immutable
 
 
 def _frozen(value: object) -> object:
@@ -208,8 +208,8 @@ def _frozen(value: object) -> object:
 
 
 def _plain(value: object, depth: int = 0) -> bool:
-    """Whether ``value`` is a plain meta value: None, bool, int, float, str, bytes, or lists, tuples and
-    str-keyed dicts of them (nested at most 8 deep)."""
+    """Whether ``value`` is a plain meta value: None, bool, int, float, str, bytes, a numpy scalar, or lists,
+    tuples and str-keyed dicts of them (nested at most 8 deep)."""
     if isinstance(value, _PLAIN):
         return True
     if depth >= 8:

@@ -198,7 +198,7 @@ def test_malformed_keys_specs_meta_and_compute_results_are_refused_and_store_not
             store.acquire(bad)
         assert bad not in store and store.held(bad) == 0
     assert len(store) == 0 and not store._computing and store.metrics.lookups == 3  # refused keys count none
-    with store.put(key(5), {"features": torch.zeros(2)}, meta={"n": 2, "grid": [1, 2, (3,)], "t": b"\x00",
+    with store.put(key(5), {"features": torch.zeros(2)}, meta={"n": np.int64(2), "grid": [1, 2, (3,)], "t": b"\x00",
                                                                 "x": {"a": None, "b": 0.5, "c": True}}) as lease:
         assert lease.meta["grid"] == (1, 2, (3,))  # frozen: lists become tuples, dicts read-only mappings
         with pytest.raises(TypeError):
