@@ -868,15 +868,16 @@ def table_rows(result: dict) -> list[Row]:
         for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
                             ("vllm_cpu", "vLLM CPU")):
             if peer in e and w in e[peer]:
-                rows.append(Row("prefix", f"{w}: TTFT p50{note(peer, w, 'ttft_p50')}", mm[w]["ttft_p50_s"], "s", e[peer][w]["ttft_p50_s"],
-                                label, paired=better(peer, w, "ttft_p50")))
+                rows.append(Row("prefix", f"{w}: TTFT p50{note(peer, w, 'ttft_p50')}", mm[w]["ttft_p50_s"], "s",
+                                e[peer][w]["ttft_p50_s"], label, paired=better(peer, w, "ttft_p50")))
         for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
             if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
-                rows.append(Row("prefix", f"{w}: ITL p50{note(peer, w, 'itl_p50')}", mm[w]["itl_p50_s"], "s", e[peer][w]["itl_p50_s"], label,
-                                paired=better(peer, w, "itl_p50")))
+                rows.append(Row("prefix", f"{w}: ITL p50{note(peer, w, 'itl_p50')}", mm[w]["itl_p50_s"], "s",
+                                e[peer][w]["itl_p50_s"], label, paired=better(peer, w, "itl_p50")))
         if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
-            rows.append(Row("prefix", f"{w}: output tokens/s{note('mmcache_nocache', w, 'throughput')}", mm[w]["throughput_tok_s"], "tok/s",
-                            e["mmcache_nocache"][w]["throughput_tok_s"], "cache off", higher_is_better=True,
+            rows.append(Row("prefix", f"{w}: output tokens/s{note('mmcache_nocache', w, 'throughput')}",
+                            mm[w]["throughput_tok_s"], "tok/s", e["mmcache_nocache"][w]["throughput_tok_s"],
+                            "cache off", higher_is_better=True,
                             paired=better("mmcache_nocache", w, "throughput")))
         rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))
     return rows

@@ -134,8 +134,8 @@ def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
 def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
     """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config and every
     other config a submodule runs on (``module_configs``), the attention and experts implementations of each
-    (``kernel_implementations``) and every state-dict tensor (name, dtype, shape, bytes). About one second per 10 GB of weights: taken when a
-    ``LiveFingerprint`` sees the module change, not per call."""
+    (``kernel_implementations``) and every state-dict tensor (name, dtype, shape, bytes). About one second per
+    10 GB of weights: taken when a ``LiveFingerprint`` sees the module change, not per call."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
     if not isinstance(recipe, Mapping):
@@ -185,10 +185,10 @@ class LiveFingerprint(Generic[T]):
     (``.to(bfloat16)`` then ``.to(float32)``).
 
     A call costs about half a microsecond to a microsecond and a half per tensor, by machine, and one per config
-    (``take`` aside): a look at a few hundred tensors, not a hash of gigabytes. The config attributes are read from ``__dict__``: through transformers'
-    ``__getattribute__``, ``kernel_implementations`` costs tens of microseconds. Thread-safe: the token and what
-    was taken at it are replaced as one pair, never kept when a ``refresh`` came while ``take`` ran; two threads
-    seeing one change may both take it.
+    (``take`` aside): a look at a few hundred tensors, not a hash of gigabytes. The config attributes are read
+    from ``__dict__``: through transformers' ``__getattribute__``, ``kernel_implementations`` costs tens of
+    microseconds. Thread-safe: the token and what was taken at it are replaced as one pair, never kept when a
+    ``refresh`` came while ``take`` ran; two threads seeing one change may both take it.
     """
 
     def __init__(self, module: torch.nn.Module | Sequence[torch.nn.Module], take: Callable[[], T],

@@ -274,4 +274,5 @@ def test_an_unparsable_file_url_and_a_released_buffer_are_media_errors(png):
     for source in (wide, png[:400], bytearray(png[:400])):  # the limit's own message, not wrapped in another
         with pytest.raises(MediaDecodeError) as e:
             read_image(source, limits=ImageLimits(max_bytes=399))
-        assert str(e.value).endswith("(bytes): 400 bytes exceed the limit of 399") and "cannot be read" not in str(e.value)
+        message = str(e.value)
+        assert message.endswith("(bytes): 400 bytes exceed the limit of 399") and "cannot be read" not in message
