@@ -18,9 +18,10 @@ Invariants:
   extensible header, WAVEX), refused from the header otherwise.
 * A truncated WAV is refused, not decoded to the frames it still holds: its data chunk declares more bytes
   than the file holds (libsndfile would shorten it silently); so is a file that decodes to fewer frames than
-  its header declares (FLAC's stream info). An OGG file declares no length before its last page, so one cut
-  short decodes to the pages it holds; other containers (AIFF, CAF, W64, RF64), which libsndfile also
-  shortens silently, are outside the default formats.
+  its header declares (FLAC's stream info). An OGG file declares no length before its last page, so it is
+  walked page by page (``ogg_unended``): a page cut short, or a logical stream without its end-of-stream page,
+  is refused. Other containers (AIFF, CAF, W64, RF64), which libsndfile also shortens silently, are outside the
+  default formats.
 * A decoded waveform is float32, mono (several channels are averaged, the rule ``DECODE_PARAMS`` names) and
   finite; an empty or non-finite file is refused.
 """
@@ -99,6 +100,9 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     if shortfall:
         raise MediaDecodeError(raw.ref, f"truncated WAV: its data chunk declares {shortfall[0]} bytes, the file "
                                         f"holds {shortfall[1]}")
+    unended = ogg_unended(raw.data)
+    if unended:
+        raise MediaDecodeError(raw.ref, f"truncated OGG: {unended}")
     try:
         with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
             rate, frames, channels = f.samplerate, f.frames, f.channels
@@ -147,6 +151,31 @@ def wav_data_shortfall(data: bytes) -> tuple[int, int] | None:
             return (size, held) if size not in _WAV_UNKNOWN_SIZES and size > held else None
         at += 8 + size + (size & 1)  # chunks are padded to an even size
     return None
+
+
+_OGG_CAPTURE, _OGG_HEADER, _OGG_EOS = b"OggS", 27, 0x04
+
+
+def ogg_unended(data: bytes) -> str | None:
+    """Why an Ogg file (``OggS`` at its start) is cut short, or None: it is walked page by page (a 27-byte header,
+    a segment table, then the segments); a page that runs past the end of the file, bytes after the last page
+    that are not one, or a logical stream (by serial number) whose last page does not carry the end-of-stream
+    flag, which every complete stream's last page does, is cut short. None for other formats."""
+    if not data.startswith(_OGG_CAPTURE):
+        return None
+    at, ended = 0, {}
+    while at < len(data):
+        if data[at:at + 4] != _OGG_CAPTURE or at + _OGG_HEADER > len(data):
+            return f"bytes at offset {at} are not a whole Ogg page header"
+        segments = data[at + 26]
+        table = data[at + _OGG_HEADER:at + _OGG_HEADER + segments]
+        end = at + _OGG_HEADER + segments + sum(table)
+        if len(table) < segments or end > len(data):
+            return f"its page at offset {at} runs past the end of the file"
+        ended[int.from_bytes(data[at + 14:at + 18], "little")] = bool(data[at + 5] & _OGG_EOS)
+        at = end
+    open_streams = [serial for serial, eos in ended.items() if not eos]
+    return f"{len(open_streams)} stream(s) without their end-of-stream page" if open_streams else None
 
 
 def _check_limits(limits) -> None:

@@ -11,7 +11,7 @@ import soundfile
 import torch
 
 from benchmarks import voice
-from encoders.audio import AudioLimits, RawAudio, decode_audio, read_audio
+from encoders.audio import AudioLimits, RawAudio, decode_audio, ogg_unended, read_audio
 from encoders.codec import CachedCodecEncode
 from encoders.media import SOURCE_BYTES, SOURCE_DATA_URL, SOURCE_PATH, MediaRef
 from encoders.tts_presets import SAMPLING_RATE, csm_pipeline, voice_prompt
@@ -99,6 +99,27 @@ def test_truncated_files_are_refused_not_shortened():
     soundfile.write(flac, tone(0.1), SAMPLING_RATE, format="FLAC")
     with pytest.raises(MediaDecodeError):
         decode_audio(read_audio(flac.getvalue()[:len(flac.getvalue()) // 2]), SAMPLING_RATE)
+
+
+@pytest.mark.parametrize("subtype", ["VORBIS", "OPUS"])
+def test_an_ogg_file_cut_short_is_refused_not_shortened(subtype):
+    # An Ogg file declares no length before its last page: cut at a page boundary or inside a page, libsndfile
+    # decoded the pages it held (or fewer samples), as if the clip were shorter.
+    # (libsndfile decoded 85,376 of the 120,000 samples of this Vorbis clip cut at its last page, 117,444 of
+    # the Opus one.)
+    buf = io.BytesIO()
+    soundfile.write(buf, tone(5.0), SAMPLING_RATE, format="OGG", subtype=subtype)
+    data = buf.getvalue()
+    whole = decode_audio(read_audio(data), SAMPLING_RATE)
+    assert len(whole) == 120000 and ogg_unended(data) is None
+    last_page = data.rindex(b"OggS")
+    middle_page = data.index(b"OggS", len(data) // 2)
+    for cut, why in ((data[:last_page], "without their end-of-stream page"), (data[:last_page + 40], "runs past"),
+                     (data[:-1], "runs past"), (data[:middle_page], "without their end-of-stream page"),
+                     (data + b"\0" * 7, "not a whole Ogg page header")):
+        with pytest.raises(MediaDecodeError, match=f"truncated OGG: .*{why}"):
+            decode_audio(read_audio(cut), SAMPLING_RATE)
+    assert ogg_unended(wav(tone(0.1))) is None  # other formats are not walked
 
 
 def test_another_sample_rate_is_refused_naming_both_rates():
