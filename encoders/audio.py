@@ -40,7 +40,7 @@ from mmcache.errors import InvalidRequest, MediaDecodeError
 
 from .media import MediaRef, check_limits, read_source
 
-DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}", "decode": "float32,mean-of-channels"}
+DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}", "decode": "float32,mean-of-channels-in-float64"}
 """The decoder and its conversion rule, for any key taken over decoded samples."""
 
 # libsndfile's name of a container -> the name ``AudioLimits.formats`` accepts it under: WAVEX is WAV's
@@ -94,6 +94,8 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     _check_limits(limits)
     if not isinstance(raw, RawAudio):
         raise InvalidRequest(f"decode_audio takes a RawAudio (see read_audio), got {type(raw).__name__}")
+    if not isinstance(raw.data, (bytes, bytearray)):
+        raise InvalidRequest(f"RawAudio.data must be bytes, got {type(raw.data).__name__}")
     if not raw.data:
         raise MediaDecodeError(raw.ref, "audio bytes are empty")
     shortfall = wav_data_shortfall(raw.data)
@@ -127,7 +129,9 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
         raise MediaDecodeError(raw.ref, f"not a readable audio file: {e}") from None
     if len(samples) != frames:
         raise MediaDecodeError(raw.ref, f"truncated audio: {len(samples)} of {frames} frames")
-    wave = samples[:, 0] if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float32)
+    # Channels are summed in float64: a float32 sum of loud float samples (near 3.4e38) overflows to inf. For
+    # two channels (the default limit) the result equals float32's mean wherever that one is finite.
+    wave = samples[:, 0] if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float64).astype(np.float32)
     if not np.isfinite(wave).all():
         raise MediaDecodeError(raw.ref, "audio holds non-finite samples")
     return np.ascontiguousarray(wave, dtype=np.float32)

@@ -342,9 +342,13 @@ def test_text_that_is_not_valid_unicode_gets_a_typed_error_and_leaves_the_others
     eng = engine(tiny)
     outs = eng.generate([Request("a cat \ud800", greedy(2)), Request("a cat", greedy(2)),
                          Request("a cat", greedy(2), negative_prompt="\udfff", guidance_scale=2.0),
-                         Request("a cat", greedy(2), salt="tenant-\ud800")])
-    assert [o.finish_reason for o in outs] == ["error", "length", "error", "error"]
+                         Request("a cat", greedy(2), salt="tenant-\ud800"),
+                         Request("a cat", greedy(2), salt=7, request_id="int-salt")])
+    assert [o.finish_reason for o in outs] == ["error", "length", "error", "error", "error"]
     assert isinstance(outs[3].error, InvalidRequest) and "salt" in str(outs[3].error)
+    # The error names the request it belongs to, like every other bad-input error.
+    assert outs[3].error.request_id is not None and outs[4].error.request_id == "int-salt"
+    assert str(outs[4].error).startswith("request 'int-salt': salt must be bytes or str")
     assert isinstance(outs[0].error, InvalidRequest) and "surrogate" in str(outs[0].error)
     assert "negative prompt" in str(outs[2].error)
     assert_pools_whole(eng)

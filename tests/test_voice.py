@@ -140,6 +140,10 @@ def test_channels_are_averaged_and_non_finite_samples_refused():
     left, right = tone(0.2), tone(0.2, freq=330.0)
     wave = decode_audio(read_audio(wav(np.stack([left, right], axis=1), subtype="FLOAT")), SAMPLING_RATE)
     np.testing.assert_array_equal(wave, np.stack([left, right], axis=1).mean(axis=1, dtype=np.float32))
+    # Float samples near float32's largest are finite, so their mean is too (a float32 sum overflowed to inf).
+    loud = np.full((2400, 2), 3e38, dtype=np.float32)
+    np.testing.assert_array_equal(decode_audio(read_audio(wav(loud, subtype="FLOAT")), SAMPLING_RATE),
+                                  np.full(2400, 3e38, dtype=np.float32))
     bad = tone(0.2)
     bad[10] = np.nan
     with pytest.raises(MediaDecodeError, match="non-finite"):
@@ -165,6 +169,9 @@ def test_source_policy_and_bad_arguments(cases, tmp_path):
         decode_audio(b"RIFF", SAMPLING_RATE)  # bytes, not a RawAudio
     with pytest.raises(InvalidRequest):
         decode_audio(RawAudio(b"x", MediaRef(0, SOURCE_BYTES, "audio")), 0)
+    for data in (12, None, "RIFF"):  # a RawAudio built by hand with the wrong type of data (was a TypeError)
+        with pytest.raises(InvalidRequest, match="RawAudio.data must be bytes"):
+            decode_audio(RawAudio(data, MediaRef(0, SOURCE_BYTES, "audio")), SAMPLING_RATE)
     with pytest.raises(InvalidRequest):
         read_audio(b"RIFF", limits=None)
     with pytest.raises(MediaDecodeError, match="host"):
