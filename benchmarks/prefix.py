@@ -34,6 +34,13 @@ tokens one forward may hold and the sequences it may hold, given to transformers
 ``max_requests_per_batch``) and vLLM (``max_num_batched_tokens``, ``max_num_seqs``) and recorded in the JSON
 (``step_budget``).
 
+Before each engine's turn the driver idles ``TURN_SETTLE_S`` (0.3 s): Intel's OpenMP runtime, which vLLM
+preloads and the ``bench`` extra installs for mmcache and transformers, keeps a process's threads spinning for
+200 ms after its last parallel region (``KMP_BLOCKTIME``), so without the pause the engine whose turn has just
+ended shares the two cores with the first request of the next one, a cold prefill in the probe (on the Intel
+development machine, vLLM's cold prefill time over mmcache's: 0.95 and 0.95 without the pause, 1.03 and 1.00
+with it, medians of 6 repeats in four alternating three-engine probe runs; ``benchmarks/RESULTS.md``).
+
 Invariants: engines run one at a time, never together (vLLM's process waits on its input while the others
 run); every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
 """
@@ -510,6 +517,14 @@ class MmcacheRunner:
         self.engine.check_invariants()  # a run that leaked or double-owned a page is not a result
 
 
+#: Seconds the driver idles before each engine's turn: longer than Intel OpenMP's 200 ms of spinning threads.
+TURN_SETTLE_S = 0.3
+
+
+def _settle(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 def rotate(names: list[str], k: int) -> list[str]:
     k %= len(names)
     return names[k:] + names[:k]
@@ -559,9 +574,10 @@ def vllm_player(model_dir, space, shape, workloads: list[Workload], seed, args, 
 
 
 def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, repeats: list[list[Workload]],
-                     seed: int) -> dict[str, EngineResult]:
+                     seed: int, settle_s: float = TURN_SETTLE_S) -> dict[str, EngineResult]:
     """Every probe repeat, then every repeat of every workload (``workload_repeats``: repeat 1 of each, then
-    repeat 2, ...), played by each engine in turn, the first engine rotating (see the module docstring)."""
+    repeat 2, ...), played by each engine in turn, the first engine rotating, each turn after ``settle_s`` of
+    idling (see the module docstring)."""
     names = [p.name for p in players]
     by_name = {p.name: p for p in players}
     for p in players:
@@ -571,6 +587,7 @@ def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, 
     probes: dict[str, list] = {n: [] for n in names}
     for rep in range(shape.probe_repeats):
         for name in rotate(names, rep):
+            _settle(settle_s)
             probes[name].append(by_name[name].play(probe_sets[name][rep]))
             _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
                       + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, probes[name][-1])))
@@ -579,6 +596,7 @@ def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, 
     for rep, workloads in enumerate(repeats):
         for w in workloads:
             for name in rotate(names, turn):
+                _settle(settle_s)
                 rounds = by_name[name].play(w)
                 results[name].setdefault(w.name, []).append(rounds)
                 _progress(f"{name}: {w.name} repeat {rep + 1}/{len(repeats)}: {sum(r.wall_s for r in rounds):.2f} s")
@@ -762,7 +780,7 @@ def run(args) -> dict:
     return {"bit_exact": exact["bit_exact"], "bit_exact_check": exact, "engines": engines_out,
             "probe_paired": paired_probe(engines_out), "workloads_paired": paired_workloads(engines_out),
             "preset": preset, "dtype": args.dtype, "page_size": args.page_size, "store_at": args.store_at,
-            "step_budget": asdict(budget), "quick": bool(args.quick),
+            "step_budget": asdict(budget), "turn_settle_s": TURN_SETTLE_S, "quick": bool(args.quick),
             "shape": asdict(shape),
             "workloads": _workload_params(repeats), "token_space": asdict(space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),

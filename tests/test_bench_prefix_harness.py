@@ -236,13 +236,14 @@ def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
         vllm_cpu.run(str(tmp_path), w, [w], str(tmp_path), timeout_s=120)
 
 
-def test_engines_take_turns_with_the_order_rotating(tmp_path):
-    """Each probe repeat, then each repeat of each workload, is played by every engine in turn; the first engine
-    rotates from one play to the next."""
+def test_engines_take_turns_with_the_order_rotating(tmp_path, monkeypatch):
+    """Each probe repeat, then each repeat of each workload, is played by every engine in turn, after the
+    driver has idled; the first engine rotates from one play to the next."""
     space = tw.TokenSpace(2, 100)
     shape = prefix.Shape(**{**SHAPE.__dict__, "probe_repeats": 3, "workload_repeats": 2})
     repeats = prefix.workload_repeats(shape, space, 0, ["vllm_prefix_caching", "generated_shared_prefix"])
     log = []
+    monkeypatch.setattr(prefix, "_settle", lambda s: log.append(("driver", "idle", s)))
 
     def fake(name, method=prefix.ProbeMethod()):
         def run_round(ids, prompts, max_tokens):
@@ -257,7 +258,11 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path):
 
     players = [fake("a"), fake("b", prefix.ProbeMethod(2)), fake("c")]
     out = prefix.play_interleaved(players, space, shape, repeats, 0)
-    played = [(n, w, i) for n, w, i in log if not w.startswith("warmup")]
+    # Every measured turn starts after the default idle (no engine's spinning threads in the next one's time).
+    turns = [e for e in log if not e[1].startswith("warmup")]
+    assert turns[0::2] == [("driver", "idle", prefix.TURN_SETTLE_S)] * (len(turns) // 2) and len(turns) == 2 * 21
+    assert all(n != "driver" for n, _, _ in turns[1::2])
+    played = [(n, w, i) for n, w, i in log if not w.startswith(("warmup", "idle"))]
     probe_order = [n for n, w, _ in played if w.startswith("probe")]
     assert probe_order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     work = [(n, w) for n, w, _ in played if not w.startswith("probe")]
