@@ -40,7 +40,8 @@ from mmcache.errors import InvalidRequest, MediaDecodeError
 
 from .media import MediaRef, check_limits, read_source
 
-DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}", "decode": "float32,mean-of-channels-in-float64"}
+DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}",
+                 "decode": "float32,mean-of-channels-in-float64"}
 """The decoder and its conversion rule, for any key taken over decoded samples."""
 
 # libsndfile's name of a container -> the name ``AudioLimits.formats`` accepts it under: WAVEX is WAV's
