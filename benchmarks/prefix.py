@@ -39,7 +39,8 @@ preloads and the ``bench`` extra installs for mmcache and transformers, keeps a 
 200 ms after its last parallel region (``KMP_BLOCKTIME``), so without the pause the engine whose turn has just
 ended shares the two cores with the first request of the next one, a cold prefill in the probe (on the Intel
 development machine, vLLM's cold prefill time over mmcache's: 0.95 and 0.95 without the pause, 1.03 and 1.00
-with it, medians of 6 repeats in four alternating three-engine probe runs; ``benchmarks/RESULTS.md``).
+with it, medians of 6 repeats in four alternating three-engine probe runs; over full runs the difference is
+within their spread; ``benchmarks/RESULTS.md``).
 
 Invariants: engines run one at a time, never together (vLLM's process waits on its input while the others
 run); every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
