@@ -202,7 +202,10 @@ class AllocationManager:
                 raise InvalidRequest(f"media position {item.position} outside the prompt ({len(ids)} tokens)",
                                      request_id)
         extras = page_extras(media, self.page_size)
-        material = self.namer.root_material(salt)
+        try:
+            material = self.namer.root_material(salt)
+        except InvalidRequest as e:  # a bad salt, named like every other error of this request
+            raise InvalidRequest(str(e), request_id) from None
         root = self.namer.root(salt)
         if self.mode == "off":
             names = np.empty(0, dtype=np.uint64)

@@ -506,3 +506,13 @@ def test_peek_is_zero_without_a_seeding_index_and_refuses_bad_input():
         mgr.peek(make(mode="off").prepare(prompt))  # named for another mode
     with pytest.raises(InvalidRequest):
         mgr.peek(AllocationManager(CacheConfig(num_pages=8, page_size=8), Fingerprint.for_tests(8)).prepare(prompt))
+
+
+def test_a_bad_salt_is_refused_with_the_request_it_belongs_to():
+    # The namer refused it without the request id that every other error of ``prepare`` carries.
+    m = make()
+    for salt in (7, "tenant-\ud800"):
+        with pytest.raises(InvalidRequest, match="salt") as e:
+            m.prepare([1, 2, 3, 4, 5], salt=salt, request_id="r1")
+        assert e.value.request_id == "r1" and str(e.value).startswith("request 'r1': ")
+    m.check_invariants()

@@ -31,7 +31,7 @@ import torch
 from ..checks import finite_number, unicode_text
 from ..errors import InvalidRequest
 from ..manager import AllocationManager
-from ..names import MediaItem, Namer, as_token_array
+from ..names import MediaItem, as_token_array
 from .adapter import CausalLMAdapter
 from .request import MultimodalInput, Request, SamplingParams
 from .sequence import CFG, MAIN, Branch, LiveRequest
@@ -66,10 +66,6 @@ class Intake:
                 raise InvalidRequest(f"arrival_time must be a perf_counter stamp not after now, got "
                                      f"{req.arrival_time!r}", rid)
             arrival = float(req.arrival_time)
-        try:
-            Namer.salt_bytes(req.salt)
-        except InvalidRequest as e:
-            raise InvalidRequest(str(e), rid) from None
         # A prompt's pages, and the slot of its first output token's KV unless that token is also its last.
         written = 1 if req.sampling.max_tokens > 1 else 0
         ids = self._token_ids(req.prompt, rid, "prompt", self.num_pages, written)
