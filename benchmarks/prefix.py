@@ -20,14 +20,19 @@ the workload's wall time, and the share of prompt tokens served from a prefix ca
 mmcache's exact schedule (one request at a time, one page per prefill forward), cache on against cache off, on
 prompts that hit the cache: every logits row and output id equal.
 
-Engines are interleaved: all are loaded and warmed up on unrelated tokens first; then each probe repeat, and
-then each repeat of each workload (``workload_repeats``, each on fresh tokens), is played by every engine in
-turn (the order rotating from one play to the next), so that what one engine is compared with was measured
-minutes, not a quarter of an hour, apart. This machine's speed drifts by up to 2x within minutes; run one
-engine after another and a peer's figures can differ from mmcache's by that drift alone. A workload's figures
-pool its repeats; the table's "better by" for a workload is the median of the per-repeat ratios
-(``paired_workloads``), as it is for the probe (``paired_probe``): for a time, the median of peer over mmcache
-(``better_by``). The median of two values is their mean, and the JSON and the table say so (``middle_of``).
+Engines are interleaved: all are loaded and warmed up on unrelated tokens first; then each probe repeat, and then
+each repeat of each workload (``workload_repeats``, each on fresh tokens), is played by every engine in turn, so
+that what one engine is compared with was measured minutes, not a quarter of an hour, apart. The order changes
+from one play to the next (``turn_order``, a Williams design): each engine plays in every position and right after
+every other engine equally often, because the first request of a turn can pay for what the turn before left behind
+(on the Intel AMX development machine a cold prefill that opened a turn right after vLLM's took 2.5-3% longer than
+the same engine's second cold prefill of the turn, medians of 8 paired repeats; under the plain rotation used
+before, mmcache's turn always came right after vLLM's). A shared machine's speed can drift by up to 2x within
+minutes (the first Intel development machine's did); run one engine after another and a peer's figures can differ
+from mmcache's by that drift alone. A workload's figures pool its repeats; the table's "better by" for a workload
+is the median of the per-repeat ratios (``paired_workloads``), as it is for the probe (``paired_probe``): for a
+time, the median of peer over mmcache (``better_by``). The median of two values is their mean, and the JSON and
+the table say so (``middle_of``).
 
 Every engine schedules under the same limits, ``StepBudget``: mmcache's ``EngineConfig`` defaults for the
 tokens one forward may hold and the sequences it may hold, given to transformers (``max_batch_tokens``,
@@ -526,9 +531,22 @@ def _settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def rotate(names: list[str], k: int) -> list[str]:
-    k %= len(names)
-    return names[k:] + names[:k]
+def turn_order(names: list[str], k: int) -> list[str]:
+    """The order of play ``k``: row ``k`` of a Williams design over ``names`` (a Latin square whose rows, for an
+    odd count followed by their reverses, put every engine right after every other engine equally often and in
+    every position equally often; period ``n`` for an even count ``n``, ``2 n`` for an odd one). A plain rotation
+    keeps each engine's predecessor fixed, so whatever a turn leaves behind for the next one (another process's
+    data in the shared cache) would land on the same engine every time."""
+    n = len(names)
+    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    row = [names[(i + k) % n] for i in base]
+    return row[::-1] if n % 2 and (k // n) % 2 else row
 
 
 @dataclass
@@ -577,8 +595,8 @@ def vllm_player(model_dir, space, shape, workloads: list[Workload], seed, args, 
 def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, repeats: list[list[Workload]],
                      seed: int, settle_s: float = TURN_SETTLE_S) -> dict[str, EngineResult]:
     """Every probe repeat, then every repeat of every workload (``workload_repeats``: repeat 1 of each, then
-    repeat 2, ...), played by each engine in turn, the first engine rotating, each turn after ``settle_s`` of
-    idling (see the module docstring)."""
+    repeat 2, ...), played by each engine in turn, in ``turn_order`` (its next row for every play), each turn
+    after ``settle_s`` of idling (see the module docstring)."""
     names = [p.name for p in players]
     by_name = {p.name: p for p in players}
     for p in players:
@@ -587,7 +605,7 @@ def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, 
     probe_sets = {p.name: probe_workloads(space, shape, seed, p.method) for p in players}
     probes: dict[str, list] = {n: [] for n in names}
     for rep in range(shape.probe_repeats):
-        for name in rotate(names, rep):
+        for name in turn_order(names, rep):
             _settle(settle_s)
             probes[name].append(by_name[name].play(probe_sets[name][rep]))
             _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
@@ -596,7 +614,7 @@ def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, 
     turn = 0
     for rep, workloads in enumerate(repeats):
         for w in workloads:
-            for name in rotate(names, turn):
+            for name in turn_order(names, turn):
                 _settle(settle_s)
                 rounds = by_name[name].play(w)
                 results[name].setdefault(w.name, []).append(rounds)

@@ -4,6 +4,7 @@ a whole ``mmcache bench prefix`` run, and the vLLM peer's failure paths."""
 import inspect
 import json
 import sys
+from collections import Counter
 
 import pytest
 
@@ -236,9 +237,9 @@ def test_vllm_peer_failures_are_typed(tmp_path, monkeypatch):
         vllm_cpu.run(str(tmp_path), w, [w], str(tmp_path), timeout_s=120)
 
 
-def test_engines_take_turns_with_the_order_rotating(tmp_path, monkeypatch):
+def test_engines_take_turns_in_the_rows_of_the_balanced_order(tmp_path, monkeypatch):
     """Each probe repeat, then each repeat of each workload, is played by every engine in turn, after the
-    driver has idled; the first engine rotates from one play to the next."""
+    driver has idled, in the next row of ``turn_order`` each time."""
     space = tw.TokenSpace(2, 100)
     shape = prefix.Shape(**{**SHAPE.__dict__, "probe_repeats": 3, "workload_repeats": 2})
     repeats = prefix.workload_repeats(shape, space, 0, ["vllm_prefix_caching", "generated_shared_prefix"])
@@ -268,7 +269,7 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path, monkeypatch):
     work = [(n, w) for n, w, _ in played if not w.startswith("probe")]
     vpc, gsp = "vllm_prefix_caching", "generated_shared_prefix"
     assert work == [("a", vpc), ("b", vpc), ("c", vpc), ("b", gsp), ("c", gsp), ("a", gsp),
-                    ("c", vpc), ("a", vpc), ("b", vpc), ("a", gsp), ("b", gsp), ("c", gsp)]
+                    ("c", vpc), ("a", vpc), ("b", vpc), ("c", gsp), ("b", gsp), ("a", gsp)]
     first_ids = [i for _, w, i in played if w == vpc]
     assert len(set(first_ids[:3])) == 1 and len(set(first_ids[3:])) == 1 and first_ids[0] != first_ids[3]
     assert sum(w.startswith("warmup") for _, w, _ in log) == 3 and "closed" not in {w for _, w, _ in log}
@@ -281,6 +282,23 @@ def test_engines_take_turns_with_the_order_rotating(tmp_path, monkeypatch):
     assert out["b"].probe["figure"].startswith("wall time of a round of one 2-token")  # b's own method
     assert out["a"].probe["figure"].startswith("wall time of a round of one 1-token")
     assert out["a"].probe["figure"].endswith("median of 3")
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_turn_order_puts_every_engine_after_every_other_and_in_every_place_equally_often(n):
+    names = [f"e{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    rows = [prefix.turn_order(names, k) for k in range(3 * period)]
+    assert all(sorted(r) == names for r in rows)  # every engine once per play
+    assert rows[period:2 * period] == rows[:period]  # the design repeats
+    rows = rows[:period]
+    places = Counter((r[i], i) for r in rows for i in range(n))
+    assert len(places) == n * n and len(set(places.values())) == 1
+    if n > 1:  # each ordered pair (a right before b, a != b) equally often: no engine has a fixed predecessor
+        after = Counter((r[i], r[i + 1]) for r in rows for i in range(n - 1))
+        assert len(after) == n * (n - 1) and len(set(after.values())) == 1
+    if n == 2:
+        assert rows == [names, names[::-1]]
 
 
 def test_workload_repeats_draw_fresh_tokens_and_the_first_is_the_single_play():
