@@ -534,10 +534,12 @@ def _settle(seconds: float) -> None:
 def turn_order(names: list[str], k: int) -> list[str]:
     """The order of play ``k``: row ``k`` of a Williams design over ``names`` (a Latin square whose rows, for an
     odd count followed by their reverses, put every engine right after every other engine equally often and in
-    every position equally often; period ``n`` for an even count ``n``, ``2 n`` for an odd one). A plain rotation
-    keeps each engine's predecessor fixed, so whatever a turn leaves behind for the next one (another process's
-    data in the shared cache) would land on the same engine every time."""
+    every position equally often; period ``n`` for an even count ``n``, ``2 n`` for an odd one; no names, no
+    order). A plain rotation keeps each engine's predecessor fixed, so whatever a turn leaves behind for the next
+    one (the module docstring) would land on the same engine every time."""
     n = len(names)
+    if n == 0:
+        return []
     base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
     while len(base) < n:
         base.append(low)

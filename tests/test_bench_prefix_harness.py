@@ -299,6 +299,7 @@ def test_turn_order_puts_every_engine_after_every_other_and_in_every_place_equal
         assert len(after) == n * (n - 1) and len(set(after.values())) == 1
     if n == 2:
         assert rows == [names, names[::-1]]
+    assert prefix.turn_order([], n) == []
 
 
 def test_workload_repeats_draw_fresh_tokens_and_the_first_is_the_single_play():
