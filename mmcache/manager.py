@@ -206,7 +206,7 @@ class AllocationManager:
             material = self.namer.root_material(salt)
         except InvalidRequest as e:  # a bad salt, named like every other error of this request
             raise InvalidRequest(str(e), request_id) from None
-        root = self.namer.root(salt)
+        root = self.namer.root_of(material)
         if self.mode == "off":
             names = np.empty(0, dtype=np.uint64)
         else:

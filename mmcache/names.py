@@ -222,7 +222,11 @@ class Namer:
         return self._fp_bytes + b"\x00salt\x00" + len(s).to_bytes(4, "little") + s
 
     def root(self, salt: bytes | str | None = b"") -> int:
-        return self._hash(self.root_material(salt), 0)
+        return self.root_of(self.root_material(salt))
+
+    def root_of(self, material: bytes) -> int:
+        """The chain root named by ``root_material``'s bytes (``root`` without building them again)."""
+        return self._hash(material, 0)
 
     def names(
         self,

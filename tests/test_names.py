@@ -48,6 +48,7 @@ def test_salt_is_folded_into_the_root():
     n = Namer(FP)
     assert n.root() == n.root(b"") == n.root(None)
     assert n.root("tenant-a") == n.root(b"tenant-a") != n.root("tenant-b") != n.root()
+    assert n.root_of(n.root_material("tenant-a")) == n.root("tenant-a")  # the manager names from the material
     ids = as_token_array(np.arange(8))
     assert not set(n.names(ids, n.root("a")).tolist()) & set(n.names(ids, n.root("b")).tolist())
     with pytest.raises(InvalidRequest, match="salt"):  # used to raise UnicodeEncodeError and lose the call
