@@ -531,6 +531,10 @@ def _settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
+#: How ``play_interleaved`` orders the engines' turns, as the JSON records it (runs before commit 4f8d1ed rotated).
+TURN_ORDER = "williams"
+
+
 def turn_order(names: list[str], k: int) -> list[str]:
     """The order of play ``k``: row ``k`` of a Williams design over ``names`` (a Latin square whose rows, for an
     odd count followed by their reverses, put every engine right after every other engine equally often and in
@@ -801,7 +805,8 @@ def run(args) -> dict:
     return {"bit_exact": exact["bit_exact"], "bit_exact_check": exact, "engines": engines_out,
             "probe_paired": paired_probe(engines_out), "workloads_paired": paired_workloads(engines_out),
             "preset": preset, "dtype": args.dtype, "page_size": args.page_size, "store_at": args.store_at,
-            "step_budget": asdict(budget), "turn_settle_s": TURN_SETTLE_S, "quick": bool(args.quick),
+            "step_budget": asdict(budget), "turn_settle_s": TURN_SETTLE_S, "turn_order": TURN_ORDER,
+            "quick": bool(args.quick),
             "shape": asdict(shape),
             "workloads": _workload_params(repeats), "token_space": asdict(space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),

@@ -125,6 +125,7 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     defaults = EngineConfig()  # every engine schedules under mmcache's step budget, and the JSON says which
     budget = {"max_tokens_per_step": defaults.max_tokens_per_step, "max_num_seqs": defaults.max_num_seqs}
     assert result["step_budget"] == budget
+    assert (result["turn_settle_s"], result["turn_order"]) == (prefix.TURN_SETTLE_S, "williams")
     for name in ("mmcache", "mmcache_nocache"):
         settings = result["engines"][name]["meta"]["settings"]
         assert {k: settings[k] for k in budget} == budget
