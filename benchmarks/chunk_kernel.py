@@ -88,18 +88,32 @@ def library_at(rev: str):
     root = Path(native.__file__).resolve().parents[2]
     where = Path(tempfile.mkdtemp(prefix="mmcache-kernels-"))
     try:
+        sources = []
         for f in native.SOURCES + native.HEADERS:
             rel = f.resolve().relative_to(root).as_posix()
             got = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], capture_output=True)
             if got.returncode != 0:
+                if f in native.SOURCES[1:] and rel not in _listed(root, rev):
+                    continue  # a source added after that revision: its library is built without it
                 raise SystemExit(f"--against {rev}: cannot read {rel} there: {got.stderr.decode().strip()}")
             (where / f.name).write_bytes(got.stdout)
+            sources += [where / f.name] if f in native.SOURCES else []
         try:  # a loaded library outlives its file
-            return native.load(native.build(directory=where, sources=tuple(where / f.name for f in native.SOURCES)))
+            return native.load(native.build(directory=where, sources=tuple(sources)))
         except (native.NativeKernelUnavailable, OSError, AttributeError) as exc:
             raise SystemExit(f"--against {rev}: its kernels do not build or load here: {exc}") from exc
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
+
+def _listed(root, rev: str) -> list[str]:
+    """The files of revision ``rev`` of the checkout at ``root`` under the kernels' sources (empty where git
+    cannot tell)."""
+    import subprocess
+
+    got = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", rev, "mmcache/engine/csrc"],
+                         capture_output=True, text=True)
+    return got.stdout.splitlines() if got.returncode == 0 else []
 
 
 def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: int, seed: int = 0,

@@ -180,16 +180,17 @@ class CausalLMAdapter:
         held = getattr(self.model, PATH_ATTR)
         held["packing_skipped"], held["row_products_skipped"] = packing_skipped, row_products_skipped
 
-    def bytes_to_pack(self, rows: bool = False) -> int:
+    def bytes_to_pack(self, rows=None) -> int:
         """Bytes of the packed copies ``pack_linears`` would add (the plain weights stay): every linear of the
-        decoder layers and the head not packed yet; with ``rows`` (the row kernel), also each of those weights
-        once more in its own dtype (``native.RowWeight``, which the row kernel reads)."""
+        decoder layers and the head not packed yet; with ``rows`` (the library offered for products of few rows,
+        or True for the row kernel), also each of those weights once more as its row kernel reads it
+        (``kernels.row_copy_bytes``: in its own dtype, for the tile kernel padded to whole blocks)."""
         decoder = self.decoder
         layers = getattr(decoder, "layers", decoder)
         plain = [m for m in layers.modules() if type(m) is torch.nn.Linear]
         if type(self.lm_head) is torch.nn.Linear:
             plain.append(self.lm_head)
-        return sum(kernels.packed_bytes(m.weight) + (m.weight.numel() * m.weight.element_size() if rows else 0)
+        return sum(kernels.packed_bytes(m.weight) + (kernels.row_copy_bytes(m.weight, rows) if rows else 0)
                    for m in plain)
 
     def pack_linears(self, rows=None) -> None:
@@ -218,10 +219,17 @@ class CausalLMAdapter:
 
     @property
     def num_row_product_linears(self) -> int:
-        """Packed linears of the decoder and head whose products of few rows run on the compiled row kernel."""
+        """Packed linears of the decoder and head whose products of few rows run on a compiled kernel."""
         head = self.lm_head
         return kernels.count_on_rows(self.decoder) + (isinstance(head, kernels.PackedLinear)
                                                       and head.packed.rows is not None)
+
+    @property
+    def num_tile_product_linears(self) -> int:
+        """Those of them on the tile kernel (``native.TileWeight``)."""
+        head = self.lm_head
+        return kernels.count_on_rows(self.decoder, "tiles") + (isinstance(head, kernels.PackedLinear)
+                                                               and head.packed.row_kernel == "tiles")
 
     @property
     def num_packed_linears(self) -> int:

@@ -55,8 +55,10 @@ class EngineConfig:
     tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
     defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
     layer_kernels: bool = True  # RMSNorms and rotary embedding on the compiled kernels (norms, rotary)
-    row_products: bool = True  # packed linears' products of few rows on the compiled kernel where it is the
-    #                            AVX2 build (kernels.PackedWeight, native.row_products); needs packed_linears
+    row_products: bool = True  # packed linears' products of few rows on a compiled kernel: the row kernel on
+    #                            the AVX2 build, bfloat16 ones on the tile kernel where the CPU grants AMX
+    #                            (kernels.PackedWeight, native.row_products, native.tile_products); needs
+    #                            packed_linears
 
     def __post_init__(self):
         def check(ok: bool, msg: str):

@@ -151,7 +151,9 @@ class Engine:
             # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
             decode_kernel = native.library() if a.device.type == "cpu" else None
             packs = config.packed_linears and kernels.available(a.device, a.dtype)
-            rows = decode_kernel if packs and config.row_products and native.row_products(decode_kernel) else None
+            offers = (native.row_products(decode_kernel)  # the AVX2 build; or bfloat16 on the tile unit
+                      or kernels.row_kernel(decode_kernel, a.dtype, kernels.widened(a.dtype)) == "tiles")
+            rows = decode_kernel if packs and config.row_products and offers else None
             requested = {"packed_linears": packs, "layer_kernels": config.layer_kernels and decode_kernel is not None,
                          "row_products": rows is not None}
             held = a.claim_compute_path(requested)
@@ -164,7 +166,7 @@ class Engine:
             if held is None:  # the first engine on this model sets up its modules
                 if requested["packed_linears"]:
                     pool = self.page_bytes * self.num_pages
-                    self.packing_skipped = _packing_room(a.bytes_to_pack(rows is not None), pool)
+                    self.packing_skipped = _packing_room(a.bytes_to_pack(rows), pool)
                     if self.packing_skipped and rows is not None and _packing_room(a.bytes_to_pack(), pool) is None:
                         self.row_products_skipped, self.packing_skipped, rows = self.packing_skipped, None, None
                         _log.warning("row kernel left out (packed linears alone fit): %s", self.row_products_skipped)
@@ -180,7 +182,9 @@ class Engine:
             # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
             # in the last bits, so the compute path is part of the backend's name.
             packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
-            packed += "+native-rows" if a.num_row_product_linears else ""
+            tiles = a.num_tile_product_linears
+            packed += "+native-rows" if a.num_row_product_linears > tiles else ""
+            packed += "+native-tile-rows" if tiles else ""
             self.backend = (ATTENTION_BACKEND + packed
                             + ("+native-decode" if decode_kernel is not None else "")
                             + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]

@@ -11,10 +11,11 @@ products with the activation and the product fused into them; and the ``q_proj``
 of an attention module (one input size, all with a bias or none) become ``PackedProjection`` parts of one
 ``PackedProjections``: one product over their concatenated weights per input tensor, which reads the three
 weights in one pass and saves two calls (a few percent of a decode step or a hit, ``benchmarks/projections.py``).
-Where the engine asks for it (``EngineConfig.row_products``, on AVX2 builds of the compiled library), products
-of at most ``native.ROW_PRODUCT_ROWS`` rows (a decode step's) run on the compiled row kernel instead, from a
-second copy of the weight laid out for it in the weight's own dtype (``native.RowWeight``, ``native.linear``;
-``benchmarks/row_products.py``).
+Where the engine asks for it (``EngineConfig.row_products``), products of a few rows (a decode step's) run on
+a compiled kernel instead, from a second copy of the weight laid out for it in the weight's own dtype
+(``row_kernel``; ``benchmarks/row_products.py``): on AVX2 builds of the compiled library float32 products of
+at most ``native.ROW_PRODUCT_ROWS`` rows (``native.RowWeight``, ``native.linear``), and where the CPU grants the
+AMX tile unit bfloat16 products of at most ``native.TILE_PRODUCT_ROWS`` rows (``native.TileWeight``).
 
 Invariants:
 
@@ -22,8 +23,8 @@ Invariants:
   packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It
   is made from the weights as they are when packing; an engine's model is frozen from then on (an in-place
   weight change is not seen by the packed copies). With the row kernel every packed weight has a second copy,
-  laid out for it in the weight's own dtype (as many bytes as the weight; counted by ``Engine``'s packing
-  room).
+  laid out for it in the weight's own dtype (as many bytes as the weight, for the tile kernel padded to whole
+  blocks of 64 columns; counted by ``Engine``'s packing room).
 * A fused MLP and grouped projections are installed only after they reproduced the modules' own forward on
   probe inputs (within float rounding); otherwise the linears are packed one by one.
 * A group hands a part out from its kept product only for the very tensor object that product was computed
@@ -33,7 +34,7 @@ Invariants:
   parts, is kept per thread (``threading.local``), so a thread is only ever handed parts of its own input.
 * Results are deterministic for a given input shape, like the unpacked path; they differ from it in the
   last bits, so cache-on and cache-off runs must use the same setting (the engine uses one for its life).
-  On the row kernel a row's result depends only on that row (any company, any number of threads).
+  On the row and tile kernels a row's result depends only on that row (any company, any number of threads).
 """
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+def row_kernel(lib, dtype: torch.dtype, widen: bool) -> str | None:
+    """Which compiled kernel computes a packed weight's products of few rows, given the library the engine
+    offers for them (``native.library()``, or None for none): "tiles" for a bfloat16 weight that oneDNN packs
+    as it is where the library can use the AMX tile unit (``native.tile_products``), "rows" for a float32 or
+    widened bfloat16 weight (the row kernel reads either in its own dtype; the engine offers the library for it
+    on the AVX2 build, ``native.row_products``), else None."""
+    if lib is None:
+        return None
+    if dtype == torch.bfloat16 and not widen:
+        return "tiles" if native.tile_products(lib) else None
+    return "rows"
+
+
+def row_copy_bytes(weight: torch.Tensor, lib) -> int:
+    """Bytes of the copy of ``weight`` that its row kernel reads (see ``row_kernel``), 0 where none; ``lib``
+    True asks as if the library offered the row kernel ("rows")."""
+    kind = "rows" if lib is True else row_kernel(lib, weight.dtype, widened(weight.dtype))
+    if kind == "tiles":
+        return int(lib.mmc_tile_elements(*weight.shape)) * weight.element_size()
+    return weight.numel() * weight.element_size() if kind else 0
+
+
 class PackedWeight:
     """A weight (and bias) laid out once for oneDNN, and products with it.
 
@@ -118,18 +141,26 @@ class PackedWeight:
                  rows=None):
         """``widen``: pack a bfloat16 weight as float32 or not whatever this CPU's oneDNN does (measuring only:
         ``benchmarks/widened_linears.py``); by default as ``widened`` says. ``rows``: the compiled library
-        (``native.library()``) to compute products of at most ``native.ROW_PRODUCT_ROWS`` rows with, from a copy
-        of ``weight`` laid out for it in its own dtype (float32, or bfloat16 where widened); None: oneDNN for
-        every product."""
+        (``native.library()``) to compute products of few rows with (at most ``row_limit``), on the kernel
+        ``row_kernel`` names, from a copy of ``weight`` laid out for it in its own dtype; None: oneDNN for every
+        product."""
         self.dtype = weight.dtype
         self.widened = widened(weight.dtype) if widen is None else widen and weight.dtype == torch.bfloat16
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
-        takes = self.widened or weight.dtype == torch.float32
-        self.rows = rows if takes else None
-        if self.widened or self.rows is not None:
-            bias = None if bias is None else bias.float()  # both take a float32 bias (no copy when it is one)
-        self.row_weight = native.RowWeight(rows, weight, bias) if self.rows is not None else None
+        #: The compiled kernel for products of few rows: "tiles" (``native.TileWeight``, bfloat16 weights kept as
+        #: they are, where the CPU grants the AMX tile unit), "rows" (``native.RowWeight``, float32 weights and
+        #: widened bfloat16 ones, on the AVX2 build), or None (oneDNN for every product).
+        self.row_kernel = row_kernel(rows, weight.dtype, self.widened)
+        self.rows = rows if self.row_kernel else None
+        #: Products of at most this many rows run on the row kernel.
+        self.row_limit = native.TILE_PRODUCT_ROWS if self.row_kernel == "tiles" else native.ROW_PRODUCT_ROWS
+        if self.row_kernel == "tiles":
+            self.row_weight = native.TileWeight(rows, weight, bias)  # the bias widened there, kept here as it is
+        else:
+            if self.widened or self.rows is not None:
+                bias = None if bias is None else bias.float()  # both take a float32 bias (no copy when it is one)
+            self.row_weight = native.RowWeight(rows, weight, bias) if self.rows is not None else None
         self.packed, self.bias = _pack(weight.float() if self.widened else weight), bias
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +173,7 @@ class PackedWeight:
 
     def on_rows(self, x: torch.Tensor) -> bool:
         """Whether ``product`` of ``x`` runs on the compiled row kernel (few rows, and one was given)."""
-        return self.rows is not None and x.numel() <= native.ROW_PRODUCT_ROWS * x.shape[-1]
+        return self.rows is not None and x.numel() <= self.row_limit * x.shape[-1]
 
     def product(self, x: torch.Tensor, attr: str = "none", algorithm: str = "") -> torch.Tensor:
         """``attr(x @ weight^T + bias)`` on an input already passed through ``input``, not yet ``output``. The
@@ -342,10 +373,11 @@ def count_packed(module: nn.Module) -> int:
     return sum(isinstance(m, PackedLinear) for m in module.modules())
 
 
-def count_on_rows(module: nn.Module) -> int:
-    """Packed linears under ``module`` whose products of few rows run on the compiled row kernel."""
+def count_on_rows(module: nn.Module, kind: str | None = None) -> int:
+    """Packed linears under ``module`` whose products of few rows run on a compiled kernel (``kind``: only those
+    on that one, "rows" or "tiles"; see ``row_kernel``)."""
     return sum(isinstance(m, PackedLinear) and (m.packed or m.group.packed).rows is not None
-               for m in module.modules())
+               and kind in (None, (m.packed or m.group.packed).row_kernel) for m in module.modules())
 
 
 def _replace(root: nn.Module, dotted: str, new: nn.Module) -> None:

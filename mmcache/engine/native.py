@@ -3,10 +3,11 @@ and the attention of a bfloat16 prefill chunk over its cached prefix and its own
 products on the AMX tile unit where the CPU grants it, else with AVX-512 BF16 dot products: ``chunk_way``), both
 in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
 (``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``); and its rotary position embedding, with the
-same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``); and, on
-AVX2 builds, the linear products of a decode step's few rows with a weight laid out once for them in its own
-dtype (``linear`` and ``RowWeight``, ``linear.c``, used by ``kernels.PackedWeight`` where ``row_products`` says
-so).
+same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``); and the
+linear products of a decode step's few rows with a weight laid out once for them in its own dtype: on AVX2
+builds in float32 (``linear`` and ``RowWeight``, ``linear.c``, used by ``kernels.PackedWeight`` where
+``row_products`` says so), and for bfloat16 weights on the AMX tile unit (``TileWeight``, ``tile_linear.c``,
+where ``tile_products`` says so).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -66,7 +67,8 @@ ENV_CHOICE = "MMCACHE_NATIVE"
 ENV_CACHE = "MMCACHE_CACHE_DIR"
 _CHOICES = ("auto", "off", "require")
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c", CSRC / "linear.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c", CSRC / "linear.c",
+           CSRC / "tile_linear.c")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
@@ -193,6 +195,18 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mmc_row_panel.restype = ctypes.c_int
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
+    lib.tile_rows = 0  # rows per tile of the tile products (tile_linear.c), 0 where they cannot run
+    if hasattr(lib, "mmc_tile_linear"):  # a library built from an earlier revision's sources has none
+        lib.mmc_tile_elements.argtypes = [i64, i64]
+        lib.mmc_tile_elements.restype = i64
+        fn = lib.mmc_tile_pack
+        fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fn = lib.mmc_tile_linear
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        lib.mmc_tile_rows.restype = ctypes.c_int
+        lib.tile_rows = int(lib.mmc_tile_rows())
     # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
     lib.lanes = int(lib.mmc_lanes()) if hasattr(lib, "mmc_lanes") else 16
     return lib
@@ -488,3 +502,117 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: RowWeight | torch.Tensor, 
     else:
         weight = RowWeight(lib, weight, bias, threads)
     return weight(x, threads)
+
+
+TILE_PRODUCT_ROWS = 32  # bfloat16 products of at most this many rows go to ``tile_linear`` (see ``tile_products``)
+
+
+def tile_products(lib: ctypes.CDLL | None) -> bool:
+    """Whether the engine computes bfloat16 products of at most ``TILE_PRODUCT_ROWS`` rows (a decode step's)
+    with ``tile_linear``: where the library was built for a CPU with the AMX tile unit and Linux grants it. There
+    oneDNN's products of these few rows stream the weights well under the memory's speed, and this kernel's
+    run at it (``benchmarks/row_products.py``; RESULTS.md, "Decode products on the tile unit")."""
+    return lib is not None and getattr(lib, "tile_rows", 0) > 0
+
+
+_HUGE_PAGE = 2 << 20
+_ARENA_CHUNK = 64 << 20  # bytes mapped at a time for tile copies; a larger copy gets a mapping of its own
+
+
+class _HugeArena:
+    """Memory for the tile kernel's weight copies, mapped in chunks the kernel is asked to back with huge pages
+    (``MADV_HUGEPAGE``; with transparent huge pages in their usual ``madvise`` mode). A decode step reads every
+    weight once, and on 4 KB pages the address translations hold that stream back (on the Intel AMX machine
+    of RESULTS.md a plain read of 716 MB ran at 20 GB/s on 4 KB pages, 30 GB/s on 2 MB ones).
+
+    Each copy is a view into a chunk and keeps it mapped (the tensor holds the mapping); the arena holds only
+    its newest chunk for further copies, so a chunk is unmapped once its copies and the arena have let go of
+    it. Where the OS has no ``madvise`` (or refuses), the chunks are ordinary memory."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    @staticmethod
+    def _map(nbytes: int) -> torch.Tensor:
+        import mmap
+
+        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: shared memory gets no huge pages
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None and hasattr(area, "madvise"):
+            try:
+                area.madvise(advice)
+            except OSError:
+                pass  # no transparent huge pages here: 4 KB pages
+        return torch.frombuffer(area, dtype=torch.uint8)  # keeps ``area`` mapped while any view lives
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised 1-D tensor of ``numel`` elements, its start 4 KB-aligned."""
+        nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
+        padded = -(-nbytes // 4096) * 4096
+        if padded > _ARENA_CHUNK // 4:
+            return self._map(-(-padded // _HUGE_PAGE) * _HUGE_PAGE)[:nbytes].view(dtype)
+        with self._lock:
+            if self._chunk is None or self._used + padded > self._chunk.numel():
+                self._chunk, self._used = self._map(_ARENA_CHUNK), 0
+            start, self._used = self._used, self._used + padded
+            return self._chunk[start:start + nbytes].view(dtype)
+
+
+_ARENA = _HugeArena()
+
+
+class TileWeight:
+    """A bfloat16 weight (N, K) laid out once for ``tile_linear`` (``csrc/tile_linear.c``: blocks of 64 output
+    columns, the tile unit's pair layout, zero-padded to whole blocks and to whole steps of 32 k) in memory
+    asked to be backed by huge pages (``_HugeArena``), and its bias (N) as float32 or None. A copy made when
+    built: a later in-place change of the weight is not seen. Called on ``x`` (..., K) bfloat16 with at most
+    ``TILE_PRODUCT_ROWS`` rows, returns ``x @ weight^T + bias`` (..., N) bfloat16, each element the float32 sum
+    of its products rounded once; only ``x`` is checked per call."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 threads: int | None = None):
+        if not tile_products(lib):
+            raise NativeKernelUnavailable("the tile products need a CPU with the AMX tile unit, granted by Linux")
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or min(weight.shape) < 1 or weight.device.type != "cpu":
+            raise ValueError(f"a tile weight is a (N, K) bfloat16 tensor on the CPU: got {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")
+        weight = weight.detach().contiguous()
+        self.n, self.k = weight.shape
+        if bias is not None:
+            if bias.shape != (self.n,) or not bias.is_floating_point() or bias.device.type != "cpu":
+                raise ValueError(f"a tile weight's bias is a ({self.n},) float tensor on the CPU or None: got "
+                                 f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
+            bias = bias.detach().float().contiguous()
+        self.bias = bias
+        self.blocks = _ARENA.empty(int(lib.mmc_tile_elements(self.n, self.k)), torch.bfloat16)
+        rc = lib.mmc_tile_pack(weight.data_ptr(), self.n, self.k, self.blocks.data_ptr(),
+                               threads or torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the tile kernel could not lay out a weight {tuple(weight.shape)} (code {rc})")
+        self._fn = lib.mmc_tile_linear
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        if x.dtype is not torch.bfloat16 or x.dim() < 1 or x.shape[-1] != self.k or not x.is_cpu:
+            raise ValueError(f"tile_linear takes x (..., K) bfloat16 on the CPU for a weight (N, K) = "
+                             f"{(self.n, self.k)}: got x {tuple(x.shape)} {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        if m > TILE_PRODUCT_ROWS:
+            raise ValueError(f"tile_linear takes at most {TILE_PRODUCT_ROWS} rows: got {m}")
+        out = torch.empty(m, self.n, dtype=torch.bfloat16)
+        if m:
+            rc = self._fn(rows.data_ptr(), m, self.k, self.blocks.data_ptr(), self.n,
+                          None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                          threads or torch.get_num_threads())
+            if rc != 0:
+                raise NativeKernelUnavailable(f"the tile kernel refused its arguments (code {rc}): x "
+                                              f"{tuple(x.shape)}, weight {(self.n, self.k)}")
+        return out if x.dim() == 2 else out.view(x.shape[:-1] + (self.n,))
