@@ -1,24 +1,30 @@
-"""Products of a decode step's few rows: oneDNN's packed product against the compiled row kernel
-(``native.linear``), paired in one process.
+"""Products of a decode step's few rows: oneDNN's packed product against the compiled kernel for them (the row
+kernel, ``native.linear``, on AVX2 builds; the tile kernel, ``native.TileWeight``, for bfloat16 weights where the
+CPU grants AMX), paired in one process.
 
-    python -m benchmarks.row_products --json row_products.json      # about 3 min on a 2-core AVX2 machine
+    python -m benchmarks.row_products --json row_products.json      # about 3 min on a 2-core machine
 
-Where the compiled library is its AVX2 build, packed linears compute products of at most
-``native.ROW_PRODUCT_ROWS`` rows on the row kernel (``EngineConfig.row_products``); this measures what that buys.
+Packed linears compute products of at most ``native.ROW_PRODUCT_ROWS`` rows on the row kernel where the compiled
+library is its AVX2 build, and bfloat16 products of at most ``native.TILE_PRODUCT_ROWS`` rows on the tile kernel
+where the CPU has the tile unit (``EngineConfig.row_products``, ``kernels.row_kernel``); this measures what that
+buys.
 
 * Products: each distinct product of one decoder layer of ``--preset`` in ``--dtype`` (the query, key and value
   projections as the engine groups them, the output projection, the MLP's gate or up, its down) and the LM head,
   at each row count of ``--rows``. Sides: ``onednn`` (``kernels.PackedWeight`` as the engine packs it: bfloat16
-  weights widened to float32 where oneDNN has no bfloat16 path) and ``kernel`` (the same with the row kernel).
-  Each of ``--rounds`` rounds times ``--calls`` calls of each side, alternating which goes first; reported:
-  each side's median per call and the median over rounds of ``onednn``'s time over ``kernel``'s. ``layer`` sums
-  one layer's products (the gate's shape twice: gate and up); ``step`` is ``layer`` times the number of layers
-  plus the head: the linears of one decode step.
-* Decode (where the engine uses the kernel: AVX2 builds): two engines on two copies of the model,
-  ``row_products`` off and on; ``--pairs`` times, a fresh batch of ``--batch`` requests (prompts of
-  ``--prompt-len`` tokens) decodes ``--tokens`` tokens on each, alternating which goes first; reported: each
-  side's median inter-token latency (over every token after the first of every request of the batch), and the
-  median over pairs of off over on.
+  weights widened to float32 where oneDNN has no bfloat16 path) and ``kernel`` (the same with the compiled
+  kernel). Each of ``--rounds`` rounds times ``--calls`` calls of each side, alternating which goes first;
+  reported: each side's median per call and the median over rounds of ``onednn``'s time over ``kernel``'s.
+  ``layer`` sums one layer's products (the gate's shape twice: gate and up); ``step`` is ``layer`` times the
+  number of layers plus the head. One layer's weights stay in a large last-level cache between calls, which a
+  step's do not: the sweep below is the closer measure of a step.
+* Sweep (``--no-sweep`` leaves it out): every layer's products in a forward's order, each layer with its own
+  weights, so the whole model's layer weights stream from memory once per sweep; at each row count, ``--rounds``
+  sweeps per side, alternating which goes first; reported as above.
+* Decode (where the engine uses a kernel): two engines on two copies of the model, ``row_products`` off and on;
+  ``--pairs`` times, a fresh batch of ``--batch`` requests (prompts of ``--prompt-len`` tokens) decodes
+  ``--tokens`` tokens on each, alternating which goes first; reported: each side's median inter-token latency
+  (over every token after the first of every request of the batch), and the median over pairs of off over on.
 """
 
 from __future__ import annotations
@@ -99,6 +105,53 @@ def measure_products(preset: str, dtype: torch.dtype, rows: list[int], rounds: i
             "rows": out}
 
 
+def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int, seed: int = 0) -> dict:
+    """Every layer's products in a forward's order (the query, key and value projections as one, the output
+    projection, gate, up, down), each layer with its own weights: a sweep reads the whole model's layer weights
+    once, more than a last-level cache holds at the benchmark's size, as a decode step or a short prefill does.
+    Per row count: the median over ``rounds`` (alternating which side goes first) of each side's sweep and of
+    oneDNN's over the kernel's."""
+    from mmcache.engine import kernels, native
+    from mmcache.engine.models import build_model
+
+    lib = native.library()
+    model, _ = build_model(preset, str(dtype).removeprefix("torch."))
+    weights = []
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        qkv = [att.q_proj, att.k_proj, att.v_proj]
+        weights.append((torch.cat([m.weight.detach() for m in qkv]),
+                        None if att.q_proj.bias is None else torch.cat([m.bias.detach() for m in qkv])))
+        weights += [(m.weight.detach(), None if m.bias is None else m.bias.detach())
+                    for m in (att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    sides = {"onednn": [kernels.PackedWeight(w, b) for w, b in weights],
+             "kernel": [kernels.PackedWeight(w, b, rows=lib) for w, b in weights]}
+    kind = sides["kernel"][0].row_kernel
+    del model
+    gen = torch.Generator().manual_seed(seed)
+    out: dict = {}
+    for n in rows:
+        xs = {k: torch.randn(n, k, generator=gen).to(dtype) for k in {w.shape[1] for w, _ in weights}}
+
+        def sweep(side, xs=xs):
+            t0 = time.perf_counter()
+            for (w, _), fn in zip(weights, sides[side]):
+                fn(xs[w.shape[1]])
+            return time.perf_counter() - t0
+
+        sweep("onednn"), sweep("kernel")  # first calls not timed
+        times = {"onednn": [], "kernel": []}
+        for r in range(rounds):
+            for side in (("onednn", "kernel") if r % 2 == 0 else ("kernel", "onednn")):
+                times[side].append(sweep(side))
+        on_kernel = sides["kernel"][0].on_rows(xs[weights[0][0].shape[1]])
+        out[str(n)] = {"onednn_s": statistics.median(times["onednn"]), "kernel_s": statistics.median(times["kernel"]),
+                       "onednn_over_kernel": statistics.median(a / b for a, b in zip(times["onednn"], times["kernel"])),
+                       "on_kernel": bool(on_kernel)}
+    return {"kernel": kind, "weight_bytes": sum(w.numel() * w.element_size() for w, _ in weights),
+            "rounds": rounds, "rows": out}
+
+
 def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, tokens: int, prompt_len: int,
                    seed: int = 0) -> dict:
     import numpy as np
@@ -111,8 +164,9 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
         model, tok = build_model(preset, str(dtype).removeprefix("torch."))
         engines[side] = Engine(model, tok, EngineConfig(page_size=128, row_products=on, max_num_seqs=batch))
     if not engines["on"].adapter.num_row_product_linears:
-        raise SystemExit("the engine does not use the row kernel here (only on the compiled library's AVX2 build, "
-                         "native.row_products); run with --no-decode to time the products alone")
+        raise SystemExit("the engine uses no compiled kernel for few rows here (only on the compiled library's AVX2 "
+                         "build, native.row_products, and for bfloat16 on the AMX tile unit, native.tile_products); "
+                         "run with --no-decode to time the products alone")
     rng = np.random.default_rng(seed)
     vocab = engines["off"].adapter.vocab_size
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -142,6 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=positive_int, default=32, help="tokens per request")
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--no-decode", action="store_true", help="products only")
+    p.add_argument("--no-sweep", action="store_true", help="leave out the sweep over every layer's weights")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if not writable(args.json, p.prog):
@@ -149,6 +204,8 @@ def main(argv=None) -> int:
     rows = args.rows
     dtype = getattr(torch, args.dtype)
     result = {"products": measure_products(args.preset, dtype, rows, args.rounds, args.calls)}
+    if not args.no_sweep:
+        result["sweep"] = measure_sweep(args.preset, dtype, rows, args.rounds)
     if not args.no_decode:
         result["decode"] = measure_decode(args.preset, dtype, args.pairs, args.batch, args.tokens, args.prompt_len)
     write_json(args.json, result)
@@ -159,6 +216,14 @@ def main(argv=None) -> int:
         for name, r in summary.items():
             print(f"  {n:>3} rows {name:>5}: onednn {1e3 * r['onednn_s']:8.2f} ms, "
                   f"kernel {1e3 * r['kernel_s']:8.2f} ms, onednn / kernel {r['onednn_over_kernel']:.2f}")
+    if "sweep" in result:
+        sw = result["sweep"]
+        print(f"every layer's products in a forward's order ({sw['weight_bytes'] / 2 ** 20:.0f} MiB of weights, "
+              f"kernel: {sw['kernel']}), median of {sw['rounds']} rounds:")
+        for n, r in sw["rows"].items():
+            where = "" if r["on_kernel"] else " (past the kernel's rows: oneDNN on both sides)"
+            print(f"  {n:>3} rows: onednn {1e3 * r['onednn_s']:8.2f} ms, kernel {1e3 * r['kernel_s']:8.2f} ms, "
+                  f"onednn / kernel {r['onednn_over_kernel']:.2f}{where}")
     if "decode" in result:
         r = result["decode"]
         print(f"decode ({r['batch']} requests, {r['tokens']} tokens, {r['pairs']} pairs): ITL p50 off "

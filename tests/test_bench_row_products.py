@@ -35,6 +35,10 @@ def test_both_sides_are_timed_per_shape_and_the_decodes_in_pairs(lib, monkeypatc
         for figures in summary.values():
             assert figures["onednn_s"] > 0 and figures["kernel_s"] > 0 and figures["onednn_over_kernel"] > 0
         assert summary["step"]["kernel_s"] > summary["layer"]["kernel_s"] > summary["qkv"]["kernel_s"]
+    sweep = r["sweep"]
+    assert sweep["kernel"] == "rows" and sweep["weight_bytes"] > 0 and set(sweep["rows"]) == {"1", "9"}
+    for figures in sweep["rows"].values():
+        assert figures["onednn_s"] > 0 and figures["kernel_s"] > 0 and figures["on_kernel"] is True
     dec = r["decode"]
     assert len(dec["itl_p50_s"]["on"]) == len(dec["itl_p50_s"]["off"]) == 2
     assert "+native-rows" in dec["on_backend"] and "+native-rows" not in dec["off_backend"]
@@ -49,5 +53,14 @@ def test_a_bad_row_count_is_refused():
 
 def test_the_decode_pairs_are_refused_where_the_engine_would_not_use_the_kernel(lib, monkeypatch):
     monkeypatch.setattr(native, "row_products", lambda library: False)  # as on an AVX-512 build
-    with pytest.raises(SystemExit, match="does not use the row kernel"):
+    with pytest.raises(SystemExit, match="uses no compiled kernel"):
         row_products.measure_decode("tiny-qwen2", torch.float32, pairs=1, batch=2, tokens=3, prompt_len=8)
+
+
+def test_the_sweep_runs_on_the_tile_kernel_where_the_cpu_has_it(lib):
+    if not native.tile_products(lib) or kernels.widened(torch.bfloat16):
+        pytest.skip("no AMX tile unit here (or Linux does not grant it)")
+    limit = native.TILE_PRODUCT_ROWS
+    sweep = row_products.measure_sweep("tiny-qwen2", torch.bfloat16, [1, limit, limit + 1], rounds=2)
+    assert sweep["kernel"] == "tiles"
+    assert [sweep["rows"][str(n)]["on_kernel"] for n in (1, limit, limit + 1)] == [True, True, False]

@@ -504,7 +504,7 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: RowWeight | torch.Tensor, 
     return weight(x, threads)
 
 
-TILE_PRODUCT_ROWS = 32  # bfloat16 products of at most this many rows go to ``tile_linear`` (see ``tile_products``)
+TILE_PRODUCT_ROWS = 128  # bfloat16 products of at most this many rows go to ``tile_linear`` (``tile_products``)
 
 
 def tile_products(lib: ctypes.CDLL | None) -> bool:
