@@ -432,6 +432,16 @@ def _row_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return bias.detach().contiguous()
 
 
+def _rows(x: torch.Tensor, dtype: torch.dtype, k: int, n: int, name: str) -> torch.Tensor:
+    """``x`` (..., K) of ``dtype`` on the CPU as contiguous rows (M, K) (a copy only where not contiguous); a
+    ValueError naming the kernel ``name`` otherwise."""
+    if x.dtype is not dtype or x.dim() < 1 or x.shape[-1] != k or not x.is_cpu:
+        raise ValueError(f"{name} takes x (..., K) {str(dtype).removeprefix('torch.')} on the CPU for a weight "
+                         f"(N, K) = {(n, k)}: got x {tuple(x.shape)} {x.dtype} on {x.device}")
+    rows = x.reshape(-1, k)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
 class RowWeight:
     """A weight (N, K) float32 or bfloat16 laid out once for ``linear``, in its own dtype, and its bias (N)
     float32 or None: panels of ``lib.mmc_row_panel()`` output columns (16 on AVX2, 32 on AVX-512), k-major, so
@@ -469,12 +479,7 @@ class RowWeight:
         return other
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        if x.dtype is not torch.float32 or x.dim() < 1 or x.shape[-1] != self.k or not x.is_cpu:
-            raise ValueError(f"linear takes x (..., K) float32 on the CPU for a weight (N, K) = "
-                             f"{(self.n, self.k)}: got x {tuple(x.shape)} {x.dtype} on {x.device}")
-        rows = x.reshape(-1, self.k)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = _rows(x, torch.float32, self.k, self.n, "linear")
         m = rows.shape[0]
         out = torch.empty(m, self.n, dtype=torch.float32)
         rc = self._fn(self._code, rows.data_ptr(), m, self.k, self.panels.data_ptr(), self.n,
@@ -598,12 +603,7 @@ class TileWeight:
         return self.blocks.numel() * self.blocks.element_size()
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        if x.dtype is not torch.bfloat16 or x.dim() < 1 or x.shape[-1] != self.k or not x.is_cpu:
-            raise ValueError(f"tile_linear takes x (..., K) bfloat16 on the CPU for a weight (N, K) = "
-                             f"{(self.n, self.k)}: got x {tuple(x.shape)} {x.dtype} on {x.device}")
-        rows = x.reshape(-1, self.k)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = _rows(x, torch.bfloat16, self.k, self.n, "tile_linear")
         m = rows.shape[0]
         if m > TILE_PRODUCT_ROWS:
             raise ValueError(f"tile_linear takes at most {TILE_PRODUCT_ROWS} rows: got {m}")
