@@ -9,12 +9,13 @@
  * (N) float32 or null; out (M, N) bfloat16, rows N apart.
  *
  * Why: a decode step multiplies every weight of the model with a few rows, so its products are as fast as the
- * weights stream from memory. oneDNN's bfloat16 products of 1-16 rows stream them at about 14-17 GB/s on the
+ * weights stream from memory. oneDNN's bfloat16 products of 1-16 rows stream them at about 13-17 GB/s on the
  * Intel AMX machine of benchmarks/RESULTS.md; here each 1 KB tile of weight is loaded once, asked of the memory
- * a block ahead, and multiplied on the tile unit with 16 rows of x at once, which costs the tile unit a
- * sixteenth of the time the load takes, so the products run at the weights' streaming rate (higher still where
- * the copy lies on huge pages: native.TileWeight). Rows past 16 are done in groups of 16, each group over a
- * block of columns while that block is still in L2, so the weights are read from memory once per product.
+ * one step (4 KB) ahead (past the weight's end too: a prefetch never faults), and multiplied on the tile unit
+ * with 16 rows of x at once, a small part of the time its load takes, so the products run at the weights'
+ * streaming rate, 20-24 GB/s there (a little more where the copy lies on huge pages: native.TileWeight). Rows
+ * past 16 are done in groups of 16, each group over a block of columns while that block is still in L2, so the
+ * weights are read from memory once per product.
  *
  * Invariants: out[m][n] depends only on row m of x, row n of w and bias[n], never on M, the other rows, the
  * block n falls in or the number of threads: the tile unit's float32 sums of bfloat16 products, 32 k at a time
