@@ -210,13 +210,20 @@ class PackedGatedMLP(nn.Module):
         self.down_proj = PackedLinear(mlp.down_proj, rows)
         self.act_fn = mlp.act_fn
         self.attr, self.algorithm = attr, algorithm
+        #: The library whose activation kernel computes silu(gate) * up on the tile kernel's rows (so each row's
+        #: bits depend on that row alone: ``native.silu_mul``), or None: torch's two operations.
+        self.native_act = (rows if attr == "swish" and self.gate_proj.packed.row_kernel == "tiles"
+                           and hasattr(rows, "mmc_silu_mul") else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Widened weights keep the two intermediate activations in float32 (rounded to bfloat16 only at the end).
         gate_w, up_w, down_w = self.gate_proj.packed, self.up_proj.packed, self.down_proj.packed
         x = gate_w.input(x)
         if gate_w.on_rows(x):  # few rows on the row kernel: the activation and the product after it
-            hidden = self.act_fn(gate_w.product(x)).mul_(up_w.product(x))
+            if self.native_act is not None:
+                hidden = native.silu_mul(self.native_act, gate_w.product(x), up_w.product(x))
+            else:
+                hidden = self.act_fn(gate_w.product(x)).mul_(up_w.product(x))
         else:
             gate = gate_w.product(x, self.attr, self.algorithm)
             hidden = torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w.packed, None, "mul")

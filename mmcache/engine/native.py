@@ -68,7 +68,7 @@ ENV_CACHE = "MMCACHE_CACHE_DIR"
 _CHOICES = ("auto", "off", "require")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c", CSRC / "linear.c",
-           CSRC / "tile_linear.c")
+           CSRC / "tile_linear.c", CSRC / "activation.c")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LIBS = ("-lm",)
@@ -207,6 +207,10 @@ def load(path: Path) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
         lib.mmc_tile_rows.restype = ctypes.c_int
         lib.tile_rows = int(lib.mmc_tile_rows())
+    if hasattr(lib, "mmc_silu_mul"):  # likewise
+        fn = lib.mmc_silu_mul
+        fn.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
     # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
     lib.lanes = int(lib.mmc_lanes()) if hasattr(lib, "mmc_lanes") else 16
     return lib
@@ -519,6 +523,25 @@ def tile_products(lib: ctypes.CDLL | None) -> bool:
     weights at 13-17 GB/s and this kernel's at 20-24 GB/s (``benchmarks/row_products.py``; RESULTS.md, "Decode
     products on the tile unit")."""
     return lib is not None and getattr(lib, "tile_rows", 0) > 0
+
+
+def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for bfloat16 CPU tensors of one shape, rounded as torch's ``act_fn(gate).mul_(up)``
+    rounds it (``csrc/activation.c``): each element depends only on its own two inputs, never on how many rows
+    were computed with it (torch's result can: its scalar exponential takes the elements past each thread's last
+    whole vector). Returns a new tensor; may differ from torch's in the last bit of a few elements."""
+    if (gate.dtype is not torch.bfloat16 or up.dtype is not torch.bfloat16 or gate.shape != up.shape
+            or not gate.is_cpu or not up.is_cpu):
+        raise ValueError(f"silu_mul takes two bfloat16 CPU tensors of one shape: got {tuple(gate.shape)} "
+                         f"{gate.dtype} on {gate.device}, {tuple(up.shape)} {up.dtype} on {up.device}")
+    if not hasattr(lib, "mmc_silu_mul"):
+        raise NativeKernelUnavailable("this library was built without the activation kernel")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    if gate.numel() and lib.mmc_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
+                        threads or torch.get_num_threads()) != 0:
+        raise ValueError(f"the activation kernel refused its arguments: {tuple(gate.shape)}")
+    return out
 
 
 _HUGE_PAGE = 2 << 20

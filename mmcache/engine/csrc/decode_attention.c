@@ -37,27 +37,6 @@
 #define MAX_D 512  /* head dimension, a multiple of 16 */
 #define MIX_ROWS (VL == 16 ? 7 : 3) /* query rows per block of the weighted sum of values (at most 7) */
 
-/* e^x for x <= 0 on VL lanes: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor series to degree `degree`, 7
- * (relative error ~1e-8) or 5 (~3e-6: enough for probabilities that are rounded to bfloat16, whose own error
- * is ~4e-3). */
-static inline __attribute__((always_inline)) vf vf_exp(vf x, const int degree) {
-    x = vf_max(x, vf_set1(-104.0f)); /* e^-104 is 0 in float32 after scaling */
-    vf n = vf_rint(vf_mul(x, vf_set1(1.44269504088896341f)));
-    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);
-    r = vf_fnmadd(n, vf_set1(1.428606765330187045e-06f), r);
-    vf p = vf_set1(degree >= 7 ? 1.0f / 5040 : 1.0f / 120);
-    if (degree >= 7) {
-        p = vf_fmadd(p, r, vf_set1(1.0f / 720));
-        p = vf_fmadd(p, r, vf_set1(1.0f / 120));
-    }
-    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
-    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
-    p = vf_fmadd(p, r, vf_set1(0.5f));
-    p = vf_fmadd(p, r, vf_set1(1.0f));
-    p = vf_fmadd(p, r, vf_set1(1.0f));
-    return vf_scale2(p, n);
-}
-
 #if VL == 16
 /* a[0..7] -> the eight sums of their 16 lanes, in order. */
 static inline __m256 sum8(const __m512 *a) {

@@ -28,6 +28,8 @@ MMC_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 MMC_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a * b + c, rounded once */
 MMC_INLINE vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
 MMC_INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+MMC_INLINE vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+MMC_INLINE vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 MMC_INLINE vf vf_rint(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); } /* to nearest even */
 MMC_INLINE vf vf_scale2(vf x, vf n) { return _mm512_scalef_ps(x, n); } /* x * 2^n, n a whole number */
 MMC_INLINE vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
@@ -81,6 +83,8 @@ MMC_INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 MMC_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 MMC_INLINE vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 MMC_INLINE vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+MMC_INLINE vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+MMC_INLINE vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 MMC_INLINE vf vf_rint(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* x * 2^n for whole n in -150 .. 127 and x in [0.5, 2]: in two steps of 2^h and 2^(n-h), h = floor(n / 2), each a
  * normal float32, so that products under 2^-126 come out subnormal as with AVX-512's scalef. */
@@ -163,6 +167,27 @@ static inline void scalar_store(void *p, int64_t i, float x, int dtype) {
         return;
     }
     ((float *)p)[i] = x;
+}
+
+/* e^x on VL lanes (decode_attention.c for x <= 0, activation.c for any x): 2^n * e^r with |r| <= ln2 / 2, e^r by
+ * its Taylor series to degree `degree`, 7 (relative error ~1e-8) or 5 (~3e-6: enough for probabilities that are
+ * rounded to bfloat16, whose own error is ~4e-3); below -104 it is 0, and where 2^n overflows, infinity. */
+MMC_INLINE vf vf_exp(vf x, const int degree) {
+    x = vf_max(x, vf_set1(-104.0f)); /* e^-104 is 0 in float32 after scaling */
+    vf n = vf_rint(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);
+    r = vf_fnmadd(n, vf_set1(1.428606765330187045e-06f), r);
+    vf p = vf_set1(degree >= 7 ? 1.0f / 5040 : 1.0f / 120);
+    if (degree >= 7) {
+        p = vf_fmadd(p, r, vf_set1(1.0f / 720));
+        p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+    }
+    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+    p = vf_fmadd(p, r, vf_set1(0.5f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    return vf_scale2(p, n);
 }
 
 #endif
