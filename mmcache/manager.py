@@ -13,8 +13,12 @@ Invariants (``check_invariants``):
 * A page is free exactly when its count is 0.
 * Only full pages are shared: a request's tail page (the page holding position ``seq_len`` and every
   reserved page after it) has owner count 1.
-* Seeding matches whole pages and always leaves at least one prompt token to compute (the first output needs
-  logits), so the write frontier opens a fresh page and nothing is copied.
+* Seeding matches whole pages and leaves at least one prompt token to compute (the first output needs
+  logits), so the write frontier opens a fresh page and nothing is copied. A host whose forward gives each
+  row the same bits whatever else it computes may ask for ``whole`` matches (``match_cap``): a prompt that
+  ends on a page boundary may then be matched to its end (``seq_len`` = its length), and the host computes
+  its last token's logits again from the matched pages without writing that token's KV; the next write still
+  opens a fresh page.
 * A failed call leaves the manager as it was, except that cached pages may have been evicted; a live request
   never fails to allocate while the index alone holds a page (``alloc_failures_cache_held`` stays 0). This
   holds for windowed labels too: a page ``release_oldest`` gave back to the index while the request keeps
@@ -214,15 +218,22 @@ class AllocationManager:
         return PreparedPrompt(ids, names, extras, root, material)
 
     # ---- admission ---------------------------------------------------------------------------------
-    def peek(self, prepared: PreparedPrompt) -> int:
-        """Tokens ``admit(prepared)`` would seed now. Read-only: no counts, recency, metrics or roots change."""
+    def match_cap(self, num_tokens: int, whole: bool = False) -> int:
+        """The most pages a prompt of ``num_tokens`` tokens may be seeded with: every full page but one that
+        would hold its last token, so at least one token is left to compute; with ``whole``, every full page
+        (see the module docstring)."""
+        return (num_tokens if whole else num_tokens - 1) // self.page_size
+
+    def peek(self, prepared: PreparedPrompt, whole: bool = False) -> int:
+        """Tokens ``admit(prepared, whole=whole)`` would seed now. Read-only: no counts, recency, metrics or
+        roots change."""
         if not isinstance(prepared, PreparedPrompt):
             raise InvalidRequest(f"peek needs a PreparedPrompt, got {type(prepared).__name__}")
         if self.mode != "on":
             return 0
         if len(prepared.names) != len(prepared.ids) // self.page_size:
             raise InvalidRequest("prepared prompt was named for another page size or mode")
-        cap = (len(prepared.ids) - 1) // self.page_size
+        cap = self.match_cap(len(prepared.ids), whole)
         with self._lock:
             if prepared.root_material not in self.index.roots:
                 return 0  # nothing is indexed under an unseen root, and root_parent would register it
@@ -231,12 +242,14 @@ class AllocationManager:
             return len(pages) * self.page_size
 
     def admit(self, request_id, prompt, media: Sequence[MediaItem] = (),
-              salt: bytes | str | None = b"") -> AdmitResult:
+              salt: bytes | str | None = b"", whole: bool = False) -> AdmitResult:
         """Register a request and seed it from the index.
 
         ``prompt`` is a ``PreparedPrompt`` (names computed outside the lock) or token ids with ``media`` and
-        ``salt``. Matches whole pages, at most ``(len(prompt) - 1) // page_size`` of them, so one prompt
-        token is left to compute. Afterwards ``seq_len == matched_tokens`` and ``position_id_start == 0``.
+        ``salt``. Matches whole pages, at most ``match_cap(len(prompt), whole)`` of them: without ``whole``
+        one prompt token is left to compute; with it a prompt of whole pages may be matched to its end (the
+        host then computes its last token's logits without writing that token's KV). Afterwards
+        ``seq_len == matched_tokens`` and ``position_id_start == 0``.
         """
         try:
             hash(request_id)
@@ -252,17 +265,17 @@ class AllocationManager:
             root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
             req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
                            prompt.names.tolist())
-            result = self._seed(req, prompt.names) if self.mode == "on" else AdmitResult(0, 0, 0)
+            result = self._seed(req, prompt.names, whole) if self.mode == "on" else AdmitResult(0, 0, 0)
             self._requests[request_id] = req
             if len(self.index.roots) > self._roots_limit:  # amortised: the limit doubles past what is in use
                 self.index.forget_roots({r.root_parent for r in self._requests.values()})
                 self._roots_limit = max(ROOTS_KEPT, 2 * len(self.index.roots))
-            self._mirror(request_id, lambda s: s.admit(request_id, prompt))
+            self._mirror(request_id, lambda s: s.admit(request_id, prompt, whole=whole))
         return result
 
-    def _seed(self, req: _Request, names: np.ndarray) -> AdmitResult:
+    def _seed(self, req: _Request, names: np.ndarray, whole: bool) -> AdmitResult:
         p = self.page_size
-        cap = (len(req.prompt) - 1) // p
+        cap = self.match_cap(len(req.prompt), whole)
         pages = self.index.match(names[:cap], req.prompt, req.extras, req.root_parent)
         k = len(pages)
         forfeit = 0

@@ -202,6 +202,42 @@ def test_store_at_prefill_shares_pages_with_a_running_request():
         mgr.check_invariants()
 
 
+def test_whole_match_takes_a_whole_page_prompt_to_its_end_and_opens_a_fresh_page():
+    mgr = make()
+    prompt = np.arange(1, 17)  # exactly 4 pages
+    assert run(mgr, "a", prompt) == 0
+    prepared = mgr.prepare(prompt)
+    assert mgr.peek(prepared) == 12 and mgr.peek(prepared, whole=True) == 16
+    assert mgr.match_cap(16) == 3 and mgr.match_cap(16, whole=True) == 4 and mgr.match_cap(17, whole=True) == 4
+    res = mgr.admit("b", prepared, whole=True)
+    assert res.matched_tokens == 16 and mgr.state("b").seq_len == 16
+    assert (mgr.pool.refcount[mgr.state("b").page_indices] == 2).all()  # all shared: no write may go there
+    mgr.check_invariants()
+    pages = mgr.reserve("b", 0)  # the last token's logits: nothing to write, nothing taken
+    assert len(pages) == 4 and mgr.pool.num_free == 32 - 4
+    pages = mgr.reserve("b", 1)  # the first decode opens a fresh page, owned by "b" alone
+    assert len(pages) == 5 and mgr.pool.refcount[pages[4]] == 1
+    mgr.commit("b", [99])
+    mgr.check_invariants()
+    mgr.teardown("b")
+    mgr.check_invariants()
+    assert mgr.metrics.hit_tokens == 16 and mgr.metrics.lookup_pages == 3 + 4
+
+
+def test_whole_match_of_a_prompt_that_ends_inside_a_page_is_the_usual_match():
+    mgr = make()
+    prompt = np.arange(1, 19)  # 4 pages and 2 tokens
+    assert run(mgr, "a", prompt) == 0
+    res = mgr.admit("b", prompt, whole=True)
+    assert res.matched_tokens == 16 and mgr.state("b").seq_len == 16  # the last two tokens are computed
+    mgr.abort("b")
+    mgr.check_invariants()
+    shadow = make(mode="shadow")
+    run(shadow, "a", np.arange(1, 17))
+    res = shadow.admit("b", np.arange(1, 17), whole=True)
+    assert res.matched_tokens == 0 and shadow.shadow.metrics.hit_tokens == 16  # the mirror counts the whole match
+
+
 def test_shadow_mode_counts_without_retaining():
     mgr = make(mode="shadow")
     prompt = np.arange(1, 18)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, norms, rotary
+from . import kernels, native, norms, rotary
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, Segment, UnsupportedModel, WriteGroup, register
 from .config import EngineConfigError
 
@@ -230,6 +230,41 @@ class CausalLMAdapter:
         head = self.lm_head
         return kernels.count_on_rows(self.decoder, "tiles") + (isinstance(head, kernels.PackedLinear)
                                                                and head.packed.row_kernel == "tiles")
+
+    def whole_hit_blocker(self, lib, page_size: int) -> str | None:
+        """Why this model's forward could give a row other bits than the same row computed alone, or None.
+
+        A whole hit computes a prompt's last token again in a forward of one row, where the exact schedule
+        computed it in a chunk of up to ``page_size`` rows; its logits are the same bits only where every
+        operation gives each row what it would give it alone: products on the tile kernel (``native.TileWeight``,
+        up to ``native.TILE_PRODUCT_ROWS`` rows), attention on the chunk kernel (its row's sums in an order set
+        by key positions, not by where the chunk begins: ``native.chunk_attention``), every norm on the compiled
+        kernel, the gated MLPs' activation on the activation kernel (``native.silu_mul``), and no sliding window
+        (which would take attention off the chunk kernel past the window). The rest of the forward is element by
+        element (embeddings, rotary embedding, residual sums). Checked on the modules as installed."""
+        if lib is None or self.device.type != "cpu":
+            return "no compiled library for the CPU"
+        if self.dtype != torch.bfloat16:
+            return f"{self.dtype} products run on oneDNN, whose bits depend on the number of rows"
+        if page_size > native.TILE_PRODUCT_ROWS:
+            return f"page_size {page_size} is more rows than the tile kernel takes ({native.TILE_PRODUCT_ROWS})"
+        if native.chunk_way(lib, self.head_dim) is native.CHUNK_NONE:
+            return f"attention of head size {self.head_dim} does not run on the chunk kernel here"
+        if any(w is not None for w in expected_windows(self.text_config, self.num_layers)):
+            return "sliding-window attention"
+        decoder = self.decoder
+        linears = sum(isinstance(m, torch.nn.Linear) for m in decoder.modules())
+        linears += isinstance(self.lm_head, torch.nn.Linear)
+        if not linears or self.num_tile_product_linears != linears:
+            return "not every linear runs on the tile kernel"
+        for name, m in decoder.named_modules():
+            if type(m).__name__.endswith("Norm") and not isinstance(m, norms.NativeRMSNorm):
+                return f"{name} ({type(m).__name__}) does not run on the compiled norm kernel"
+        for i, layer in enumerate(getattr(decoder, "layers", ())):
+            mlp = getattr(layer, "mlp", None)
+            if not isinstance(mlp, kernels.PackedGatedMLP) or mlp.native_act is None:
+                return f"layer {i}'s MLP does not run on the activation kernel"
+        return None
 
     @property
     def num_packed_linears(self) -> int:

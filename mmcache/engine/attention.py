@@ -95,7 +95,7 @@ class WriteGroup:
     """The rows of one pool: their keys and values go to ``slots`` of ``kv``."""
 
     kv: torch.Tensor
-    rows: slice
+    rows: slice | torch.Tensor  # a slice, or int64 row indices where some rows of the pool write nothing
     slots: torch.Tensor  # int64, one flat slot per row
 
 

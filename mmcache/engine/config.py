@@ -20,6 +20,10 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   embedding keeps every bit). The packed copy is made
   only where it fits in available memory beside the KV pool (``Engine.packing_skipped`` says why not); the row
   kernel's copy too, else the linears are packed without it (``Engine.row_products_skipped``).
+* ``whole_hits`` lets a prompt held whole in the cache (it ends on a page boundary) be matched to its end and
+  only its last token computed again, for its logits, instead of its last page. The engine takes it only
+  where its forward gives each row the same bits whatever else the forward computes (``Engine.whole_hits``;
+  ``Engine.whole_hits_skipped`` says why not), so a hit's logits stay equal to the exact schedule's.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class EngineConfig:
     #                            the AVX2 build, bfloat16 ones on the tile kernel where the CPU grants AMX
     #                            (kernels.PackedWeight, native.row_products, native.tile_products); needs
     #                            packed_linears
+    whole_hits: bool = True  # a prompt cached whole computes only its last token again, where that is exact
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -84,7 +89,8 @@ class EngineConfig:
               f"bad max_model_len {self.max_model_len!r}")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
               f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        for name in ("packed_linears", "tune_malloc", "defer_shared_prefill", "layer_kernels", "row_products"):
+        for name in ("packed_linears", "tune_malloc", "defer_shared_prefill", "layer_kernels", "row_products",
+                     "whole_hits"):
             value = getattr(self, name)
             check(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
 

@@ -192,10 +192,16 @@ class Engine:
                             + ("+native-norm" if a.num_native_norms else ""))
             self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
                                            attention_backend=self.backend, page_size=config.page_size)
+            #: Why ``whole_hits`` was asked for but not taken (``CausalLMAdapter.whole_hit_blocker``), or None.
+            self.whole_hits_skipped = (a.whole_hit_blocker(decode_kernel, config.page_size)
+                                       if config.whole_hits and config.cache_mode == "on" else None)
+            #: Whether a prompt held whole in the cache is matched to its end and only its last token computed
+            #: again (``EngineConfig.whole_hits``, where this model's forward allows it; see ``scheduler``).
+            self.whole_hits = config.whole_hits and config.cache_mode == "on" and self.whole_hits_skipped is None
         self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
-                                                   config.defer_shared_prefill))
+                                                   config.defer_shared_prefill, self.whole_hits))
         self.runner = ModelRunner(a, config.page_size, decode_kernel)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
@@ -549,7 +555,7 @@ class Engine:
             row, greedy_rows = 0, {}
             for w in works:
                 live_now = self._is_live(w.live)
-                if live_now:
+                if live_now and w.write:  # a whole hit's last token (no write) has its KV in the matched pages
                     w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
                     w.branch.computed = w.end
                 if w.wants_logits:

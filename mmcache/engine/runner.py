@@ -10,6 +10,9 @@ Invariants:
   whichever chunk covers them; a chunk that covers part of an item takes the matching rows.
 * Logits are computed only for works that reach the end of their branch's tokens; the result's row ``i``
   belongs to the ``i``-th such work in the given order.
+* A work with ``write`` False (a whole hit's last token) writes no KV: its rows are left out of its pool's
+  ``WriteGroup`` (whose rows are then an index tensor rather than a slice), and it is attended as a prefill
+  chunk over its pages, never as a decode.
 """
 
 from __future__ import annotations
@@ -44,14 +47,16 @@ class ModelRunner:
         ids, pos, segments, decodes, writes, logit_rows = [], [], [], [], [], []
         row = 0
         for kv, group in _by_pool(works):
-            group_start, slots, tables, ctx_lens = row, [], [], []
+            group_start, slots, written, tables, ctx_lens = row, [], [], [], []
             for w in group:
                 n = w.end - w.start
                 positions = np.arange(w.start, w.end, dtype=np.int64)
                 ids.append(np.asarray(w.branch.tokens[w.start:w.end], dtype=np.int64))
                 pos.append(positions)
                 pages = w.pages.astype(np.int64, copy=False)
-                slots.append(pages[positions // p] * p + positions % p)
+                if w.write:
+                    slots.append(pages[positions // p] * p + positions % p)
+                    written.append(np.arange(row, row + n, dtype=np.int64))
                 if _is_decode(w):
                     tables.append(pages[: -(-w.end // p)])
                     ctx_lens.append(w.end)
@@ -63,7 +68,10 @@ class ModelRunner:
                     logit_rows.append(row - 1)
             if tables:
                 decodes.append(self._decode_group(kv, group_start, tables, ctx_lens, self.adapter.device))
-            writes.append(WriteGroup(kv, slice(group_start, row), self._tensor(np.concatenate(slots))))
+            if len(written) == len(group):
+                writes.append(WriteGroup(kv, slice(group_start, row), self._tensor(np.concatenate(slots))))
+            elif written:  # some rows write no KV (a whole hit's last token): the others by index
+                writes.append(WriteGroup(kv, self._tensor(np.concatenate(written)), self._tensor(np.concatenate(slots))))
         embeds = self.adapter.embed(self._tensor(np.concatenate(ids)))
         self._substitute(embeds, works)
         positions = self._positions(works, self._tensor(np.concatenate(pos)))
@@ -116,7 +124,9 @@ class ModelRunner:
 
 
 def _is_decode(w: Work) -> bool:
-    return w.end - w.start == 1 and w.start > 0
+    """A decode: one written token after others. A whole hit's last token (``write`` False) is a one-row prefill
+    chunk instead, so it is attended as the chunk that wrote it was (see ``Engine.whole_hits``)."""
+    return w.end - w.start == 1 and w.start > 0 and w.write
 
 
 def _by_pool(works: list[Work]) -> list[tuple[torch.Tensor, list[Work]]]:

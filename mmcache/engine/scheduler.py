@@ -16,6 +16,11 @@ allow. Invariants:
   pages in that pool is never preempted for it (that frees nothing there). With no such request the requester
   itself is preempted while another request holds pages of that pool (they are returned when it ends), and
   otherwise it fails with the allocation error.
+* A whole hit: with ``whole_hits`` (the engine sets it only where its forward gives each row the same bits in
+  any company), admission may match a prompt that ends on a page boundary to its end. The branch then holds
+  every prompt token's KV (``computed == len(tokens)``) but no logits; its next work computes the last token
+  again (``start = len - 1``), as a prefill chunk of one row that writes no KV (``Work.write`` False, nothing
+  reserved), so a repeated prompt costs one row's forward, and its logits equal the exact schedule's.
 * Shared prefill is computed once (``defer_shared_prefill``, for labels that publish at prefill): a waiting
   request whose next unmatched prompt page (``AllocationManager.peek``: after what the index holds now) is a
   page some running request has yet to write is *deferred*: it stays in its place in the queue and is
@@ -51,13 +56,15 @@ from .sequence import Branch, LiveRequest
 
 @dataclass(eq=False)
 class Work:
-    """One segment of the next forward: ``branch`` computes ``tokens[start:end]`` into ``pages``."""
+    """One segment of the next forward: ``branch`` computes ``tokens[start:end]`` into ``pages``; with ``write``
+    False (a whole hit's last token, whose KV its matched pages hold) it computes them without writing their KV."""
 
     live: LiveRequest
     branch: Branch
     start: int
     end: int
     pages: np.ndarray
+    write: bool = True
 
     @property
     def wants_logits(self) -> bool:
@@ -79,6 +86,7 @@ class SchedulerLimits:
     prefill_chunk_tokens: int
     serial: bool
     defer_shared_prefill: bool
+    whole_hits: bool = False  # admission may match a prompt to its end (see the module docstring)
 
 
 class Scheduler:
@@ -128,6 +136,13 @@ class Scheduler:
         p = self.limits.page_size
         out = []
         for b in live.branches.values():
+            if b.computed == len(b.tokens):  # matched whole: its last token again, for its logits only
+                if b.logits is None and budget >= 1:
+                    out.append((b, b.computed - 1, b.computed))
+                    budget -= 1
+                    if self.limits.serial:
+                        break
+                continue
             n = min(b.remaining, self.limits.prefill_chunk_tokens, budget)
             end = b.computed + n
             if end < len(b.tokens):
@@ -145,7 +160,7 @@ class Scheduler:
         for branch, start, end in chunks:
             while True:
                 try:
-                    pages = branch.manager.reserve(live.request_id, end - start)
+                    pages = branch.manager.reserve(live.request_id, _new_tokens(branch, start, end))
                     break
                 except AllocationFailed as err:
                     victim = self._victim(live, branch, scheduled)
@@ -158,7 +173,7 @@ class Scheduler:
                     plan.preempted.append(victim)
                     if victim is live:
                         return None
-            works.append(Work(live, branch, start, end, pages))
+            works.append(Work(live, branch, start, end, pages, end > branch.computed))
         return works
 
     def _victim(self, live: LiveRequest, short: Branch, scheduled: set) -> LiveRequest | None:
@@ -191,7 +206,7 @@ class Scheduler:
                 return  # the first chunk might not fit; the next step has a full budget
             first_admission = [b.first_matched is None for b in live.branches.values()]
             for b in live.branches.values():
-                res = b.manager.admit(live.request_id, b.prepared)
+                res = b.manager.admit(live.request_id, b.prepared, whole=self.limits.whole_hits)
                 b.names = b.prepared.names
                 b.prepared = None
                 b.admitted = True
@@ -234,12 +249,12 @@ class Scheduler:
             pending = unwritten.get(b.label)
             if not pending:
                 continue
-            prepared = b.prepared
-            cap = (len(prepared.ids) - 1) // p
+            prepared, whole = b.prepared, self.limits.whole_hits
+            cap = b.manager.match_cap(len(prepared.ids), whole)
             names = prepared.names[:cap].tolist()
             if pending.isdisjoint(names):
                 continue  # the cheap test first: peek takes the manager's lock and verifies ids
-            k = b.manager.peek(prepared) // p
+            k = b.manager.peek(prepared, whole) // p
             if k < cap and names[k] in pending:
                 return True
         return False
@@ -253,7 +268,8 @@ class Scheduler:
         works = []
         for branch, start, end in chunks:
             try:
-                works.append(Work(live, branch, start, end, branch.manager.reserve(live.request_id, end - start)))
+                pages = branch.manager.reserve(live.request_id, _new_tokens(branch, start, end))
+                works.append(Work(live, branch, start, end, pages, end > branch.computed))
             except AllocationFailed as err:
                 self.running.remove(live)
                 retry = bool(self.running)
@@ -287,6 +303,11 @@ class Scheduler:
             b.admitted = False
             b.computed = 0
             b.logits = None
+
+
+def _new_tokens(branch: Branch, start: int, end: int) -> int:
+    """Tokens of ``start .. end`` whose KV the branch has yet to write (a whole hit's last token has it)."""
+    return max(0, end - max(start, branch.computed))
 
 
 def _holds_pages(live: LiveRequest, manager) -> bool:

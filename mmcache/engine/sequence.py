@@ -7,7 +7,8 @@ A live request has one ``Branch`` per label: ``main`` (the prompt) and, for clas
   same sampled token, so they advance in lockstep.
 * ``branch.computed`` equals the branch manager's ``seq_len`` while the branch is admitted: positions
   ``0 .. computed - 1`` have KV in the branch's pages. A decoding branch has ``computed == len(tokens) - 1``
-  (the last sampled token is the next input).
+  (the last sampled token is the next input). A branch seeded with its whole prompt (``Engine.whole_hits``)
+  has ``computed == len(tokens)`` and no logits until its last token is computed again (without a write).
 * ``branch.logits`` holds the branch's logits at its last token once it was computed and until the next
   token is sampled; a token is sampled when every branch holds logits.
 * A preempted request is back in the queue with ``admitted == False`` and ``computed == 0`` on every branch;
