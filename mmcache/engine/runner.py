@@ -71,7 +71,8 @@ class ModelRunner:
             if len(written) == len(group):
                 writes.append(WriteGroup(kv, slice(group_start, row), self._tensor(np.concatenate(slots))))
             elif written:  # some rows write no KV (a whole hit's last token): the others by index
-                writes.append(WriteGroup(kv, self._tensor(np.concatenate(written)), self._tensor(np.concatenate(slots))))
+                rows = self._tensor(np.concatenate(written))
+                writes.append(WriteGroup(kv, rows, self._tensor(np.concatenate(slots))))
         embeds = self.adapter.embed(self._tensor(np.concatenate(ids)))
         self._substitute(embeds, works)
         positions = self._positions(works, self._tensor(np.concatenate(pos)))
