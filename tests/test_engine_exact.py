@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention, native
-from mmcache.engine.inspect import record_logits
+from mmcache.engine.inspect import exact_cfg_runs, record_logits
 from mmcache.engine.models import build_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -66,13 +66,7 @@ def test_cfg_with_a_shared_negative_prompt_is_bit_exact_under_exact_schedule(dty
     negative = rng.integers(2, 512, size=50).tolist()
     positives = [rng.integers(2, 512, size=n).tolist() for n in (21, 37, 21)]
     sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    runs = {}
-    for mode in ("on", "off"):
-        eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=128, cache_mode=mode))
-        rec = record_logits(eng)
-        outs = [eng.generate([Request(p, sampling, request_id=i, negative_prompt=negative, guidance_scale=3.0)])[0]
-                for i, p in enumerate(positives)]
-        runs[mode] = (rec, outs)
+    runs = exact_cfg_runs(model, tok, positives, negative, sampling, 3.0, page_size=16, num_pages=128)
     (rec_on, out_on), (rec_off, out_off) = runs["on"], runs["off"]
     assert [o.negative_matched_tokens for o in out_on] == [0, 48, 48]
     assert [o.negative_matched_tokens for o in out_off] == [0, 0, 0]

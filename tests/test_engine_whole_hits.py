@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
 from mmcache.engine.config import EngineConfigError
-from mmcache.engine.inspect import exact_runs, rows_equal
+from mmcache.engine.inspect import exact_cfg_runs, exact_runs, rows_equal
 from mmcache.engine.models import build_model
 
 PAGE = 16
@@ -73,14 +73,7 @@ def test_cfg_branches_whole_hit_bit_for_bit():
     positives = [rng.integers(2, 512, size=2 * PAGE).tolist() for _ in range(2)]
     positives.append(list(positives[0]))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    runs = {}
-    for mode in ("on", "off"):
-        eng = Engine(model, None, EngineConfig.exact(page_size=PAGE, num_pages=128, cache_mode=mode))
-        from mmcache.engine.inspect import record_logits
-        rec = record_logits(eng)
-        outs = [eng.generate([Request(p, params, request_id=i, negative_prompt=negative, guidance_scale=2.5)])[0]
-                for i, p in enumerate(positives)]
-        runs[mode] = (rec, outs)
+    runs = exact_cfg_runs(model, None, positives, negative, params, 2.5, page_size=PAGE, num_pages=128)
     (rec_on, out_on), (rec_off, out_off) = runs["on"], runs["off"]
     assert [o.negative_matched_tokens for o in out_on] == [0, 48, 48]
     assert [o.matched_tokens for o in out_on] == [0, 0, 32]

@@ -51,3 +51,17 @@ def exact_runs(model, tokenizer, prompts: list, params, **config) -> dict:
         outs = engine.generate([Request(p, params, request_id=i) for i, p in enumerate(prompts)])
         runs[mode] = (rows, outs, engine)
     return runs
+
+
+def exact_cfg_runs(model, tokenizer, positives: list, negative: list, params, guidance_scale: float,
+                   **config) -> dict:
+    """``exact_runs`` for CFG requests: each of ``positives`` with the one ``negative`` prompt, one request at a
+    time; ``{"on": (rows, outputs), "off": ...}`` (a rows entry holds both branches' logits, in turn)."""
+    runs = {}
+    for mode in ("on", "off"):
+        engine = Engine(model, tokenizer, EngineConfig.exact(cache_mode=mode, **config))
+        rows = record_logits(engine)
+        outs = [engine.generate([Request(p, params, request_id=i, negative_prompt=negative,
+                                         guidance_scale=guidance_scale)])[0] for i, p in enumerate(positives)]
+        runs[mode] = (rows, outs)
+    return runs
