@@ -640,8 +640,26 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
                          : t0 + j < T ? job.vn + h * vn_head + (t0 + j - S) * vn_row : 0;
             if (way == 2) { /* V^T: row d holds the keys side by side (read from L1) */
                 uint16_t *dst = vt + h * D * TP + t0;
-                for (int64_t d = 0; d < D; d++)
-                    for (int j = 0; j < 32; j++) dst[d * TP + j] = src[j] ? src[j][d] : 0;
+                /* 32 rows of one source, a fixed stride apart (cached, or the chunk's own): a dimension pair of 16
+                 * rows per gather, its two halves apart into rows d and d + 1; else one value at a time */
+                const int64_t stride = t0 + 32 <= S ? D : t0 >= S && t0 + 32 <= T ? vn_row : 0;
+                if (stride && stride * 2 * 31 <= INT32_MAX) {
+                    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                             3, 2, 1, 0), _mm512_set1_epi32((int)stride * 2));
+                    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+                    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+                    const char *lo = (const char *)src[0], *hi = (const char *)src[16];
+                    for (int64_t d = 0; d < D; d += 2) {
+                        const __m512i a = _mm512_i32gather_epi32(rows, lo + d * 2, 1);
+                        const __m512i c = _mm512_i32gather_epi32(rows, hi + d * 2, 1);
+                        _mm512_store_si512(dst + d * TP, _mm512_permutex2var_epi16(a, even, c));
+                        _mm512_store_si512(dst + (d + 1) * TP, _mm512_permutex2var_epi16(a, odd, c));
+                    }
+                } else {
+                    for (int64_t d = 0; d < D; d++)
+                        for (int j = 0; j < 32; j++) dst[d * TP + j] = src[j] ? src[j][d] : 0;
+                }
             } else { /* pairs: for keys 2j, 2j+1, each dimension's two values side by side */
                 uint16_t *dst = vt + h * D * TP + t0 * D;
                 const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
