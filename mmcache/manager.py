@@ -229,6 +229,7 @@ class AllocationManager:
         roots change."""
         if not isinstance(prepared, PreparedPrompt):
             raise InvalidRequest(f"peek needs a PreparedPrompt, got {type(prepared).__name__}")
+        _check_whole(whole)
         if self.mode != "on":
             return 0
         if len(prepared.names) != len(prepared.ids) // self.page_size:
@@ -255,6 +256,7 @@ class AllocationManager:
             hash(request_id)
         except TypeError:
             raise InvalidRequest(f"request_id must be hashable, got {type(request_id).__name__}") from None
+        _check_whole(whole, request_id)
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, media, salt, request_id)
         elif self.mode != "off" and len(prompt.names) != len(prompt.ids) // self.page_size:
@@ -693,3 +695,8 @@ def _lookup(requests: dict, request_id) -> "_Request | None":
         return requests.get(request_id)
     except TypeError:
         return None
+
+
+def _check_whole(whole, request_id=None) -> None:
+    if not isinstance(whole, bool):
+        raise InvalidRequest(f"whole must be a bool, got {whole!r}", request_id)

@@ -331,6 +331,8 @@ def _same(a, b):
     (lambda m: m.commit("live", np.array([1.0, 2.0])), InvalidRequest),
     (lambda m: m.protect_prefix("live", 999), InvalidRequest),
     (lambda m: m.release_oldest("live", 5), InvalidRequest),
+    (lambda m: m.admit("new", [1, 2], whole="yes"), InvalidRequest),
+    (lambda m: m.peek(m.prepare([1, 2]), whole=1), InvalidRequest),
 ])
 def test_bad_input_raises_typed_error_and_changes_nothing(call, error):
     mgr = make()
