@@ -47,7 +47,7 @@ class ModelRunner:
         ids, pos, segments, decodes, writes, logit_rows = [], [], [], [], [], []
         row = 0
         for kv, group in _by_pool(works):
-            group_start, slots, written, tables, ctx_lens = row, [], [], [], []
+            group_start, slots, tables, ctx_lens, unwritten = row, [], [], [], []
             for w in group:
                 n = w.end - w.start
                 positions = np.arange(w.start, w.end, dtype=np.int64)
@@ -56,7 +56,8 @@ class ModelRunner:
                 pages = w.pages.astype(np.int64, copy=False)
                 if w.write:
                     slots.append(pages[positions // p] * p + positions % p)
-                    written.append(np.arange(row, row + n, dtype=np.int64))
+                else:
+                    unwritten.append(row)  # a whole hit's last token: one row
                 if _is_decode(w):
                     tables.append(pages[: -(-w.end // p)])
                     ctx_lens.append(w.end)
@@ -68,11 +69,11 @@ class ModelRunner:
                     logit_rows.append(row - 1)
             if tables:
                 decodes.append(self._decode_group(kv, group_start, tables, ctx_lens, self.adapter.device))
-            if len(written) == len(group):
+            if not unwritten:
                 writes.append(WriteGroup(kv, slice(group_start, row), self._tensor(np.concatenate(slots))))
-            elif written:  # some rows write no KV (a whole hit's last token): the others by index
-                rows = self._tensor(np.concatenate(written))
-                writes.append(WriteGroup(kv, rows, self._tensor(np.concatenate(slots))))
+            elif slots:  # some rows write no KV (whole hits' last tokens): the others by index
+                rows = np.setdiff1d(np.arange(group_start, row, dtype=np.int64), unwritten)
+                writes.append(WriteGroup(kv, self._tensor(rows), self._tensor(np.concatenate(slots))))
         embeds = self.adapter.embed(self._tensor(np.concatenate(ids)))
         self._substitute(embeds, works)
         positions = self._positions(works, self._tensor(np.concatenate(pos)))
