@@ -18,9 +18,9 @@
 #include "simd.h"
 
 MMC_INLINE vf silu_mul(vf g, vf u) {
-    /* e^-g capped at e^88 (float32's largest power of e is ~e^88.7), so a very negative g gives a tiny quotient
-     * rather than an overflow the AVX2 build's exponent scaling does not represent */
-    const vf e = vf_exp(vf_sub(vf_zero(), vf_min(g, vf_set1(88.0f))), 7);
+    /* e^-g capped at e^88 (float32's largest power of e is ~e^88.7): below g = -88 the quotient is a tiny number
+     * (torch's is -0) rather than an overflow, which the AVX2 build's exponent scaling does not represent */
+    const vf e = vf_exp(vf_sub(vf_zero(), vf_max(g, vf_set1(-88.0f))), 7);
     const vf s = vf_round(vf_div(g, vf_add(vf_set1(1.0f), e)), BF16);
     return vf_mul(s, u);
 }
