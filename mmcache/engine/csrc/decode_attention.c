@@ -339,10 +339,10 @@ static void run_task(const struct job *b, int64_t j, int64_t h, float *s) {
  * same way for every call of a shape. */
 struct chunk_job {
     const uint16_t *q, *k, *v, *kn, *vn; /* k, v: the S cached keys; kn, vn: the chunk's own n */
-    int64_t R, S, n, T, TP, D, k_head, v_head, kn_head, vn_head, kn_row, vn_row; /* strides in elements */
+    int64_t R, S, n, T, TP, VS, D, k_head, v_head, kn_head, vn_head, kn_row, vn_row; /* strides in elements */
     float scale;
-    uint16_t *vt; /* per head D * TP values, cached keys then the chunk's, zero past T = S + n: on the tile unit
-                   * V^T (D, TP), on the vector unit key pairs (TP / 2, D, 2) */
+    uint16_t *vt; /* per head D * VS values, cached keys then the chunk's, zero past T = S + n: on the tile unit
+                   * V^T (D rows VS apart, TP used), on the vector unit key pairs (TP / 2, D, 2) */
     float *out, *lse;
 };
 
@@ -501,19 +501,19 @@ static void chunk_block_tiles(const struct chunk_job *b, int64_t h, int64_t r0, 
     }
     __m512 sum, msc;
     chunk_softmax(b, &w, s, m, pt, &sum, &msc);
-    const int64_t TP = b->TP;
-    const uint16_t *vt = b->vt + h * D * TP; /* C tiles 4..7: dims 0..63 (4 and 5 only at D = 32) */
+    const int64_t VS = b->VS;
+    const uint16_t *vt = b->vt + h * D * VS; /* C tiles 4..7: dims 0..63 (4 and 5 only at D = 32) */
     const int wide = D == 64;
     _tile_zero(4);
     _tile_zero(5);
     if (wide) { _tile_zero(6); _tile_zero(7); }
     for (int64_t i = 0; i < L32; i += 32) {
         _tile_loadd(1, pt + i * 16, 64);
-        _tile_loadd(0, vt + i, TP * 2); _tile_dpbf16ps(4, 0, 1);
-        _tile_loadd(2, vt + 16 * TP + i, TP * 2); _tile_dpbf16ps(5, 2, 1);
+        _tile_loadd(0, vt + i, VS * 2); _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, vt + 16 * VS + i, VS * 2); _tile_dpbf16ps(5, 2, 1);
         if (wide) {
-            _tile_loadd(3, vt + 32 * TP + i, TP * 2); _tile_dpbf16ps(6, 3, 1);
-            _tile_loadd(0, vt + 48 * TP + i, TP * 2); _tile_dpbf16ps(7, 0, 1);
+            _tile_loadd(3, vt + 32 * VS + i, VS * 2); _tile_dpbf16ps(6, 3, 1);
+            _tile_loadd(0, vt + 48 * VS + i, VS * 2); _tile_dpbf16ps(7, 0, 1);
         }
     }
     _tile_stored(4, ot, 64);
@@ -585,7 +585,7 @@ static inline __attribute__((always_inline)) void chunk_block_vector_d(const str
     }
     __m512 sum, msc;
     chunk_softmax(b, &w, s, m, pt, &sum, &msc);
-    const uint16_t *vp = b->vt + h * D * b->TP;
+    const uint16_t *vp = b->vt + h * D * b->VS;
     for (int64_t d0 = 0; d0 < D; d0 += 16) vector_mix16(pt, vp, D, d0, w.L32, ot);
     chunk_finish(b, &w, h, r0, ot, sum, msc);
 }
@@ -622,10 +622,13 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
     const int way = chunk_way(D, vector_only);
     if (!way || S < 0 || n < 1 || R < 1 || R % n || H < 1 || (S && (!k || !v))) return 1;
     const int64_t T = S + n, TP = (T + 31) / 32 * 32;
-    uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)(H * D * TP) * 2);
+    /* V^T's rows an odd number of cache lines apart: at a power of two (T = 2,048: 4 KB) a tile's 16 rows would all
+     * fall in one set of L1 */
+    const int64_t VS = way == 2 ? (TP / 32 | 1) * 32 : TP;
+    uint16_t *vt = (uint16_t *)aligned_alloc(64, (size_t)(H * D * VS) * 2);
     if (!vt) return 2;
     const struct chunk_job job = {(const uint16_t *)q, (const uint16_t *)k, (const uint16_t *)v,
-                                  (const uint16_t *)kn, (const uint16_t *)vn, R, S, n, T, TP, D,
+                                  (const uint16_t *)kn, (const uint16_t *)vn, R, S, n, T, TP, VS, D,
                                   k_head, v_head, kn_head, vn_head, kn_row, vn_row, scale, vt, out, lse};
     const int64_t blocks = (R + 15) / 16, tasks = H * blocks;
     int failed = 0;
@@ -639,7 +642,7 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
                 src[j] = t0 + j < S ? job.v + h * v_head + (t0 + j) * D
                          : t0 + j < T ? job.vn + h * vn_head + (t0 + j - S) * vn_row : 0;
             if (way == 2) { /* V^T: row d holds the keys side by side (read from L1) */
-                uint16_t *dst = vt + h * D * TP + t0;
+                uint16_t *dst = vt + h * D * VS + t0;
                 /* 32 rows of one source, a fixed stride apart (cached, or the chunk's own): a dimension pair of 16
                  * rows per gather, its two halves apart into rows d and d + 1; else one value at a time */
                 const int64_t stride = t0 + 32 <= S ? D : t0 >= S && t0 + 32 <= T ? vn_row : 0;
@@ -653,15 +656,15 @@ int mmc_chunk_attention(const void *q, const void *k, const void *v, const void 
                     for (int64_t d = 0; d < D; d += 2) {
                         const __m512i a = _mm512_i32gather_epi32(rows, lo + d * 2, 1);
                         const __m512i c = _mm512_i32gather_epi32(rows, hi + d * 2, 1);
-                        _mm512_store_si512(dst + d * TP, _mm512_permutex2var_epi16(a, even, c));
-                        _mm512_store_si512(dst + (d + 1) * TP, _mm512_permutex2var_epi16(a, odd, c));
+                        _mm512_store_si512(dst + d * VS, _mm512_permutex2var_epi16(a, even, c));
+                        _mm512_store_si512(dst + (d + 1) * VS, _mm512_permutex2var_epi16(a, odd, c));
                     }
                 } else {
                     for (int64_t d = 0; d < D; d++)
-                        for (int j = 0; j < 32; j++) dst[d * TP + j] = src[j] ? src[j][d] : 0;
+                        for (int j = 0; j < 32; j++) dst[d * VS + j] = src[j] ? src[j][d] : 0;
                 }
             } else { /* pairs: for keys 2j, 2j+1, each dimension's two values side by side */
-                uint16_t *dst = vt + h * D * TP + t0 * D;
+                uint16_t *dst = vt + h * D * VS + t0 * D;
                 const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                                     39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
                 const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
