@@ -1,13 +1,13 @@
 """Products of a decode step's few rows: oneDNN's packed product against the compiled kernel for them (the row
 kernel, ``native.linear``, on AVX2 builds; the tile kernel, ``native.TileWeight``, for bfloat16 weights where the
-CPU grants AMX), paired in one process.
+CPU grants AMX, else its vector way where the CPU has AVX-512 BF16), paired in one process.
 
     python -m benchmarks.row_products --json row_products.json      # about 3 min on a 2-core machine
 
 Packed linears compute products of at most ``native.ROW_PRODUCT_ROWS`` rows on the row kernel where the compiled
 library is its AVX2 build, and bfloat16 products of at most ``native.TILE_PRODUCT_ROWS`` rows on the tile kernel
-where the CPU has the tile unit (``EngineConfig.row_products``, ``kernels.row_kernel``); this measures what that
-buys.
+where the CPU has the tile unit or AVX-512 BF16 (``EngineConfig.row_products``, ``kernels.row_kernel``); this
+measures what that buys.
 
 * Products: each distinct product of one decoder layer of ``--preset`` in ``--dtype`` (the query, key and value
   projections as the engine groups them, the output projection, the MLP's gate or up, its down) and the LM head,
@@ -165,8 +165,8 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
         engines[side] = Engine(model, tok, EngineConfig(page_size=128, row_products=on, max_num_seqs=batch))
     if not engines["on"].adapter.num_row_product_linears:
         raise SystemExit("the engine uses no compiled kernel for few rows here (only on the compiled library's AVX2 "
-                         "build, native.row_products, and for bfloat16 on the AMX tile unit, native.tile_products); "
-                         "run with --no-decode to time the products alone")
+                         "build, native.row_products, and for bfloat16 on the AMX tile unit or with AVX-512 BF16, "
+                         "native.product_way); run with --no-decode to time the products alone")
     rng = np.random.default_rng(seed)
     vocab = engines["off"].adapter.vocab_size
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

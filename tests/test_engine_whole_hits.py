@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, native
 from mmcache.engine.config import EngineConfigError
 from mmcache.engine.inspect import exact_cfg_runs, exact_runs, rows_equal
 from mmcache.engine.models import build_model
@@ -23,6 +23,26 @@ PAGE = 16
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
+
+
+@pytest.fixture(autouse=True, params=["default", native.PRODUCTS_VECTOR])
+def products(request, monkeypatch):
+    """Each test on the kernels this CPU gives an engine, then with the tile unit switched off
+    (``MMCACHE_TILE_UNIT=off``): products and prefill chunks on the vector unit's ways, as on a CPU with AVX-512
+    BF16 and no tile unit (AMD Zen 4); skipped where the library has no vector way."""
+    if request.param == "default":
+        yield request.param
+        return
+    if not native.vector_products(native.library()):
+        pytest.skip("no AVX-512 BF16 here (or no compiled library): the vector way does not run")
+    monkeypatch.setenv(native.ENV_TILES, "off")
+    native.reset()
+    try:
+        lib = native.library()
+        assert native.product_way(lib) == native.PRODUCTS_VECTOR and not lib.tiles
+        yield request.param
+    finally:
+        native.reset()  # the next test loads the library as its environment says
 
 
 def qwen2(dtype: str = "bfloat16") -> Qwen2ForCausalLM:
@@ -57,6 +77,8 @@ def test_whole_hits_equal_the_exact_schedule_bit_for_bit():
     rows_off, out_off, eng_off = runs["off"]
     matched = [o.matched_tokens for o in out_on]
     assert matched == [0, 64, 48, 48, 64]  # the repeat and the prefix whole; the others up to their last page
+    way = native.product_way(native.library())
+    assert f"+native-{'tile' if way == native.PRODUCTS_TILES else 'vector'}-rows" in eng_on.backend
     for i in range(len(prompts)):
         assert rows_equal(rows_on, rows_off, i, 32), f"request {i}"
         assert out_on[i].output_ids == out_off[i].output_ids

@@ -124,10 +124,11 @@ def test_few_rows_go_to_the_kernel_and_more_to_onednn(native_kernel, widen):
 
 def test_a_bfloat16_weight_that_onednn_packs_as_it_is_stays_off_the_kernel(native_kernel, monkeypatch):
     monkeypatch.setattr(kernels, "_pack", lambda weight: weight)  # as where oneDNN packs bfloat16 itself
-    monkeypatch.setattr(native, "tile_products", lambda lib: False)  # no tile unit (else: test_native_tiles)
+    monkeypatch.setattr(native, "tile_products", lambda lib: False)  # neither tile unit nor AVX-512 BF16
+    monkeypatch.setattr(native, "vector_products", lambda lib: False)  # (else: test_native_tiles)
     w = torch.randn(8, 32).bfloat16()
     packed = kernels.PackedWeight(w, None, widen=False, rows=native_kernel)
-    assert packed.rows is None  # the kernel takes float32 inputs: a bfloat16 product stays on oneDNN
+    assert packed.rows is None  # the row kernel takes float32 inputs: a bfloat16 product stays on oneDNN
     assert kernels.PackedWeight(w, None, widen=True, rows=native_kernel).rows is native_kernel
     strided = kernels.PackedWeight(w.t(), None, widen=True, rows=native_kernel)  # laid out from a copy
     x = torch.randn(2, 8)

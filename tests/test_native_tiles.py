@@ -31,6 +31,20 @@ def tile_kernel(native_kernel):
     return native_kernel
 
 
+@pytest.fixture(params=[native.PRODUCTS_TILES, native.PRODUCTS_VECTOR])
+def tile_weight(request, native_kernel):
+    """``native.TileWeight`` on each of its ways in turn (each skipped where this CPU lacks it)."""
+    way = request.param
+    if way == native.PRODUCTS_TILES and not native.tile_products(native_kernel):
+        pytest.skip("no AMX tile unit here (or Linux does not grant it): the tile products do not run")
+    if way == native.PRODUCTS_VECTOR and not native.vector_products(native_kernel):
+        pytest.skip("no AVX-512 BF16 here: the vector way of the tile products does not run")
+
+    def make(weight, bias=None, threads=None):
+        return native.TileWeight(native_kernel, weight, bias, threads, way=way)
+    return make
+
+
 def unpack(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The (N, K) weight back out of ``mmc_tile_pack``'s layout, read as the kernel's comment describes it."""
     steps = -(-k // 32)
@@ -57,36 +71,38 @@ def test_the_layout_is_the_tile_units_pair_layout_padded_with_zeros(native_kerne
 
 @pytest.mark.parametrize("m,k,n", [(1, 896, 130), (3, 64, 8), (7, 37, 5), (16, 200, 64), (17, 33, 70),
                                    (32, 48, 129), (2, 5, 1)])
-def test_each_element_is_its_exact_sum_rounded_once(tile_kernel, m, k, n):
+def test_each_element_is_its_exact_sum_rounded_once(tile_weight, m, k, n):
     # Small whole numbers: every product and partial sum is exact in float32, so the only rounding is the last.
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = torch.randint(-3, 4, (m, k), generator=g).bfloat16()
     w = torch.randint(-3, 4, (n, k), generator=g).bfloat16()
     b = torch.randint(-50, 50, (n,), generator=g).float() + 0.25
     exact = x.double() @ w.double().T + b.double()
-    tw = native.TileWeight(tile_kernel, w, b)
+    tw = tile_weight(w, b)
     got = tw(x)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert torch.equal(got, exact.float().bfloat16())
     # Random values: within a bfloat16 rounding of the float64 product.
     x, w, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(), torch.randn(n)
     exact = x.double() @ w.double().T + b.double()
-    got = native.TileWeight(tile_kernel, w, b)(x).double()
+    got = tile_weight(w, b)(x).double()
     scale = x.double().abs() @ w.double().abs().T + b.double().abs()
     assert torch.all((got - exact).abs() <= exact.abs() * 2.0 ** -8 + scale * k * 2.0 ** -23 + 1e-30)
 
 
-def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_threads(tile_kernel):
+def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_threads(tile_weight):
     g = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(32, 300, generator=g).bfloat16(), torch.randn(150, 300, generator=g).bfloat16(), None
-    tw = native.TileWeight(tile_kernel, w, b)
+    tw = tile_weight(w, b)
     whole = tw(x)
-    for i in (0, 5, 15, 16, 31):  # first, inside, last of the first tile's rows, first and last of the second
+    # first, inside, last of the first tile's rows, first and last of the second (the vector way's groups of
+    # six: 5 and 6 start them, 31 is its last group's only row)
+    for i in (0, 5, 6, 15, 16, 31):
         assert torch.equal(tw(x[i:i + 1])[0], whole[i])
         assert torch.equal(tw(x[i:])[0], whole[i])
     assert torch.equal(tw(x, threads=1), whole)
     for j in (0, 63, 64, 149):  # a weight row alone sits at column 0 of its own first block
-        assert torch.equal(native.TileWeight(tile_kernel, w[j:j + 1])(x)[:, 0], whole[:, j])
+        assert torch.equal(tile_weight(w[j:j + 1])(x)[:, 0], whole[:, j])
     batched = tw(x.view(2, 16, 300))
     assert batched.shape == (2, 16, 150) and torch.equal(batched.view(32, 150), whole)
     strided = x.t().contiguous().t()  # the same values, not contiguous: taken through a copy
@@ -94,9 +110,9 @@ def test_a_rows_bits_do_not_depend_on_its_company_its_block_or_threads(tile_kern
     assert tw(x[:0]).shape == (0, 150)
 
 
-def test_bad_arguments_are_refused_with_a_typed_error(tile_kernel):
+def test_bad_arguments_are_refused_with_a_typed_error(tile_weight):
     w = torch.randn(8, 32).bfloat16()
-    tw = native.TileWeight(tile_kernel, w, torch.zeros(8))
+    tw = tile_weight(w, torch.zeros(8))
     with pytest.raises(ValueError, match="bfloat16"):
         tw(torch.randn(2, 32))  # float32 rows
     with pytest.raises(ValueError, match="K"):
@@ -104,17 +120,58 @@ def test_bad_arguments_are_refused_with_a_typed_error(tile_kernel):
     with pytest.raises(ValueError, match=f"at most {native.TILE_PRODUCT_ROWS} rows"):
         tw(torch.randn(native.TILE_PRODUCT_ROWS + 1, 32).bfloat16())
     with pytest.raises(ValueError, match="tile weight is a"):
-        native.TileWeight(tile_kernel, w.float())
+        tile_weight(w.float())
     with pytest.raises(ValueError, match="tile weight is a"):
-        native.TileWeight(tile_kernel, torch.randn(8).bfloat16())
+        tile_weight(torch.randn(8).bfloat16())
     with pytest.raises(ValueError, match="bias"):
-        native.TileWeight(tile_kernel, w, torch.zeros(7))
+        tile_weight(w, torch.zeros(7))
+
+
+def test_the_two_ways_sum_in_their_own_orders(native_kernel):
+    if not (native.tile_products(native_kernel) and native.vector_products(native_kernel)):
+        pytest.skip("needs both the AMX tile unit and AVX-512 BF16")
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(16, 896, generator=g).bfloat16(), torch.randn(256, 896, generator=g).bfloat16()
+    tiles, vector = (native.TileWeight(native_kernel, w, way=way) for way in kernels.TILE_LAYOUT)
+    assert tiles.way == native.PRODUCTS_TILES and vector.way == native.PRODUCTS_VECTOR
+    a, b = tiles(x), vector(x)
+    assert not torch.equal(a, b)  # not the same bits: an engine keeps one way (and names it)
+    torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.05)
+
+
+def test_the_tile_unit_can_be_switched_off_for_the_vector_ways(native_kernel, monkeypatch):
+    monkeypatch.setenv(native.ENV_TILES, "sometimes")
+    native.reset()
+    try:
+        with pytest.raises(native.NativeConfigError, match="MMCACHE_TILE_UNIT"):
+            native.library()
+        monkeypatch.setenv(native.ENV_TILES, "off")
+        native.reset()
+        lib = native.library()
+        assert not lib.tiles and not native.tile_products(lib)
+        if native.vector_products(native_kernel):  # a CPU with AVX-512 BF16: its ways, as on one without tiles
+            assert native.product_way(lib) == native.PRODUCTS_VECTOR
+            assert native.chunk_way(lib, 64) == native.CHUNK_VECTOR
+        else:
+            assert native.product_way(lib) is None
+    finally:
+        monkeypatch.delenv(native.ENV_TILES)
+        native.reset()
+    assert native.library().tiles == native_kernel.tiles  # the setting is read when the library is loaded
 
 
 def test_a_library_without_the_tile_unit_refuses_a_tile_weight(native_kernel, monkeypatch):
     monkeypatch.setattr(native, "tile_products", lambda lib: False)
+    if native.vector_products(native_kernel):  # the vector way instead
+        assert native.TileWeight(native_kernel, torch.randn(8, 32).bfloat16()).way == native.PRODUCTS_VECTOR
+        assert kernels.row_kernel(native_kernel, torch.bfloat16, False) == native.PRODUCTS_VECTOR
     with pytest.raises(native.NativeKernelUnavailable, match="AMX"):
+        native.TileWeight(native_kernel, torch.randn(8, 32).bfloat16(), way=native.PRODUCTS_TILES)
+    monkeypatch.setattr(native, "vector_products", lambda lib: False)
+    with pytest.raises(native.NativeKernelUnavailable, match="AVX-512 BF16"):
         native.TileWeight(native_kernel, torch.randn(8, 32).bfloat16())
+    with pytest.raises(native.NativeKernelUnavailable, match="AVX-512 BF16"):
+        native.TileWeight(native_kernel, torch.randn(8, 32).bfloat16(), way=native.PRODUCTS_VECTOR)
     assert kernels.row_kernel(native_kernel, torch.bfloat16, False) is None
     assert kernels.row_kernel(native_kernel, torch.bfloat16, True) == "rows"
     assert kernels.row_kernel(native_kernel, torch.float32, False) == "rows"
@@ -187,10 +244,10 @@ def test_an_engine_on_the_tile_kernel_names_it_and_stays_bit_exact(tile_kernel):
     runs = exact_runs(model, tok, prompts, GREEDY, page_size=16, num_pages=64)
     eng = runs["on"][2]
     assert "+native-tile-rows" in eng.backend and "+native-rows" not in eng.backend
-    assert eng.adapter.num_tile_product_linears == eng.adapter.num_packed_linears > 0
+    assert eng.adapter.num_tile_product_linears() == eng.adapter.num_packed_linears > 0
     assert [o.matched_tokens for o in runs["on"][1]] == [0, 32, 32]
     assert all(rows_equal(runs["on"][0], runs["off"][0], i, GREEDY.max_tokens) for i in range(len(prompts)))
     off = Engine(build_model("tiny", "bfloat16")[0], tok,
                  EngineConfig.exact(page_size=16, num_pages=64, row_products=False))
-    assert "tile-rows" not in off.backend and off.adapter.num_tile_product_linears == 0
+    assert "tile-rows" not in off.backend and off.adapter.num_tile_product_linears() == 0
     assert off.fingerprint != eng.fingerprint  # other bits, other names

@@ -224,12 +224,12 @@ class CausalLMAdapter:
         return kernels.count_on_rows(self.decoder) + (isinstance(head, kernels.PackedLinear)
                                                       and head.packed.rows is not None)
 
-    @property
-    def num_tile_product_linears(self) -> int:
-        """Those of them on the tile kernel (``native.TileWeight``)."""
+    def num_tile_product_linears(self, way: str = native.PRODUCTS_TILES) -> int:
+        """Those of them on the tile kernel (``native.TileWeight``) by its ``way``: the tile unit, or the vector
+        way (``native.PRODUCTS_VECTOR``)."""
         head = self.lm_head
-        return kernels.count_on_rows(self.decoder, "tiles") + (isinstance(head, kernels.PackedLinear)
-                                                               and head.packed.row_kernel == "tiles")
+        return kernels.count_on_rows(self.decoder, way) + (isinstance(head, kernels.PackedLinear)
+                                                           and head.packed.row_kernel == way)
 
     def whole_hit_blocker(self, lib, page_size: int) -> str | None:
         """Why this model's forward could give a row other bits than the same row computed alone, or None.
@@ -237,7 +237,7 @@ class CausalLMAdapter:
         A whole hit computes a prompt's last token again in a forward of one row, where the exact schedule
         computed it in a chunk of up to ``page_size`` rows; its logits are the same bits only where every
         operation gives each row what it would give it alone: products on the tile kernel (``native.TileWeight``,
-        up to ``native.TILE_PRODUCT_ROWS`` rows), attention on the chunk kernel (its row's sums in an order set
+        up to ``native.TILE_PRODUCT_ROWS`` rows, all on one of its ways), attention on the chunk kernel (its row's sums in an order set
         by key positions, not by where the chunk begins: ``native.chunk_attention``), every norm on the compiled
         kernel, the gated MLPs' activation on the activation kernel (``native.silu_mul``), and no sliding window
         (which would take attention off the chunk kernel past the window). The rest of the forward is element by
@@ -255,8 +255,8 @@ class CausalLMAdapter:
         decoder = self.decoder
         linears = sum(isinstance(m, torch.nn.Linear) for m in decoder.modules())
         linears += isinstance(self.lm_head, torch.nn.Linear)
-        if not linears or self.num_tile_product_linears != linears:
-            return "not every linear runs on the tile kernel"
+        if not linears or max(self.num_tile_product_linears(w) for w in kernels.TILE_LAYOUT) != linears:
+            return "not every linear runs on the tile kernel (on one of its ways)"
         for name, m in decoder.named_modules():
             if type(m).__name__.endswith("Norm") and not isinstance(m, norms.NativeRMSNorm):
                 return f"{name} ({type(m).__name__}) does not run on the compiled norm kernel"

@@ -151,8 +151,8 @@ class Engine:
             # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
             decode_kernel = native.library() if a.device.type == "cpu" else None
             packs = config.packed_linears and kernels.available(a.device, a.dtype)
-            offers = (native.row_products(decode_kernel)  # the AVX2 build; or bfloat16 on the tile unit
-                      or kernels.row_kernel(decode_kernel, a.dtype, kernels.widened(a.dtype)) == "tiles")
+            offers = (native.row_products(decode_kernel)  # the AVX2 build; or bfloat16 on the tile kernel
+                      or kernels.row_kernel(decode_kernel, a.dtype, kernels.widened(a.dtype)) in kernels.TILE_LAYOUT)
             rows = decode_kernel if packs and config.row_products and offers else None
             requested = {"packed_linears": packs, "layer_kernels": config.layer_kernels and decode_kernel is not None,
                          "row_products": rows is not None}
@@ -182,9 +182,9 @@ class Engine:
             # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
             # in the last bits, so the compute path is part of the backend's name.
             packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
-            tiles = a.num_tile_product_linears
-            packed += "+native-rows" if a.num_row_product_linears > tiles else ""
-            packed += "+native-tile-rows" if tiles else ""
+            tiles, vector = a.num_tile_product_linears(), a.num_tile_product_linears(native.PRODUCTS_VECTOR)
+            packed += "+native-rows" if a.num_row_product_linears > tiles + vector else ""
+            packed += ("+native-tile-rows" if tiles else "") + ("+native-vector-rows" if vector else "")
             self.backend = (ATTENTION_BACKEND + packed
                             + ("+native-decode" if decode_kernel is not None else "")
                             + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]

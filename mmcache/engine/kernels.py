@@ -14,8 +14,9 @@ weights in one pass and saves two calls (a few percent of a decode step or a hit
 Where the engine asks for it (``EngineConfig.row_products``), products of a few rows (a decode step's) run on
 a compiled kernel instead, from a second copy of the weight laid out for it in the weight's own dtype
 (``row_kernel``; ``benchmarks/row_products.py``): on AVX2 builds of the compiled library float32 products of
-at most ``native.ROW_PRODUCT_ROWS`` rows (``native.RowWeight``, ``native.linear``), and where the CPU grants the
-AMX tile unit bfloat16 products of at most ``native.TILE_PRODUCT_ROWS`` rows (``native.TileWeight``).
+at most ``native.ROW_PRODUCT_ROWS`` rows (``native.RowWeight``, ``native.linear``), and bfloat16 products of at
+most ``native.TILE_PRODUCT_ROWS`` rows on the AMX tile unit where the CPU grants it, else with AVX-512 BF16 where
+the CPU has that (``native.TileWeight``, ``native.product_way``).
 
 Invariants:
 
@@ -106,16 +107,21 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+#: ``row_kernel``'s kinds for bfloat16 weights on ``native.TileWeight``: its tile unit way and its vector way.
+TILE_LAYOUT = (native.PRODUCTS_TILES, native.PRODUCTS_VECTOR)
+
+
 def row_kernel(lib, dtype: torch.dtype, widen: bool) -> str | None:
     """Which compiled kernel computes a packed weight's products of few rows, given the library the engine
-    offers for them (``native.library()``, or None for none): "tiles" for a bfloat16 weight that oneDNN packs
-    as it is where the library can use the AMX tile unit (``native.tile_products``), "rows" for a float32 or
-    widened bfloat16 weight (the row kernel reads either in its own dtype; the engine offers the library for it
-    on the AVX2 build, ``native.row_products``), else None."""
+    offers for them (``native.library()``, or None for none): for a bfloat16 weight that oneDNN packs as it is,
+    "tiles" where the library can use the AMX tile unit, else "vector" where it has AVX-512 BF16
+    (``native.product_way``; both on ``native.TileWeight``); "rows" for a float32 or widened bfloat16 weight
+    (the row kernel reads either in its own dtype; the engine offers the library for it on the AVX2 build,
+    ``native.row_products``), else None."""
     if lib is None:
         return None
     if dtype == torch.bfloat16 and not widen:
-        return "tiles" if native.tile_products(lib) else None
+        return native.product_way(lib)
     return "rows"
 
 
@@ -123,7 +129,7 @@ def row_copy_bytes(weight: torch.Tensor, lib) -> int:
     """Bytes of the copy of ``weight`` that its row kernel reads (see ``row_kernel``), 0 where none; ``lib``
     True asks as if the library offered the row kernel ("rows")."""
     kind = "rows" if lib is True else row_kernel(lib, weight.dtype, widened(weight.dtype))
-    if kind == "tiles":
+    if kind in TILE_LAYOUT:
         return int(lib.mmc_tile_elements(*weight.shape)) * weight.element_size()
     return weight.numel() * weight.element_size() if kind else 0
 
@@ -148,15 +154,17 @@ class PackedWeight:
         self.widened = widened(weight.dtype) if widen is None else widen and weight.dtype == torch.bfloat16
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
-        #: The compiled kernel for products of few rows: "tiles" (``native.TileWeight``, bfloat16 weights kept as
-        #: they are, where the CPU grants the AMX tile unit), "rows" (``native.RowWeight``, float32 weights and
-        #: widened bfloat16 ones, on the AVX2 build), or None (oneDNN for every product).
+        #: The compiled kernel for products of few rows: "tiles" or "vector" (``native.TileWeight``, bfloat16
+        #: weights kept as they are, on the AMX tile unit where the CPU grants it, else with AVX-512 BF16), "rows"
+        #: (``native.RowWeight``, float32 weights and widened bfloat16 ones, on the AVX2 build), or None (oneDNN
+        #: for every product).
         self.row_kernel = row_kernel(rows, weight.dtype, self.widened)
         self.rows = rows if self.row_kernel else None
+        on_tiles = self.row_kernel in TILE_LAYOUT
         #: Products of at most this many rows run on the row kernel.
-        self.row_limit = native.TILE_PRODUCT_ROWS if self.row_kernel == "tiles" else native.ROW_PRODUCT_ROWS
-        if self.row_kernel == "tiles":
-            self.row_weight = native.TileWeight(rows, weight, bias)  # the bias widened there, kept here as it is
+        self.row_limit = native.TILE_PRODUCT_ROWS if on_tiles else native.ROW_PRODUCT_ROWS
+        if on_tiles:  # the bias widened there, kept here as it is
+            self.row_weight = native.TileWeight(rows, weight, bias, way=self.row_kernel)
         else:
             if self.widened or self.rows is not None:
                 bias = None if bias is None else bias.float()  # both take a float32 bias (no copy when it is one)
@@ -212,7 +220,7 @@ class PackedGatedMLP(nn.Module):
         self.attr, self.algorithm = attr, algorithm
         #: The library whose activation kernel computes silu(gate) * up on the tile kernel's rows (so each row's
         #: bits depend on that row alone: ``native.silu_mul``), or None: torch's two operations.
-        self.native_act = (rows if attr == "swish" and self.gate_proj.packed.row_kernel == "tiles"
+        self.native_act = (rows if attr == "swish" and self.gate_proj.packed.row_kernel in TILE_LAYOUT
                            and hasattr(rows, "mmc_silu_mul") else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -382,7 +390,7 @@ def count_packed(module: nn.Module) -> int:
 
 def count_on_rows(module: nn.Module, kind: str | None = None) -> int:
     """Packed linears under ``module`` whose products of few rows run on a compiled kernel (``kind``: only those
-    on that one, "rows" or "tiles"; see ``row_kernel``)."""
+    on that one, "rows", "tiles" or "vector"; see ``row_kernel``)."""
     return sum(isinstance(m, PackedLinear) and (m.packed or m.group.packed).rows is not None
                and kind in (None, (m.packed or m.group.packed).row_kernel) for m in module.modules())
 

@@ -6,8 +6,9 @@ in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
 same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``); and the
 linear products of a decode step's few rows with a weight laid out once for them in its own dtype: on AVX2
 builds in float32 (``linear`` and ``RowWeight``, ``linear.c``, used by ``kernels.PackedWeight`` where
-``row_products`` says so), and for bfloat16 weights on the AMX tile unit (``TileWeight``, ``tile_linear.c``,
-where ``tile_products`` says so).
+``row_products`` says so), and for bfloat16 weights on the AMX tile unit, else with AVX-512 BF16 dot products
+(``TileWeight``, ``tile_linear.c``, the way ``product_way`` names). ``MMCACHE_TILE_UNIT=off`` keeps the tile unit
+out of all of them (``tile_unit``).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -65,6 +66,7 @@ from ..errors import MmcacheError
 
 ENV_CHOICE = "MMCACHE_NATIVE"
 ENV_CACHE = "MMCACHE_CACHE_DIR"
+ENV_TILES = "MMCACHE_TILE_UNIT"
 _CHOICES = ("auto", "off", "require")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c", CSRC / "linear.c",
@@ -90,6 +92,17 @@ class NativeConfigError(MmcacheError, ValueError):
 
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None; filled once per process
 _state_lock = threading.Lock()  # threads wanting the library at once build and load it once
+
+
+def tile_unit() -> bool:
+    """Whether the library may use the AMX tile unit where the CPU has it and Linux grants it: yes unless
+    ``MMCACHE_TILE_UNIT`` is ``off``, which runs everything on the vector unit's ways, as on a CPU with AVX-512
+    BF16 and no tile unit (AMD Zen 4): decode scores, prefill chunks (``chunk_way``) and the products of few
+    rows (``product_way``). Read when the library is loaded (``library``, after ``reset``)."""
+    value = os.environ.get(ENV_TILES, "auto").strip().lower() or "auto"
+    if value not in ("auto", "off"):
+        raise NativeConfigError(f"{ENV_TILES}={os.environ[ENV_TILES]!r}: expected auto or off")
+    return value == "auto"
 
 
 def choice() -> str:
@@ -193,8 +206,10 @@ def load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_row_panel.restype = ctypes.c_int
+    lib.mmc_init.argtypes = [ctypes.c_int]  # a library from before the argument ignores it
     lib.mmc_init.restype = ctypes.c_int
-    lib.tiles = bool(lib.mmc_init())  # scores on the tile unit (AMX) where the CPU and the OS allow it
+    use_tiles = tile_unit()
+    lib.tiles = bool(lib.mmc_init(int(use_tiles)))  # scores on the tile unit (AMX) where the CPU and the OS allow it
     lib.tile_rows = 0  # rows per tile of the tile products (tile_linear.c), 0 where they cannot run
     if hasattr(lib, "mmc_tile_linear"):  # a library built from an earlier revision's sources has none
         lib.mmc_tile_elements.argtypes = [i64, i64]
@@ -206,7 +221,14 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
         lib.mmc_tile_rows.restype = ctypes.c_int
-        lib.tile_rows = int(lib.mmc_tile_rows())
+        lib.tile_rows = int(lib.mmc_tile_rows()) if use_tiles else 0
+    lib.vector_rows = 0  # rows per group of the vector way of those products, 0 where it cannot run
+    if hasattr(lib, "mmc_vector_linear"):  # likewise
+        fn = lib.mmc_vector_linear
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        lib.mmc_vector_rows.restype = ctypes.c_int
+        lib.vector_rows = int(lib.mmc_vector_rows())
     if hasattr(lib, "mmc_silu_mul"):  # likewise
         fn = lib.mmc_silu_mul
         fn.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
@@ -516,13 +538,33 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: RowWeight | torch.Tensor, 
 TILE_PRODUCT_ROWS = 128  # bfloat16 products of at most this many rows go to ``tile_linear`` (``tile_products``)
 
 
+#: The ways of ``TileWeight``'s products: on the AMX tile unit, or on the vector unit with AVX-512 BF16.
+PRODUCTS_TILES, PRODUCTS_VECTOR = "tiles", "vector"
+
+
 def tile_products(lib: ctypes.CDLL | None) -> bool:
     """Whether the engine computes bfloat16 products of at most ``TILE_PRODUCT_ROWS`` rows (a decode step's, or
     a page-sized prefill chunk's) with ``tile_linear``: where the library was built for a CPU with the AMX tile
-    unit and Linux grants it. On the Intel AMX machine of RESULTS.md oneDNN's products of a few rows streamed the
-    weights at 13-17 GB/s and this kernel's at 20-24 GB/s (``benchmarks/row_products.py``; RESULTS.md, "Decode
-    products on the tile unit")."""
+    unit and Linux grants it (and ``tile_unit``). On the Intel AMX machine of
+    RESULTS.md oneDNN's products of a few rows streamed the weights at 13-17 GB/s and this kernel's at 20-24 GB/s
+    (``benchmarks/row_products.py``; RESULTS.md, "Decode products on the tile unit")."""
     return lib is not None and getattr(lib, "tile_rows", 0) > 0
+
+
+def vector_products(lib: ctypes.CDLL | None) -> bool:
+    """Whether the library computes those products on the vector way (``mmc_vector_linear``, AVX-512 BF16 dot
+    products from the same laid-out weight): where it was built for a CPU with AVX-512 BF16."""
+    return lib is not None and getattr(lib, "vector_rows", 0) > 0
+
+
+def product_way(lib: ctypes.CDLL | None) -> str | None:
+    """The way the engine computes bfloat16 products of at most ``TILE_PRODUCT_ROWS`` rows with a ``TileWeight``:
+    ``PRODUCTS_TILES`` where ``tile_products``, else ``PRODUCTS_VECTOR`` where ``vector_products`` (AMD Zen 4,
+    Intel Cooper Lake; or a tile CPU with ``MMCACHE_TILE_UNIT=off``), else None (oneDNN). The ways sum in
+    different orders: an engine keeps one for its life, and names it in its backend."""
+    if tile_products(lib):
+        return PRODUCTS_TILES
+    return PRODUCTS_VECTOR if vector_products(lib) else None
 
 
 def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -599,12 +641,20 @@ class TileWeight:
     asked to be backed by huge pages (``_HugeArena``), and its bias (N) as float32 or None. A copy made when
     built: a later in-place change of the weight is not seen. Called on ``x`` (..., K) bfloat16 with at most
     ``TILE_PRODUCT_ROWS`` rows, returns ``x @ weight^T + bias`` (..., N) bfloat16, each element the float32 sum
-    of its products rounded once; only ``x`` is checked per call."""
+    of its products rounded once, on the tile unit or on the vector way (``way``, by default ``product_way``;
+    each way's bits depend only on the row, not the same bits as the other way's); only ``x`` is checked per
+    call."""
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 threads: int | None = None):
-        if not tile_products(lib):
+                 threads: int | None = None, way: str | None = None):
+        way = way or product_way(lib)
+        if way == PRODUCTS_TILES and not tile_products(lib):
             raise NativeKernelUnavailable("the tile products need a CPU with the AMX tile unit, granted by Linux")
+        if way != PRODUCTS_TILES and not (way == PRODUCTS_VECTOR and vector_products(lib)):
+            raise NativeKernelUnavailable(f"these products need a CPU with the AMX tile unit or AVX-512 BF16 "
+                                          f"(the {way or 'vector'} way is not in this library)")
+        #: ``PRODUCTS_TILES`` or ``PRODUCTS_VECTOR``.
+        self.way = way
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or min(weight.shape) < 1 or weight.device.type != "cpu":
             raise ValueError(f"a tile weight is a (N, K) bfloat16 tensor on the CPU: got {tuple(weight.shape)} "
                              f"{weight.dtype} on {weight.device}")
@@ -621,7 +671,7 @@ class TileWeight:
                                threads or torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the tile kernel could not lay out a weight {tuple(weight.shape)} (code {rc})")
-        self._fn = lib.mmc_tile_linear
+        self._fn = lib.mmc_tile_linear if way == PRODUCTS_TILES else lib.mmc_vector_linear
 
     @property
     def nbytes(self) -> int:
@@ -638,6 +688,6 @@ class TileWeight:
                           None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
                           threads or torch.get_num_threads())
             if rc != 0:
-                raise NativeKernelUnavailable(f"the tile kernel refused its arguments (code {rc}): x "
+                raise NativeKernelUnavailable(f"the tile kernel ({self.way}) refused its arguments (code {rc}): x "
                                               f"{tuple(x.shape)}, weight {(self.n, self.k)}")
         return out if x.dim() == 2 else out.view(x.shape[:-1] + (self.n,))

@@ -737,13 +737,15 @@ int mmc_chunk_way(int64_t D, int vector_only) { (void)D, (void)vector_only; retu
 /* float32 lanes per vector in this build: 16 (AVX-512) or 8 (AVX2). */
 int mmc_lanes(void) { return VL; }
 
-/* Called once after loading, before any other call: returns 1 where scores run on the tile unit (AMX), else 0. */
-int mmc_init(void) {
+/* Called once after loading, before any other call: returns 1 where scores run on the tile unit (AMX), else 0.
+ * use_tiles 0: never (the vector unit's ways, as on a CPU without the tile unit). */
+int mmc_init(int use_tiles) {
 #if defined(HAVE_AMX)
     /* Linux hands out the tile registers' state only to processes that ask (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
-    amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_ready = use_tiles && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return amx_ready;
 #else
+    (void)use_tiles;
     return 0;
 #endif
 }

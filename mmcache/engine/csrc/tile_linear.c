@@ -17,10 +17,16 @@
  * past 16 are done in groups of 16, each group over a block of columns while that block is still in L2, so the
  * weights are read from memory once per product.
  *
+ * On a CPU with AVX-512 BF16 but no tile unit the same laid-out weight serves mmc_vector_linear (the vector way,
+ * below): oneDNN's own products there give a row other bits in other company (its blocking of k changes with
+ * the number of rows), which would rule out the engine's whole hits; this way does not.
+ *
  * Invariants: out[m][n] depends only on row m of x, row n of w and bias[n], never on M, the other rows, the
  * block n falls in or the number of threads: the tile unit's float32 sums of bfloat16 products, 32 k at a time
  * in ascending order of k, then the bias added and the sum rounded to bfloat16 once (to nearest even, as torch
- * rounds). Built only where the compiler targets AMX (HAVE_TILES); elsewhere every entry point refuses.
+ * rounds); on the vector way float32 sums of pairs of products, pairs in ascending order of k (other bits than
+ * the tile unit's). Each way is built only where the compiler targets it (HAVE_TILES: AMX; HAVE_VECTORS:
+ * AVX-512 BF16); elsewhere its entry points refuse.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
@@ -62,17 +68,8 @@ int mmc_tile_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *out, int nt
     return 0;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define HAVE_TILES 1
-
-static int tiles_granted; /* Linux let this process use the tile registers (asked once, by mmc_tile_rows) */
-
-struct tile_config {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+#if defined(__AVX512BF16__)
+#define HAVE_VECTORS 1
 
 /* Rows of x padded to whole groups and k to whole steps, zero beyond (x itself where already so); per thread, kept
  * between calls (grown as needed, never freed: at most a few MB per thread that calls). */
@@ -98,6 +95,109 @@ static const uint16_t *padded(const uint16_t *x, int64_t M, int64_t K, int64_t M
     }
     return scratch;
 }
+
+/* The vector way, for CPUs with AVX-512 BF16 but no tile unit (AMD Zen 4, Intel Cooper Lake): the same laid-out
+ * weight, each 64-byte row of a tile (16 columns' pairs for one pair of k) met by one row of x's same pair,
+ * broadcast, in one VDPBF16PS per 16 columns. Rows are taken R at a time (R <= VEC_GROUP: 4R sums, 4 weight
+ * vectors and a broadcast in the 32 registers) over one block, the block's first group asking for its next
+ * step one step ahead, so the weights stream from memory once and the later groups find them in L2. Each sum
+ * lane adds its row's pairs of k in ascending order, as the tile unit does, so out[m][n] depends only on row m
+ * of x, row n of w and bias[n] (the sums need not equal the tile unit's bits: the engine uses one way for its
+ * life). */
+#define VEC_GROUP 6
+
+static inline __attribute__((always_inline)) void vector_rows(const uint16_t *a, int64_t Kp, int R,
+                                                               const char *block, int64_t steps, int ahead,
+                                                               int64_t m0, int64_t M, int64_t j, int64_t N,
+                                                               const float *bias, uint16_t *out) {
+    __m512 acc[VEC_GROUP][4];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < 4; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < steps; kb++) {
+        const char *b = block + kb * BLOCK_BYTES;
+        if (ahead)
+            for (int i = 0; i < BLOCK_BYTES; i += 64) _mm_prefetch(b + BLOCK_BYTES + i, _MM_HINT_T0);
+        const uint16_t *xk = a + kb * TILE_K;
+        for (int r = 0; r < TILE_K / 2; r++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + r * 64);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b + 1024 + r * 64);
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(b + 2048 + r * 64);
+            const __m512bh w3 = (__m512bh)_mm512_loadu_si512(b + 3072 + r * 64);
+            for (int i = 0; i < R; i++) {
+                int32_t pair;
+                memcpy(&pair, xk + i * Kp + 2 * r, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, w0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, w1);
+                acc[i][2] = _mm512_dpbf16_ps(acc[i][2], xb, w2);
+                acc[i][3] = _mm512_dpbf16_ps(acc[i][3], xb, w3);
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        const int64_t n0 = j * TILE_COLS + t * 16;
+        if (n0 >= N) break;
+        const __mmask16 keep = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+        for (int i = 0; i < R && m0 + i < M; i++)
+            _mm256_mask_storeu_epi16(out + (m0 + i) * N + n0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][t], bv)));
+    }
+}
+
+int mmc_vector_rows(void) { return VEC_GROUP; }
+
+/* out = x w^T (+ bias) as above on the vector way, w laid out by mmc_tile_pack. Returns 0; 1 for arguments outside
+ * what this handles; 3 where memory for the padded rows could not be had. */
+int mmc_vector_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wt, int64_t N, const float *bias,
+                      uint16_t *out, int nthreads) {
+    if (!x || !wt || !out || M < 1 || K < 1 || N < 1 || nthreads < 1) return 1;
+    const int64_t Kp = (K + TILE_K - 1) / TILE_K * TILE_K;
+    const int64_t steps = Kp / TILE_K, blocks = (N + TILE_COLS - 1) / TILE_COLS;
+    const uint16_t *xp = padded(x, M, K, M, Kp); /* k past K zero: the laid-out weight is zero there too */
+    if (!xp) return 3;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && blocks > 1)
+    for (int64_t j = 0; j < blocks; j++) {
+        const char *block = (const char *)wt + j * steps * BLOCK_BYTES;
+        for (int64_t m0 = 0; m0 < M; m0 += VEC_GROUP) {
+            const int64_t left = M - m0;
+            const uint16_t *a = xp + m0 * Kp;
+            switch (left >= VEC_GROUP ? VEC_GROUP : (int)left) { /* constant R: the sums stay in registers */
+            case 1: vector_rows(a, Kp, 1, block, steps, m0 == 0, m0, M, j, N, bias, out); break;
+            case 2: vector_rows(a, Kp, 2, block, steps, m0 == 0, m0, M, j, N, bias, out); break;
+            case 3: vector_rows(a, Kp, 3, block, steps, m0 == 0, m0, M, j, N, bias, out); break;
+            case 4: vector_rows(a, Kp, 4, block, steps, m0 == 0, m0, M, j, N, bias, out); break;
+            case 5: vector_rows(a, Kp, 5, block, steps, m0 == 0, m0, M, j, N, bias, out); break;
+            default: vector_rows(a, Kp, VEC_GROUP, block, steps, m0 == 0, m0, M, j, N, bias, out); break;
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+int mmc_vector_rows(void) { return 0; }
+
+int mmc_vector_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wt, int64_t N, const float *bias,
+                      uint16_t *out, int nthreads) {
+    (void)x, (void)M, (void)K, (void)wt, (void)N, (void)bias, (void)out, (void)nthreads;
+    return 2;
+}
+
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_TILES 1
+
+static int tiles_granted; /* Linux let this process use the tile registers (asked once, by mmc_tile_rows) */
+
+struct tile_config {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
 
 /* Rows m0 .. m0 + rows - 1 of the four 16 x 16 float32 tiles c (block j), plus the bias, rounded into out. */
 static void store_rows(const float c[4][GROUP * 16], int64_t m0, int rows, int64_t j, int64_t N, const float *bias,
