@@ -237,11 +237,12 @@ class CausalLMAdapter:
         A whole hit computes a prompt's last token again in a forward of one row, where the exact schedule
         computed it in a chunk of up to ``page_size`` rows; its logits are the same bits only where every
         operation gives each row what it would give it alone: products on the tile kernel (``native.TileWeight``,
-        up to ``native.TILE_PRODUCT_ROWS`` rows, all on one of its ways), attention on the chunk kernel (its row's sums in an order set
-        by key positions, not by where the chunk begins: ``native.chunk_attention``), every norm on the compiled
-        kernel, the gated MLPs' activation on the activation kernel (``native.silu_mul``), and no sliding window
-        (which would take attention off the chunk kernel past the window). The rest of the forward is element by
-        element (embeddings, rotary embedding, residual sums). Checked on the modules as installed."""
+        up to ``native.TILE_PRODUCT_ROWS`` rows, all on one of its ways), attention on the chunk kernel (its row's
+        sums in an order set by key positions, not by where the chunk begins: ``native.chunk_attention``), every
+        norm on the compiled kernel, the gated MLPs' activation on the activation kernel (``native.silu_mul``), and
+        no sliding window (which would take attention off the chunk kernel past the window). The rest of the
+        forward is element by element (embeddings, rotary embedding, residual sums). Checked on the modules as
+        installed."""
         if lib is None or self.device.type != "cpu":
             return "no compiled library for the CPU"
         if self.dtype != torch.bfloat16:
