@@ -27,7 +27,7 @@ def lib(native_kernel):
 def way(request, lib):
     """``vector_only`` for the way under test; the tile unit's way is skipped where it is not granted."""
     if request.param == native.CHUNK_TILES and native.chunk_way(lib, 64) is not native.CHUNK_TILES:
-        pytest.skip("the tile unit (AMX) is not granted on this CPU")
+        pytest.skip("the tile unit (AMX) is not granted on this CPU (or MMCACHE_TILE_UNIT=off)")
     return {"vector_only": request.param == native.CHUNK_VECTOR}
 
 

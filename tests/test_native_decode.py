@@ -141,6 +141,7 @@ def test_the_kernel_builds_where_the_machine_can_run_it(monkeypatch, fresh_state
             or not (wide or {"avx2", "fma"} <= flags)):
         pytest.skip("not Linux x86-64 with AVX-512 or AVX2, and a C compiler: the kernel is not expected to build")
     monkeypatch.setenv(native.ENV_CHOICE, "auto")
+    monkeypatch.setenv(native.ENV_TILES, "auto")  # a run with the tile unit switched off must still check it
     assert native.build().exists()
     lib = native.library()
     assert lib is not None and lib.lanes == (16 if wide else 8)

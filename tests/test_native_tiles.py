@@ -6,6 +6,7 @@ and more rows to oneDNN, the memory it lives in, and an engine on it that names 
 cache on and off. Everything but the layout needs a CPU with the tile unit (skipped elsewhere, with the reason)."""
 
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def tile_kernel(native_kernel):
     if not native.tile_products(native_kernel):
-        pytest.skip("no AMX tile unit here (or Linux does not grant it): the tile products do not run")
+        pytest.skip("no AMX tile unit here (or Linux does not grant it, or MMCACHE_TILE_UNIT=off): no tile products")
     if kernels.widened(torch.bfloat16):
         pytest.skip("oneDNN widens bfloat16 weights here")
     return native_kernel
@@ -36,7 +37,7 @@ def tile_weight(request, native_kernel):
     """``native.TileWeight`` on each of its ways in turn (each skipped where this CPU lacks it)."""
     way = request.param
     if way == native.PRODUCTS_TILES and not native.tile_products(native_kernel):
-        pytest.skip("no AMX tile unit here (or Linux does not grant it): the tile products do not run")
+        pytest.skip("no AMX tile unit here (or Linux does not grant it, or MMCACHE_TILE_UNIT=off): no tile products")
     if way == native.PRODUCTS_VECTOR and not native.vector_products(native_kernel):
         pytest.skip("no AVX-512 BF16 here: the vector way of the tile products does not run")
 
@@ -140,6 +141,7 @@ def test_the_two_ways_sum_in_their_own_orders(native_kernel):
 
 
 def test_the_tile_unit_can_be_switched_off_for_the_vector_ways(native_kernel, monkeypatch):
+    before = os.environ.get(native.ENV_TILES)  # the suite may itself run with the tile unit off
     monkeypatch.setenv(native.ENV_TILES, "sometimes")
     native.reset()
     try:
@@ -155,7 +157,10 @@ def test_the_tile_unit_can_be_switched_off_for_the_vector_ways(native_kernel, mo
         else:
             assert native.product_way(lib) is None
     finally:
-        monkeypatch.delenv(native.ENV_TILES)
+        if before is None:
+            monkeypatch.delenv(native.ENV_TILES)
+        else:
+            monkeypatch.setenv(native.ENV_TILES, before)
         native.reset()
     assert native.library().tiles == native_kernel.tiles  # the setting is read when the library is loaded
 
