@@ -6,7 +6,6 @@ and more rows to oneDNN, the memory it lives in, and an engine on it that names 
 cache on and off. Everything but the layout needs a CPU with the tile unit (skipped elsewhere, with the reason)."""
 
 import mmap
-import os
 
 import numpy as np
 import pytest
@@ -141,26 +140,22 @@ def test_the_two_ways_sum_in_their_own_orders(native_kernel):
 
 
 def test_the_tile_unit_can_be_switched_off_for_the_vector_ways(native_kernel, monkeypatch):
-    before = os.environ.get(native.ENV_TILES)  # the suite may itself run with the tile unit off
-    monkeypatch.setenv(native.ENV_TILES, "sometimes")
-    native.reset()
     try:
-        with pytest.raises(native.NativeConfigError, match="MMCACHE_TILE_UNIT"):
-            native.library()
-        monkeypatch.setenv(native.ENV_TILES, "off")
-        native.reset()
-        lib = native.library()
-        assert not lib.tiles and not native.tile_products(lib)
-        if native.vector_products(native_kernel):  # a CPU with AVX-512 BF16: its ways, as on one without tiles
-            assert native.product_way(lib) == native.PRODUCTS_VECTOR
-            assert native.chunk_way(lib, 64) == native.CHUNK_VECTOR
-        else:
-            assert native.product_way(lib) is None
+        with monkeypatch.context() as env:  # undone on leaving: the suite may itself run with the tile unit off
+            env.setenv(native.ENV_TILES, "sometimes")
+            native.reset()
+            with pytest.raises(native.NativeConfigError, match="MMCACHE_TILE_UNIT"):
+                native.library()
+            env.setenv(native.ENV_TILES, "off")
+            native.reset()
+            lib = native.library()
+            assert not lib.tiles and not native.tile_products(lib)
+            if native.vector_products(native_kernel):  # a CPU with AVX-512 BF16: its ways, as on one without tiles
+                assert native.product_way(lib) == native.PRODUCTS_VECTOR
+                assert native.chunk_way(lib, 64) == native.CHUNK_VECTOR
+            else:
+                assert native.product_way(lib) is None
     finally:
-        if before is None:
-            monkeypatch.delenv(native.ENV_TILES)
-        else:
-            monkeypatch.setenv(native.ENV_TILES, before)
         native.reset()
     assert native.library().tiles == native_kernel.tiles  # the setting is read when the library is loaded
 
