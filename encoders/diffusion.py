@@ -19,6 +19,9 @@ Invariants:
   end of ``__call__``), also when encoding or the pipeline fails, so entries in use are never evicted and a
   failed request holds nothing afterwards.
 * ``store=None`` runs the same code with every prompt encoded (the store-off baseline).
+* With ``position_biases`` (the default), a T5 or umT5 encoder's relative position biases come from the store
+  too (``position_bias.py``: the same values, computed once per length; held only during the forward that uses
+  them); with ``store=None`` the encoder computes them in every forward, as in the pipeline.
 * The adapters follow the pipeline's components: before each request an adapter whose text encoder or tokenizer
   is no longer the pipeline's (identity; ``register_modules``) is built again, and SD3's T5 adapter appears and
   disappears with ``text_encoder_3`` (without it, the pipeline's zeros). Changes inside a component are the
@@ -149,10 +152,14 @@ def _placement_state(module: torch.nn.Module) -> tuple:
 
 
 class _CachedPipeline(abc.ABC):
-    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
+    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
+                 position_biases: bool = True):
+        if not isinstance(position_biases, bool):
+            raise InvalidRequest(f"position_biases must be a bool, got {position_biases!r}")
         self.pipe = pipe
         self.store = store
         self.salt = salt
+        self.position_biases = position_biases  # T5-family relative position biases from the store too
         params = inspect.signature(type(pipe).__call__).parameters
         self._defaults = {name: p.default for name, p in params.items()}
         self._takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -237,8 +244,8 @@ class CachedWanPipeline(_CachedPipeline):
     512) is refused: WanPipeline itself sets no limit and would pad every prompt to it."""
 
     def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
-                 max_sequence_length_limit: int = T5_MAX_LENGTH):
-        super().__init__(pipe, store, salt)
+                 max_sequence_length_limit: int = T5_MAX_LENGTH, position_biases: bool = True):
+        super().__init__(pipe, store, salt, position_biases)
         self._max_length_limit = max_sequence_length_limit
         self.text = None
         self._follow_components()
@@ -246,7 +253,8 @@ class CachedWanPipeline(_CachedPipeline):
     def _follow_components(self) -> None:
         if not _follows(self.text, self.pipe.tokenizer, self.pipe.text_encoder):
             self.text = T5EncoderAdapter(self.pipe.tokenizer, self.pipe.text_encoder,
-                                         T5Recipe(attention_mask=True, trim_to_length=True), self._max_length_limit)
+                                         T5Recipe(attention_mask=True, trim_to_length=True), self._max_length_limit,
+                                         self.position_biases)
 
     def _text_encoders(self):
         return [self.pipe.text_encoder]
@@ -287,8 +295,9 @@ class CachedWanPipeline(_CachedPipeline):
 class CachedSD3Pipeline(_CachedPipeline):
     """``StableDiffusion3Pipeline`` with CLIP-L, CLIP-G and T5 outputs (positive and negative) from the store."""
 
-    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b""):
-        super().__init__(pipe, store, salt)
+    def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
+                 position_biases: bool = True):
+        super().__init__(pipe, store, salt, position_biases)
         self.clip: list = [None, None]
         self.t5 = None
         self._follow_components()
@@ -303,7 +312,8 @@ class CachedSD3Pipeline(_CachedPipeline):
             self.t5 = None
         elif not _follows(self.t5, pipe.tokenizer_3, pipe.text_encoder_3):
             self.t5 = T5EncoderAdapter(pipe.tokenizer_3, pipe.text_encoder_3,
-                                       T5Recipe(attention_mask=False, trim_to_length=False))
+                                       T5Recipe(attention_mask=False, trim_to_length=False),
+                                       position_biases=self.position_biases)
 
     def _text_encoders(self):
         return [m for m in (self.pipe.text_encoder, self.pipe.text_encoder_2, self.pipe.text_encoder_3) if m]

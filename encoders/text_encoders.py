@@ -17,7 +17,9 @@ Invariants:
 * A ``TokenizedPrompt`` holds exactly ``max_length`` ids: a max length too short for the tokenizer's special
   tokens (CLIP's two), which the tokenizer would answer untruncated, is refused with ``InvalidRequest``.
 * One prompt is one encoder forward of batch 1, the same shape whether the store is on or off, so the store
-  changes which forwards run, never their bits.
+  changes which forwards run, never their bits. With a store, a T5 or umT5 adapter also takes the encoder's
+  relative position biases from it (``position_bias.py``, ``position_biases=False`` to keep prompt outputs
+  only): where a bias comes from changes, its values do not.
 * Outputs are what the pipeline holds right after its encoder call (cast as the pipeline casts, trimmed where
   it trims) and are checked against the adapter's ``OutputSpec`` before they are stored; a tensor of another
   shape or dtype is refused with ``StoreEntryRejected`` and nothing is stored.
@@ -47,6 +49,7 @@ tokenizes it.
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import threading
 import time
@@ -65,6 +68,8 @@ from mmcache.checks import positive_int, unicode_text
 from mmcache.errors import InvalidRequest
 from mmcache.names import TOKEN_DTYPE, canonical_encoding
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
+
+from .position_bias import PositionBiases
 
 ADAPTER_VERSION = 1
 # The longest max_length a T5-family adapter takes unless told otherwise: eight times the 512 tokens Wan and SD3
@@ -529,7 +534,9 @@ class TextEncoderAdapter(abc.ABC):
         spec = self.spec(tokens, selector, dtype)
 
         def compute():
-            return self.forward(tokens, selector), {"tokens": tokens.token_bytes(), "length": tokens.length}
+            with self._serving(store, fingerprint, salt, tokens):
+                outputs = self.forward(tokens, selector)
+            return outputs, {"tokens": tokens.token_bytes(), "length": tokens.length}
 
         if store is None:
             outputs, meta = compute()
@@ -542,6 +549,10 @@ class TextEncoderAdapter(abc.ABC):
             spec.check(key, outputs)
             return Lease(key, outputs, meta, hit=False, bypassed=True)
         return lease
+
+    def _serving(self, store: EncoderOutputStore | None, fingerprint: str, salt, tokens: TokenizedPrompt):
+        """What the store serves inside one forward besides its outputs (nothing here; T5's position biases)."""
+        return contextlib.nullcontext()
 
     @property
     def device(self) -> torch.device:
@@ -566,12 +577,21 @@ class T5EncoderAdapter(TextEncoderAdapter):
     """``T5EncoderModel`` / ``UMT5EncoderModel``: one output, ``hidden`` = last hidden state. Relative position
     buckets set no length limit of their own; ``max_length_limit`` (default ``T5_MAX_LENGTH``) does."""
 
-    def __init__(self, tokenizer, model, recipe: T5Recipe, max_length_limit: int = T5_MAX_LENGTH):
+    def __init__(self, tokenizer, model, recipe: T5Recipe, max_length_limit: int = T5_MAX_LENGTH,
+                 position_biases: bool = True):
         if not isinstance(recipe, T5Recipe):
             raise InvalidRequest(f"recipe must be a T5Recipe, got {type(recipe).__name__}")
+        if not isinstance(position_biases, bool):
+            raise InvalidRequest(f"position_biases must be a bool, got {position_biases!r}")
         super().__init__(tokenizer, model, {"kind": "t5", "attention_mask": recipe.attention_mask,
                                             "trim_to_length": recipe.trim_to_length}, max_length_limit)
         self.recipe = recipe
+        self.position_biases = PositionBiases(model) if position_biases else None
+
+    def _serving(self, store, fingerprint, salt, tokens):
+        if store is None or self.position_biases is None:
+            return contextlib.nullcontext()
+        return self.position_biases.serving(store, fingerprint, salt, tokens.max_length)
 
     def spec(self, tokens, selector, dtype) -> OutputSpec:
         rows = tokens.length if self.recipe.trim_to_length else tokens.max_length

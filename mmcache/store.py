@@ -243,6 +243,11 @@ class EncoderOutputStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[bytes]:
+        """The keys of the entries stored now, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
     def acquire(self, key: bytes) -> Lease | None:
         """A held lease on the entry for ``key``, or None on a miss. Counts a lookup."""
         key = _check_key(key)

@@ -33,7 +33,10 @@ def test_a_tiny_run_reports_exact_calls_and_identical_outputs():
         assert r["off"]["text_encoder_calls_per_encoder"] == [2 * 5] * encoders
         assert r["on"]["bit_identical"] and r["targets"]["calls_met"]
         assert r["targets"]["store_off_matches_pipeline_encode"]
-        assert r["on"]["store"]["computes"] == (unique + 1) * encoders
+        # every umT5 layer has a bias table, SD3's T5 one (layer 0's): each computed once, then served per forward
+        owners = diffusion.BENCH_UMT5.num_layers if mode == "t2v" else 1
+        assert r["on"]["position_biases"] == {"on": True, "served": (unique + 1) * owners, "computed": owners}
+        assert r["on"]["store"]["computes"] == (unique + 1) * encoders + owners
         assert r["on"]["tokenizations"] == (unique + 1) * encoders  # each text once per adapter
         assert r["on"]["tokenization_memo_hits"] == (2 * 5 - unique - 1) * encoders
         assert r["targets"]["text_encoder_time_cut_runs"] == [r["targets"]["text_encoder_time_cut"]]  # one run
@@ -102,4 +105,4 @@ def test_both_sides_are_warmed_alike_by_throwaway_wrappers(monkeypatch):
     assert {kind for kind, _, _ in rest} == {"timed"} and not ids(warm) & ids(rest)
     per_run = [ids(rest[:6]), ids(rest[6:])]
     assert len(per_run[0]) == len(per_run[1]) == 2 and not per_run[0] & per_run[1]  # fresh wrappers per run
-    assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1
+    assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1 + r["on"]["position_biases"]["computed"]

@@ -65,7 +65,8 @@ def test_wan_store_on_and_off_are_bit_identical_and_match_the_pipeline(wan):
         latents_on, latents_off = frames(on, prompt, seed=i), frames(off, prompt, seed=i)
         assert torch.equal(latents_on, latents_off)
         assert torch.equal(latents_on, frames(wan, prompt, seed=i))
-    assert on.store.metrics.hits == 3  # the repeat and two negatives
+    biases = on.text.position_biases  # umT5's, one per layer, computed once and served to every later forward
+    assert on.store.metrics.hits == 3 + biases.served - biases.computed  # the repeat and two negatives
     decoded = [frames(c, STREAM[2], output_type="np") for c in (on, off, wan)]
     assert decoded[0].shape == (1, 5, 16, 16, 3)
     assert torch.equal(decoded[0], decoded[1]) and torch.equal(decoded[0], decoded[2])
@@ -99,7 +100,8 @@ def test_wan_encodes_each_unique_prompt_once_and_the_negative_once(wan):
                 with call.prepare(prompt, NEG, **WAN_ARGS):
                     pass
         assert fc.total == expected
-    assert on.store.metrics.computes == len(set(STREAM)) + 1
+    assert on.store.metrics.computes == len(set(STREAM)) + 1 + on.text.position_biases.computed
+    assert on.text.position_biases.computed == wan.text_encoder.config.num_layers  # one text length
 
 
 def test_sd3_encodes_each_unique_prompt_once_per_encoder(sd3):
@@ -170,9 +172,10 @@ def test_entries_are_held_during_the_call_and_released_after(wan):
 
 def test_a_failing_pipeline_call_releases_every_lease(wan):
     store = EncoderOutputStore(1 << 24)
+    wrapper = CachedWanPipeline(wan, store)
     with pytest.raises(ValueError):  # the pipeline refuses a height that is not a multiple of 16
-        CachedWanPipeline(wan, store)(PROMPTS[0], negative_prompt=NEG, **dict(WAN_ARGS, height=20))
-    assert store.metrics.inserts == 2
+        wrapper(PROMPTS[0], negative_prompt=NEG, **dict(WAN_ARGS, height=20))
+    assert store.metrics.inserts == 2 + wrapper.text.position_biases.computed
     store.check_invariants()
     assert nothing_held(store)
 
@@ -189,7 +192,7 @@ def test_a_failing_negative_encode_releases_the_positive(wan, monkeypatch):
     monkeypatch.setattr(on.text, "forward", bad_for_negative)
     with pytest.raises(StoreEntryRejected):
         on.prepare("a red fox", NEG, **WAN_ARGS)
-    assert len(store) == 1 and store.metrics.inserts == 1
+    assert len(store) == store.metrics.inserts == 1 + on.text.position_biases.computed
     assert nothing_held(store)
 
 

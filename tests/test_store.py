@@ -39,8 +39,12 @@ def test_hit_after_compute_and_lease_holds_until_released():
             assert second.hit and second.outputs["features"] is first.outputs["features"]
             assert store.held(key(1)) == 2
     assert store.held(key(1)) == 0 and len(calls) == 1
+    store.get_or_compute(key(2), lambda: entry(10)).release()
+    assert store.keys() == [key(1), key(2)]
+    store.acquire(key(1)).release()
+    assert store.keys() == [key(2), key(1)]  # least recently used first
     m = store.metrics
-    assert (m.lookups, m.hits, m.computes, m.inserts, m.bytes) == (2, 1, 1, 1, 40)
+    assert (m.lookups, m.hits, m.computes, m.inserts, m.bytes) == (4, 2, 2, 2, 80)
 
 
 def test_budget_lru_held_entries_and_bypass_under_churn():
