@@ -5,7 +5,8 @@ layer's bias table and the two lengths alone, never from the prompt. umT5 makes 
 one per forward (layer 0's, handed down to the other layers), and the pipelines pad every prompt to one length
 (Wan to 512), so every forward makes the same tensors again: it buckets the q x k relative positions, gathers
 the table into a view whose heads are its innermost dimension in memory, and adds that strided view to the
-scores of every layer. On the bench's umT5 this is about a third of a forward (RESULTS.md, diffusion section).
+scores of every layer. That was 39% of the bench umT5's forward and 21-34% of a umT5-XXL layer's in bfloat16 on
+the development CPU (RESULTS.md, diffusion section).
 
 ``PositionBiases(model)`` serves them from the store: inside ``with biases.serving(store, fingerprint, salt,
 length):`` the ``compute_bias`` of every attention module that owns a bias table returns the stored tensor,

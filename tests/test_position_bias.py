@@ -262,3 +262,26 @@ def test_switched_off_the_wrappers_store_prompt_outputs_only():
     store = EncoderOutputStore(1 << 26)
     CachedSD3Pipeline(pipe, store).prepare("a red fox", "blurry").release()
     assert len(store) == 7  # and T5's one bias at its text length
+
+
+def test_biases_and_prompt_outputs_churn_together_under_a_tight_budget():
+    pipe = tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+
+    neg, pool = wan_negative_prompt(), parti_prompts()[300:312]
+    need = PositionBiases(pipe.text_encoder).forward_bytes(64)
+    store = EncoderOutputStore(need * BUDGET_SHARE)  # the biases of one length at most a quarter of it
+    on, off = CachedWanPipeline(pipe, store), CachedWanPipeline(pipe, None)
+    lengths = range(40, 65, 4)  # seven lengths: their biases alone exceed the budget, so entries are evicted
+    assert sum(PositionBiases(pipe.text_encoder).forward_bytes(n) for n in lengths) > store.budget_bytes
+    for i in range(30):
+        length = lengths[i % len(lengths)]
+        prompt = pool[(i * 7) % len(pool)]
+        with on.prepare(prompt, neg, max_sequence_length=length) as call, \
+                off.prepare(prompt, neg, max_sequence_length=length) as ref:
+            for name in ("prompt_embeds", "negative_prompt_embeds"):
+                assert torch.equal(call.kwargs[name], ref.kwargs[name])
+        store.check_invariants()
+        assert all(store.held(key) == 0 for key in store.keys())
+    assert store.metrics.evictions > 0 and on.text.position_biases.computed > pipe.text_encoder.config.num_layers
