@@ -106,3 +106,14 @@ def test_both_sides_are_warmed_alike_by_throwaway_wrappers(monkeypatch):
     per_run = [ids(rest[:6]), ids(rest[6:])]
     assert len(per_run[0]) == len(per_run[1]) == 2 and not per_run[0] & per_run[1]  # fresh wrappers per run
     assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1 + r["on"]["position_biases"]["computed"]
+
+
+def test_without_position_biases_the_store_keeps_prompt_outputs_only():
+    args = bench_parser("diffusion", diffusion).parse_args(
+        ["--requests", "3", "--runs", "1", "--steps", "1", "--no-estimate", "--zipf", "3", "--modes", "t2v",
+         "--no-position-biases"])
+    result = diffusion.run(args)
+    r = result["t2v"]
+    assert result["config"]["position_biases"] is False
+    assert r["on"]["position_biases"] == {"on": False, "served": 0, "computed": 0}
+    assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1 and r["on"]["bit_identical"]
