@@ -22,7 +22,8 @@ adapter sees it (``tokenizations``: the tokenization memos' misses) and keys hit
 ``text_encoder_calls`` counts real encoder forwards, all encoders together (forward hooks). With the store on,
 umT5's and T5's relative position biases come from the store too (``encoders/position_bias.py``; off with
 ``--no-position-biases``): ``position_biases`` counts the bias calls served and the biases computed (the last
-run's), and the store's ``computes`` counts those biases beside the prompt outputs.
+run's); the store's metrics (``store``) count them under ``kinds.position_bias``, prompt outputs under
+``kinds.output``, and both in the totals.
 ``forward_cost_ratio`` pairs the forwards by request: for each request that ran a forward with the store on,
 its store-on seconds per forward over the same request's store-off seconds per forward, then the median; the
 forward-time cut at that cost (``text_encoder_paired_forward_time_cut``) is the summed forward cut's

@@ -20,6 +20,8 @@ Invariants:
 * Key = ``store_key(encoder fingerprint, digest(module path, query length, key length, device), salt)``. The
   fingerprint covers the bias tables and the bucket settings (state dict and config), so a changed table or
   setting never reuses an old bias; different salts share no entry, as for every other output.
+* Bias entries are of kind ``"position_bias"`` (``KIND``): ``store.metrics.kinds["output"]`` still counts
+  prompt outputs alone.
 * Every bias entry a forward uses is held from its first use to the end of the ``serving`` block, then released,
   also when the forward raises: the store never evicts a bias in use, and a failed forward holds nothing after.
 * Biases are served only while all of one forward's biases take at most a quarter of the store's budget
@@ -46,6 +48,7 @@ from mmcache.names import canonical_encoding
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 BUDGET_SHARE = 4  # biases are served while one forward's biases take at most 1 / BUDGET_SHARE of the budget
+KIND = "position_bias"  # the store entries' kind: the store's metrics count them apart from prompt outputs
 _COMPUTE_BIAS_PARAMETERS = ("query_length", "key_length", "device", "past_seen_tokens")
 _INSTALL_LOCK = threading.Lock()  # installing and removing a module's dispatch
 _SERVED_CLASSES: dict[type, bool] = {}  # class -> whether its compute_bias is served (_served_class)
@@ -97,7 +100,7 @@ class _Serving:
             self.owner._count(computed=1)
             return {"bias": own(query_length, key_length, device, 0)}, {}
 
-        lease = self.store.get_or_compute(key, compute, spec)
+        lease = self.store.get_or_compute(key, compute, spec, kind=KIND)
         self.leases.append(lease)
         self.owner._count(served=1)
         return lease.outputs["bias"]

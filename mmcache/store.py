@@ -8,6 +8,9 @@ count, grid sizes, ...).
 Invariants (``check_invariants``):
 
 * ``bytes`` equals the sum of the entries' tensor bytes and never exceeds ``budget_bytes``.
+* Every entry has a kind (``"output"`` unless the host says otherwise, e.g. ``"position_bias"``);
+  ``metrics`` counts all entries and ``metrics.kinds[kind]`` each kind's, whose bytes and entries equal its
+  entries' own.
 * An entry is held while any lease on it is open; held entries are never evicted. Eviction is least recently
   used among unheld entries.
 * An entry that cannot fit (larger than the budget, or the budget is pinned by held entries) bypasses the
@@ -99,6 +102,10 @@ def _declaration(declared) -> bool:
 
 @dataclass
 class StoreMetrics:
+    """Counts over every entry; ``kinds`` holds the same counts per kind of entry (``"output"``, the default, and
+    whatever else a host stores, such as ``"position_bias"``), so a hit rate can be read for prompt outputs
+    alone."""
+
     lookups: int = 0
     hits: int = 0
     computes: int = 0  # encoder runs made through get_or_compute
@@ -109,9 +116,17 @@ class StoreMetrics:
     bytes: int = 0
     peak_bytes: int = 0
     entries: int = 0
+    kinds: dict = field(default_factory=dict)  # kind -> StoreMetrics of that kind (whose own kinds stay empty)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "kinds"}
+        if self.kinds:
+            out["kinds"] = {kind: m.as_dict() for kind, m in self.kinds.items()}
+        return out
+
+    def kind(self, kind: str) -> "StoreMetrics":
+        """The counts of one kind of entry (all zero for a kind never seen)."""
+        return self.kinds.get(kind) or StoreMetrics()
 
 
 @dataclass
@@ -119,6 +134,7 @@ class _Entry:
     outputs: Mapping  # read-only views, handed to every lease
     meta: Mapping
     nbytes: int
+    kind: str
     holders: set = field(default_factory=set)  # the hold tokens of the open leases
 
     @property
@@ -221,6 +237,12 @@ def _plain(value: object, depth: int = 0) -> bool:
     return False
 
 
+def _check_kind(kind) -> str:
+    if not isinstance(kind, str) or not kind:
+        raise InvalidRequest(f"an entry kind must be a non-empty str, got {kind!r}")
+    return kind
+
+
 def _nbytes(outputs: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in outputs.values())
 
@@ -248,11 +270,23 @@ class EncoderOutputStore:
         with self._lock:
             return list(self._entries)
 
-    def acquire(self, key: bytes) -> Lease | None:
-        """A held lease on the entry for ``key``, or None on a miss. Counts a lookup."""
+    def _count(self, kind: str, **deltas: int) -> None:
+        """Add ``deltas`` to the total counts and to ``kind``'s (under the lock)."""
+        per_kind = self.metrics.kinds.get(kind)
+        if per_kind is None:
+            per_kind = self.metrics.kinds[kind] = StoreMetrics()
+        for counts in (self.metrics.__dict__, per_kind.__dict__):  # on every lookup: no attribute protocol
+            for name, delta in deltas.items():
+                counts[name] += delta
+            if "bytes" in deltas:
+                counts["peak_bytes"] = max(counts["peak_bytes"], counts["bytes"])
+
+    def acquire(self, key: bytes, kind: str = "output") -> Lease | None:
+        """A held lease on the entry for ``key``, or None on a miss. Counts a lookup of ``kind``."""
         key = _check_key(key)
+        _check_kind(kind)
         with self._lock:
-            self.metrics.lookups += 1
+            self._count(kind, lookups=1)
             return self._hold(key)
 
     def _hold(self, key: bytes) -> Lease | None:
@@ -262,17 +296,19 @@ class EncoderOutputStore:
         token = next(_HOLD_TOKENS)
         e.holders.add(token)
         self._entries.move_to_end(key)
-        self.metrics.hits += 1
+        self._count(e.kind, hits=1)
         return Lease(key, e.outputs, e.meta, hit=True, _store=self, _hold=token)
 
     def put(self, key: bytes, outputs: Mapping[str, torch.Tensor], meta: Mapping | None = None,
-            spec: OutputSpec | None = None) -> Lease:
-        """Store outputs under ``key`` (validated against ``spec``) and return a held lease on them.
+            spec: OutputSpec | None = None, kind: str = "output") -> Lease:
+        """Store outputs under ``key`` (validated against ``spec``) as an entry of ``kind`` (what the metrics
+        count it as) and return a held lease on them.
 
         If an entry already exists it is kept and returned. If the outputs cannot fit, the lease carries
         them with ``bypassed=True`` and nothing is stored.
         """
         key = _check_key(key)
+        _check_kind(kind)
         if not isinstance(outputs, Mapping) or not outputs:
             raise StoreEntryRejected(key.hex(), "outputs must be a non-empty mapping of name to tensor")
         if not all(isinstance(name, str) for name in outputs):
@@ -282,8 +318,8 @@ class EncoderOutputStore:
             if not isinstance(t, torch.Tensor):
                 raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
             if t.layout != torch.strided or t.is_nested:  # no single storage to count (sparse, nested)
-                kind = "nested" if t.is_nested else str(t.layout)
-                raise StoreEntryRejected(key.hex(), f"output {name!r} is a {kind} tensor, not a strided one")
+                what = "nested" if t.is_nested else str(t.layout)
+                raise StoreEntryRejected(key.hex(), f"output {name!r} is a {what} tensor, not a strided one")
         if spec is not None:
             spec.check(key, outputs)
         if meta is not None and not isinstance(meta, Mapping):
@@ -297,18 +333,14 @@ class EncoderOutputStore:
         with self._lock:
             lease = self._hold(key)
             if lease is not None:
-                self.metrics.hits -= 1  # not a lookup hit: a racing insert of the same key
+                self._count(self._entries[key].kind, hits=-1)  # not a lookup hit: a racing insert of the same key
                 return lease
             if size > self.budget_bytes or not self._make_room(size):
-                self.metrics.bypasses += 1
+                self._count(kind, bypasses=1)
                 return Lease(key, outs, meta, hit=False, bypassed=True)
             token = next(_HOLD_TOKENS)
-            self._entries[key] = _Entry(outs, meta, size, {token})
-            m = self.metrics
-            m.inserts += 1
-            m.bytes += size
-            m.entries = len(self._entries)
-            m.peak_bytes = max(m.peak_bytes, m.bytes)
+            self._entries[key] = _Entry(outs, meta, size, kind, {token})
+            self._count(kind, inserts=1, bytes=size, entries=1)
             return Lease(key, outs, meta, hit=False, _store=self, _hold=token)
 
     def _make_room(self, size: int) -> bool:
@@ -322,15 +354,13 @@ class EncoderOutputStore:
             if self.budget_bytes - self.metrics.bytes >= size:
                 break
             e = self._entries.pop(k)
-            self.metrics.bytes -= e.nbytes
-            self.metrics.evictions += 1
-            self.metrics.evicted_bytes += e.nbytes
-        self.metrics.entries = len(self._entries)
+            self._count(e.kind, bytes=-e.nbytes, entries=-1, evictions=1, evicted_bytes=e.nbytes)
         return True
 
     def get_or_compute(self, key: bytes, compute: Callable[[], tuple[Mapping[str, torch.Tensor], Mapping]],
-                       spec: OutputSpec | None = None) -> Lease:
-        """The held entry for ``key``, running ``compute() -> (outputs, meta)`` on a miss.
+                       spec: OutputSpec | None = None, kind: str = "output") -> Lease:
+        """The held entry for ``key``, running ``compute() -> (outputs, meta)`` on a miss and storing the result
+        as an entry of ``kind``.
 
         Concurrent callers with the same key wait for one computation. An exception from ``compute``
         propagates to its caller and stores nothing. A malformed key or spec is refused before anything is
@@ -338,9 +368,10 @@ class EncoderOutputStore:
         """
         key = _check_key(key)
         _check_spec(spec)
+        _check_kind(kind)
         while True:
             with self._lock:
-                self.metrics.lookups += 1
+                self._count(kind, lookups=1)
                 lease = self._hold(key)
                 if lease is not None:
                     return lease
@@ -351,17 +382,17 @@ class EncoderOutputStore:
             waiting.done.wait()
             with self._lock:
                 if waiting.bypassed is not None:  # computed but not stored: the same outputs, not a second run
-                    self.metrics.bypasses += 1
+                    self._count(kind, bypasses=1)
                     return Lease(key, *waiting.bypassed, hit=False, bypassed=True)
-                self.metrics.lookups -= 1  # the retry counts as one lookup, not two
+                self._count(kind, lookups=-1)  # the retry counts as one lookup, not two
         try:
             result = compute()
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise StoreEntryRejected(key.hex(), f"compute must return (outputs, meta), got {type(result).__name__}")
             outputs, meta = result
             with self._lock:
-                self.metrics.computes += 1
-            lease = self.put(key, outputs, meta, spec)
+                self._count(kind, computes=1)
+            lease = self.put(key, outputs, meta, spec, kind)
             if lease.bypassed:
                 flight.bypassed = (lease.outputs, lease.meta)
             return lease
@@ -389,3 +420,12 @@ class EncoderOutputStore:
                 raise AssertionError(f"store holds {total} bytes over its budget {self.budget_bytes}")
             if any(not isinstance(e.outputs, MappingProxyType) for e in self._entries.values()):
                 raise AssertionError("an entry's outputs are not a read-only mapping")
+            if self.metrics.entries != len(self._entries):
+                raise AssertionError(f"entries counter {self.metrics.entries} differs from {len(self._entries)}")
+            for kind, m in self.metrics.kinds.items():
+                held = [e for e in self._entries.values() if e.kind == kind]
+                if (m.bytes, m.entries) != (sum(e.nbytes for e in held), len(held)):
+                    raise AssertionError(f"kind {kind!r} counts {m.bytes} bytes in {m.entries} entries, its "
+                                         f"entries hold {sum(e.nbytes for e in held)} in {len(held)}")
+            if any(e.kind not in self.metrics.kinds for e in self._entries.values()):
+                raise AssertionError("an entry's kind has no counts")

@@ -36,7 +36,8 @@ def test_a_tiny_run_reports_exact_calls_and_identical_outputs():
         # every umT5 layer has a bias table, SD3's T5 one (layer 0's): each computed once, then served per forward
         owners = diffusion.BENCH_UMT5.num_layers if mode == "t2v" else 1
         assert r["on"]["position_biases"] == {"on": True, "served": (unique + 1) * owners, "computed": owners}
-        assert r["on"]["store"]["computes"] == (unique + 1) * encoders + owners
+        kinds = r["on"]["store"]["kinds"]
+        assert kinds["output"]["computes"] == (unique + 1) * encoders and kinds["position_bias"]["computes"] == owners
         assert r["on"]["tokenizations"] == (unique + 1) * encoders  # each text once per adapter
         assert r["on"]["tokenization_memo_hits"] == (2 * 5 - unique - 1) * encoders
         assert r["targets"]["text_encoder_time_cut_runs"] == [r["targets"]["text_encoder_time_cut"]]  # one run
@@ -105,7 +106,7 @@ def test_both_sides_are_warmed_alike_by_throwaway_wrappers(monkeypatch):
     assert {kind for kind, _, _ in rest} == {"timed"} and not ids(warm) & ids(rest)
     per_run = [ids(rest[:6]), ids(rest[6:])]
     assert len(per_run[0]) == len(per_run[1]) == 2 and not per_run[0] & per_run[1]  # fresh wrappers per run
-    assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1 + r["on"]["position_biases"]["computed"]
+    assert r["on"]["store"]["kinds"]["output"]["computes"] == r["stream"]["unique_prompts"] + 1
 
 
 def test_without_position_biases_the_store_keeps_prompt_outputs_only():
@@ -117,3 +118,4 @@ def test_without_position_biases_the_store_keeps_prompt_outputs_only():
     assert result["config"]["position_biases"] is False
     assert r["on"]["position_biases"] == {"on": False, "served": 0, "computed": 0}
     assert r["on"]["store"]["computes"] == r["stream"]["unique_prompts"] + 1 and r["on"]["bit_identical"]
+    assert list(r["on"]["store"]["kinds"]) == ["output"]

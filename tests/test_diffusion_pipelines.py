@@ -65,8 +65,9 @@ def test_wan_store_on_and_off_are_bit_identical_and_match_the_pipeline(wan):
         latents_on, latents_off = frames(on, prompt, seed=i), frames(off, prompt, seed=i)
         assert torch.equal(latents_on, latents_off)
         assert torch.equal(latents_on, frames(wan, prompt, seed=i))
+    assert on.store.metrics.kinds["output"].hits == 3  # the repeat and two negatives
     biases = on.text.position_biases  # umT5's, one per layer, computed once and served to every later forward
-    assert on.store.metrics.hits == 3 + biases.served - biases.computed  # the repeat and two negatives
+    assert on.store.metrics.kinds["position_bias"].hits == biases.served - biases.computed > 0
     decoded = [frames(c, STREAM[2], output_type="np") for c in (on, off, wan)]
     assert decoded[0].shape == (1, 5, 16, 16, 3)
     assert torch.equal(decoded[0], decoded[1]) and torch.equal(decoded[0], decoded[2])
@@ -100,8 +101,8 @@ def test_wan_encodes_each_unique_prompt_once_and_the_negative_once(wan):
                 with call.prepare(prompt, NEG, **WAN_ARGS):
                     pass
         assert fc.total == expected
-    assert on.store.metrics.computes == len(set(STREAM)) + 1 + on.text.position_biases.computed
-    assert on.text.position_biases.computed == wan.text_encoder.config.num_layers  # one text length
+    assert on.store.metrics.kinds["output"].computes == len(set(STREAM)) + 1
+    assert on.store.metrics.kinds["position_bias"].computes == wan.text_encoder.config.num_layers  # one length
 
 
 def test_sd3_encodes_each_unique_prompt_once_per_encoder(sd3):
@@ -175,7 +176,7 @@ def test_a_failing_pipeline_call_releases_every_lease(wan):
     wrapper = CachedWanPipeline(wan, store)
     with pytest.raises(ValueError):  # the pipeline refuses a height that is not a multiple of 16
         wrapper(PROMPTS[0], negative_prompt=NEG, **dict(WAN_ARGS, height=20))
-    assert store.metrics.inserts == 2 + wrapper.text.position_biases.computed
+    assert store.metrics.kind("output").inserts == 2
     store.check_invariants()
     assert nothing_held(store)
 
@@ -192,7 +193,7 @@ def test_a_failing_negative_encode_releases_the_positive(wan, monkeypatch):
     monkeypatch.setattr(on.text, "forward", bad_for_negative)
     with pytest.raises(StoreEntryRejected):
         on.prepare("a red fox", NEG, **WAN_ARGS)
-    assert len(store) == store.metrics.inserts == 1 + on.text.position_biases.computed
+    assert store.metrics.kind("output").inserts == store.metrics.kind("output").entries == 1
     assert nothing_held(store)
 
 

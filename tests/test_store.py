@@ -265,3 +265,40 @@ def test_a_lease_cannot_repoint_the_entry_and_a_copy_releases_nothing_more():
     second.release()
     assert store.held(key(1)) == 0 and store.acquire(key(1)).meta["placeholders"] == 4
     store.check_invariants()
+
+
+def test_metrics_count_each_kind_of_entry_apart():
+    store = EncoderOutputStore(400)  # ten entries of 40 bytes
+    store.get_or_compute(key("bias"), lambda: entry(10), kind="position_bias").release()
+    for i in range(12):  # outputs push the unheld bias out first (least recently used), then each other
+        store.get_or_compute(key(i), lambda: entry(10)).release()
+    store.acquire(key(11)).release()
+    assert store.acquire(key("bias"), kind="position_bias") is None
+    out, bias = store.metrics.kinds["output"], store.metrics.kinds["position_bias"]
+    assert (out.lookups, out.hits, out.computes, out.inserts, out.entries, out.bytes) == (13, 1, 12, 12, 10, 400)
+    assert (bias.lookups, bias.computes, bias.evictions, bias.evicted_bytes, bias.entries, bias.bytes) == \
+        (2, 1, 1, 40, 0, 0)
+    assert out.evictions == 2 and store.metrics.evictions == 3 and store.metrics.entries == 10
+    assert bias.peak_bytes == 40 and store.metrics.peak_bytes == 400
+    d = store.metrics.as_dict()
+    assert d["kinds"]["output"]["computes"] == 12 and "kinds" not in d["kinds"]["output"]
+    assert store.metrics.kind("never").computes == 0
+    store.check_invariants()
+
+
+def test_a_held_entry_too_big_bypasses_under_its_own_kind_and_bad_kinds_are_refused():
+    store = EncoderOutputStore(40)
+    held = store.get_or_compute(key(1), lambda: entry(10))
+    lease = store.get_or_compute(key(2), lambda: entry(10), kind="position_bias")
+    assert lease.bypassed and store.metrics.kinds["position_bias"].bypasses == 1
+    assert store.metrics.kinds["output"].bypasses == 0
+    held.release()
+    for bad in ("", None, 3):
+        with pytest.raises(InvalidRequest):
+            store.get_or_compute(key(3), lambda: entry(1), kind=bad)
+        with pytest.raises(InvalidRequest):
+            store.acquire(key(3), kind=bad)
+        with pytest.raises(InvalidRequest):
+            store.put(key(3), *entry(1), kind=bad)
+    assert len(store) == 1
+    store.check_invariants()

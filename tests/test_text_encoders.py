@@ -142,15 +142,16 @@ def test_equal_text_at_different_max_lengths_never_collides(wan):
     adapter, store = wan_adapter(wan), EncoderOutputStore(1 << 24)
     with ForwardCounter(wan.text_encoder) as fc:
         leases = [adapter.encode("a red fox", n, store) for n in (16, 32, 16, 32, 64)]
-    biases = adapter.position_biases
-    assert fc.total == 3 and len(store) == 3 + biases.computed  # and the position biases of each length
+    outputs = store.metrics.kinds["output"]
+    assert fc.total == 3 and outputs.entries == 3 and len(store) == 3 + adapter.position_biases.computed
     assert len({lease.key for lease in leases}) == 3 and all(lease.key in store for lease in leases)
     for lease in leases:  # trimmed outputs own exactly their bytes, which is what the store's budget counts
         hidden = lease.outputs["hidden"]
         assert hidden.untyped_storage().nbytes() == hidden.numel() * hidden.element_size()
     row_bytes = wan.text_encoder.config.d_model * 4
-    assert store.metrics.bytes == (sum(adapter.tokenize("a red fox", n).length for n in (16, 32, 64)) * row_bytes
-                                   + sum(biases.forward_bytes(n) for n in (16, 32, 64)))
+    assert outputs.bytes == sum(adapter.tokenize("a red fox", n).length for n in (16, 32, 64)) * row_bytes
+    assert store.metrics.kinds["position_bias"].bytes == sum(adapter.position_biases.forward_bytes(n)
+                                                             for n in (16, 32, 64))
     assert [lease.hit for lease in leases] == [False, False, True, True, False]
     for lease in leases:
         lease.release()
@@ -245,7 +246,8 @@ def test_an_encoder_returning_the_wrong_dtype_is_refused_and_stores_nothing(wan,
         with pytest.raises(StoreEntryRejected):
             adapter.encode("a red fox", 16, target)
     # no output stored; the position biases the forward used stay, unheld (they are the model's, not the prompt's)
-    assert len(store) == store.metrics.inserts == adapter.position_biases.computed
+    assert store.metrics.kind("output").inserts == 0
+    assert len(store) == store.metrics.kind("position_bias").entries == adapter.position_biases.computed
     assert all(store.held(key) == 0 for key in store.keys())
     monkeypatch.setattr(adapter, "forward", real)
     with adapter.encode("a red fox", 16, store) as lease:  # the next caller computes afresh
