@@ -19,6 +19,11 @@ Invariants:
   end of ``__call__``), also when encoding or the pipeline fails, so entries in use are never evicted and a
   failed request holds nothing afterwards.
 * ``store=None`` runs the same code with every prompt encoded (the store-off baseline).
+* The salt is per call: ``prepare`` and ``__call__`` take ``cache_salt=`` (bytes or str, at most
+  ``names.MAX_SALT_BYTES``), the wrapper's own ``salt`` when it is None. It reaches every store entry the call
+  uses (prompt and negative-prompt outputs, position biases) and the tokenization memos, so one wrapper serves
+  many tenants without fingerprinting the text encoders again, and two salts share no entry and no hit. A bad
+  salt is refused with ``InvalidRequest`` before anything is encoded or held.
 * With ``position_biases`` (the default), a T5 or umT5 encoder's relative position biases come from the store
   too (``position_bias.py``: the same values, computed once per length; held only during the forward that uses
   them); with ``store=None`` the encoder computes them in every forward, as in the pipeline.
@@ -46,6 +51,7 @@ import torch
 
 from mmcache.checks import finite_number, unicode_text
 from mmcache.errors import InvalidRequest
+from mmcache.names import Namer
 from mmcache.store import EncoderOutputStore, Lease
 
 from .text_encoders import T5_MAX_LENGTH, CLIPEncoderAdapter, T5EncoderAdapter, T5Recipe
@@ -57,10 +63,12 @@ _EMBEDDING_ARGS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_emb
 
 @dataclass
 class PreparedCall:
-    """A pipeline call's keyword arguments plus the leases that keep its store entries resident."""
+    """A pipeline call's keyword arguments plus the leases that keep its store entries resident, and the salt
+    its entries are keyed with (checked bytes)."""
 
     kwargs: dict
     leases: list[Lease] = field(default_factory=list)
+    salt: bytes = b""
 
     @property
     def hits(self) -> int:
@@ -158,7 +166,7 @@ class _CachedPipeline(abc.ABC):
             raise InvalidRequest(f"position_biases must be a bool, got {position_biases!r}")
         self.pipe = pipe
         self.store = store
-        self.salt = salt
+        self.salt = Namer.salt_bytes(salt)  # the salt of a call that names none
         self.position_biases = position_biases  # T5-family relative position biases from the store too
         params = inspect.signature(type(pipe).__call__).parameters
         self._defaults = {name: p.default for name, p in params.items()}
@@ -200,11 +208,15 @@ class _CachedPipeline(abc.ABC):
         ``_adapters_lock``."""
 
     @abc.abstractmethod
-    def _build(self, leases: list[Lease], prompt, negative_prompt, kwargs: dict) -> dict:
-        """The pipeline's keyword arguments with the embeddings filled in; appends each lease it takes."""
+    def _build(self, call: PreparedCall, prompt, negative_prompt, kwargs: dict) -> dict:
+        """The pipeline's keyword arguments with the embeddings filled in, keyed with ``call.salt``; appends each
+        lease it takes to ``call.leases``."""
 
-    def prepare(self, prompt, negative_prompt=None, **kwargs) -> PreparedCall:
-        """Encode through the store; the returned call holds its leases until released."""
+    def prepare(self, prompt, negative_prompt=None, *, cache_salt: bytes | str | None = None,
+                **kwargs) -> PreparedCall:
+        """Encode through the store under ``cache_salt`` (None: the wrapper's ``salt``); the returned call holds
+        its leases until released."""
+        salt = self.salt if cache_salt is None else Namer.salt_bytes(cache_salt)
         for name in _EMBEDDING_ARGS:
             if name in kwargs:
                 raise InvalidRequest(f"{name} is computed by the store wrapper; pass the prompt text instead")
@@ -217,24 +229,26 @@ class _CachedPipeline(abc.ABC):
                                      "key; the store wrapper refuses such pipelines")
         with self._adapters_lock:
             self._follow_components()
-        leases: list[Lease] = []
+        call = PreparedCall({}, salt=salt)
         try:
-            return PreparedCall(self._build(leases, prompt, negative_prompt, dict(kwargs)), leases)
+            call.kwargs = self._build(call, prompt, negative_prompt, dict(kwargs))
+            return call
         except BaseException:
-            for lease in leases:
-                lease.release()
+            call.release()
             raise
 
-    def __call__(self, prompt, negative_prompt=None, **kwargs):
-        with self.prepare(prompt, negative_prompt, **kwargs) as call:
+    def __call__(self, prompt, negative_prompt=None, *, cache_salt: bytes | str | None = None, **kwargs):
+        """The pipeline's output for this request, its prompts encoded under ``cache_salt`` (None: the wrapper's
+        ``salt``)."""
+        with self.prepare(prompt, negative_prompt, cache_salt=cache_salt, **kwargs) as call:
             return self.pipe(**call.kwargs)
 
     def _arg(self, kwargs: dict, name: str):
         return kwargs.pop(name, self._defaults[name])
 
-    def _encode(self, leases: list[Lease], adapter, text: str, max_length: int, **selector) -> dict:
-        lease = adapter.encode(text, max_length, self.store, self.salt, **selector)
-        leases.append(lease)
+    def _encode(self, call: PreparedCall, adapter, text: str, max_length: int, **selector) -> dict:
+        lease = adapter.encode(text, max_length, self.store, call.salt, **selector)
+        call.leases.append(lease)
         return lease.outputs
 
 
@@ -262,10 +276,10 @@ class CachedWanPipeline(_CachedPipeline):
     def _adapter_list(self):
         return [self.text]
 
-    def _embeds(self, leases, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
+    def _embeds(self, call, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        rows = [self._encode(leases, self.text, prompt_clean(text), max_length)["hidden"].to(**place)
+        rows = [self._encode(call, self.text, prompt_clean(text), max_length)["hidden"].to(**place)
                 for text in texts]
         # The pipeline's trim-and-zero-pad, written into one zeroed tensor instead of a cat and a stack.
         embeds = rows[0].new_zeros((len(rows), max_length, rows[0].size(1)))
@@ -273,7 +287,7 @@ class CachedWanPipeline(_CachedPipeline):
             embeds[i, : u.size(0)] = u
         return _repeat(embeds, n)
 
-    def _build(self, leases, prompt, negative_prompt, kwargs):
+    def _build(self, call, prompt, negative_prompt, kwargs):
         prompts = _prompt_list(prompt, "prompt")
         max_length = _int_at_least(self._arg(kwargs, "max_sequence_length"), 1, "max_sequence_length")
         if max_length > self.text.max_length_limit:
@@ -285,10 +299,10 @@ class CachedWanPipeline(_CachedPipeline):
         # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.
         negatives = _negatives(negative_prompt, len(prompts)) if guidance > 1.0 else None
         place = {"dtype": self.pipe.text_encoder.dtype, "device": self.execution_device()}
-        kwargs.update(prompt_embeds=self._embeds(leases, prompts, max_length, n, place), guidance_scale=guidance,
+        kwargs.update(prompt_embeds=self._embeds(call, prompts, max_length, n, place), guidance_scale=guidance,
                       max_sequence_length=max_length, num_videos_per_prompt=1)  # rows are already repeated
         if negatives is not None:
-            kwargs["negative_prompt_embeds"] = self._embeds(leases, negatives, max_length, n, place)
+            kwargs["negative_prompt_embeds"] = self._embeds(call, negatives, max_length, n, place)
         return kwargs
 
 
@@ -321,28 +335,28 @@ class CachedSD3Pipeline(_CachedPipeline):
     def _adapter_list(self):
         return [a for a in (*self.clip, self.t5) if a is not None]
 
-    def _clip(self, leases, index: int, texts: list[str], hidden_layer: int, n: int, place: dict):
-        outs = [self._encode(leases, self.clip[index], t, self.pipe.tokenizer_max_length, hidden_layer=hidden_layer)
+    def _clip(self, call, index: int, texts: list[str], hidden_layer: int, n: int, place: dict):
+        outs = [self._encode(call, self.clip[index], t, self.pipe.tokenizer_max_length, hidden_layer=hidden_layer)
                 for t in texts]
         hidden = torch.stack([o["hidden"] for o in outs]).to(dtype=place["clip_dtype"], device=place["device"])
         return _repeat(hidden, n), _repeat(torch.stack([o["pooled"] for o in outs]), n)
 
-    def _t5(self, leases, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
+    def _t5(self, call, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
         if self.t5 is None:  # the pipeline's stand-in when the T5 encoder is dropped
             return torch.zeros((len(texts) * n, max_length, self.pipe.transformer.config.joint_attention_dim),
                                device=place["device"], dtype=place["clip_dtype"])
-        rows = [self._encode(leases, self.t5, t, max_length)["hidden"] for t in texts]
+        rows = [self._encode(call, self.t5, t, max_length)["hidden"] for t in texts]
         return _repeat(torch.stack(rows).to(dtype=place["t5_dtype"], device=place["device"]), n)
 
-    def _embeds(self, leases, texts, texts_2, texts_3, hidden_layer, max_length, n, place):
-        hidden_l, pooled_l = self._clip(leases, 0, texts, hidden_layer, n, place)
-        hidden_g, pooled_g = self._clip(leases, 1, texts_2, hidden_layer, n, place)
+    def _embeds(self, call, texts, texts_2, texts_3, hidden_layer, max_length, n, place):
+        hidden_l, pooled_l = self._clip(call, 0, texts, hidden_layer, n, place)
+        hidden_g, pooled_g = self._clip(call, 1, texts_2, hidden_layer, n, place)
         clip = torch.cat([hidden_l, hidden_g], dim=-1)
-        t5 = self._t5(leases, texts_3, max_length, n, place)
+        t5 = self._t5(call, texts_3, max_length, n, place)
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
 
-    def _build(self, leases, prompt, negative_prompt, kwargs):
+    def _build(self, call, prompt, negative_prompt, kwargs):
         prompts = _prompt_list(prompt, "prompt")
         batch = len(prompts)
         prompts_2 = _prompt_list(kwargs.pop("prompt_2", None) or prompt, "prompt_2")
@@ -364,11 +378,11 @@ class CachedSD3Pipeline(_CachedPipeline):
                          _negatives(neg_3, batch, "negative_prompt_3"))
         place = {"device": self.execution_device(), "clip_dtype": self.pipe.text_encoder.dtype,
                  "t5_dtype": self.t5.model.dtype if self.t5 else None}
-        embeds, pooled = self._embeds(leases, prompts, prompts_2, prompts_3, hidden_layer, max_length, n, place)
+        embeds, pooled = self._embeds(call, prompts, prompts_2, prompts_3, hidden_layer, max_length, n, place)
         kwargs.update(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=guidance,
                       max_sequence_length=max_length, num_images_per_prompt=1)  # rows are already repeated
         if negatives is not None:
             # The pipeline encodes negatives with clip_skip=None whatever the request's clip_skip.
-            neg, neg_pooled = self._embeds(leases, *negatives, -2, max_length, n, place)
+            neg, neg_pooled = self._embeds(call, *negatives, -2, max_length, n, place)
             kwargs.update(negative_prompt_embeds=neg, negative_pooled_prompt_embeds=neg_pooled)
         return kwargs

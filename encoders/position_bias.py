@@ -19,7 +19,8 @@ Invariants:
   layout of an operand changes no bit (the tests compare every output with the model's own forward).
 * Key = ``store_key(encoder fingerprint, digest(module path, query length, key length, device), salt)``. The
   fingerprint covers the bias tables and the bucket settings (state dict and config), so a changed table or
-  setting never reuses an old bias; different salts share no entry, as for every other output.
+  setting never reuses an old bias; different salts share no entry, as for every other output. The salt is the
+  request's (``serving``'s argument, passed on by the adapter's ``encode``), so one model serves every tenant.
 * Bias entries are of kind ``"position_bias"`` (``KIND``): ``store.metrics.kinds["output"]`` still counts
   prompt outputs alone.
 * Every bias entry a forward uses is held from its first use to the end of the ``serving`` block, then released,

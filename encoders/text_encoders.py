@@ -10,7 +10,14 @@ miss. ``key = store_key(encoder fingerprint, content digest, salt)`` where
 * the content digest covers the padded token ids fed to the encoder, the attention mask, the max length and the
   output selector (the CLIP hidden layer), so equal text at different max lengths never collides and a prompt
   is keyed on its own: a negative prompt's entry is independent of the positive prompt beside it. A selector
-  the adapter does not read is refused, since it would key equal outputs apart.
+  the adapter does not read is refused, since it would key equal outputs apart. It is BLAKE2b-256
+  (``names.content_hasher``), like every digest of request content; a hit is also verified against the
+  stored token ids.
+* The model and tokenizer fingerprints stay xxh3_128: they digest weights, configs and vocabularies the server
+  loaded, not request content, so no request can aim a collision at them, and hashing gigabytes of weights with
+  BLAKE2b would take many times longer at every change.
+* The salt is per call (``encode(..., salt=)``; checked and bounded by ``names.Namer.salt_bytes``): one adapter
+  serves every tenant, and two salts share no store entry, no position bias and no tokenization memo entry.
 
 Invariants:
 
@@ -35,11 +42,12 @@ Invariants:
 
 Tokenizing is memoized on the store path, so a hit costs dictionary lookups, not a tokenization
 (``TokenizationMemo``): a bounded LRU from (tokenizer fingerprint, tokenizer settings, call arguments, max
-length, exact text) to the ``TokenizedPrompt`` the tokenizer returned for it. The tokenizer fingerprint digests
-the tokenizer's serialized pipeline (vocabulary, normalizer, pre-tokenizer, model, post-processor, added
-tokens); it is recomputed whenever the tokenizer's size, added-token table (each token with its flags),
-post-processor, special tokens, bos/eos flags or backend object change (``add_tokens`` for textual inversion,
-``add_special_tokens``, ``add_eos_token = False`` ...), and the settings that shape ids (padding and truncation
+length, exact text, salt) to the ``TokenizedPrompt`` the tokenizer returned for it; the salt keeps one tenant
+from timing whether another sent a prompt. The tokenizer fingerprint digests the tokenizer's serialized
+pipeline (vocabulary, normalizer, pre-tokenizer, model, post-processor, added tokens); it is recomputed
+whenever the tokenizer's size, added-token table (each token with its flags), post-processor, special tokens,
+bos/eos flags or backend object change (``add_tokens`` for textual inversion, ``add_special_tokens``,
+``add_eos_token = False`` ...), and the settings that shape ids (padding and truncation
 side, pad token, ``split_special_tokens``) are read on every call. Editing the backend's other components in
 place (``backend_tokenizer.normalizer = ...``) is not seen: call the adapter's ``refresh()`` after it.
 Memoized tensors are shared, never modified. With ``store=None`` every prompt is tokenized, as the pipeline
@@ -66,7 +74,7 @@ import xxhash
 
 from mmcache.checks import positive_int, unicode_text
 from mmcache.errors import InvalidRequest
-from mmcache.names import TOKEN_DTYPE, canonical_encoding
+from mmcache.names import TOKEN_DTYPE, Namer, canonical_encoding, content_hasher
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 from .position_bias import PositionBiases
@@ -279,7 +287,8 @@ class TokenizedPrompt:
                 + self.attention_mask.numpy().astype(np.uint8).tobytes())
 
     def digest(self, selector: Mapping) -> bytes:
-        h = xxhash.xxh3_128()
+        """The content digest of this prompt under ``selector``: BLAKE2b-256 over both and the token bytes."""
+        h = content_hasher(b"mmcache-prompt")
         h.update(canonical_encoding({"max_length": self.max_length, "selector": dict(selector)}))
         h.update(self.token_bytes())
         return h.digest()
@@ -361,14 +370,16 @@ def _call_state(tokenizer) -> tuple:
 
 
 class TokenizationMemo:
-    """Bounded LRU of tokenizations: ``memo(text, max_length)`` returns exactly what ``tokenize`` returns.
+    """Bounded LRU of tokenizations: ``memo(text, max_length, salt)`` returns exactly what ``tokenize`` returns.
 
-    The key is (tokenizer fingerprint, ``_call_state``, ``_TOKENIZER_CALL``, max length, exact text); the text
-    itself, not a digest of it, so two prompts never share an entry. At most ``entries`` prompts are kept, and
-    none longer than ``max_text_chars`` characters (those are tokenized every time); an entry costs about
-    ``21 * max_length + 4 * len(text)`` bytes (int64 ids and mask, the verified token bytes, the text), and the
-    least recently used entries are dropped while the sum passes ``max_bytes`` (32 MiB: all 1024 entries at
-    Wan's text length 512, about 350 at T5's longest, 4096). Safe to call from several threads.
+    The key is (tokenizer fingerprint, ``_call_state``, ``_TOKENIZER_CALL``, max length, exact text, salt bytes):
+    the text itself, not a digest of it, so two prompts never share an entry, and the salt, so two tenants never
+    share one either (a hit is faster than a tokenization, so a shared entry would tell one tenant another's
+    prompts). At most ``entries`` prompts are kept, and none longer than ``max_text_chars`` characters (those are
+    tokenized every time); an entry costs about ``21 * max_length + 4 * len(text) + len(salt)`` bytes (int64 ids
+    and mask, the verified token bytes, the text, the salt), and the least recently used entries are dropped
+    while the sum passes ``max_bytes`` (32 MiB: all 1024 entries at Wan's text length 512, about 350 at T5's
+    longest, 4096). Safe to call from several threads.
     """
 
     def __init__(self, tokenizer, entries: int = 1024, max_text_chars: int = 8192, max_bytes: int = 32 * 2**20):
@@ -410,12 +421,13 @@ class TokenizationMemo:
     def __len__(self) -> int:
         return len(self._memo)
 
-    def __call__(self, text: str, max_length: int) -> TokenizedPrompt:
+    def __call__(self, text: str, max_length: int, salt: bytes | str | None = b"") -> TokenizedPrompt:
         _check_text(text, max_length)
+        salt = Namer.salt_bytes(salt)
         fingerprint = self.fingerprint()
         if fingerprint is None or self.entries == 0 or len(text) > self.max_text_chars:
             return tokenize(self.tokenizer, text, max_length)
-        key = (fingerprint, _call_state(self.tokenizer), _TOKENIZER_CALL, max_length, text)
+        key = (fingerprint, _call_state(self.tokenizer), _TOKENIZER_CALL, max_length, text, salt)
         with self._lock:
             tokens = self._memo.get(key)
             if tokens is not None:
@@ -439,8 +451,8 @@ class TokenizationMemo:
 
 
 def _memo_bytes(key: tuple) -> int:
-    """An entry's estimated size from its key (max length, text): see ``TokenizationMemo``."""
-    return 21 * key[3] + 4 * len(key[4])
+    """An entry's estimated size from its key (max length, text, salt): see ``TokenizationMemo``."""
+    return 21 * key[3] + 4 * len(key[4]) + len(key[5])
 
 
 class TextEncoderAdapter(abc.ABC):
@@ -528,7 +540,8 @@ class TextEncoderAdapter(abc.ABC):
         if store is not None and not isinstance(store, EncoderOutputStore):
             raise InvalidRequest(f"store must be an EncoderOutputStore or None, got {type(store).__name__}")
         selector = self.check_selector(selector)
-        tokens = self.tokenize(text, max_length) if store is None else self.memo(text, max_length)
+        salt = Namer.salt_bytes(salt)  # refused before anything is tokenized, run or held
+        tokens = self.tokenize(text, max_length) if store is None else self.memo(text, max_length, salt)
         fingerprint, dtype = self._state()  # one look at the model per call: key and spec from the same state
         key = self._key(fingerprint, tokens, selector, salt)
         spec = self.spec(tokens, selector, dtype)

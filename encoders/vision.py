@@ -24,7 +24,10 @@ Invariants:
   place (a list or dict changed, not set) are not seen by themselves: call ``refresh()`` after them. None of
   these may run concurrently with an encode.
 * Store key = ``store_key(fingerprint, media digest, salt)``. The tower runs only on a store miss, once per key
-  at a time; a hit decodes nothing. Decode or encode failures store nothing.
+  at a time; a hit decodes nothing. Decode or encode failures store nothing. Nothing verifies a hit against the
+  image, so the media digest and the key are BLAKE2b-256 (``names.content_hasher``): a sender cannot make two
+  images share features. The fingerprint stays xxh3_128: it digests the server's own weights and settings,
+  which no request chooses, and weights are hashed far faster than with BLAKE2b.
 * Every ``EncodedImage`` holds a lease on its entry until ``release``; ``encode_all`` either returns one held
   image per item or, on any failure, releases every lease it took before re-raising.
 * Bad arguments are refused before anything is read, stored or held: ``encode_all`` takes a list or tuple (one

@@ -1,4 +1,4 @@
-"""Page names: chained xxHash 64 rooted in a process fingerprint, and 128-bit media digests.
+"""Page names: chained xxHash 64 rooted in a process fingerprint, and 256-bit media digests (BLAKE2b).
 
 Rules (the project's design notes, DESIGN.md in the team's shared folder, "Names" and "Media digest"):
 
@@ -12,12 +12,17 @@ Rules (the project's design notes, DESIGN.md in the team's shared folder, "Names
 * Token ids are hashed as little-endian int32; ids outside ``[0, 2**31)`` are refused before hashing.
 * Names only nominate. The prefix index verifies ids, extras and parent before it accepts a page, so a
   collision costs a comparison, never a wrong page. Tests may therefore inject a degenerate ``hash_fn``.
-* Media digests are xxh3_128 over the bytes as sent plus a canonical encoding of the preprocessor
-  parameters; they cannot be verified against stored data, so they are 128-bit.
+* Media digests are BLAKE2b-256 over the bytes as sent plus a canonical encoding of the preprocessor
+  parameters. Nothing verifies them against the content they stand for, so they must resist collisions made
+  on purpose (xxh3 does not: its public secret lets a sender build two images with one xxh3_128 digest);
+  256 bits keep a birthday search at 2**128 work. ``content_hasher`` is the one constructor for such digests.
+* A salt is at most ``MAX_SALT_BYTES`` bytes (UTF-8 for a str); ``Namer.salt_bytes`` is the one check, shared by
+  the page namer and every store key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -73,11 +78,22 @@ def _plain(value: Any) -> Any:
     raise InvalidRequest(f"parameter value of type {type(value).__name__} has no canonical encoding")
 
 
-MEDIA_DIGEST_BYTES = 16  # media_digest's size, and the least a MediaItem accepts
+DIGEST_BYTES = 32  # the size of every content digest and store key (BLAKE2b-256; see the module docstring)
+MEDIA_DIGEST_BYTES = 16  # the least a MediaItem accepts (a caller's own 128-bit digest); media_digest gives more
+MAX_SALT_BYTES = 256  # a salt's bound: a tenant or request name, not a payload to hash on every page
+
+
+def content_hasher(domain: bytes) -> "hashlib.blake2b":
+    """A fresh BLAKE2b-256 hasher for digests nothing verifies (media, waveforms, prompts, store keys).
+
+    ``domain`` (at most 16 bytes) is BLAKE2b's personalization, so digests of one kind never equal another
+    kind's for any input. hashlib's BLAKE2b is in the standard library, so the core's dependencies stay torch,
+    numpy and xxhash."""
+    return hashlib.blake2b(digest_size=DIGEST_BYTES, person=domain)
 
 
 def media_digest(raw: bytes | bytearray | memoryview, params: Mapping[str, Any] | None = None) -> bytes:
-    """16-byte digest of a media item: xxh3_128 over the bytes as sent, then the canonical parameters.
+    """32-byte digest of a media item: BLAKE2b-256 over the bytes as sent, then the canonical parameters.
 
     ``raw`` is the encoded file (PNG/JPEG/WAV bytes, or a data URL's decoded payload), not decoded pixels.
     ``params`` holds every preprocessor parameter that changes the embedding (size, resize mode, crop,
@@ -86,7 +102,7 @@ def media_digest(raw: bytes | bytearray | memoryview, params: Mapping[str, Any] 
     """
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise InvalidRequest(f"media bytes must be bytes-like, got {type(raw).__name__}")
-    h = xxhash.xxh3_128()
+    h = content_hasher(b"mmcache-media")
     h.update(len(raw).to_bytes(8, "little"))
     h.update(raw)
     h.update(canonical_encoding(dict(params or {})))
@@ -131,8 +147,9 @@ class Fingerprint:
 class MediaItem:
     """A media item in a prompt: its digest and the absolute position of its first placeholder token.
 
-    The digest is ``media_digest``'s 16 bytes or any longer digest: nothing checks a media item against stored
-    data the way token ids are checked, so a shorter one could make two images share pages."""
+    The digest is ``media_digest``'s 32 bytes or any other digest of at least 16: nothing checks a media item
+    against stored data the way token ids are checked, so a shorter one could make two images share pages (and
+    a caller's own digest must resist crafted collisions, as ``media_digest`` does)."""
 
     digest: bytes
     position: int
@@ -191,6 +208,11 @@ def page_extras(media: Sequence[MediaItem], page_size: int) -> dict[int, Extras]
     return {p: tuple(v) for p, v in out.items()}
 
 
+def _check_salt_length(size: int) -> None:
+    if size > MAX_SALT_BYTES:
+        raise InvalidRequest(f"salt of {size} bytes or more exceeds the bound of {MAX_SALT_BYTES} bytes")
+
+
 def _encode_extras(extras: Extras) -> bytes:
     return b"".join(len(d).to_bytes(2, "little") + d + off.to_bytes(4, "little") for d, off in extras)
 
@@ -206,15 +228,22 @@ class Namer:
 
     @staticmethod
     def salt_bytes(salt: bytes | str | None) -> bytes:
+        """``salt`` as the bytes every page name and store key is salted with (None is no salt); the one check
+        of a salt: ``InvalidRequest`` for a type other than bytes or str, a lone surrogate, or more than
+        ``MAX_SALT_BYTES`` bytes (a str is refused on its length before it is encoded)."""
         if salt is None:
             return b""
         if isinstance(salt, str):
+            _check_salt_length(len(salt))  # its UTF-8 is at least as long: refused before it is encoded
             if not unicode_text(salt):
                 raise InvalidRequest("salt is not valid Unicode text (it holds a lone surrogate)")
-            return salt.encode("utf-8")
-        if isinstance(salt, (bytes, bytearray)):
-            return bytes(salt)
-        raise InvalidRequest(f"salt must be bytes or str, got {type(salt).__name__}")
+            out = salt.encode("utf-8")
+        elif isinstance(salt, (bytes, bytearray)):
+            out = bytes(salt)
+        else:
+            raise InvalidRequest(f"salt must be bytes or str, got {type(salt).__name__}")
+        _check_salt_length(len(out))
+        return out
 
     def root_material(self, salt: bytes | str | None = b"") -> bytes:
         """The exact bytes a chain is rooted in; the prefix index compares these, not only their hash."""

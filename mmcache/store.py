@@ -1,9 +1,10 @@
 """The encoder-output store: encoder outputs keyed by what produced them, computed once.
 
-``key = xxh3_128(encoder fingerprint || content digest || salt)`` where the content digest is a media digest
-(``names.media_digest``) for vision and audio towers, or a digest of the token ids and max length for text
-encoders. An entry holds the output tensors and what the host needs to place them (``meta``: placeholder
-count, grid sizes, ...).
+``key = BLAKE2b-256(encoder fingerprint || content digest || salt)`` (``names.content_hasher``, each field
+length-prefixed) where the content digest is a media digest (``names.media_digest``) for vision and audio towers,
+or a digest of the token ids and max length for text encoders. A key is never verified against the content it
+stands for, so it must resist collisions made on purpose (an xxh3_128 key did not). An entry holds the output
+tensors and what the host needs to place them (``meta``: placeholder count, grid sizes, ...).
 
 Invariants (``check_invariants``):
 
@@ -41,15 +42,17 @@ from typing import Callable, Mapping
 
 import numpy as np
 import torch
-import xxhash
 
 from .checks import unicode_text
 from .errors import InvalidRequest, StoreEntryRejected
-from .names import Namer
+from .names import DIGEST_BYTES, Namer, content_hasher
+
+STORE_KEY_BYTES = DIGEST_BYTES
 
 
 def store_key(encoder_fingerprint: str | bytes, content_digest: bytes, salt: bytes | str | None = b"") -> bytes:
-    """16-byte key of an encoder output; every field is length-prefixed so none can bleed into another."""
+    """32-byte key of an encoder output; every field is length-prefixed so none can bleed into another. The salt
+    is checked (type, text, length) by ``Namer.salt_bytes``, as for page names."""
     if not isinstance(encoder_fingerprint, (str, bytes, bytearray)) or not encoder_fingerprint:
         raise InvalidRequest(f"encoder fingerprint must be a non-empty str or bytes, got {encoder_fingerprint!r}")
     if isinstance(encoder_fingerprint, str) and not unicode_text(encoder_fingerprint):
@@ -58,7 +61,7 @@ def store_key(encoder_fingerprint: str | bytes, content_digest: bytes, salt: byt
     if not isinstance(content_digest, (bytes, bytearray)) or not content_digest:
         raise InvalidRequest("content digest must be non-empty bytes")
     s = Namer.salt_bytes(salt)
-    h = xxhash.xxh3_128()
+    h = content_hasher(b"mmcache-store")
     for part in (fp, bytes(content_digest), s):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -186,8 +189,8 @@ class _Flight:
 
 
 def _key(key) -> bytes | None:
-    """``key`` as bytes when it is a 16-byte digest (``store_key``'s, or the same bytes in a bytearray)."""
-    if isinstance(key, (bytes, bytearray)) and len(key) == 16:
+    """``key`` as bytes when it has a store key's size (``store_key``'s, or the same bytes in a bytearray)."""
+    if isinstance(key, (bytes, bytearray)) and len(key) == STORE_KEY_BYTES:
         return bytes(key)
     return None
 
@@ -200,7 +203,7 @@ def _check_spec(spec) -> None:
 def _check_key(key) -> bytes:
     k = _key(key)
     if k is None:
-        raise InvalidRequest("store keys are the 16-byte digests made by store_key")
+        raise InvalidRequest(f"store keys are the {STORE_KEY_BYTES}-byte digests made by store_key")
     return k
 
 

@@ -42,7 +42,7 @@ def sd3():
 
 def nothing_held(store: EncoderOutputStore) -> bool:
     """True when every entry can be evicted: a filler the size of the whole budget is stored, not bypassed."""
-    filler = store.put(b"\xff" * 16, {"filler": torch.zeros(store.budget_bytes // 4)})
+    filler = store.put(b"\xff" * 32, {"filler": torch.zeros(store.budget_bytes // 4)})
     filler.release()
     return not filler.bypassed and len(store) == 1
 

@@ -20,7 +20,7 @@ from encoders.text_encoders import ForwardCounter
 from mmcache.store import EncoderOutputStore
 
 BUDGET_FLOATS = 16
-KEYS = [bytes([i]) * 16 for i in range(6)]
+KEYS = [bytes([i]) * 32 for i in range(6)]  # store keys are 32 bytes
 
 
 class StoreMachine(RuleBasedStateMachine):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmcache import Fingerprint, InvalidRequest, MediaItem, Namer, as_token_array, canonical_encoding, media_digest
-from mmcache.names import page_extras
+from mmcache.names import MAX_SALT_BYTES, content_hasher, page_extras
 
 FP = Fingerprint(model_digest="m", kv_dtype="bfloat16", attention_backend="paged-sdpa", page_size=4)
 
@@ -19,7 +19,7 @@ def test_canonical_encoding_ignores_dict_order_and_sequence_kind():
 
 def test_media_digest_depends_on_bytes_and_every_parameter():
     base = media_digest(b"abc", {"size": 336, "mode": "bicubic"})
-    assert len(base) == 16
+    assert len(base) == 32  # BLAKE2b-256
     assert media_digest(b"abd", {"size": 336, "mode": "bicubic"}) != base
     assert media_digest(b"abc", {"size": 224, "mode": "bicubic"}) != base
     assert media_digest(b"abc", {"size": 336, "mode": "bilinear"}) != base
@@ -53,6 +53,34 @@ def test_salt_is_folded_into_the_root():
     assert not set(n.names(ids, n.root("a")).tolist()) & set(n.names(ids, n.root("b")).tolist())
     with pytest.raises(InvalidRequest, match="salt"):  # used to raise UnicodeEncodeError and lose the call
         n.root("tenant-\ud800")
+
+
+def test_a_salt_is_bounded_in_bytes_in_one_place():
+    n = Namer(FP)
+    longest = "s" * MAX_SALT_BYTES
+    assert Namer.salt_bytes(longest) == longest.encode() and n.root(longest) != n.root(longest[:-1])
+    too_long = ["s" * (MAX_SALT_BYTES + 1), b"s" * (MAX_SALT_BYTES + 1), bytearray(MAX_SALT_BYTES + 1),
+                "\u00e9" * (MAX_SALT_BYTES // 2 + 1),  # within the bound in characters, over it in UTF-8 bytes
+                "s" * 10**7]  # refused on its length, before it is encoded
+    for salt in too_long:
+        with pytest.raises(InvalidRequest, match="bound of 256 bytes"):
+            Namer.salt_bytes(salt)
+        with pytest.raises(InvalidRequest, match="salt"):
+            n.root_material(salt)
+    for salt in (1, 1.5, ["a"], memoryview(b"a"), object()):
+        with pytest.raises(InvalidRequest, match="salt must be bytes or str"):
+            Namer.salt_bytes(salt)
+
+
+def test_media_digests_are_blake2b_256_with_their_own_domain():
+    import hashlib
+
+    raw, params = b"image bytes", {"size": 336}
+    want = hashlib.blake2b(digest_size=32, person=b"mmcache-media")
+    for part in (len(raw).to_bytes(8, "little"), raw, canonical_encoding(params)):
+        want.update(part)
+    assert media_digest(raw, params) == want.digest()
+    assert content_hasher(b"a").digest() != content_hasher(b"b").digest()  # domains never share a digest
 
 
 def test_names_chain_over_the_whole_prefix():

@@ -22,11 +22,23 @@ def entry(n_floats):
 
 def test_keys_separate_encoders_contents_and_salts():
     keys = {key(1), key(2), key(1, b"tenant"), key(1, enc="other")}
-    assert len(keys) == 4 and all(len(k) == 16 for k in keys)
+    assert len(keys) == 4 and all(len(k) == 32 for k in keys)
     assert key(1, "tenant") == key(1, b"tenant")
     for bad in ({"salt": "tenant-\ud800"}, {"enc": "encoder-\udfff"}):  # not UTF-8 encodable: typed errors
         with pytest.raises(InvalidRequest):
             key(1, **bad)
+
+
+def test_store_keys_take_the_namers_salt_bound_and_refuse_keys_of_another_size():
+    assert key(1, "t" * 256) != key(1, "t" * 255)
+    for salt in ("t" * 257, b"t" * 257, 7):
+        with pytest.raises(InvalidRequest, match="salt"):
+            key(1, salt)
+    store = EncoderOutputStore(1 << 10)
+    for bad in (key(1)[:16], key(1) + b"x"):  # a 16-byte key was the old xxh3_128 size
+        with pytest.raises(InvalidRequest, match="32-byte"):
+            store.acquire(bad)
+        assert bad not in store
 
 
 def test_hit_after_compute_and_lease_holds_until_released():
