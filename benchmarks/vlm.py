@@ -212,14 +212,14 @@ class FlopModel:
 def flop_model(preset) -> FlopModel:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from encoders.media import decode_image, read_image
+    from encoders.media import ImageLimits, decode_image, read_image
 
     model = preset.model
     tc = model.config.get_text_config()
     decoder = model.get_decoder()
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    pixels = preset.image_processor(images=[decode_image(read_image(DATA / "images" / IMAGES[0]))],
-                                    return_tensors="pt")
+    dataset_file = read_image(DATA / "images" / IMAGES[0], limits=ImageLimits(allow_paths=True))  # trusted
+    pixels = preset.image_processor(images=[decode_image(dataset_file)], return_tensors="pt")
     adapter_dtype = next(model.model.vision_tower.parameters()).dtype
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.model.get_image_features(pixel_values=pixels["pixel_values"].to(adapter_dtype))

@@ -54,6 +54,7 @@ from .table import Row
 
 DESCRIPTION = "voice cloning (CSM + Mimi): reference-encoder calls/time and time to first audio, store off vs on"
 DATA = Path(__file__).resolve().parents[1] / "datasets" / "voice" / "seedtts_en_sample"
+DATASET_FILES = AudioLimits(allow_paths=True)  # the clips are dataset files read by path: trusted input
 STORE_BYTES = 256 * 2**20
 MAX_FRAMES = 1000  # 80 s of audio
 FULL = {"rounds": 4, "runs": 3}
@@ -121,7 +122,7 @@ class _Mode:
 
 def _request(pipe, mode: _Mode, case: Case, frames: int) -> None:
     t0 = time.perf_counter()
-    wave = decode_audio(read_audio(case.reference_wav, limits=AudioLimits()), SAMPLING_RATE)
+    wave = decode_audio(read_audio(case.reference_wav, limits=DATASET_FILES), SAMPLING_RATE)
     inputs = pipe.processor(text=[voice_prompt(case.reference_text, case.target_text)], audio=[wave],
                             return_tensors="pt", sampling_rate=SAMPLING_RATE)
     with mode.enc, torch.inference_mode():
@@ -214,7 +215,8 @@ def paper_estimate(pipe, cases: list[Case], frames: int) -> dict:
 
     if pipe.codec.config.hidden_size != 512:
         raise InvalidRequest("the estimate needs the published Mimi (--codec mimi)")
-    clips = [decode_audio(read_audio(p), SAMPLING_RATE) for p in sorted({c.reference_wav for c in cases})]
+    clips = [decode_audio(read_audio(p, limits=DATASET_FILES), SAMPLING_RATE)
+             for p in sorted({c.reference_wav for c in cases})]
     seconds = statistics.fmean(len(w) / SAMPLING_RATE for w in clips)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():

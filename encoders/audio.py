@@ -1,19 +1,26 @@
 """Reference audio as a request sends it: the bytes as sent, and a guarded decode into a mono waveform.
 
 A voice-cloning request names its reference voice by raw bytes (a WAV, FLAC or OGG file), a file path (or
-``file://`` URL) or a data URL (``data:audio/wav;base64,...``). ``read_audio`` returns the bytes as sent
-(``RawAudio``), ``decode_audio`` the waveform the pipeline's feature extractor takes.
+``file://`` URL, for callers that opt in: ``AudioLimits.allow_paths`` / ``path_root``) or a data URL
+(``data:audio/wav;base64,...``). ``read_audio`` returns the bytes as sent (``RawAudio``), ``decode_clip`` the
+waveform the pipeline's feature extractor takes at the encoder's rate and how it got there (``DecodedAudio``),
+``decode_audio`` the waveform alone.
 
 Invariants:
 
 * Every failure to read or decode an item raises ``MediaDecodeError`` whose ``item`` is a ``MediaRef`` with
   medium ``"audio"`` (index in the request, source kind); nothing else escapes for bad input.
 * Byte sizes are checked against ``AudioLimits.max_bytes`` before a payload is read, and the duration (frames
-  over sample rate) and channel count, from the header, against ``max_seconds`` and ``max_channels`` before
-  any sample is decoded: a compressed file of a few kilobytes cannot decode into gigabytes.
-* The sample rate is never changed here: a file at another rate than the encoder's is refused with the two
-  rates named (resampling is a preprocessing choice with its own filter, so it belongs to the caller, and the
-  codec would otherwise see other samples than the caller believes it sent).
+  over the source's sample rate) and channel count, from the header, against ``max_seconds`` and
+  ``max_channels`` before any sample is decoded: a compressed file of a few kilobytes cannot decode into
+  gigabytes.
+* A clip at another rate than the encoder's is resampled to it with one fixed resampler (``RESAMPLER``: soxr,
+  its version, quality ``HQ``, computed in float64 on the float32 mono mix, then float32): the same bytes give
+  the same samples, of length ``floor(n * target / source + 1/2)`` for ``n`` source frames. A clip already at
+  the encoder's rate is not touched (``DecodedAudio.preprocessing`` is None). Otherwise ``preprocessing`` names
+  the resampler, its settings and both rates; a cache key taken over the samples must fold it in
+  (``codec.CachedCodecEncode.salted``), so that another resampling never shares a key with this one.
+* Source rates above ``AudioLimits.max_rate`` are refused from the header (decoded samples grow with the rate).
 * Only the containers ``AudioLimits.formats`` names are decoded (WAV, FLAC and OGG by default; WAV covers its
   extensible header, WAVEX), refused from the header otherwise.
 * A truncated WAV is refused, not decoded to the frames it still holds: its data chunk declares more bytes
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import soundfile
+import soxr
 
 from mmcache.checks import positive_int
 from mmcache.errors import InvalidRequest, MediaDecodeError
@@ -43,6 +51,9 @@ from .media import MediaRef, check_limits, read_source
 DECODE_PARAMS = {"decoder": f"libsndfile-{soundfile.__libsndfile_version__}",
                  "decode": "float32,mean-of-channels-in-float64"}
 """The decoder and its conversion rule, for any key taken over decoded samples."""
+
+RESAMPLER = {"resampler": "soxr", "version": soxr.__version__, "quality": "HQ", "dtype": "float64"}
+"""The one resampler a clip at another rate goes through, with every setting that changes its output."""
 
 # libsndfile's name of a container -> the name ``AudioLimits.formats`` accepts it under: WAVEX is WAV's
 # extensible header (the layout ffmpeg and SoX write for 24-bit and multichannel files), the same RIFF WAVE file.
@@ -58,18 +69,33 @@ class AudioLimits:
     max_seconds: float = 300.0
     max_bytes: int = 64 * 2**20
     max_channels: int = 2  # a voice clip is mono or stereo; each channel costs a full decode
+    # The highest source rate decoded: a clip's samples before resampling grow with it. 48 kHz is the highest
+    # rate of ordinary recordings (studio masters at 96 or 192 kHz are not reference clips).
+    max_rate: int = 48_000
     formats: tuple[str, ...] = ("WAV", "FLAC", "OGG")  # libsndfile's container names
-    allow_paths: bool = True
-    path_root: Path | None = None  # when set, file paths must resolve inside this folder
+    # Local paths are for trusted callers only, as for images (``media.ImageLimits``): True reads any file the
+    # process can read, ``path_root`` only files inside that folder (and turns paths on by itself).
+    allow_paths: bool = False
+    path_root: Path | None = None
 
     def __post_init__(self):
-        check_limits(self, ("max_bytes", "max_channels"))
+        check_limits(self, ("max_bytes", "max_channels", "max_rate"))
         if not isinstance(self.formats, (tuple, list)) or not all(isinstance(f, str) for f in self.formats):
             raise InvalidRequest(f"formats must be a tuple of container names, got {self.formats!r}")
         object.__setattr__(self, "formats", tuple(self.formats))
         m = self.max_seconds
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
             raise InvalidRequest(f"max_seconds must be a positive finite number, got {m!r}")
+
+
+@dataclass(frozen=True)
+class DecodedAudio:
+    """A clip at the encoder's rate: ``samples`` (float32 mono), the rate it came at, and how it was changed
+    (None when it came at the encoder's rate; else ``RESAMPLER`` with ``from`` and ``to`` rates)."""
+
+    samples: np.ndarray
+    source_rate: int
+    preprocessing: dict | None
 
 
 @dataclass(frozen=True)
@@ -89,7 +115,30 @@ def read_audio(source: object, index: int = 0, limits: AudioLimits = AudioLimits
 
 
 def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioLimits()) -> np.ndarray:
-    """The float32 mono waveform of ``raw`` (shape ``[samples]``) at ``sampling_rate``, or ``MediaDecodeError``."""
+    """The float32 mono waveform of ``raw`` (shape ``[samples]``) at ``sampling_rate``, or ``MediaDecodeError``
+    (``decode_clip``'s samples; a key over them must also take its ``preprocessing``)."""
+    return decode_clip(raw, sampling_rate, limits).samples
+
+
+def decode_clip(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioLimits()) -> DecodedAudio:
+    """``raw`` decoded to a float32 mono waveform at ``sampling_rate``, resampled when it came at another rate
+    (module docstring), with the rate it came at and the resampling's descriptor; or ``MediaDecodeError``."""
+    wave, rate = _decode(raw, sampling_rate, limits)
+    if rate == sampling_rate:
+        return DecodedAudio(np.ascontiguousarray(wave, dtype=np.float32), rate, None)
+    try:
+        out = soxr.resample(wave.astype(np.float64), rate, sampling_rate, quality=RESAMPLER["quality"])
+    except (ValueError, RuntimeError) as e:  # soxr's refusals of a ratio it cannot take
+        raise MediaDecodeError(raw.ref, f"cannot resample from {rate} Hz to {sampling_rate} Hz: {e}") from None
+    samples = np.ascontiguousarray(out, dtype=np.float32)
+    if not len(samples) or not np.isfinite(samples).all():  # the filter's overshoot can pass float32's range
+        raise MediaDecodeError(raw.ref, f"resampled from {rate} Hz, the clip holds no samples or non-finite ones")
+    return DecodedAudio(samples, rate, {**RESAMPLER, "from": rate, "to": sampling_rate})
+
+
+def _decode(raw: RawAudio, sampling_rate: int, limits: AudioLimits) -> tuple[np.ndarray, int]:
+    """The float32 mono waveform of ``raw`` at its own rate, and that rate; every check of the module docstring
+    made."""
     if not positive_int(sampling_rate):
         raise InvalidRequest(f"sampling_rate must be a positive int, got {sampling_rate!r}")
     _check_limits(limits)
@@ -115,9 +164,9 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
             if channels > limits.max_channels:
                 raise MediaDecodeError(raw.ref, f"{channels} channels exceed the limit of {limits.max_channels} "
                                                 f"(refused before decoding)")
-            if rate != sampling_rate:
-                raise MediaDecodeError(raw.ref, f"sampled at {rate} Hz; the encoder takes {sampling_rate} Hz "
-                                                f"(resample it before sending)")
+            if rate > limits.max_rate:
+                raise MediaDecodeError(raw.ref, f"sampled at {rate} Hz, above the limit of {limits.max_rate} Hz "
+                                                f"(max_rate; refused before decoding)")
             if frames <= 0:
                 raise MediaDecodeError(raw.ref, "audio has no samples")
             if frames > limits.max_seconds * rate:
@@ -135,7 +184,7 @@ def decode_audio(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioL
     wave = samples[:, 0] if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float64).astype(np.float32)
     if not np.isfinite(wave).all():
         raise MediaDecodeError(raw.ref, "audio holds non-finite samples")
-    return np.ascontiguousarray(wave, dtype=np.float32)
+    return wave, rate
 
 
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # what streaming writers put where the length is not known yet

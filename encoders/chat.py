@@ -22,6 +22,11 @@ Invariants:
   ``embeds[i][1].shape[0]`` equals its run length; media are in position order.
 * Image indices in errors are the images' order in the request (0-based), counting every message.
 * Bad arguments (images not a list or tuple, a bad salt or flag) are refused before any image is encoded.
+* Nothing a request could be refused for after its images were encoded is left to after: more images than
+  ``ImageLimits.max_images`` are refused before any is read, and the prompt's length with every placeholder run
+  expanded is checked against ``max_tokens`` before any is encoded. The runs' lengths come from each image's
+  header (``media.image_size``) and the model's geometry (``placeholder_count``), the rule the tower's output
+  follows, so a refused request runs no tower and adds, evicts or holds no store entry.
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmcache.checks import unicode_text
-from mmcache.errors import InvalidRequest
-from mmcache.names import MediaItem, as_token_array
+from mmcache.checks import positive_int, unicode_text
+from mmcache.errors import InvalidRequest, MediaDecodeError
+from mmcache.names import MediaItem, Namer, as_token_array
 
 from .chat_template import ROLES, ChatTemplate, ImagePart, ImageRun, Message, TextPart
+from .media import RawImage, image_size, read_image
 from .mrope import continuation_positions, mrope_positions
-from .vision import EncodedImage, Qwen2VLVisionAdapter, VisionAdapter
+from .vision import EncodedImage, LlavaVisionAdapter, Qwen2VLVisionAdapter, VisionAdapter
 
 
 @dataclass
@@ -166,32 +172,50 @@ class PromptBuilder:
         self.adapter = adapter
 
     def from_messages(self, messages: Sequence[Mapping[str, Any]], *, salt: bytes | str | None = b"",
-                      add_generation_prompt: bool = True) -> MultimodalPrompt:
-        """The prompt for ``messages`` (see the module docstring), its images held in the store."""
+                      add_generation_prompt: bool = True, max_tokens: int | None = None) -> MultimodalPrompt:
+        """The prompt for ``messages`` (see the module docstring), its images held in the store. ``max_tokens``:
+        the longest expanded prompt accepted (None: no bound), checked before any image is encoded."""
         if not isinstance(add_generation_prompt, bool):
             raise InvalidRequest(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+        _check_bound(max_tokens)
+        Namer.salt_bytes(salt)
         parsed, sources = parse_messages(messages)
         self._check_answers(parsed)
-        images = self.adapter.encode_all(sources, salt=salt)
+        raws = self._read_all(sources)
+        counts = [self.placeholder_count(raw) for raw in raws]
+        ids, runs = self.template.render(parsed, counts, add_generation_prompt)
+        _check_length(len(ids), max_tokens)
+        images = self.adapter.encode_all(raws, salt=salt)
         try:
-            ids, runs = self.template.render(parsed, [im.num_placeholders for im in images], add_generation_prompt)
+            encoded = [im.num_placeholders for im in images]
+            if encoded != counts:  # an adapter whose count the header does not give (placeholder_count)
+                ids, runs = self.template.render(parsed, encoded, add_generation_prompt)
             return self._assemble(ids, runs, images)
         except BaseException:
             _release(images)
             raise
 
     def from_token_ids(self, token_ids: Sequence[int], images: Sequence[object], *,
-                       salt: bytes | str | None = b"") -> MultimodalPrompt:
+                       salt: bytes | str | None = b"", max_tokens: int | None = None) -> MultimodalPrompt:
         """The prompt for token ids in which each image is one image token (expanded here to its run) or its
-        already expanded run; runs match ``images`` in order."""
+        already expanded run; runs match ``images`` in order. ``max_tokens`` as for ``from_messages``."""
         if not isinstance(images, (list, tuple)):  # one bytes object or path would read as many items
             raise InvalidRequest(f"images must be a list of images, got {type(images).__name__}")
+        _check_bound(max_tokens)
+        Namer.salt_bytes(salt)
         ids = [int(t) for t in as_token_array(token_ids)]
         self._check_vocab(ids, "token_ids")
         spans = _runs_of(ids, self.template.image_token_id)
         if len(spans) != len(images):
             raise InvalidRequest(f"token ids hold {len(spans)} image placeholder run(s) for {len(images)} image(s)")
-        encoded = self.adapter.encode_all(images, salt=salt)
+        raws = self._read_all(images)
+        counts = [self.placeholder_count(raw) for raw in raws]
+        if all(n > 1 for n in counts):  # exact counts (a lower bound is 1): a wrong run is refused now
+            for index, ((_, length), n) in enumerate(zip(spans, counts)):
+                if length not in (1, n):
+                    raise InvalidRequest(f"image {index}: a run of {length} image tokens; expected 1 or {n}")
+        _check_length(len(ids) + sum(n - 1 for (_, length), n in zip(spans, counts) if length == 1), max_tokens)
+        encoded = self.adapter.encode_all(raws, salt=salt)
         try:
             out: list[int] = []
             runs: list[ImageRun] = []
@@ -209,6 +233,33 @@ class PromptBuilder:
         except BaseException:
             _release(encoded)
             raise
+
+    def _read_all(self, sources: Sequence[object]) -> list[RawImage]:
+        """The bytes as sent of each image (nothing decoded), after the request's image count is checked."""
+        limit = self.adapter.limits.max_images
+        if len(sources) > limit:
+            raise InvalidRequest(f"{len(sources)} images exceed the limit of {limit} per request (max_images)")
+        return [read_image(source, index, self.adapter.limits) for index, source in enumerate(sources)]
+
+    def placeholder_count(self, raw: RawImage) -> int:
+        """How many placeholder tokens the tower's features for ``raw`` will fill, from the image's header and
+        the model's geometry, without running the tower (``MediaDecodeError`` for a header the decode would
+        refuse). The rules are the ones the adapters' models follow: LLaVA's features are the tower's positions
+        less the CLS token under the ``default`` strategy, whatever the image; Qwen2-VL's are the processor's
+        patches (``get_number_of_image_patches``, the processor's own rule) over ``merge**2``. Any other adapter
+        or processor gets 1, a lower bound (every image fills at least one placeholder)."""
+        adapter = self.adapter
+        if isinstance(adapter, LlavaVisionAdapter):
+            return _llava_placeholders(adapter)
+        count_patches = getattr(adapter.image_processor, "get_number_of_image_patches", None)
+        if isinstance(adapter, Qwen2VLVisionAdapter) and count_patches is not None:
+            width, height = image_size(raw, adapter.limits)
+            try:
+                patches = count_patches(height, width)
+            except ValueError as e:  # the processor's own bounds (Qwen2-VL: an aspect ratio over 200)
+                raise MediaDecodeError(raw.ref, f"the model's image processor refused it: {e}") from e
+            return int(patches) // adapter.spatial_merge_size ** 2
+        return 1
 
     def _check_answers(self, messages: Sequence[Message]) -> None:
         for message in messages:
@@ -245,6 +296,29 @@ def _runs_of(ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
     edges = np.diff(mask)
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def _llava_placeholders(adapter: LlavaVisionAdapter) -> int:
+    """A LLaVA tower's feature rows per image: its position embeddings (patches, plus CLS for CLIP), less the
+    CLS row that the ``default`` selection strategy drops (``LlavaModel.get_image_features``)."""
+    tower = adapter.tower
+    embeddings = getattr(getattr(tower, "vision_model", tower), "embeddings", None)
+    positions = getattr(embeddings, "num_positions", None)
+    if not positive_int(positions):
+        return 1  # a tower of another shape: the lower bound
+    return positions - (adapter.model.config.vision_feature_select_strategy == "default")
+
+
+def _check_bound(max_tokens: object) -> None:
+    if max_tokens is not None and not positive_int(max_tokens):
+        raise InvalidRequest(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+
+
+def _check_length(length: int, max_tokens: int | None) -> None:
+    """Refuses a prompt longer than ``max_tokens`` with its placeholder runs expanded (before any encode)."""
+    if max_tokens is not None and length > max_tokens:
+        raise InvalidRequest(f"the prompt is {length} tokens with its images' placeholders expanded; at most "
+                             f"{max_tokens} are accepted (refused before any image was encoded)")
 
 
 def _release(images: Sequence[EncodedImage]) -> None:

@@ -13,9 +13,11 @@ pipeline's code is unchanged) with a lookup in the encoder-output store.
   recipe. Taking it drops the codebooks' cached centroids (``_embed``), which transformers' Mimi computes at
   first use and never again, so codes filed under new weights are computed with them;
 * the content digest is ``names.media_digest`` over the bytes of the waveform tensor ``encode`` receives, with
-  its dtype and shape, the padding mask's bytes, ``num_quantizers`` and the autocast dtype when autocast is on
-  (it changes the codes): the key names the samples the codec computes on, so any change before the codec
-  (another file, gain, resampling, padding) changes the key.
+  its dtype and shape, the padding mask's bytes, ``num_quantizers``, the autocast dtype when autocast is on
+  (it changes the codes) and the request's preprocessing descriptor when it has one (a reference resampled by
+  ``audio.decode_clip``: the resampler, its settings and rates): the key names the samples the codec computes
+  on and how they were made, so any change before the codec (another file, gain, resampling, padding) changes
+  the key, and a clip that needed no resampling keys exactly as without a descriptor.
 
 Invariants:
 
@@ -36,19 +38,30 @@ Invariants:
   through ``.data`` or a replaced submodule, which those cannot see, call ``refresh``.
 * ``attach`` patches the codec instance and ``detach`` puts back what was there; one attach per codec at a
   time (a second is refused): a server handling requests concurrently attaches once, not per request.
+* The salt is per call, not per instance: ``with enc.salted(salt, preprocessing=clip.preprocessing):`` around
+  a request's ``generate`` keys every ``encode`` inside it with that salt and descriptor (neither outside such a
+  block). They live in a context variable, so each thread (and each asyncio task) sees only what it set: one
+  attached codec serves every tenant at once, and two salts never share an entry. ``Namer.salt_bytes`` checks
+  the salt (type, text, length) and ``canonical_encoding`` the descriptor on entry. Enter the block in the
+  thread that runs ``generate`` (``asyncio.to_thread`` carries the caller's context there; a bare thread pool
+  does not).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import json
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 from transformers.models.mimi.modeling_mimi import MimiEncoderOutput
 
 from mmcache.errors import InvalidRequest
-from mmcache.names import Namer, media_digest
+from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, OutputSpec, store_key
 
 from .text_encoders import LiveFingerprint, kernel_implementations, module_fingerprint
@@ -60,7 +73,7 @@ _STATE_KEYWORDS = ("encoder_cache", "padding_cache", "use_streaming")
 class CachedCodecEncode:
     """Callable standing in for ``codec.encode`` while attached (``with CachedCodecEncode(codec, store):``)."""
 
-    def __init__(self, codec: torch.nn.Module, store: EncoderOutputStore | None, *, salt: bytes | str | None = b""):
+    def __init__(self, codec: torch.nn.Module, store: EncoderOutputStore | None):
         from transformers import MimiModel
 
         if not isinstance(codec, MimiModel):
@@ -70,7 +83,10 @@ class CachedCodecEncode:
             raise InvalidRequest(f"store must be an EncoderOutputStore or None, got {type(store).__name__}")
         self.codec = codec
         self.store = store
-        self.salt = Namer.salt_bytes(salt)
+        # (salt, preprocessing descriptor) of the calls in the current thread or task (``salted``); one variable
+        # per instance, so two adapters (two codecs) keep theirs apart
+        self._request: contextvars.ContextVar[tuple[bytes, object]] = contextvars.ContextVar(
+            f"codec_request_{id(self)}", default=(b"", None))
         self.spec = OutputSpec({"audio_codes": ((None, None, None), torch.int64)})
         self._max_quantizers = codec.config.num_quantizers
         self._lock = threading.Lock()
@@ -111,6 +127,26 @@ class CachedCodecEncode:
     def __exit__(self, *exc) -> None:
         self.detach()
 
+    # ---- salts ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def salted(self, salt: bytes | str | None, *, preprocessing: object = None) -> Iterator["CachedCodecEncode"]:
+        """Key every ``encode`` this thread (or asyncio task) makes inside the block with ``salt`` (a request's
+        tenant) and ``preprocessing`` (how its reference samples were made, ``audio.DecodedAudio.preprocessing``;
+        None: as they came). ``InvalidRequest`` for a salt ``Namer.salt_bytes`` refuses or a descriptor with no
+        canonical encoding, before the block runs."""
+        # a private, checked copy: a descriptor the caller changes inside the block cannot change the keys
+        frozen = None if preprocessing is None else json.loads(canonical_encoding(preprocessing))
+        token = self._request.set((Namer.salt_bytes(salt), frozen))
+        try:
+            yield self
+        finally:
+            self._request.reset(token)
+
+    @property
+    def salt(self) -> bytes:
+        """The salt calls made here and now are keyed with (``salted``; empty outside any such block)."""
+        return self._request.get()[0]
+
     # ---- keys ----------------------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
@@ -140,17 +176,29 @@ class CachedCodecEncode:
         self._fingerprint.refresh()
 
     def key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None = None,
-            num_quantizers: int | None = None) -> bytes:
-        return self._key(input_values, padding_mask, self._check(input_values, padding_mask, num_quantizers))
+            num_quantizers: int | None = None, *, salt: bytes | str | None = None,
+            preprocessing: object = None) -> bytes:
+        """The store key ``encode`` files this input under: with ``salt`` and ``preprocessing``, each of which
+        defaults (None) to the current ``salted`` block's."""
+        current_salt, current_preprocessing = self._request.get()
+        request = (current_salt if salt is None else Namer.salt_bytes(salt),
+                   current_preprocessing if preprocessing is None else preprocessing)
+        q = self._check(input_values, padding_mask, num_quantizers)
+        return self._key(input_values, padding_mask, q, request)
 
-    def _key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None, q: int) -> bytes:
-        """``key`` of input ``_check`` passed, ``q`` the quantizer count it returned."""
+    def _key(self, input_values: torch.Tensor, padding_mask: torch.Tensor | None, q: int,
+             request: tuple[bytes, object]) -> bytes:
+        """``key`` of input ``_check`` passed, ``q`` the quantizer count it returned, ``request`` the salt and
+        preprocessing descriptor."""
+        salt, preprocessing = request
         mask = None if padding_mask is None else media_digest(
             _bytes(padding_mask), {"shape": list(padding_mask.shape), "dtype": str(padding_mask.dtype)})
         params = {"dtype": str(input_values.dtype), "shape": list(input_values.shape),
                   "padding_mask": None if mask is None else mask.hex(), "num_quantizers": q,
                   "autocast": _autocast(input_values.device.type)}
-        return store_key(self.fingerprint, media_digest(_bytes(input_values), params), self.salt)
+        if preprocessing is not None:  # absent otherwise: a clip used as it came keys as it always did
+            params["preprocessing"] = preprocessing
+        return store_key(self.fingerprint, media_digest(_bytes(input_values), params), salt)
 
     def _check(self, input_values, padding_mask, num_quantizers) -> int:
         """Refuses malformed input; returns the number of quantizers the codec will use (None: all of them)."""
@@ -192,7 +240,7 @@ class CachedCodecEncode:
                 codes = self._run(original, input_values, padding_mask, q)["audio_codes"]
             else:
                 q = self._check(input_values, padding_mask, num_quantizers)
-                key = self._key(input_values, padding_mask, q)
+                key = self._key(input_values, padding_mask, q, self._request.get())
                 with self.store.get_or_compute(key, lambda: (self._run(original, input_values, padding_mask, q), {}),
                                                self.spec) as lease:
                     codes = lease.outputs["audio_codes"].clone()

@@ -8,12 +8,22 @@ as the user sent it (for a data URL, its decoded payload), which is what the med
 Invariants:
 
 * ``RawImage.data`` is never re-encoded: equal bytes give equal digests whatever the source kind was.
+* Local files are read only where the caller opted in (``allow_paths=True``, or ``path_root=`` to confine
+  paths to one folder); by default a path or ``file://`` URL is refused before the filesystem is touched. A
+  refusal under ``path_root`` reads the same whatever the file's state (absent, unreadable, outside the folder,
+  not a regular file, too large), so a request cannot probe which files exist; only a fully trusted caller
+  (``allow_paths=True`` without a root) is told why.
 * Every failure to read or decode an item raises ``MediaDecodeError`` whose ``item`` is the ``MediaRef`` (index
   in the request, source kind); nothing else escapes for bad input, and nothing is cached or held by a failure.
 * The pixel count (width * height from the header) and the aspect ratio are checked against
   ``ImageLimits.max_pixels`` and ``max_aspect_ratio`` before any pixel is decoded, and byte sizes against
   ``max_bytes`` before a payload is read or base64-decoded, so a decompression bomb, an oversized upload or a
   strip that a processor would upscale into gigabytes costs no memory.
+* ``ImageLimits.max_images`` bounds the images of one request; the prompt builder (``encoders.chat``) refuses a
+  request over it before any of its images is read.
+* The pixel limit is ``max_pixels``, not Pillow's: headers are parsed with Pillow's decompression-bomb warning
+  ignored (``_header``), because each distinct oversized header would otherwise add an entry to the warnings
+  registry of ``PIL.Image`` for the life of the process. Pillow's hard error (twice its own limit) still applies.
 * A decoded image is fully loaded RGB: the first frame, EXIF orientation applied, transparency composited on
   white (the rule of transformers' ``convert_to_rgb``). ``DECODE_PARAMS`` names this rule; it is part of every
   media digest, so changing the rule changes the digests.
@@ -27,7 +37,9 @@ import io
 import re
 import stat
 import struct
+import threading
 import urllib.parse
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,26 +65,38 @@ _DECODE_FAILURES = (OSError, SyntaxError, ValueError, EOFError, struct.error, zl
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What an image may cost before it is refused. The defaults accept any photo up to 50 megapixels."""
+    """What an image may cost before it is refused. The defaults accept any photo up to 50 megapixels and read
+    no local file (see ``allow_paths``)."""
 
     max_pixels: int = 50_000_000
     max_bytes: int = 32 * 2**20
     formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-    allow_paths: bool = True
-    path_root: Path | None = None  # when set, file paths must resolve inside this folder
+    # Local paths are for trusted callers only: True reads any file the process can read; ``path_root`` reads
+    # files inside that folder only (and turns paths on by itself).
+    allow_paths: bool = False
+    path_root: Path | None = None
+    # Images per request (every image of every message, repeats included). A chat sends its whole history each
+    # turn, so the cap must cover a conversation's images, not one turn's; each distinct image may cost one
+    # vision-tower run, so the cap bounds what one request can make the tower do.
+    max_images: int = 32
     # Longest over shortest edge. Image processors resize the shortest edge up to their size, so a 1-pixel-high
     # strip of a few hundred bytes grows by its width times that size squared (about 10 KB per pixel of width
     # at CLIP's 32, 49 times more at 224). 200 is the bound Qwen2-VL's own processor sets.
     max_aspect_ratio: float = 200.0
 
     def __post_init__(self):
-        check_limits(self, ("max_pixels", "max_bytes"))
+        check_limits(self, ("max_pixels", "max_bytes", "max_images"))
         r = self.max_aspect_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r < float("inf"):
             raise InvalidRequest(f"max_aspect_ratio must be a finite number of at least 1, got {r!r}")
         if not isinstance(self.formats, (tuple, list)) or not all(isinstance(f, str) for f in self.formats):
             raise InvalidRequest(f"formats must be a tuple of format names, got {self.formats!r}")
         object.__setattr__(self, "formats", tuple(self.formats))
+
+
+def paths_allowed(limits) -> bool:
+    """Whether ``limits`` (an ``ImageLimits`` or ``audio.AudioLimits``) lets a request name a local file."""
+    return limits.allow_paths or limits.path_root is not None
 
 
 def check_limits(limits, counts: tuple[str, ...]) -> None:
@@ -168,9 +192,14 @@ def data_url_payload(url: str, ref: MediaRef, limits) -> bytes:
     return data
 
 
+_PATHS_OFF = "file paths are not accepted here; send the {medium} bytes or a data URL"
+_ROOTED_REFUSAL = "no readable {medium} file at this path inside the folder media may be read from"
+
+
 def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
     """The bytes of a local file named by a path or ``file://`` URL, under ``limits`` (``max_bytes``,
-    ``allow_paths``, ``path_root``: an ``ImageLimits`` or ``audio.AudioLimits``)."""
+    ``allow_paths``, ``path_root``: an ``ImageLimits`` or ``audio.AudioLimits``). With paths off nothing on
+    the filesystem is looked at; under ``path_root`` every refusal has one message (module docstring)."""
     text = str(source)
     if text.lower().startswith("file://"):
         try:
@@ -182,15 +211,31 @@ def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
         text = urllib.parse.unquote(url.path)
     elif _URL_SCHEME.match(text):
         raise MediaDecodeError(ref, f"remote URLs are not fetched; send the {ref.medium} bytes or a data URL")
-    if not limits.allow_paths:
-        raise MediaDecodeError(ref, "file paths are not accepted by this server")
-    path = Path(text)
+    if not paths_allowed(limits):
+        raise MediaDecodeError(ref, _PATHS_OFF.format(medium=ref.medium))
+    if limits.path_root is None:
+        return _read_file(Path(text), ref, limits)
+    inside = _inside_root(text, limits.path_root)
     try:
-        if limits.path_root is not None:
-            resolved = path.resolve()
-            if not resolved.is_relative_to(Path(limits.path_root).resolve()):
-                raise MediaDecodeError(ref, "file path lies outside the folder media may be read from")
-            path = resolved
+        if inside is None:
+            raise MediaDecodeError(ref, "outside the folder")
+        return _read_file(inside, ref, limits)
+    except MediaDecodeError:
+        raise MediaDecodeError(ref, _ROOTED_REFUSAL.format(medium=ref.medium)) from None
+
+
+def _inside_root(text: str, root: str | Path) -> Path | None:
+    """``text`` resolved (symlinks followed) when it lies inside ``root``, else None."""
+    try:
+        resolved = Path(text).resolve()
+        return resolved if resolved.is_relative_to(Path(root).resolve()) else None
+    except (OSError, ValueError, RuntimeError):  # the errors _read_file names
+        return None
+
+
+def _read_file(path: Path, ref: MediaRef, limits) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limits.max_bytes``; ``MediaDecodeError`` saying why not."""
+    try:
         info = path.stat()
         # Devices and pipes report no size and never end (/dev/zero would be read until memory runs out; a
         # FIFO would block the caller): only regular files are read.
@@ -210,29 +255,60 @@ def read_path(source: str | Path, ref: MediaRef, limits) -> bytes:
         raise MediaDecodeError(ref, f"cannot read file {path.name!r}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def decode_image(raw: RawImage, limits: ImageLimits = ImageLimits()) -> Image.Image:
-    """Fully decoded RGB pixels of ``raw``, or ``MediaDecodeError`` naming ``raw.ref``."""
+# ``warnings.catch_warnings`` swaps the process's filter list and puts it back on exit; two threads inside it at
+# once could leave one's list installed for good, so header parses that use it take turns (a header parse reads a
+# few hundred bytes; pixel decoding runs outside the lock). Python also marks every warnings registry stale on
+# entry and exit: a once-shown warning elsewhere may show again, but no registry grows.
+_HEADER_LOCK = threading.Lock()
+
+
+def _header(raw: RawImage, limits: ImageLimits) -> Image.Image:
+    """``raw`` opened (header parsed, no pixel decoded) and checked against ``limits``: format, size, pixel count
+    and aspect ratio; the caller closes it. ``MediaDecodeError`` naming ``raw.ref`` otherwise."""
     if not raw.data:
         raise MediaDecodeError(raw.ref, "image bytes are empty")
     try:
-        image = Image.open(io.BytesIO(raw.data), formats=list(limits.formats))  # reads the header only
+        with _HEADER_LOCK, warnings.catch_warnings():
+            # max_pixels is the limit, checked below; Pillow's warning would only leave a registry entry behind
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw.data), formats=list(limits.formats))  # reads the header only
     except Image.UnidentifiedImageError:
         raise MediaDecodeError(raw.ref, f"not an image in an accepted format ({', '.join(limits.formats)})") from None
     except Image.DecompressionBombError as e:
         raise MediaDecodeError(raw.ref, f"too many pixels (refused before decoding): {e}") from None
     except _DECODE_FAILURES as e:
         raise MediaDecodeError(raw.ref, f"unreadable image header: {e}") from None
-    with image:
-        width, height = image.size
-        if width <= 0 or height <= 0:
-            raise MediaDecodeError(raw.ref, f"image has an empty size {width}x{height}")
-        if width * height > limits.max_pixels:
-            raise MediaDecodeError(raw.ref, f"{width}x{height} = {width * height} pixels exceed the limit of "
-                                            f"{limits.max_pixels} (refused before decoding)")
-        if max(width, height) > limits.max_aspect_ratio * min(width, height):
-            raise MediaDecodeError(raw.ref, f"{width}x{height}: the long edge is more than "
-                                            f"{limits.max_aspect_ratio:g} times the short one (max_aspect_ratio; "
-                                            f"refused before decoding)")
+    try:
+        _check_size(raw.ref, image.size, limits)
+    except BaseException:
+        image.close()
+        raise
+    return image
+
+
+def _check_size(ref: MediaRef, size: tuple[int, int], limits: ImageLimits) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise MediaDecodeError(ref, f"image has an empty size {width}x{height}")
+    if width * height > limits.max_pixels:
+        raise MediaDecodeError(ref, f"{width}x{height} = {width * height} pixels exceed the limit of "
+                                    f"{limits.max_pixels} (refused before decoding)")
+    if max(width, height) > limits.max_aspect_ratio * min(width, height):
+        raise MediaDecodeError(ref, f"{width}x{height}: the long edge is more than {limits.max_aspect_ratio:g} "
+                                    f"times the short one (max_aspect_ratio; refused before decoding)")
+
+
+def image_size(raw: RawImage, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
+    """``(width, height)`` of ``raw`` from its header, checked as ``decode_image`` checks it, without decoding a
+    pixel: what a prompt's placeholder count is computed from before any image is encoded. The upright size
+    (EXIF orientation applied) may swap the two."""
+    with _header(raw, limits) as image:
+        return image.size
+
+
+def decode_image(raw: RawImage, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """Fully decoded RGB pixels of ``raw``, or ``MediaDecodeError`` naming ``raw.ref``."""
+    with _header(raw, limits) as image:
         fmt = image.format
         try:
             image.load()

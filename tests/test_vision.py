@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from encoders.media import decode_image, read_image
+from encoders.media import ImageLimits, decode_image, read_image
 from encoders.vision import weights_digest
 from encoders.vlm_presets import PRESET_NAMES, build_preset
 from mmcache.errors import InvalidRequest, MediaDecodeError
@@ -300,7 +300,7 @@ def test_encode_all_takes_only_a_list_or_tuple_of_images(presets, images, datase
     # encode_all(None) or (5) raised a bare TypeError; a str path was read one character per image, and one
     # bytes object one int per image.
     store = EncoderOutputStore(1 << 24)
-    adapter = presets["tiny-llava"].adapter(store)
+    adapter = presets["tiny-llava"].adapter(store, ImageLimits(allow_paths=True))  # reads a dataset file
     calls = count_tower_calls(adapter)
     path = str(datasets_dir / "images" / IMAGES[0])
     for bad in (None, 5, images[0], path, iter([images[0]]), {0: images[0]}, bytearray(images[0])):

@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from encoders.media import ImageLimits
 from mmcache.engine import Engine, EngineConfig, SamplingParams, UnknownPreset
 from mmcache.engine.attention import ATTENTION_BACKEND
 from mmcache.engine.inspect import record_logits
@@ -55,12 +56,12 @@ def images(datasets_dir) -> dict:
     return out
 
 
-def front(preset, mode="on", store_bytes=1 << 24, exact=False, **config) -> VLMEngine:
+def front(preset, mode="on", store_bytes=1 << 24, exact=False, limits=ImageLimits(), **config) -> VLMEngine:
     """A VLM engine over the preset's model (shared between fronts) with its own pools and store."""
     config.setdefault("num_pages", 256)
     cfg = EngineConfig.exact(page_size=P, cache_mode=mode, **config) if exact else \
         EngineConfig(page_size=P, cache_mode=mode, **config)
-    return VLMEngine(Engine(preset.model, None, cfg), preset.prompt_builder(EncoderOutputStore(store_bytes)))
+    return VLMEngine(Engine(preset.model, None, cfg), preset.prompt_builder(EncoderOutputStore(store_bytes), limits))
 
 
 def chat(image, question="What is unusual about this image?", system=SYSTEM) -> list:
@@ -212,7 +213,7 @@ def test_five_turn_chat_with_two_images_runs_the_tower_twice_and_reuses_pages(na
 
 
 def test_image_as_bytes_path_or_data_url_is_one_image(presets, images, datasets_dir, tower_calls):
-    vlm = front(presets["tiny-llava"])
+    vlm = front(presets["tiny-llava"], limits=ImageLimits(allow_paths=True))  # reads a dataset file by path
     calls = tower_calls(vlm)
     path = datasets_dir / "images" / "coffee.png"
     url = "data:image/png;base64," + base64.b64encode(images["coffee"]).decode()

@@ -24,6 +24,9 @@ Invariants:
   typed error (``InvalidRequest``, ``MediaDecodeError``) in its output and holds no page and no store entry;
   the other requests of the call are unaffected. So does one whose image encoding raised (the vision tower's
   forward, for example), with ``ForwardError`` and the cause attached.
+* A request's sampling parameters, its image count (``ImageLimits.max_images``) and its length with every
+  placeholder run expanded (``max_prompt_tokens``: the engine's ``max_model_len`` and pool, as intake counts
+  them) are checked before any image is encoded: such a refusal runs no tower and adds or evicts no store entry.
 * Page names and store keys both take the request's salt: different salts share neither pages nor entries.
 * ``ttft`` counts from when the front end received the request, so reading and encoding images is part of it.
 * Threads: as on ``Engine``, ``add_request`` and ``abort`` may be called from another thread than the one that
@@ -114,7 +117,9 @@ class VLMEngine:
     @classmethod
     def from_preset(cls, name: str, config: EngineConfig | None = None, dtype="float32",
                     store_bytes: int = DEFAULT_STORE_BYTES, limits: "ImageLimits | None" = None) -> "VLMEngine":
-        """A preset of ``vlm_presets.VLM_PRESETS`` with a fresh store of ``store_bytes``."""
+        """A preset of ``vlm_presets.VLM_PRESETS`` with a fresh store of ``store_bytes``. ``limits`` default to
+        ``ImageLimits()``, which read no local file: a caller that sends paths opts in (``allow_paths=True`` or
+        ``path_root=``)."""
         from encoders.media import ImageLimits
 
         from mmcache.store import EncoderOutputStore
@@ -124,6 +129,14 @@ class VLMEngine:
         preset = build_vlm(name, dtype)
         engine = Engine(preset.model, _hf_tokenizer(preset), config)
         return cls(engine, preset.prompt_builder(EncoderOutputStore(store_bytes), limits or ImageLimits()))
+
+    def max_prompt_tokens(self, sampling: SamplingParams) -> int:
+        """The longest prompt (placeholder runs expanded) the engine's intake accepts with ``sampling``: room
+        under ``max_model_len`` for one output, and its pages (with the first output's slot unless that token
+        is also the last) within the pool."""
+        intake = self.engine.intake
+        written = 1 if sampling.max_tokens > 1 else 0
+        return min(intake.max_model_len - 1, intake.num_pages * intake.page_size - written)
 
     @property
     def store(self) -> "EncoderOutputStore":
@@ -260,13 +273,18 @@ class VLMEngine:
             raise InvalidRequest(f"expected a VLMRequest, got {type(request).__name__}", rid)
         if (request.messages is None) == (request.token_ids is None):
             raise InvalidRequest("give exactly one of messages and token_ids", rid)
+        if not isinstance(request.sampling, SamplingParams):
+            raise InvalidRequest(f"sampling must be SamplingParams, got {type(request.sampling).__name__}", rid)
+        request.sampling.validate(rid)  # here, so that a request intake would refuse encodes no image
+        limit = self.max_prompt_tokens(request.sampling)
         if request.messages is not None:
             if request.images:
                 raise InvalidRequest("images of a chat request go in its messages' content parts", rid)
-            return self.builder.from_messages(request.messages, salt=request.salt)
+            return self.builder.from_messages(request.messages, salt=request.salt, max_tokens=limit)
         if not isinstance(request.images, (list, tuple)):  # one bytes object or path would read as many items
             raise InvalidRequest(f"images must be a list of images, got {type(request.images).__name__}", rid)
-        return self.builder.from_token_ids(request.token_ids, list(request.images), salt=request.salt)
+        return self.builder.from_token_ids(request.token_ids, list(request.images), salt=request.salt,
+                                           max_tokens=limit)
 
     def _release_unhanded(self, built: list[Request]) -> None:
         """Release the leases of built requests the engine does not hold: a no-op for those it ended, the
