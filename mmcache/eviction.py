@@ -11,6 +11,10 @@ and batches repeat, least recent run first, until the shortfall is covered or no
 
 Evicting leaves only keeps every entry's parent in the index, so no page is ever stranded behind a hole.
 
+Cost: the least recent evictable leaf comes off the index's cold-leaf heap (``PrefixIndex.pop_cold_leaf``), so a
+batch costs about its own length, whatever the size of the pool; no pass over the pool is made while a leaf
+is left.
+
 Windowed labels are the one way an index-only page can sit above pages a live request holds: ``release_oldest``
 gives back a seeded (or prefill-published) page while the request keeps the later pages of that chain, which
 stay in the index. No leaf is then ever reachable above them. So, when no evictable leaf is left, the batch
@@ -18,7 +22,8 @@ stay in the index. No leaf is then ever reachable above them. So, when no evicta
 windowed request that released an ancestor, or is index-only and freed), which makes the page a leaf that the
 next cold tail takes. The requests keep their pages; only the index's ownership is dropped. A page in a live
 request's chain is never detached: a chain runs unbroken from the root, so its ancestors are held too.
-After ``evict`` stopped short, therefore, the index alone holds no page at all.
+After ``evict`` stopped short, therefore, the index alone holds no page at all. Only a live request with
+released pages can leave such a page, so the search for one (a pass over the pool) runs only while one lives.
 """
 
 from __future__ import annotations
@@ -31,17 +36,14 @@ from .pool import PagePool
 _NEVER = np.iinfo(np.int64).max
 
 
-def evictable_mask(index: PrefixIndex, pool: PagePool) -> np.ndarray:
-    """Pages that could be dropped right now: in the index, held by nobody else, extended by no entry."""
-    return index.in_index & (pool.refcount == 1) & (index.children == 0)
-
-
 def cold_tail(index: PrefixIndex, pool: PagePool) -> np.ndarray:
-    """The next batch to evict, tail first: the least recent evictable leaf and its index-only ancestors."""
-    mask = evictable_mask(index, pool)
-    if not mask.any():
+    """The next batch to evict, tail first: the least recent evictable leaf and its index-only ancestors.
+
+    The leaf comes off the index's cold-leaf heap, so a batch costs its own length (plus a heap pop per
+    stale key, each pushed once), whatever the size of the pool."""
+    leaf = index.pop_cold_leaf()
+    if leaf < 0:
         return np.empty(0, dtype=np.int32)
-    leaf = int(np.where(mask, index.stamp, _NEVER).argmin())
     batch = [leaf]
     par = int(index.parent[leaf])
     rc, children, in_index, parent = pool.refcount, index.children, index.in_index, index.parent
@@ -76,17 +78,19 @@ def stranded_descendants(index: PrefixIndex, pool: PagePool) -> np.ndarray:
     return np.flatnonzero(below & index.in_index).astype(np.int32)
 
 
-def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int) -> tuple[int, int]:
+def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int, detach: bool = True) -> tuple[int, int]:
     """Evict cold tails until ``pages_wanted`` pages were freed or the index alone holds no page.
 
     Returns ``(pages_freed, batches)``. A batch is never split: it may free more than wanted. A detachment
-    counts as a batch; of its pages only those it freed (the index-only ones) count as freed.
+    counts as a batch; of its pages only those it freed (the index-only ones) count as freed. ``detach=False``
+    says no live request has released pages (``release_oldest``), so no index page can be stranded and the
+    search for one, a pass over the pool, is skipped.
     """
     freed = batches = 0
     while freed < pages_wanted:
         batch = cold_tail(index, pool)
         if not len(batch):
-            batch = stranded_descendants(index, pool)
+            batch = stranded_descendants(index, pool) if detach else batch
             if not len(batch):
                 break
         index.remove(batch)

@@ -10,20 +10,29 @@ Invariants (``check_invariants``):
 * ``parent[p]`` is the index page holding the previous page of the chain, or ``-1 - root_id`` for a chain's
   first page, where ``root_id`` identifies the exact root material (fingerprint and salt bytes) in
   ``roots``. A root no entry starts from and no live request uses may be forgotten (``forget_roots``) and its
-  id reused, so ``roots`` stays bounded by what is cached and running, not by every salt ever seen. Every entry's parent page is itself in the index (eviction removes leaves only).
+  id reused, so ``roots`` stays bounded by what is cached and running, not by every salt ever seen. Every
+  entry's parent page is itself in the index (eviction removes leaves only).
 * ``children[p]`` counts the entries whose parent is ``p``.
 * Live plus tombstone slots fill at most 3/4 of the multimap (a rebuild before an insert could pass it drops
   the tombstones), so every probe for a missing name ends at an EMPTY slot.
 * ``pool.ids[p]`` are the ids ``p`` was named over; a hit compares them, its extras and its parent.
-* Recency: ``stamp`` grows with time; a touch stamps a run's pages tail first, so along a chain a page is
-  never staler than the page after it when both were touched together, and least-recent order drops tails
-  first.
+* Recency: ``stamp`` grows with time and no two entries share one; an insert and a touch stamp a run's
+  pages tail first, so along a chain a page is never staler than the page after it when both were stamped
+  together, and least-recent order drops tails first.
+* Cold leaves: every *evictable leaf* (in the index, owner count 1, no children) has the key
+  ``stamp << 31 | page`` in the heap ``_cold``. The heap may also hold stale keys (the page changed since),
+  which ``pop_cold_leaf`` skips; it is rebuilt when it passes twice the pages. Every event that can make a
+  page an evictable leaf or restamp one offers it (insert, touch, a removal that leaves a parent childless,
+  and the pool's ``decref`` to one owner), so taking the least recent leaf costs a heap pop, not a pass
+  over the pool.
 
 Verifying ids stay in the pool's single ``(num_pages, page_size)`` int32 array, so a run of k pages is
 checked by one vectorised comparison.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 
@@ -33,6 +42,9 @@ from .pool import PagePool
 
 EMPTY = -1
 TOMBSTONE = -2
+_PAGE_BITS = 31  # page ids are int32 (pool.MAX_PAGES): a cold-leaf key is stamp << 31 | page
+_PAGE_MASK = (1 << _PAGE_BITS) - 1
+_SCALAR_REMOVALS = 8  # up to this many pages, removals and offers go one by one (see _slots_remove)
 
 
 class PrefixIndex:
@@ -63,6 +75,8 @@ class PrefixIndex:
         self.roots: dict[bytes, int] = {}
         self._free_root_ids: list[int] = []  # ids of forgotten roots, reused first
         self._root_ids_made = 0
+        self._cold: list[int] = []  # heap of cold-leaf keys (see the module docstring)
+        pool.on_one_owner = self.offer
 
     # ---- roots -------------------------------------------------------------------------------------
     def root_parent(self, root_material: bytes) -> int:
@@ -153,7 +167,11 @@ class PrefixIndex:
             pos[pending] = (pos[pending] + 1) % cap
 
     def _slots_remove(self, names: np.ndarray, pages: np.ndarray) -> None:
-        """Turn the slot holding each ``(names[i], pages[i])`` into a tombstone, all at once."""
+        """Turn the slot holding each ``(names[i], pages[i])`` into a tombstone, all at once (a few one by one:
+        a cold tail is often a page or two, and a scalar probe costs less than a numpy round per probe step)."""
+        if len(names) <= _SCALAR_REMOVALS:
+            self._slots_remove_each(names, pages)
+            return
         cap = self._cap
         pos = (names % np.uint64(cap)).astype(np.int64)
         pending = np.arange(len(names))
@@ -168,6 +186,20 @@ class PrefixIndex:
             pending = pending[~hit]
             pos[pending] = (pos[pending] + 1) % cap
 
+    def _slots_remove_each(self, names: np.ndarray, pages: np.ndarray) -> None:
+        keys, vals, cap = self._keys, self._vals, self._cap
+        for name, page in zip(names.tolist(), pages.tolist()):
+            s = name % cap
+            while True:
+                v = int(vals[s])
+                if v == EMPTY:
+                    raise AssertionError("a page is missing from the multimap")  # an index bug
+                if v == page and int(keys[s]) == name:
+                    break
+                s = (s + 1) % cap
+            vals[s] = TOMBSTONE
+        self._tombstones += len(names)
+
     def _maybe_rebuild(self, incoming: int = 0) -> None:
         """Drop the tombstones when, with ``incoming`` more entries each taking an EMPTY slot, live plus
         tombstone slots could pass 3/4 of the table (a full table would make every probe for a missing name
@@ -181,12 +213,12 @@ class PrefixIndex:
         self._slots_insert(self.name[live], live)
 
     # ---- lookup ------------------------------------------------------------------------------------
-    def _entry_matches(self, page: int, i: int, ids: np.ndarray, extras: dict, parent: int) -> bool:
-        p = self.page_size
+    def _entry_matches(self, page: int, i: int, ids: np.ndarray, extras: dict, parent: int, ids_from: int) -> bool:
+        p, row = self.page_size, i - ids_from
         return (
             bool(self.in_index[page])
             and int(self.parent[page]) == parent
-            and np.array_equal(self.pool.ids[page], ids[i * p : (i + 1) * p])
+            and np.array_equal(self.pool.ids[page], ids[row * p : (row + 1) * p])
             and self._extras.get(page) == extras.get(i)
         )
 
@@ -199,13 +231,15 @@ class PrefixIndex:
         limit: int | None = None,
         first_page: int = 0,
         parent: int | None = None,
+        ids_from: int = 0,
     ) -> np.ndarray:
         """Longest verified run of index pages for pages ``first_page ..`` of a sequence, as page ids.
 
-        ``names[j]`` names page ``first_page + j`` of ``ids``; the run starts under ``parent`` (an index page)
-        or at the root when ``first_page == 0``. A nominee is accepted only when its ids, its extras and its
-        parent equal the request's. At most ``limit`` pages are returned. Read-only: counts and recency are
-        the caller's to change.
+        ``names[j]`` names page ``first_page + j``; ``ids`` holds the sequence's ids from page ``ids_from``
+        (at most ``first_page``) on, so a caller matching late pages need not gather the early ones. The run
+        starts under ``parent`` (an index page) or at the root when ``first_page == 0``. A nominee is accepted
+        only when its ids, its extras and its parent equal the request's. At most ``limit`` pages are
+        returned. Read-only: counts and recency are the caller's to change.
         """
         k = len(names) if limit is None else min(len(names), limit)
         if k <= 0 or self.size == 0:
@@ -221,7 +255,7 @@ class PrefixIndex:
             m = int(misses[0]) if len(misses) else k - j
             if m:
                 pages = cand[j : j + m]
-                lo = (first_page + j) * p
+                lo = (first_page + j - ids_from) * p
                 ok = (self.pool.ids[pages] == ids[lo : lo + m * p].reshape(m, p)).all(axis=1)
                 parents = np.empty(m, dtype=np.int32)
                 parents[0] = expect_parent
@@ -250,7 +284,7 @@ class PrefixIndex:
             found = -1
             if cand[j] >= 0:
                 for page in self._all_candidates(int(names[j])):
-                    if self._entry_matches(page, first_page + j, ids, extras, expect_parent):
+                    if self._entry_matches(page, first_page + j, ids, extras, expect_parent, ids_from):
                         found = page
                         break
             if found < 0:
@@ -262,12 +296,49 @@ class PrefixIndex:
             return np.empty(0, dtype=np.int32)
         return np.concatenate(accepted).astype(np.int32, copy=False)
 
+    # ---- cold leaves -------------------------------------------------------------------------------
+    def _evictable(self, pages: np.ndarray) -> np.ndarray:
+        return self.in_index[pages] & (self.children[pages] == 0) & (self.pool.refcount[pages] == 1)
+
+    def offer(self, pages: np.ndarray) -> None:
+        """Add the cold-leaf keys of those of ``pages`` that are evictable leaves now (see the module docstring)."""
+        pages = np.asarray(pages, dtype=np.int32)
+        heap = self._cold
+        if len(pages) <= _SCALAR_REMOVALS:  # the usual offer, a page or two: scalar steps cost less
+            in_index, children, refcount, stamp = self.in_index, self.children, self.pool.refcount, self.stamp
+            for page in pages.tolist():
+                if in_index[page] and children[page] == 0 and refcount[page] == 1:
+                    heapq.heappush(heap, int(stamp[page]) << _PAGE_BITS | page)
+        else:
+            leaves = pages[self._evictable(pages)]
+            for stamp, page in zip(self.stamp[leaves].tolist(), leaves.tolist()):
+                heapq.heappush(heap, stamp << _PAGE_BITS | page)
+        if len(heap) > 2 * len(self.in_index) + 64:  # amortised: at least as many offers came since the last
+            self._rebuild_cold()
+
+    def _rebuild_cold(self) -> None:
+        leaves = np.flatnonzero(self.in_index & (self.children == 0) & (self.pool.refcount == 1))
+        self._cold = sorted(s << _PAGE_BITS | p for s, p in zip(self.stamp[leaves].tolist(), leaves.tolist()))
+
+    def pop_cold_leaf(self) -> int:
+        """The least recently stamped evictable leaf, taken off the heap; -1 when there is none."""
+        heap, stamp = self._cold, self.stamp
+        in_index, children, refcount = self.in_index, self.children, self.pool.refcount
+        while heap:
+            key = heapq.heappop(heap)
+            page = key & _PAGE_MASK
+            if in_index[page] and children[page] == 0 and refcount[page] == 1 and stamp[page] == key >> _PAGE_BITS:
+                return page
+        return -1
+
     # ---- mutation ----------------------------------------------------------------------------------
     def insert_run(self, names: np.ndarray, pages: np.ndarray, parent: int, extras: list) -> None:
         """Add a chain: ``pages[0]`` under ``parent``, each next page under the one before it.
 
         ``names``, ``pages`` and ``extras`` (an Extras or None per page) run head to tail; no page may be in the
-        index already. The caller transfers or adds the index's ownership of the pages.
+        index already. The caller transfers or adds the index's ownership of the pages (an added owner
+        before the call, so that the new leaf is not taken for evictable). The run is stamped as just used,
+        tail first.
         """
         n = len(pages)
         if n == 0:
@@ -291,6 +362,7 @@ class PrefixIndex:
                 self._extras[page] = ex
                 self.has_extras[page] = True
         self.size += n
+        self.touch(pages)
 
     def insert(self, name: int, page: int, parent: int, extras: Extras | None) -> None:
         """Add one ``page`` under ``name`` and ``parent`` (see ``insert_run``)."""
@@ -303,13 +375,19 @@ class PrefixIndex:
             return
         self._slots_remove(self.name[pages], pages)
         parents = self.parent[pages]
-        np.subtract.at(self.children, parents[parents >= 0], 1)
+        inner = parents[parents >= 0]
+        if len(inner) <= _SCALAR_REMOVALS:  # ufunc.at costs more than a few scalar steps
+            for par in inner.tolist():
+                self.children[par] -= 1
+        else:
+            np.subtract.at(self.children, inner, 1)
         self.in_index[pages] = False
         for page in pages[self.has_extras[pages]].tolist():
             del self._extras[page]
         self.has_extras[pages] = False
         self.size -= len(pages)
         self._maybe_rebuild()
+        self.offer(inner)  # a parent left without children may be an evictable leaf now
 
     def touch(self, pages: np.ndarray) -> None:
         """Mark a run (head first in ``pages``) as just used, tail first: the tail gets the oldest stamp."""
@@ -317,6 +395,7 @@ class PrefixIndex:
         if k:
             self.stamp[pages] = self._clock + np.arange(k - 1, -1, -1, dtype=np.int64)
             self._clock += k
+            self.offer(pages)
 
     def extras_of(self, page: int) -> Extras | None:
         return self._extras.get(page)
@@ -355,3 +434,7 @@ class PrefixIndex:
             raise AssertionError("an entry's chain starts from a root the index has forgotten")
         if len(set(self.roots.values())) != len(self.roots) or set(self._free_root_ids) & set(self.roots.values()):
             raise AssertionError("a root id is given to two root materials, or is both used and free")
+        leaves = entries[(self.children[entries] == 0) & (self.pool.refcount[entries] == 1)]
+        keys = {s << _PAGE_BITS | p for s, p in zip(self.stamp[leaves].tolist(), leaves.tolist())}
+        if not keys <= set(self._cold):
+            raise AssertionError("an evictable leaf is missing from the cold-leaf heap")

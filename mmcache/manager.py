@@ -1,7 +1,9 @@
 """The allocation manager of one pool: seeding, allocation, storing, suspension, windowing, eviction.
 
 One manager serves one (node, label, rank) pool and holds one lock; every method that touches pages takes
-it. Names are computed outside the lock (``prepare``); the lock covers probe, compare and increment.
+it. Names are computed outside the lock (``prepare`` for a prompt, ``commit`` for the pages it fills, checked
+under the lock against what they were computed from); the lock covers probe, compare and increment, and a
+commit's work there grows with the pages it completes, not with the context.
 
 Per request it keeps ``page_indices`` (the request's pages in sequence order, ``-1`` where a windowed label
 released a page), ``seq_len`` (tokens whose KV is written) and ``position_id_start`` (0: positions are
@@ -26,14 +28,21 @@ Invariants (``check_invariants``):
 
 Modes: ``on`` (seed and store), ``off`` (today's behaviour: every page freed at teardown, no names), and
 ``shadow``: pages behave as ``off`` while a metadata-only ``on`` manager (``self.shadow``) mirrors every call
-and counts what would have matched; replay uses that same class directly. The mirror runs under this
-manager's lock (the shadow's own lock is taken inside it, never the other way), so calls for one request
-reach the shadow in the order they took effect, whichever threads made them.
+and counts what would have matched; replay uses that same class directly. A call is queued for the mirror
+under this manager's lock, in the order the calls took effect, and applied after the lock is released, one
+thread at a time (``_mirror_turn``), so the mirror never lengthens a live call's hold of the lock and calls
+for one request still reach the shadow in the order they took effect, whichever threads made them.
+
+Reuse gates: mode ``on`` runs as ``off`` (``reuse_off`` says why) where reuse could change outputs before the
+gate that covers it exists: a tensor-parallel fingerprint (``tp_size > 1``: ranks must agree on a matched
+length first) or a KV dtype outside ``REUSE_KV_DTYPES`` (the RFC's dtype scoping). A shadow's mirror shares no
+page, so it still counts what reuse would give.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -49,6 +58,10 @@ from .names import Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_e
 from .pool import MAX_PAGES, KVSpec, PagePool
 
 MODES = ("on", "off", "shadow")
+REUSE_KV_DTYPES = ("float32", "bfloat16")
+"""The KV dtypes that passed the bit-exact gate (cache on equals cache off bit for bit under the same schedule,
+tests/test_engine_exact.py); a pool of any other dtype runs with reuse off. The one list of them."""
+NO_KV = "none"  # a fingerprint's kv_dtype for a manager that names pages but keeps no KV (replay, tests)
 ROOTS_KEPT = 1024  # root materials (fingerprint + salt) kept before unused ones are forgotten (index.forget_roots)
 STORE_AT = ("teardown", "prefill")
 
@@ -127,7 +140,8 @@ class _Request:
     protected_tokens: int | None = None  # set by protect_prefix: the label is windowed
     released: set = field(default_factory=set)  # page positions released by release_oldest
     suspended_ids: np.ndarray | None = None  # written ids while suspended
-    lookup: tuple = (0, 0, 0, 0)  # what admission added to the metrics: (cap pages, hit pages, forfeit pages, recorded)
+    lookup: tuple = (0, 0, 0, 0, False)  # what admission added to the metrics: (cap pages, hit pages, forfeit pages,
+    #                                     recorded, readmission)
 
     @property
     def chain_parent(self) -> int:
@@ -148,7 +162,9 @@ class AllocationManager:
             raise InvalidRequest(
                 f"fingerprint page_size {fingerprint.page_size} differs from config {config.page_size}")
         self.config = config
-        self.mode = config.mode
+        #: Why mode ``on`` runs as ``off`` here (see the module docstring's reuse gates), or None.
+        self.reuse_off = reuse_blocker(fingerprint, kv_spec) if config.mode == "on" and self._gated else None
+        self.mode = "off" if self.reuse_off else config.mode
         self.page_size = config.page_size
         self.namer = Namer(fingerprint, hash_fn)
         self.pool = PagePool(config.num_pages, config.page_size, kv_spec)
@@ -158,11 +174,16 @@ class AllocationManager:
         self._lock = threading.Lock()
         self._requests: dict[object, _Request] = {}
         self._inflight: dict[int, int] = {}  # page name -> live requests holding it full and unpublished
+        self._windowed = 0  # live requests with released pages: only they can strand index pages (eviction)
         self.shadow: AllocationManager | None = None
         self._shadow_dropped: set = set()
+        self._mirror_queue: deque = deque()  # (request id, call, ending), in the order the calls took effect
+        self._mirror_turn = threading.Lock()  # held by the one thread applying queued calls to the shadow
         self.shadow_failures = 0
         if config.mode == "shadow":
-            self.shadow = AllocationManager(replace(config, mode="on"), fingerprint, None, hash_fn)
+            self.shadow = _Mirror(replace(config, mode="on"), fingerprint, None, hash_fn)
+
+    _gated = True  # whether the reuse gates apply (see _Mirror)
 
     # ---- queries -----------------------------------------------------------------------------------
     def __contains__(self, request_id) -> bool:
@@ -243,7 +264,7 @@ class AllocationManager:
             return len(pages) * self.page_size
 
     def admit(self, request_id, prompt, media: Sequence[MediaItem] = (),
-              salt: bytes | str | None = b"", whole: bool = False) -> AdmitResult:
+              salt: bytes | str | None = b"", whole: bool = False, readmission: bool = False) -> AdmitResult:
         """Register a request and seed it from the index.
 
         ``prompt`` is a ``PreparedPrompt`` (names computed outside the lock) or token ids with ``media`` and
@@ -251,12 +272,18 @@ class AllocationManager:
         one prompt token is left to compute; with it a prompt of whole pages may be matched to its end (the
         host then computes its last token's logits without writing that token's KV). Afterwards
         ``seq_len == matched_tokens`` and ``position_id_start == 0``.
+
+        ``readmission=True`` says the host admits again a request it tore down earlier (a preemption): its
+        lookup is counted, and also as a re-admission, which ``hit_share`` leaves out (it would mostly match
+        the request's own pages) and ``per_request_matched`` does not list again.
         """
         try:
             hash(request_id)
         except TypeError:
             raise InvalidRequest(f"request_id must be hashable, got {type(request_id).__name__}") from None
         _check_whole(whole, request_id)
+        if not isinstance(readmission, bool):
+            raise InvalidRequest(f"readmission must be a bool, got {readmission!r}", request_id)
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, media, salt, request_id)
         elif self.mode != "off" and len(prompt.names) != len(prompt.ids) // self.page_size:
@@ -267,15 +294,16 @@ class AllocationManager:
             root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
             req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
                            prompt.names.tolist())
-            result = self._seed(req, prompt.names, whole) if self.mode == "on" else AdmitResult(0, 0, 0)
+            result = self._seed(req, prompt.names, whole, readmission) if self.mode == "on" else AdmitResult(0, 0, 0)
             self._requests[request_id] = req
             if len(self.index.roots) > self._roots_limit:  # amortised: the limit doubles past what is in use
                 self.index.forget_roots({r.root_parent for r in self._requests.values()})
                 self._roots_limit = max(ROOTS_KEPT, 2 * len(self.index.roots))
-            self._mirror(request_id, lambda s: s.admit(request_id, prompt, whole=whole))
+            self._mirror(request_id, lambda s: s.admit(request_id, prompt, whole=whole, readmission=readmission))
+        self._drain_mirror()
         return result
 
-    def _seed(self, req: _Request, names: np.ndarray, whole: bool) -> AdmitResult:
+    def _seed(self, req: _Request, names: np.ndarray, whole: bool, readmission: bool) -> AdmitResult:
         p = self.page_size
         cap = self.match_cap(len(req.prompt), whole)
         pages = self.index.match(names[:cap], req.prompt, req.extras, req.root_parent)
@@ -297,8 +325,13 @@ class AllocationManager:
         m.hit_tokens += k * p
         m.forfeit_pages += forfeit
         m.forfeit_tokens += forfeit * p
-        m.record_match(req.request_id, k * p)
-        req.lookup = (cap, k, forfeit, 1)
+        if readmission:
+            m.readmissions += 1
+            m.readmission_lookup_tokens += len(req.prompt)
+            m.readmission_hit_tokens += k * p
+        else:
+            m.record_match(req.request_id, k * p)
+        req.lookup = (cap, k, forfeit, True, readmission)
         return AdmitResult(k * p, k, forfeit * p)
 
     # ---- allocation --------------------------------------------------------------------------------
@@ -317,17 +350,18 @@ class AllocationManager:
             if need > 0:
                 self._ensure_free(request_id, need)
                 req.pages.extend(self.pool.take(need).tolist())
-            pages = np.asarray(req.pages, dtype=np.int32)
+            held = req.pages[:]  # a list copy here; the array (per page of the context) after the lock
             end = req.seq_len + num_tokens
             self._mirror(request_id, lambda s: s.reserve(request_id, max(0, end - s._requests[request_id].seq_len)))
-        return pages
+        self._drain_mirror()
+        return np.asarray(held, dtype=np.int32)
 
     def _ensure_free(self, request_id, need: int) -> None:
         short = need - self.pool.num_free
         if short <= 0:
             return
         if self.mode == "on":
-            freed, batches = evict(self.index, self.pool, short)
+            freed, batches = evict(self.index, self.pool, short, detach=self._windowed > 0)
             self.metrics.evicted_pages += freed
             self.metrics.eviction_batches += batches
             short = need - self.pool.num_free
@@ -344,8 +378,10 @@ class AllocationManager:
 
         Positions inside the prompt must carry the prompt's ids (its names were computed from them). With
         ``store_at='prefill'``, prompt pages that became full enter the index now, shared with the request.
+        Names of the pages the commit completes are computed before the lock is taken.
         """
         ids = as_token_array(token_ids, request_id)
+        ahead = self._name_ahead(request_id, ids)
         with self._lock:
             req = self._live(request_id, "commit")
             n, p = len(ids), self.page_size
@@ -358,27 +394,84 @@ class AllocationManager:
                 raise InvalidRequest(f"committed ids differ from the prompt at positions {start}..{start + overlap}",
                                      request_id)
             if n:
+                first = start // p
+                rows = np.asarray(req.pages[first:(end - 1) // p + 1], dtype=np.int32)
                 pos = np.arange(start, end)
-                self.pool.ids[np.asarray(req.pages, dtype=np.int32)[pos // p], pos % p] = ids
+                self.pool.ids[rows[pos // p - first], pos % p] = ids
+                if self.mode == "on" and ahead is not None and self._ahead_holds(req, ahead):
+                    req.names.extend(ahead[-1])
                 req.seq_len = end
                 if self.mode == "on":
-                    self._on_pages_filled(req)
+                    self._on_pages_filled(req, first)
 
             def mirror(s: AllocationManager):
                 mirrored = s._requests[request_id].seq_len
                 if end > mirrored:
                     s.commit(request_id, ids[max(0, mirrored - start):])
             self._mirror(request_id, mirror)
+        self._drain_mirror()
 
-    def _on_pages_filled(self, req: _Request) -> None:
+    def _name_ahead(self, request_id, ids: np.ndarray) -> tuple | None:
+        """Outside the lock: names of the pages a commit of ``ids`` would complete beyond those named, with
+        what they were computed from: ``(seq_len, pages named, last name, written ids they cover, names)``.
+        None when there is nothing to name or the request is windowed (its names stop at what it may store).
+
+        It reads the request's state without the lock; ``_ahead_holds`` checks that state under the lock."""
+        if self.mode != "on":
+            return None
+        req = _lookup(self._requests, request_id)
+        if req is None or req.protected_tokens is not None or req.suspended_ids is not None:
+            return None
+        p = self.page_size
+        start, have = req.seq_len, len(req.names)
+        full = (start + len(ids)) // p
+        if full <= have:
+            return None
+        last = req.names[have - 1] if have else None
+        written = self._written_unnamed(req, start, have)
+        span = np.concatenate([written, ids[max(0, have * p - start):full * p - start]])
+        if len(span) != (full - have) * p:
+            return None  # the state moved under us; the lock's path names these pages
+        return start, have, last, written, self._chain_names(req, have, span, last).tolist()
+
+    def _written_unnamed(self, req: _Request, start: int, have: int) -> np.ndarray:
+        """The ids written at positions ``have * page_size .. start`` (pages written but not yet named)."""
+        p = self.page_size
+        if start <= have * p:
+            return np.empty(0, dtype=self.pool.ids.dtype)
+        rows = np.asarray(req.pages[have:-(-start // p)], dtype=np.int32)
+        return self.pool.ids[rows].reshape(-1)[:start - have * p].copy()
+
+    def _ahead_holds(self, req: _Request, ahead: tuple) -> bool:
+        """Under the lock: whether names from ``_name_ahead`` still extend ``req.names`` (same position, same
+        last name, same written ids); the commit's own ids were checked against the same start."""
+        start, have, last, written, _ = ahead
+        return (req.seq_len == start and len(req.names) == have and req.protected_tokens is None
+                and (have == 0 or req.names[have - 1] == last)
+                and np.array_equal(self._written_unnamed(req, start, have), written))
+
+    def _chain_names(self, req: _Request, first: int, ids: np.ndarray, last: int | None) -> np.ndarray:
+        """Names of the pages ``first ..`` whose ids ``ids`` holds, chained on ``last`` (the name of page
+        ``first - 1``; the request's root when ``first`` is 0)."""
+        n = len(ids) // self.page_size
+        extras = {i - first: req.extras[i] for i in req.extras if first <= i < first + n}
+        return self.namer.names(ids, req.root if first == 0 else last, extras)
+
+    def _on_pages_filled(self, req: _Request, first: int) -> None:
+        """After a commit that started in page ``first``: name, list in flight and (at prefill) publish the
+        pages it completed. Earlier pages were handled by earlier commits, so the work is per page completed."""
         full = self._storable_pages(req) if req.protected_tokens is not None else req.seq_len // self.page_size
         self._name_pages(req, full)
-        for i in range(len(req.chain), full):
+        self._register(req, max(first, len(req.chain)), full)
+        if self.config.store_at == "prefill" and not req.publish_blocked:
+            self._publish(req, min(full, len(req.prompt) // self.page_size), transfer=False)
+
+    def _register(self, req: _Request, lo: int, hi: int) -> None:
+        """List the full pages ``lo .. hi`` (unpublished, not released) in the in-flight table."""
+        for i in range(lo, hi):
             if i not in req.registered and i not in req.released:
                 name = req.registered[i] = req.names[i]
                 self._inflight[name] = self._inflight.get(name, 0) + 1
-        if self.config.store_at == "prefill" and not req.publish_blocked:
-            self._publish(req, min(full, len(req.prompt) // self.page_size), transfer=False)
 
     def _storable_pages(self, req: _Request) -> int:
         """Leading full pages a teardown may store: up to the first released page and the protected prefix."""
@@ -390,14 +483,13 @@ class AllocationManager:
         return full
 
     def _name_pages(self, req: _Request, upto: int) -> None:
-        """Extend ``req.names`` over written full pages up to ``upto``; generated pages chain on."""
+        """Extend ``req.names`` over written full pages up to ``upto``; generated pages chain on. Under the
+        lock, for what ``_name_ahead`` did not name (a windowed request, a teardown)."""
         have = len(req.names)
         if upto <= have:
             return
-        ids = self.pool.ids[np.asarray(req.pages[:upto], dtype=np.int32)].reshape(-1)
-        parent = req.names[have - 1] if have else None
-        new = self.namer.names(ids, req.root, req.extras, first_page=have, parent=parent, num_pages=upto - have)
-        req.names.extend(new.tolist())
+        ids = self.pool.ids[np.asarray(req.pages[have:upto], dtype=np.int32)].reshape(-1)
+        req.names.extend(self._chain_names(req, have, ids, req.names[have - 1] if have else None).tolist())
 
     def _publish(self, req: _Request, upto: int, transfer: bool) -> list:
         """Put the request's pages ``len(req.chain) .. upto`` into the index.
@@ -411,19 +503,19 @@ class AllocationManager:
         lo = len(req.chain)
         if upto <= lo:
             return []
-        ids = self.pool.ids[np.asarray(req.pages[:upto], dtype=np.int32)].reshape(-1)
+        ids = self.pool.ids[np.asarray(req.pages[lo:upto], dtype=np.int32)].reshape(-1)
         existing = self.index.match(np.asarray(req.names[lo:upto], dtype=np.uint64), ids, req.extras,
-                                    req.root_parent, first_page=lo, parent=req.chain_parent)
+                                    req.root_parent, first_page=lo, parent=req.chain_parent, ids_from=lo)
         m = len(existing)
         if m and not transfer:
             req.publish_blocked = True
             return []
         parent = int(existing[-1]) if m else req.chain_parent
         inserted = list(req.pages[lo + m:upto])
+        if inserted and not transfer:
+            self.pool.incref(np.asarray(inserted, dtype=np.int32))  # first: the new tail is not index-only
         self.index.insert_run(np.asarray(req.names[lo + m:upto], dtype=np.uint64), inserted, parent,
                               [req.extras.get(i) for i in range(lo + m, upto)])
-        if inserted and not transfer:
-            self.pool.incref(np.asarray(inserted, dtype=np.int32))
         # Published pages stop counting as in flight: from now on they are hits, not forfeits.
         for i in range(lo, upto):
             if i in req.registered:
@@ -457,13 +549,15 @@ class AllocationManager:
                 transferred = self._publish(req, full, transfer=True)
                 run = req.chain[:full]
                 if full > lo:
-                    ids = self.pool.ids[np.asarray(req.pages[:full], dtype=np.int32)].reshape(-1)
+                    ids = self.pool.ids[np.asarray(req.pages[lo:full], dtype=np.int32)].reshape(-1)
                     run = run + self.index.match(np.asarray(req.names[lo:full], dtype=np.uint64), ids, req.extras,
-                                                 req.root_parent, first_page=lo, parent=req.chain_parent).tolist()
+                                                 req.root_parent, first_page=lo, parent=req.chain_parent,
+                                                 ids_from=lo).tolist()
                 self.index.touch(np.asarray(run, dtype=np.int32))
             self._release(req, exclude=set(transferred))
             stored = self.metrics.stored_pages - before
             self._mirror(request_id, lambda s: s.teardown(request_id), ending=True)
+        self._drain_mirror()
         return stored
 
     def abort(self, request_id, requeue: bool = False) -> None:
@@ -471,16 +565,21 @@ class AllocationManager:
 
         ``requeue=True`` says the host will admit the request again (for example its first allocation failed
         and it waits for pages): its admission's lookup is taken back out of the metrics, so a retried request
-        is counted once."""
+        is counted once.
+
+        The index pages the request held are stamped as just used, tail first, as a teardown stamps its run: a
+        request's end, stored or not, is its pages' last use."""
         with self._lock:
             req = self._pop(request_id, "abort")
             if requeue:
                 self._uncount_lookup(req)
+            self.index.touch(np.asarray(req.chain, dtype=np.int32))
             self._release(req)
             self._mirror(request_id, lambda s: s.abort(request_id, requeue), ending=True)
+        self._drain_mirror()
 
     def _uncount_lookup(self, req: _Request) -> None:
-        cap, k, forfeit, recorded = req.lookup
+        cap, k, forfeit, recorded, readmission = req.lookup
         if not recorded:
             return
         p, m = self.page_size, self.metrics
@@ -491,6 +590,12 @@ class AllocationManager:
         m.hit_tokens -= k * p
         m.forfeit_pages -= forfeit
         m.forfeit_tokens -= forfeit * p
+        req.lookup = (0, 0, 0, False, False)
+        if readmission:  # listed once, at the first admission: that record stays
+            m.readmissions -= 1
+            m.readmission_lookup_tokens -= len(req.prompt)
+            m.readmission_hit_tokens -= k * p
+            return
         # Newest first: the record of a request being requeued was appended at its admission, moments ago, so
         # the scan stops after the few requests admitted since (not across up to 100k older records).
         records = m.per_request_matched
@@ -498,12 +603,13 @@ class AllocationManager:
             if rid == req.request_id:
                 del records[len(records) - 1 - back]
                 break
-        req.lookup = (0, 0, 0, 0)
 
     def _pop(self, request_id, op: str) -> _Request:
         req = _lookup(self._requests, request_id)
         if req is None:
             raise UnknownRequest(request_id, op)
+        if req.released:
+            self._windowed -= 1
         return self._requests.pop(request_id)
 
     def _release(self, req: _Request, exclude: set = frozenset()) -> None:
@@ -537,6 +643,7 @@ class AllocationManager:
             req.seq_len = 0
             req.publish_blocked = False
             self._mirror(request_id, lambda s: s.suspend(request_id))
+        self._drain_mirror()
         return ids
 
     def resume(self, request_id) -> ResumeResult:
@@ -563,6 +670,7 @@ class AllocationManager:
             req.suspended_ids = None
             pending = ids[req.seq_len:].copy()
             self._mirror(request_id, lambda s: s.resume(request_id))
+        self._drain_mirror()
         return ResumeResult(req.seq_len, pending)
 
     # ---- windowed labels ---------------------------------------------------------------------------
@@ -577,7 +685,12 @@ class AllocationManager:
                 raise InvalidRequest(f"protected prefix must be an int in [0, {limit}], got {num_tokens!r}",
                                      request_id)
             req.protected_tokens = int(num_tokens)
+            if self.mode == "on":  # pages a raised bound makes storable are in flight from now on
+                full = self._storable_pages(req)
+                self._name_pages(req, full)
+                self._register(req, len(req.chain), full)
             self._mirror(request_id, lambda s: s.protect_prefix(request_id, num_tokens))
+        self._drain_mirror()
 
     def release_oldest(self, request_id, num_pages: int) -> np.ndarray:
         """Release the ``num_pages`` oldest full pages after the protected prefix, through the counted free
@@ -599,6 +712,8 @@ class AllocationManager:
                 return np.empty(0, dtype=np.int32)
             if req.protected_tokens is None:
                 req.protected_tokens = 0
+            if not req.released:
+                self._windowed += 1
             out = []
             for i in candidates[:num_pages]:
                 if i in req.registered:
@@ -611,6 +726,7 @@ class AllocationManager:
             # The chain holds only pages the request holds: it ends before the first released position.
             del req.chain[min(req.released):]
             self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
+        self._drain_mirror()
         return released
 
     def clear_cache(self) -> int:
@@ -618,10 +734,12 @@ class AllocationManager:
         still holds leave the index if that is what reaches one it released). Returns the pages freed, the
         shadow manager's included."""
         with self._lock:
-            freed, batches = evict(self.index, self.pool, self.pool.num_pages) if self.mode == "on" else (0, 0)
+            freed, batches = (evict(self.index, self.pool, self.pool.num_pages, detach=self._windowed > 0)
+                              if self.mode == "on" else (0, 0))
             self.metrics.evicted_pages += freed
             self.metrics.eviction_batches += batches
         if self.shadow is not None:
+            self._drain_mirror()
             freed += self.shadow.clear_cache()
         return freed
 
@@ -635,11 +753,26 @@ class AllocationManager:
         return req
 
     def _mirror(self, request_id, call: Callable[["AllocationManager"], object], ending: bool = False) -> None:
-        """Replay a successful call on the shadow manager. The shadow never fails the real request, whose
-        call has already taken effect: if the shadow raises one of mmcache's errors (it ran out of pages, or
-        its state let it refuse the call) it drops that request from its accounting (``shadow_failures``)."""
+        """Queue a successful call for the shadow manager (under the lock, so the queue holds the calls in the
+        order they took effect); ``_drain_mirror`` applies it once the lock is released."""
+        if self.shadow is not None:
+            self._mirror_queue.append((request_id, call, ending))
+
+    def _drain_mirror(self) -> None:
+        """Apply the queued calls to the shadow, outside this manager's lock. One thread at a time takes the
+        turn and applies every call queued, its own and any other thread's, oldest first; a thread that waited
+        for the turn finds its own call already applied."""
         if self.shadow is None:
             return
+        with self._mirror_turn:
+            queue = self._mirror_queue
+            while queue:
+                self._apply_mirror(*queue.popleft())
+
+    def _apply_mirror(self, request_id, call: Callable[["AllocationManager"], object], ending: bool) -> None:
+        """Replay a call on the shadow manager. The shadow never fails the real request, whose call has
+        already taken effect: if the shadow raises one of mmcache's errors (it ran out of pages, or its state
+        let it refuse the call) it drops that request from its accounting (``shadow_failures``)."""
         if request_id in self._shadow_dropped:
             if ending:
                 self._shadow_dropped.discard(request_id)
@@ -687,6 +820,30 @@ class AllocationManager:
     def metadata_nbytes(self) -> int:
         """Per-page metadata of pool and index (not the KV tensor)."""
         return self.pool.metadata_nbytes() + self.index.metadata_nbytes()
+
+
+class _Mirror(AllocationManager):
+    """The shadow of a manager in mode ``shadow``: metadata only, it shares no page and changes no output, so
+    the reuse gates do not apply to it; it counts what reuse would give."""
+
+    _gated = False
+
+
+def reuse_blocker(fingerprint: Fingerprint, kv_spec: KVSpec | None) -> str | None:
+    """Why reuse must stay off for this fingerprint and pool (see the module docstring), or None."""
+    if fingerprint.tp_size > 1:
+        return (f"tensor parallel (tp_size={fingerprint.tp_size}): ranks could match different lengths, and the "
+                "agreement on one matched length does not exist yet")
+    dtypes = [fingerprint.kv_dtype] if kv_spec is None else [fingerprint.kv_dtype, _dtype_name(kv_spec.dtype)]
+    for dtype in dtypes:
+        if dtype not in REUSE_KV_DTYPES and dtype != NO_KV:
+            return (f"KV dtype {dtype} has not passed the bit-exact gate (reuse is on for "
+                    f"{', '.join(REUSE_KV_DTYPES)})")
+    return None
+
+
+def _dtype_name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def _lookup(requests: dict, request_id) -> "_Request | None":

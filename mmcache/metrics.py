@@ -1,4 +1,10 @@
-"""Counters of one allocation manager. Plain integers, updated under the manager's lock."""
+"""Counters of one allocation manager. Plain integers, updated under the manager's lock.
+
+Every admission that consults the index counts in ``lookups`` and the ``lookup_*`` / ``hit_*`` counters; a
+re-admission (the host admits again a request it preempted) counts there too and also in ``readmission_*``.
+``hit_share`` is over first admissions only: a re-admission mostly matches the pages the request itself
+stored, which says nothing of reuse between requests. ``per_request_matched`` lists first admissions.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CacheMetrics:
-    lookups: int = 0  # admissions that consulted the index
+    lookups: int = 0  # admissions that consulted the index (re-admissions included)
     lookup_pages: int = 0  # full prompt pages eligible for a hit (after the keep-one-token cap)
     lookup_tokens: int = 0  # prompt tokens of those admissions
     hit_pages: int = 0
     hit_tokens: int = 0
+    readmissions: int = 0  # admissions of a request the host had torn down before (preemption)
+    readmission_lookup_tokens: int = 0  # their prompt tokens (in lookup_tokens too)
+    readmission_hit_tokens: int = 0  # their matched tokens (in hit_tokens too)
     forfeit_pages: int = 0  # pages after the hit that a live request held, unpublished (the in-flight loss)
     forfeit_tokens: int = 0
     stored_pages: int = 0  # pages that entered the index (teardown or publish at prefill)
@@ -28,8 +37,9 @@ class CacheMetrics:
 
     @property
     def hit_share(self) -> float:
-        """Matched prompt tokens over all looked-up prompt tokens."""
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+        """Matched prompt tokens over looked-up prompt tokens, of first admissions only."""
+        looked = self.lookup_tokens - self.readmission_lookup_tokens
+        return (self.hit_tokens - self.readmission_hit_tokens) / looked if looked else 0.0
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "per_request_matched"}

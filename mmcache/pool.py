@@ -7,6 +7,8 @@ Invariants (``check_invariants``):
   allocation manager checks that counts equal owners (the pool alone cannot see who the owners are).
 * ``ids[page]`` holds the token ids written into the page (valid up to the page's fill); for a page in
   the prefix index they are the ids the page was named over, compared on every hit.
+* ``decref`` reports every page its call left with exactly one owner to ``on_one_owner`` (when set): the
+  prefix index listens, since an index page whose last other owner left may have become evictable.
 
 The KV tensor, when present, is allocated once at construction and never grows. One pool serves one
 (node, label, rank). Layout::
@@ -24,6 +26,7 @@ Without a KV spec the pool is metadata only (replay, shadow mode): every rule ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -79,6 +82,8 @@ class PagePool:
             raise InvalidRequest(f"a pool of {num_pages} pages of {page_size} tokens cannot be allocated: "
                                  f"{type(e).__name__}: {e}") from None
         self._free_top = self.num_pages
+        #: Called with the pages a ``decref`` left with one owner (see the module docstring), or None.
+        self.on_one_owner: Callable[[np.ndarray], None] | None = None
         self.kv_spec = kv_spec
         self.kv = None
         if kv_spec is not None:
@@ -119,11 +124,16 @@ class PagePool:
             return pages
         rc = self.refcount
         rc[pages] -= 1
-        freed = pages[rc[pages] == 0]
+        left = rc[pages]
+        freed = pages[left == 0]
         if len(freed):
             top = self._free_top
             self._free[top : top + len(freed)] = freed[::-1]
             self._free_top = top + len(freed)
+        if self.on_one_owner is not None:
+            alone = pages[left == 1]
+            if len(alone):
+                self.on_one_owner(alone)
         return freed
 
     def free_pages(self) -> np.ndarray:

@@ -32,6 +32,32 @@ def test_quick_run_reports_every_figure_with_side_by_side_ratios():
     assert 0 < r["metadata_array_bytes_per_page"] <= r["metadata_bytes_per_page"] < 4096
     rows = core.table_rows(r)
     assert [row.metric for row in rows][:2] == ["page naming throughput"] * 2
+    check_digest_figures(r["digest"])
+    assert any(row.metric.startswith("content digest") for row in rows)
+    check_eviction_and_commit_figures(r)
+
+
+def check_digest_figures(d: dict) -> None:
+    """The digest part of ``bench core``: both digests' MB/s at 1 and 16 MB, and the shares of two requests."""
+    for mb in ("1mb", "16mb"):
+        t = d["throughput"][mb]
+        assert t["blake2b_256_mb_s"] > 0 and t["xxh3_128_mb_s"] > 0 and t["xxh3_over_blake2b"] > 0
+    for request in ("vlm_request", "voice_request"):
+        f = d[request]
+        assert 0 < f["digest_ms"] and 0 < f["hit_ms"] and 0 < f["cold_ms"]
+        assert f["share_hit"] == pytest.approx(f["digest_ms"] / f["hit_ms"])
+        assert f["share_cold"] == pytest.approx(f["digest_ms"] / f["cold_ms"])
+    assert d["vlm_request"]["image_bytes"] > 0 and d["voice_request"]["waveform_bytes"] > 0
+    assert d["voice_request"]["codec_hits"] >= 1  # the hit requests were served from the store
+
+
+def test_the_digest_table_rows_read_the_json():
+    figures = {"throughput": {"16mb": {"blake2b_256_mb_s": 900.0, "xxh3_128_mb_s": 27000.0,
+                                       "xxh3_over_blake2b": 30.0}},
+               "vlm_request": {"share_hit": 0.0002}, "voice_request": {"share_hit": 0.001}}
+    digest, vlm, voice = core.digest_rows(figures)
+    assert (digest.value, digest.baseline, digest.ratio) == (900.0, 27000.0, pytest.approx(1 / 30))
+    assert (vlm.value, vlm.unit, voice.value) == (pytest.approx(0.02), "%", pytest.approx(0.1))
 
 
 @pytest.mark.parametrize("tokens", ["1", str(core.MIN_TOKENS - 1)])
@@ -65,3 +91,36 @@ def test_the_table_gives_the_paired_naming_ratios_of_the_json():
     assert (sha.ratio, blake.ratio) == (14.5, 17.25)
     table = render([sha, blake])
     assert "14.50x paired" in table and "17.25x paired" in table
+
+
+def check_eviction_and_commit_figures(r: dict) -> None:
+    """Eviction per 1000 pages at each pool size, and commit in-lock times at each context, in JSON and table."""
+    scaling = r["evict_scaling"]
+    assert all(scaling[f"pages_{n}"] > 0 for n in core.EVICT_POOLS)
+    assert scaling["largest_over_smallest"] == scaling["pages_262144"] / scaling["pages_4096"]
+    for ctx in core.COMMIT_CONTEXTS:
+        c = r["commit_in_lock_us"][f"context_{ctx}"]
+        assert c["decode_us"] > 0 and c["page_fill_us"] > 0
+    metrics = [row.metric for row in core.table_rows(r)]
+    assert "eviction per 1000 pages, pool of 256k one-page tails" in metrics
+    assert "commit in-lock time, 32k context, page fill" in metrics
+
+
+def test_the_one_page_tail_pools_are_what_teardowns_would_leave():
+    mgr = core._one_page_tails(64)  # check_invariants ran inside
+    idx = mgr.index
+    tails = np.flatnonzero(idx.in_index & (idx.children == 0))
+    assert idx.size == 64 and len(tails) == 63 and mgr.pool.num_free == 0
+    head = int(idx.parent[tails[0]])
+    ids = mgr.pool.ids[[head, int(tails[0])]].reshape(-1)
+    assert mgr.admit("hit", np.concatenate([ids, [1]])).matched_pages == 2  # real names: a prompt hits them
+    mgr.abort("hit")
+
+
+def test_the_held_lock_adds_up_the_time_a_commit_holds_it():
+    mgr = core._manager(4)
+    mgr.admit("r", [1, 2, 3])
+    mgr.reserve("r", 3)
+    lock = mgr._lock = core._HeldLock()
+    mgr.commit("r", [1, 2, 3])
+    assert lock.holds >= 1 and lock.held_s > 0 and not lock.locked()

@@ -5,6 +5,9 @@ page tables and the index flags, written ids are compared with what this test wr
 chain (walked through parents to the root) must spell a prefix of a sequence some request actually wrote.
 Windowed labels take part (``protect_prefix``, ``release_oldest`` on seeded and published pages), and an
 allocation that fails must leave no page held by the index alone (``alloc_failures_cache_held`` stays 0).
+Eviction is checked against the rule it implements (the first batch starts at the least recently stamped
+evictable leaf, found here by a pass over the pool), an abort stamps the pages it held as the most recent,
+tail first, and ``hit_share`` is recomputed from first admissions (some admissions are re-admissions).
 """
 
 import numpy as np
@@ -31,6 +34,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live: dict[int, dict] = {}
         self.sequences: list[tuple] = []  # every sequence a request wrote (live ones are read on the fly)
         self.next_id = 0
+        self.first = [0, 0]  # looked-up and matched prompt tokens of first admissions (mode on)
+        self.readmissions = 0
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _running(self, predicate=lambda r: True):
@@ -42,14 +47,18 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # ---- rules -------------------------------------------------------------------------------------
     @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(0, 24),
-          suffix=st.lists(st.integers(0, 5), max_size=7))
-    def admit(self, base, cut, suffix):
+          suffix=st.lists(st.integers(0, 5), max_size=7), readmission=st.booleans())
+    def admit(self, base, cut, suffix, readmission):
         prompt = np.concatenate([BASES[base][:cut], np.asarray(suffix, dtype=np.int64)]).astype(np.int64)
         if len(prompt) == 0:
             prompt = np.asarray([1])
         rid = self.next_id
         self.next_id += 1
-        res = self.mgr.admit(rid, prompt)
+        res = self.mgr.admit(rid, prompt, readmission=readmission)
+        self.readmissions += readmission
+        if not readmission:
+            self.first[0] += len(prompt)
+            self.first[1] += res.matched_tokens
         view = self.mgr.state(rid)
         k = res.matched_tokens
         assert view.seq_len == k and k % P == 0 and k <= len(prompt) - 1
@@ -103,7 +112,14 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         r = self.live.pop(rid)
         self.sequences.append(tuple(r["written"]))  # published-at-prefill pages may stay indexed
+        chain = list(self.mgr._requests[rid].chain)
         self.mgr.abort(rid)
+        idx = self.mgr.index
+        if chain:  # the index pages it held: now the most recent, tail first
+            others = np.setdiff1d(np.flatnonzero(idx.in_index), chain)
+            stamps = idx.stamp[chain]
+            assert (np.diff(stamps) < 0).all()
+            assert not len(others) or stamps.min() > idx.stamp[others].max()
 
     @precondition(lambda self: self._running(lambda r: not r["windowed"]))
     @rule(data=st.data(), tokens=st.integers(0, 40))
@@ -173,7 +189,11 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._running()))
         before = self._snapshot(rid)
         want = (self.mgr.pool.num_free + extra) * P
-        cached_only = int((self.mgr.index.in_index & (self.mgr.pool.refcount == 1)).sum())
+        idx, rc = self.mgr.index, self.mgr.pool.refcount
+        cached_only = int((idx.in_index & (rc == 1)).sum())
+        leaves = np.flatnonzero(idx.in_index & (rc == 1) & (idx.children == 0))
+        coldest = int(leaves[np.argmin(idx.stamp[leaves])]) if len(leaves) else -1
+        batches = self.mgr.metrics.eviction_batches
         failures = self.mgr.metrics.alloc_failures_uncached
         try:
             self.mgr.reserve(rid, want)
@@ -182,6 +202,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.metrics.alloc_failures_uncached == failures + 1
             assert int((self.mgr.index.in_index & (self.mgr.pool.refcount == 1)).sum()) == 0
             return
+        finally:
+            if self.mgr.metrics.eviction_batches > batches and coldest >= 0:
+                assert not idx.in_index[coldest], "the least recent evictable leaf was not evicted first"
         assert cached_only > 0 or before[1] % P or len(before[0]) * P > before[1]
 
     # ---- invariants --------------------------------------------------------------------------------
@@ -213,6 +236,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert mgr.metrics.alloc_failures_cache_held == 0
         if mgr.shadow is not None:
             assert mgr.shadow.metrics.alloc_failures_cache_held == 0
+        counted = mgr.shadow.metrics if mgr.shadow is not None else mgr.metrics
+        assert counted.readmissions == (self.readmissions if self.mode != "off" else 0)
+        if self.mode == "on":
+            assert mgr.metrics.hit_share == (self.first[1] / self.first[0] if self.first[0] else 0.0)
+        entries = np.flatnonzero(mgr.index.in_index)
+        assert len(np.unique(mgr.index.stamp[entries])) == len(entries), "two index entries share a stamp"
         written = self.sequences + [tuple(r["written"]) for r in self.live.values()]
         idx = mgr.index
         for page in np.flatnonzero(idx.in_index):

@@ -206,7 +206,8 @@ class Scheduler:
                 return  # the first chunk might not fit; the next step has a full budget
             first_admission = [b.first_matched is None for b in live.branches.values()]
             for b in live.branches.values():
-                res = b.manager.admit(live.request_id, b.prepared, whole=self.limits.whole_hits)
+                res = b.manager.admit(live.request_id, b.prepared, whole=self.limits.whole_hits,
+                                      readmission=b.first_matched is not None)  # after a preemption
                 b.names = b.prepared.names
                 b.prepared = None
                 b.admitted = True
