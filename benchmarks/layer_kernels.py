@@ -75,13 +75,16 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
                for side in SIDES}
     decoder = engines["kernels"].adapter.decoder
     homes = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "head_dim")}
-    home = next((h for h in homes if isinstance(getattr(h, rotary.NAME, None), rotary.NativeRotary)), None)
-    if not engines["kernels"].adapter.num_native_norms or home is None:
+    home = next((h for h in homes if rotary.replacement(h) is not None), None)
+    if not engines["kernels"].adapter.num_native_norms:
         return {"skipped": "the compiled layer kernels do not run here (see `mmcache.engine.native.status()`)"}
+    if home is None:
+        why = "; ".join(rotary.skipped(decoder).values()) or "not installed"
+        return {"skipped": f"the compiled rotary embedding does not run here: {why}"}
     rng = np.random.default_rng(seed)
     vocab = engines["kernels"].adapter.vocab_size
     clocks = {side: NormClock(eng.adapter.decoder) for side, eng in engines.items()}
-    replacement = getattr(home, rotary.NAME)
+    replacement, name = rotary.replacement(home), getattr(home, rotary.NAME)  # the name may hold a wrapper of it
     functions = {"kernels": clocks["kernels"].timed(replacement), "torch": clocks["torch"].timed(replacement.original)}
 
     def use(side: str):
@@ -142,7 +145,7 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
                 times[side]["decode_step"].append(statistics.median(steps[side]))
             step_ratios += [t / k for k, t in zip(steps["kernels"], steps["torch"])]
     finally:
-        setattr(home, rotary.NAME, replacement)
+        setattr(home, rotary.NAME, name)
         for clock in clocks.values():
             clock.remove()
     out = {"preset": preset, "pairs": pairs, "backends": {s: e.backend for s, e in engines.items()},

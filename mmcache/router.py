@@ -1,27 +1,37 @@
-"""Replica choice for data-parallel replicas: rendezvous hashing of an early page name, least-loaded fallback.
+"""Replica choice for data-parallel replicas: rendezvous hashing of a page name that later turns share, and an
+explicit fallback past a load threshold.
 
 Rules (the project's design notes, DESIGN.md in the team's shared folder, "Replica router"):
 
 * The preferred replica is a pure function of the request's prefix: the replica whose identity scores
   highest under ``xxh64(page name, seed = xxh64(replica identity))`` (rendezvous, or highest-random-weight,
-  hashing). The page is the ``depth_pages``-th full page of the prompt, or its last full page when the
-  prompt is shorter, so two prompts that agree on their first ``depth_pages`` pages agree on the replica
-  without communicating.
-* The router keeps no cache state: nothing it holds can go stale. Its only inputs are the page names and
-  the per-replica loads the host reports on each call.
+  hashing). The page is the ``depth_pages``-th full page of a prompt that has that many, and the first full
+  page of a shorter prompt. So two prompts that agree on their first ``depth_pages`` pages agree on the
+  replica without communicating, and the turns of a chat, each extending the one before, all route by their
+  first page while they are short and by the same deep page once they reach the depth: a conversation
+  changes replica at most once, at the turn whose prompt first reaches ``depth_pages`` pages.
+* The router keeps no cache state: nothing it holds can go stale. Its inputs are the page names and the
+  per-replica loads the host reports on each call; beyond its configuration it holds only the random
+  generator of the fallback.
 * A hot prefix must not pin all its load on one replica: when the preferred replica's load is past the
-  threshold ``max(min_load, load_factor * mean load)`` and some replica is less loaded, the request goes to
-  the least-loaded replica (ties broken by the same rendezvous ranking, so the overflow of one prefix also
-  lands on a fixed order of replicas). The threshold follows the mean, as in consistent hashing with
-  bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so a deployment that is busy everywhere
-  keeps its affinity and only a replica loaded well above its share sheds requests; ``min_load`` keeps a
-  nearly idle deployment from shedding at its first queued request.
-* A prompt with no full page has nothing cacheable to route by and goes to the least-loaded replica.
+  threshold ``max(min_load, load_factor * mean load)`` and some replica is less loaded, the request goes
+  where the fallback sends it. The threshold follows the mean, as in consistent hashing with bounded loads
+  (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so a deployment that is busy everywhere keeps its affinity
+  and only a replica loaded well above its share sheds requests; ``min_load`` keeps a nearly idle deployment
+  from shedding at its first queued request. A prompt with no full page has nothing cacheable to route by
+  and goes where the fallback sends it too.
+* The fallback (``FALLBACKS``) is ``random`` by default: a uniform draw over all replicas, the runtime's own
+  choice without affinity, as the RFC prescribes, so past the threshold a deployment behaves exactly as it
+  did before the router (the baseline its tail latency is judged against), and several routers acting on
+  load reports that lag do not all send their overflow to the one replica that looked least loaded.
+  ``least_loaded`` takes the least-loaded replica instead (ties broken by the rendezvous ranking, so the
+  overflow of one prefix lands on a fixed order of replicas): better where one router sees fresh loads.
 * Removing one replica moves only the prefixes that preferred it (a property of rendezvous hashing).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,18 +41,26 @@ import xxhash
 from .checks import finite_number, unicode_text
 from .errors import InvalidRequest
 
+FALLBACKS = ("random", "least_loaded")
+"""Where a request goes when its preferred replica is past the load threshold, or when it has no full page."""
+
 
 @dataclass(frozen=True)
 class RouterConfig:
     """``replicas``: identities of the replicas (any distinct strings; their order is the index returned).
-    ``depth_pages``: which full page's name routes (1 = the first page). The preferred replica is skipped
-    once its load (what the host counts as its queue, e.g. requests routed to it and not finished) is
-    greater than ``max(min_load, load_factor * mean load)``."""
+    ``depth_pages``: which full page's name routes a prompt that has that many (1 = the first page); a
+    shorter prompt routes by its first page. The preferred replica is skipped once its load (what the host
+    counts as its queue, e.g. requests routed to it and not finished) is greater than
+    ``max(min_load, load_factor * mean load)``; the request then goes where ``fallback`` says (``FALLBACKS``;
+    ``random``, the runtime's own choice, by default: see the module docstring). ``seed`` seeds the
+    fallback's draw (None: from the operating system)."""
 
     replicas: tuple[str, ...]
     depth_pages: int = 16
     load_factor: float = 2.0
     min_load: float = 4
+    fallback: str = "random"
+    seed: int | None = None
 
     def __post_init__(self):
         if (not isinstance(self.replicas, (tuple, list)) or not self.replicas
@@ -57,6 +75,11 @@ class RouterConfig:
             raise InvalidRequest(f"load_factor must be a finite number >= 1, got {self.load_factor!r}")
         if not (finite_number(self.min_load) and self.min_load >= 0):
             raise InvalidRequest(f"min_load must be a finite number >= 0, got {self.min_load!r}")
+        if not isinstance(self.fallback, str) or self.fallback not in FALLBACKS:
+            raise InvalidRequest(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise InvalidRequest(f"seed must be a non-negative int or None, got {self.seed!r}")
 
     @classmethod
     def numbered(cls, count: int, **kwargs) -> "RouterConfig":
@@ -83,24 +106,29 @@ def _page_names(names) -> np.ndarray:
 
 
 class ReplicaRouter:
-    """Stateless apart from its configuration; safe to share between threads."""
+    """No cache state (only its configuration and the fallback's random generator); safe to share between
+    threads."""
 
     def __init__(self, config: RouterConfig):
         if not isinstance(config, RouterConfig):
             raise InvalidRequest(f"a router takes a RouterConfig, got {type(config).__name__}")
         self.config = config
         self._seeds = [xxhash.xxh64_intdigest(r.encode("utf-8")) for r in config.replicas]
+        self._draw = np.random.default_rng(config.seed)
+        self._draw_lock = threading.Lock()  # a Generator is not safe to draw from in several threads at once
 
     @property
     def num_replicas(self) -> int:
         return len(self._seeds)
 
     def routing_name(self, names: np.ndarray) -> int | None:
-        """The page name a prompt is routed by, or None when the prompt has no full page."""
+        """The page name a prompt is routed by: its ``depth_pages``-th page's, or its first page's when it has
+        fewer (the page its later turns share); None when the prompt has no full page."""
         names = _page_names(names)
         if len(names) == 0:
             return None
-        return int(names[min(self.config.depth_pages, len(names)) - 1])
+        depth = self.config.depth_pages
+        return int(names[depth - 1] if len(names) >= depth else names[0])
 
     def ranking(self, name: int) -> list[int]:
         """Replica indices in rendezvous order for ``name`` (a 64-bit page name): the preferred replica first."""
@@ -132,12 +160,21 @@ class ReplicaRouter:
         return max(self.config.min_load, self.config.load_factor * mean)
 
     def route(self, names: np.ndarray, loads: Sequence[float]) -> int:
-        """The replica for a prompt with page names ``names`` given each replica's current load."""
+        """The replica for a prompt with page names ``names`` given each replica's current load: the preferred
+        one unless it is past the threshold and not the least loaded, else the fallback's choice."""
         loads = self._loads(loads)
         name = self.routing_name(names)
-        order = list(range(self.num_replicas)) if name is None else self.ranking(name)
+        if name is None:
+            return self._fallback(loads, list(range(self.num_replicas)))
+        order = self.ranking(name)
         first = order[0]
-        least = min(loads)
-        if name is not None and (loads[first] <= self.threshold(loads) or loads[first] <= least):
+        if loads[first] <= self.threshold(loads) or loads[first] <= min(loads):
             return first
-        return next(i for i in order if loads[i] == least)
+        return self._fallback(loads, order)
+
+    def _fallback(self, loads: list, order: list[int]) -> int:
+        if self.config.fallback == "least_loaded":
+            least = min(loads)
+            return next(i for i in order if loads[i] == least)
+        with self._draw_lock:
+            return int(self._draw.integers(self.num_replicas))

@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mmcache import AllocationManager, CacheConfig
+from mmcache import AllocationManager, CacheConfig, InvalidRequest
 from mmcache.replay import CostModel, MooncakeTrace, ReplayConfig, run_sweep, simulate, sweep_configs
 from mmcache.replay.ceiling import ceiling_matches
 from mmcache.replay.report import CeilingCache, build_record
@@ -83,7 +83,7 @@ def test_stall_counter_sees_cached_pages_that_eviction_left(tmp_path, monkeypatc
     """The stall check above is live: with eviction disabled, cached pages block live requests."""
     import mmcache.manager
 
-    monkeypatch.setattr(mmcache.manager, "evict", lambda index, pool, wanted: (0, 0))
+    monkeypatch.setattr(mmcache.manager, "evict", lambda index, pool, wanted, **_: (0, 0))
     trace = mooncake(tmp_path, random_trace(12, n=60))
     with pytest.raises(ReplayStalled) as stalled:
         simulate(trace, ReplayConfig(pool_tokens=256, page_size=4, cost=CostModel(1e5, 20)))
@@ -215,3 +215,22 @@ def test_residual_is_the_gap_past_the_forfeit_and_holds_the_dilution(tmp_path):
     assert record["dilution_share"] > 0 and record["residual_share"] == pytest.approx(record["dilution_share"])
     documented = report.__doc__.split("``residual_share")[1].split("\n* ")[0].split("\n\n")[0]
     assert "ceiling_share - realized_share - forfeit_share" in documented and "dilution_share" in documented
+
+
+def test_the_routers_fallback_is_configured_seeded_and_recorded(tmp_path):
+    """Past the threshold affinity falls back to the runtime's random choice by default (seeded by ``seed``:
+    the same replay twice routes alike) or to the least-loaded replica; the record names which."""
+    records = [rec(i, [1, 2, 100 + i], 40, 40) for i in range(24)]
+    trace = mooncake(tmp_path, records)
+    base = ReplayConfig(pool_tokens=160, page_size=4, replicas=4, route_depth_tokens=32, route_min_load=2,
+                        check_invariants=True)
+    assert base.route_fallback == "random" and base.router().config.fallback == "random"
+    drawn = simulate(trace, base)
+    assert simulate(trace, base).replica == drawn.replica
+    assert simulate(trace, replace(base, seed=1)).replica != drawn.replica
+    least = simulate(trace, replace(base, route_fallback="least_loaded"))
+    assert (np.bincount(least.replica, minlength=4) > 0).sum() == 4
+    record = build_record(least, ceiling_matches(least.specs, 4), "w")
+    assert record["router"]["fallback"] == "least_loaded"
+    with pytest.raises(InvalidRequest, match="route_fallback"):
+        ReplayConfig(route_fallback="nearest")

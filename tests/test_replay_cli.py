@@ -144,3 +144,14 @@ def test_a_sweep_of_no_pool_sizes_is_refused(tmp_path, pools):  # it ran nothing
     with pytest.raises(SystemExit) as exit_:
         main(["replay", str(trace), "--sweep", "--sweep-pools", pools])
     assert exit_.value.code == 2
+
+
+def test_the_route_fallback_option_reaches_the_record(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", records(10))
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace), "--page-size", "64", "--replicas", "2", "--store-at", "teardown",
+                 "--route-fallback", "least_loaded", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["router"]["fallback"] == "least_loaded"
+    assert main(["replay", str(trace), "--page-size", "64", "--replicas", "2", "--store-at", "teardown",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["router"]["fallback"] == "random"

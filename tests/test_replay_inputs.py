@@ -165,16 +165,16 @@ def test_unparsable_parameter_file_names_its_line(tmp_path):
     assert "line 3" in err.value.key
 
 
-def test_duplicate_media_rate_counts_images_seen_in_earlier_prompts():
+def test_duplicate_media_rate_counts_images_brought_again():
     turns = 5
     work = small_sessions(sessions=1, concurrency=1, turns=Dist("constant", turns),
                           media=MediaParams(probability=1.0, distinct=1, image_tokens=6))
     specs = [work.turn(0, k) for k in range(turns)]
-    # Turn k carries the k images of the earlier tool results, all the same picture.
+    # Turn k carries the k images of the earlier tool results, all the same picture: turn k brings one anew
+    # (the newest tool result's), and every one after the first is that picture again.
     assert [len(s.media()) for s in specs] == list(range(turns))
-    items = sum(range(turns))
     log = RunLog(ReplayConfig(), specs=specs)
-    assert duplicate_media_rate(log) == pytest.approx((items - 1) / items)
+    assert duplicate_media_rate(log) == pytest.approx((turns - 2) / (turns - 1))
     placeholder = work.params.vocab
     for s in specs:
         ids = s.prompt_ids()
@@ -205,3 +205,24 @@ def test_a_replayed_pool_past_int32_page_ids_is_refused_by_its_config():
         ReplayConfig(pool_tokens=2**31, page_size=1)
     with pytest.raises(InvalidRequest, match="at most 2147483647 pages"):
         ReplayConfig(pool_tokens=2**40, page_size=128)
+
+
+def test_a_chat_re_sending_its_history_repeats_no_medium():
+    """Five turns of a chat, every image different: each turn re-sends the images of the turns before in its
+    history, which brings none of them anew (this reported 0.6 when every carried image counted as a
+    duplicate)."""
+    turns = 5
+    work = small_sessions(sessions=2, concurrency=2, turns=Dist("constant", turns),
+                          media=MediaParams(probability=1.0, distinct=10**6, image_tokens=6))
+    chat = [work.turn(0, k) for k in range(turns)]
+    digests = [m.digest for m in chat[-1].media()]
+    assert len(digests) == len(set(digests)) == turns - 1  # distinct images, all in the last turn's history
+    assert duplicate_media_rate(RunLog(ReplayConfig(), specs=chat)) == 0
+    # Interleaved with another chat, still none; the same image brought by another chat is a duplicate.
+    other = [work.turn(1, k) for k in range(turns)]
+    mixed = [s for pair in zip(chat, other) for s in pair]
+    assert duplicate_media_rate(RunLog(ReplayConfig(), specs=mixed)) == 0
+    again = small_sessions(sessions=2, concurrency=2, turns=Dist("constant", 2),
+                           media=MediaParams(probability=1.0, distinct=1, image_tokens=6))
+    two_chats = [again.turn(0, 1), again.turn(1, 1)]  # each brings the one picture anew
+    assert duplicate_media_rate(RunLog(ReplayConfig(), specs=two_chats)) == pytest.approx(0.5)

@@ -1,4 +1,5 @@
-"""The replica router: rendezvous affinity on an early page name, least-loaded fallback past the threshold."""
+"""The replica router: rendezvous affinity on a page name later turns share, and its fallback past the threshold
+(random by default, or the least-loaded replica)."""
 
 import numpy as np
 import pytest
@@ -36,8 +37,10 @@ def test_route_depth_decides_what_counts_as_the_prefix():
     prompts = [np.concatenate([first_page, p]) for p in random_prompts(40, 2 * PAGE, seed=2)]
     assert len({shallow.preferred(names_of(p)) for p in prompts}) == 1
     assert len({deep.preferred(names_of(p)) for p in prompts}) > 1
-    # A prompt shorter than the depth routes by its last full page.
+    # A prompt shorter than the depth routes by its first full page.
     assert deep.routing_name(names_of(first_page)) == int(names_of(first_page)[0])
+    three = names_of(np.arange(3 * PAGE))
+    assert ReplicaRouter(RouterConfig.numbered(8, depth_pages=4)).routing_name(three) == int(three[0])
 
 
 def test_preference_spreads_distinct_prefixes_over_replicas():
@@ -60,8 +63,9 @@ def test_removing_a_replica_moves_only_its_prefixes():
     assert moved > 0
 
 
-def test_hot_prefix_past_threshold_goes_to_least_loaded():
-    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3))
+def test_hot_prefix_past_threshold_goes_to_least_loaded_under_that_fallback():
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3,
+                                                 fallback="least_loaded"))
     names = names_of(np.arange(2 * PAGE))
     ranking = router.ranking(router.routing_name(names))
     hot = ranking[0]
@@ -78,7 +82,8 @@ def test_hot_prefix_past_threshold_goes_to_least_loaded():
 
 
 def test_threshold_follows_the_mean_load():
-    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3))
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3,
+                                                 fallback="least_loaded"))
     names = names_of(np.arange(PAGE))
     ranking = router.ranking(router.routing_name(names))
     busy = [20, 20, 20, 20]
@@ -94,11 +99,13 @@ def test_overloaded_replica_that_is_also_least_loaded_keeps_its_prefix():
     assert router.route(names, [5, 5, 5]) == router.preferred(names)
 
 
-def test_prompt_without_a_full_page_goes_to_least_loaded():
-    router = ReplicaRouter(RouterConfig.numbered(3))
+def test_prompt_without_a_full_page_goes_where_the_fallback_sends_it():
+    router = ReplicaRouter(RouterConfig.numbered(3, fallback="least_loaded"))
     empty = names_of(np.arange(PAGE - 1))
     assert len(empty) == 0 and router.preferred(empty) is None
     assert router.route(empty, [2, 0, 1]) == 1
+    drawn = ReplicaRouter(RouterConfig.numbered(3, seed=7))
+    assert {drawn.route(empty, [2, 0, 1]) for _ in range(200)} == {0, 1, 2}  # the runtime's own (random) choice
 
 
 def test_routing_is_a_pure_function_of_names_and_loads():
@@ -116,7 +123,10 @@ def test_routing_is_a_pure_function_of_names_and_loads():
                                     dict(replicas=("a",), load_factor=float("nan")),
                                     dict(replicas=("a", 3)), dict(replicas="ab"), dict(replicas=("a",), load_factor="2"),
                                     dict(replicas=("a",), min_load=None), dict(replicas=("a",), min_load=True),
-                                    dict(replicas=("\ud800", "b"))])  # the router's seed raised UnicodeEncodeError
+                                    dict(replicas=("\ud800", "b")),  # the router's seed raised UnicodeEncodeError
+                                    dict(replicas=("a",), fallback="least"), dict(replicas=("a",), fallback=None),
+                                    dict(replicas=("a",), seed=-1), dict(replicas=("a",), seed=1.5),
+                                    dict(replicas=("a",), seed=True)])
 def test_bad_config_is_refused(kwargs):
     with pytest.raises(InvalidRequest):
         RouterConfig(**kwargs)
@@ -189,7 +199,69 @@ def test_loads_of_another_shape_and_a_config_of_another_type_are_refused():
 
 
 def test_finite_loads_whose_sum_overflows_still_shed_an_overloaded_replica():
-    router = ReplicaRouter(RouterConfig.numbered(3, load_factor=1.0, min_load=0))
+    router = ReplicaRouter(RouterConfig.numbered(3, load_factor=1.0, min_load=0, fallback="least_loaded"))
     names = [next(n for n in range(1000) if router.preferred([n]) == 0)]
     loads = [1.7e308, 8.5e307, 0.0]  # their sum is inf: the threshold was inf and nothing was shed
     assert router.threshold(loads) == pytest.approx(8.5e307) and router.route(names, loads) == 2
+
+
+def chat_turns(first_turn_pages: int, turns: int, seed: int) -> list[np.ndarray]:
+    """The prompts of one chat: each turn's prompt is the previous one plus the reply and a new message."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 1000, first_turn_pages * PAGE)
+    out = []
+    for _ in range(turns):
+        out.append(names_of(prompt))
+        prompt = np.concatenate([prompt, rng.integers(0, 1000, PAGE + int(rng.integers(0, 2 * PAGE)))])
+    return out
+
+
+def test_the_turns_of_a_short_chat_stay_on_one_replica():
+    """Each turn extends the previous one, all shorter than the routing depth: one replica for the whole chat
+    (routing by the last full page sent nearly every turn elsewhere), and distinct chats still spread."""
+    router = ReplicaRouter(RouterConfig.numbered(8, depth_pages=16))
+    preferred = []
+    for chat in range(40):
+        turns = chat_turns(1, 5, seed=100 + chat)
+        assert all(len(t) < 16 for t in turns)
+        chosen = {router.route(t, [0] * 8) for t in turns}
+        assert len(chosen) == 1
+        preferred.append(chosen.pop())
+    assert len(set(preferred)) >= 6
+
+
+def test_a_chat_changes_replica_at_most_once_at_the_depth():
+    router = ReplicaRouter(RouterConfig.numbered(8, depth_pages=4))
+    moves = 0
+    for chat in range(30):
+        turns = chat_turns(1, 8, seed=200 + chat)
+        picks = [router.preferred(t) for t in turns]
+        for before, after, prev, cur in zip(picks, picks[1:], turns, turns[1:]):
+            if before != after:  # only where the turn crossed the depth
+                assert len(prev) < 4 <= len(cur)
+                moves += 1
+        deep = [p for p, t in zip(picks, turns) if len(t) >= 4]
+        assert len(set(deep)) == 1
+    assert moves > 0
+
+
+def test_the_default_fallback_is_the_runtimes_random_choice():
+    """Past the threshold the RFC falls back to the runtime's own choice (a uniform draw over all replicas),
+    seeded when asked; under the threshold the preferred replica, as before."""
+    assert RouterConfig(("a",)).fallback == "random"
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3, seed=3))
+    names = names_of(np.arange(2 * PAGE))
+    hot = router.preferred(names)
+    calm = [1, 1, 1, 1]
+    assert all(router.route(names, calm) == hot for _ in range(50))
+    loads = [1, 1, 1, 1]
+    loads[hot] = 9
+    picks = [router.route(names, loads) for _ in range(400)]
+    counts = np.bincount(picks, minlength=4)
+    assert counts.min() > 60  # every replica, the overloaded one included, about a quarter of the time
+    again = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3, seed=3))
+    assert [again.route(names, loads) for _ in range(400)] == picks
+    least = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3,
+                                                fallback="least_loaded"))
+    loads[least.ranking(least.routing_name(names))[2]] = 0
+    assert {least.route(names, loads) for _ in range(20)} == {loads.index(0)}

@@ -27,6 +27,14 @@ carries a digest of the sources, the flags, the compiler's version and the CPU's
 source, compiler or machine builds anew, and a build is written under a temporary name and renamed into
 place, so concurrent processes never load a half-written file.
 
+Only this user's own files are loaded: the cache directory (a symbolic link is followed and the directory it
+names checked) must belong to the user and be writable by no group and no one else, and so must the library
+file (a regular file, not a link); ``load`` checks both on the opened directory and file and loads that very
+file (through ``/proc/self/fd``), so nothing can be swapped in between. Where the cache directory fails the
+check, the kernel is built into a private directory of this process (``mkdtemp``, mode 0700, removed at
+exit) and a warning names the directory and why. A library that loads but lacks a function the engine calls
+is unavailable like one that does not build (``NativeKernelUnavailable``).
+
 ``MMCACHE_NATIVE`` chooses: ``auto`` (default: use the kernel when it builds, else fall back to ATen and log
 why once), ``off`` (always ATen), ``require`` (raise ``NativeKernelUnavailable`` when it cannot be built).
 
@@ -48,6 +56,7 @@ depends only on that row, its token and the keys and values; shapes they do not 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import ctypes
 import hashlib
@@ -55,8 +64,10 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -92,6 +103,9 @@ class NativeConfigError(MmcacheError, ValueError):
 
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None; filled once per process
 _state_lock = threading.Lock()  # threads wanting the library at once build and load it once
+_private: dict = {}  # "dir": this process's private build directory, made when a cache directory is refused
+_private_lock = threading.Lock()
+_refusals: set = set()  # (directory, why) pairs already warned about
 
 
 def tile_unit() -> bool:
@@ -113,10 +127,56 @@ def choice() -> str:
 
 
 def cache_dir() -> Path:
+    """Where ``build`` keeps libraries (checked there before use: see the module's docstring)."""
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mmcache"
+
+
+def _not_ours(st: os.stat_result, what: str) -> str | None:
+    """Why the file or directory with status ``st`` (from ``lstat`` or ``fstat``) is not this user's alone, or
+    None: a symbolic link, another owner, or writable by its group or by others."""
+    if stat.S_ISLNK(st.st_mode):
+        return f"{what} is a symbolic link"
+    if st.st_uid != os.geteuid():
+        return f"{what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by its group or by others ({stat.filemode(st.st_mode)})"
+    return None
+
+
+def _own_directory(directory: Path) -> tuple[Path, str | None]:
+    """``directory`` made where missing (mode 0700) and resolved through symbolic links, and None; or, when it
+    cannot be made or is not this user's alone, the reason."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        real = Path(os.path.realpath(directory))
+        st = os.lstat(real)
+    except OSError as exc:
+        return directory, f"{directory} cannot be made or read ({exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return real, f"{directory} is not a directory"
+    return real, _not_ours(st, f"directory {directory}")
+
+
+def _private_directory() -> Path:
+    """This process's own build directory (``mkdtemp``: mode 0700), made on first call, removed at exit."""
+    with _private_lock:
+        if "dir" not in _private:
+            where = Path(tempfile.mkdtemp(prefix="mmcache-kernels-"))
+            atexit.register(shutil.rmtree, where, ignore_errors=True)  # a loaded library outlives its file
+            _private["dir"] = where
+        return _private["dir"]
+
+
+def _refuse(directory: Path, why: str) -> Path:
+    """The private directory to build in instead of ``directory``, with a warning (once per reason)."""
+    if (str(directory), why) not in _refusals:
+        _refusals.add((str(directory), why))
+        _log.warning("not loading compiled kernels from %s: %s; building them in a private temporary directory "
+                     "(make the directory yours alone, e.g. chmod go-w, or set %s)", directory, why, ENV_CACHE)
+    return _private_directory()
 
 
 def _machine() -> str:
@@ -157,11 +217,22 @@ def build(compiler: str | None = None, directory: Path | None = None,
                  version.encode(), _machine().encode()):
         digest.update(part)
         digest.update(b"\0")
-    directory = directory or cache_dir()
-    target = directory / f"decode_attention-{digest.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
+    name = f"decode_attention-{digest.hexdigest()[:20]}.so"
+    directory, why = _own_directory(directory or cache_dir())
+    if why is not None:
+        directory = _refuse(directory, why)
+    target = directory / name
+    try:
+        why = _not_ours(os.lstat(target), f"library {target}")
+    except FileNotFoundError:
+        why = None
+    else:
+        if why is None:
+            return target
+        directory = _refuse(directory, why)
+        target = directory / name
+        if target.exists():
+            return target
     # one file per builder (processes, and threads of one process), moved into place whole
     partial = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
@@ -174,13 +245,75 @@ def build(compiler: str | None = None, directory: Path | None = None,
         message = (done.stderr or done.stdout).strip().splitlines()
         names = ", ".join(f.name for f in sources)
         raise NativeKernelUnavailable(f"{cc} could not build {names}: " + " | ".join(message[:6]))
+    os.chmod(partial, 0o755)  # writable by no one else whatever the umask: ``load`` refuses such a file
     os.replace(partial, target)
     return target
 
 
+def _open_own(path: Path) -> tuple[int, int]:
+    """File descriptors of ``path``'s directory and of ``path`` itself, after checking (on the opened
+    descriptors, so nothing can be swapped in between) that both are this user's alone and the file a regular
+    file; ``NativeKernelUnavailable`` with the reason otherwise."""
+    parent = Path(os.path.realpath(path.parent))
+    dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = -1
+    try:
+        why = _not_ours(os.fstat(dfd), f"directory {parent}")
+        if why is None:
+            try:
+                fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError as exc:  # O_NOFOLLOW on a link: ELOOP
+                why = f"library {path} cannot be opened as a plain file ({exc.strerror})"
+            else:
+                st = os.fstat(fd)
+                why = (f"library {path} is not a regular file" if not stat.S_ISREG(st.st_mode)
+                       else _not_ours(st, f"library {path}"))
+        if why is not None:
+            raise NativeKernelUnavailable(f"refused to load {path.name}: {why}")
+        return dfd, fd
+    except BaseException:
+        for f in (fd, dfd):
+            if f >= 0:
+                os.close(f)
+        raise
+
+
+def _dlopen(path: Path) -> ctypes.CDLL:
+    """``path`` loaded, once ``_open_own`` accepted it: the very file it checked where ``/proc`` shows it.
+
+    The file's descriptor stays open as long as the process (as the library stays loaded: ctypes never
+    unloads one): the dynamic loader knows a library by the name it was opened under, so a later library
+    opened through the same descriptor number would be taken for this one."""
+    dfd, fd = _open_own(path)
+    os.close(dfd)
+    opened = f"/proc/self/fd/{fd}"
+    if not os.path.exists(opened):  # no /proc: the checked path itself
+        os.close(fd)
+        return ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(opened)
+    except BaseException:
+        os.close(fd)
+        raise
+    lib.descriptor = fd
+    return lib
+
+
 def load(path: Path) -> ctypes.CDLL:
-    """The library at ``path`` (from ``build``) with its functions' argument types declared."""
-    lib = ctypes.CDLL(str(path))
+    """The library at ``path`` (from ``build``) with its functions' argument types declared.
+    ``NativeKernelUnavailable`` where the file or its directory is not this user's alone (``_open_own``) or it
+    lacks a function the engine calls."""
+    lib = _dlopen(Path(path))
+    lib.path = Path(path)  # where it was found (ctypes names it by the descriptor it was loaded through)
+    try:
+        return _declare(lib)
+    except AttributeError as exc:  # ctypes: "...: undefined symbol: mmc_..."
+        raise NativeKernelUnavailable(f"{Path(path).name} lacks a kernel function ({exc}); built from other "
+                                      f"sources?") from exc
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with the argument and result types of its functions declared and its capabilities read."""
     fn = lib.mmc_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,

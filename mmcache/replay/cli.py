@@ -25,6 +25,7 @@ from pathlib import Path
 from ..cli import positive_int, writable, write_json
 from ..errors import MmcacheError
 from ..manager import STORE_AT
+from ..router import FALLBACKS
 from .costmodel import CostModel
 from .mooncake import MooncakeTrace
 from .plot import can_plot, plot_sweep, policy_label
@@ -72,13 +73,17 @@ def register(sub) -> None:
     p.add_argument("--decode-tps", type=float, default=c.decode_tps,
                    help="output tokens per second per request (the default is a nominal GPU figure)")
     p.add_argument("--route-depth-tokens", type=positive_int, default=d.route_depth_tokens,
-                   help="affinity routes by the name of the page ending at this depth")
+                   help="affinity routes by the name of the page ending at this depth (a shorter prompt by its "
+                        "first page)")
     p.add_argument("--route-load-factor", type=float, default=d.route_load_factor,
                    help="affinity skips the preferred replica when its requests (running or waiting) exceed "
                         "max(--route-min-load, this x the mean over replicas)")
     p.add_argument("--route-min-load", type=float, default=d.route_min_load,
                    help="load below which the preferred replica is always used")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing")
+    p.add_argument("--route-fallback", choices=FALLBACKS, default=d.route_fallback,
+                   help="where affinity sends a request past the threshold (or with no full page): random, "
+                        "the runtime's own choice (the RFC's), or the least-loaded replica")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing and of the random fallback")
     p.add_argument("--limit", type=positive_int, help="Mooncake: replay only the first N requests")
     p.set_defaults(func=main)
 
@@ -155,7 +160,7 @@ def main(args) -> int:
         base = ReplayConfig(pool_tokens=args.pool_tokens, page_size=args.page_size, replicas=args.replicas,
                             routing=args.routing, route_depth_tokens=args.route_depth_tokens,
                             route_load_factor=args.route_load_factor, route_min_load=args.route_min_load,
-                            seed=args.seed,
+                            route_fallback=args.route_fallback, seed=args.seed,
                             cost=CostModel(args.prefill_tps, args.decode_tps))
         store_ats = list(STORE_AT) if args.store_at == "both" else [args.store_at]
         mains = [replace(base, store_at=s) for s in store_ats]

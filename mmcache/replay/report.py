@@ -43,15 +43,24 @@ def _stats(values: np.ndarray) -> dict:
 
 
 def duplicate_media_rate(log: RunLog) -> float | None:
-    """Media items in arrived prompts whose digest an earlier request's prompt carried, over all media items;
-    None when the workload carries no media."""
-    seen: set = set()
+    """Of the media items arrived requests bring anew, the share whose digest an earlier request brought; None
+    when no request brings any. A request brings anew every item but those it carries from its chat's history:
+    an item with the same digest at the same position as in an earlier request of the same session (the spec's
+    ``session``; a spec without one has no history) was brought by that earlier request, and a chat re-sending
+    its history repeats no medium. The same image sent again later in a chat, or in another chat, is a
+    duplicate: the encoder-output store would serve it."""
+    seen: set = set()  # digests brought anew so far
+    history: dict = {}  # session -> (digest, position) of every item its requests carried
     items = repeats = 0
     for spec in log.specs:
-        digests = [m.digest for m in spec.media()]
-        items += len(digests)
-        repeats += sum(d in seen for d in digests)
-        seen.update(digests)
+        session = getattr(spec, "session", None)
+        carried = history.setdefault(session, set()) if session is not None else set()
+        media = [(m.digest, m.position) for m in spec.media()]
+        fresh = [digest for digest, position in media if (digest, position) not in carried]
+        items += len(fresh)
+        repeats += sum(d in seen for d in fresh)
+        seen.update(fresh)
+        carried.update(media)
     return repeats / items if items else None
 
 
@@ -103,7 +112,7 @@ def build_record(log: RunLog, ceiling: np.ndarray, workload: str) -> dict:
         "simulated_s": float(np.nanmax(log.array("end_s", float))) if served.any() else 0.0,
         "cost_model": {"prefill_tps": cfg.cost.prefill_tps, "decode_tps": cfg.cost.decode_tps},
         "router": {"depth_tokens": cfg.route_depth_tokens, "load_factor": cfg.route_load_factor,
-                   "min_load": cfg.route_min_load},
+                   "min_load": cfg.route_min_load, "fallback": cfg.route_fallback},
     }
     return record
 

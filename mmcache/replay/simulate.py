@@ -11,9 +11,10 @@ A request's life, at simulated times:
 * arrival: its final sequence (prompt and output) is materialised and named once (``prepare``); the
   prompt's ``PreparedPrompt`` takes the leading names, since a chained name depends only on the pages
   before it, and the names are kept for the ceiling. The replica is chosen (rendezvous affinity through
-  ``ReplicaRouter``, whose load per replica is its requests running or waiting; or a seeded uniform draw
-  for ``random``), and it joins that replica's FIFO queue. A request whose final sequence needs more pages
-  than the pool has can never run there: it is rejected and counted, and scores no hit.
+  ``ReplicaRouter``, whose load per replica is its requests running or waiting, with its fallback seeded
+  by ``seed``; or a seeded uniform draw for ``random``), and it joins that replica's FIFO queue. A request
+  whose final sequence needs more pages than the pool has can never run there: it is rejected and counted,
+  and scores no hit.
 * admission, when it is at the head of the queue: ``admit`` seeds it from the index, ``reserve`` takes pages
   for the rest of its final sequence at once (a scheduler reserving ``max_tokens``, so nothing is preempted
   later), and ``commit`` writes its uncached prompt. When ``reserve`` raises ``AllocationFailed`` the pool
@@ -44,7 +45,7 @@ from ..errors import AllocationFailed, InvalidRequest, MmcacheError
 from ..manager import STORE_AT, AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..pool import MAX_PAGES
-from ..router import ReplicaRouter, RouterConfig
+from ..router import FALLBACKS, ReplicaRouter, RouterConfig
 from .costmodel import CostModel
 from .workload import RequestSpec, Workload
 
@@ -84,10 +85,11 @@ class ReplayConfig:
     replicas: int = 1
     routing: str = "affinity"
     store_at: str = "teardown"
-    route_depth_tokens: int = 2048  # the router hashes the name of the page that ends here
+    route_depth_tokens: int = 2048  # routes by the name of the page ending here (a shorter prompt: its first)
     route_load_factor: float = 2.0  # load: requests routed to a replica and not ended (running or waiting)
     route_min_load: float = 4
-    seed: int = 0  # of the random routing draw
+    route_fallback: str = "random"  # past the threshold (router.FALLBACKS): the runtime's own choice, as the RFC
+    seed: int = 0  # of the random routing draw, and of the affinity router's random fallback
     cost: CostModel = CostModel()
     check_invariants: bool = False  # check every manager after every event (tests)
 
@@ -107,6 +109,8 @@ class ReplayConfig:
             raise InvalidRequest(f"seed must be a non-negative int, got {self.seed!r}")
         if self.routing not in ROUTINGS:
             raise InvalidRequest(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.route_fallback not in FALLBACKS:
+            raise InvalidRequest(f"route_fallback must be one of {FALLBACKS}, got {self.route_fallback!r}")
         if self.store_at not in STORE_AT:
             raise InvalidRequest(f"store_at must be one of {STORE_AT}, got {self.store_at!r}")
         self.router()  # the router's own checks
@@ -119,7 +123,8 @@ class ReplayConfig:
         return ReplicaRouter(RouterConfig.numbered(self.replicas,
                                                    depth_pages=max(1, self.route_depth_tokens // self.page_size),
                                                    load_factor=self.route_load_factor,
-                                                   min_load=self.route_min_load))
+                                                   min_load=self.route_min_load,
+                                                   fallback=self.route_fallback, seed=self.seed))
 
 
 @dataclass

@@ -2,8 +2,9 @@
 when each request arrives.
 
 * A ``RequestSpec`` knows its lengths up front and produces its prompt ids, its output ids and its media
-  items on demand, deterministically: asking twice gives equal arrays. The replay keeps only what a live or
-  waiting request needs, so a trace's tokens are never all in memory at once.
+  items on demand, deterministically: asking twice gives equal arrays. A spec that is a turn of a chat may
+  name its chat in ``session`` (the turns of one session extend one another's prompts). The replay keeps
+  only what a live or waiting request needs, so a trace's tokens are never all in memory at once.
 * A ``Workload`` gives the initial arrivals, and for a closed-loop workload (agent sessions) the arrivals a
   finished request causes. Both are pure functions of the workload's parameters and their arguments, so one
   workload object can be replayed many times.
