@@ -4,6 +4,7 @@
     mmcache replay TRACE ...                              replay a trace through metadata-only pools
     mmcache export-model PRESET DIR                       write an embedded model as a Hugging Face folder
     mmcache generate (--preset NAME | --model DIR) PROMPT ...   generate with the reference engine
+    mmcache serve (--preset NAME | --model DIR) [--port 8000] ...   serve an OpenAI-compatible HTTP API
 
 Subcommands live beside what they drive; each module listed in ``SUBCOMMANDS`` has ``register(subparsers)``,
 which adds its parser and sets ``func``. A module that is not part of this install (a build without the
@@ -94,7 +95,8 @@ def write_json(path: str | None, result: dict, say: bool = True) -> None:
 
 
 SUBCOMMANDS = {"benchmarks.runner": ("bench",), "mmcache.replay.cli": ("replay",),
-               "mmcache.engine.cli": ("export-model", "generate")}  # module: the subcommands it registers
+               "mmcache.engine.cli": ("export-model", "generate"),
+               "mmcache.server.cli": ("serve",)}  # module: the subcommands it registers
 
 
 def unavailable() -> dict[str, str]:

@@ -1,0 +1,17 @@
+"""``mmcache serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the reference engine.
+
+A host layer above the engine and the encoders: it may import the core, ``mmcache.engine`` and ``encoders``;
+only the command line, benchmarks and tests import it. The pieces, one concept each: ``config`` (what to
+serve and its limits), ``runner`` (the engine's step loop in its own thread, asyncio queues to handlers),
+``protocol`` (request and response bodies), ``prompts`` (API requests to engine requests), ``generation``
+(events to text, stop strings), ``tenants`` (API keys and cache salts), ``errors`` (OpenAI error objects),
+``metrics`` (Prometheus), ``app`` (routes), ``launch`` (``start_server``), ``cli`` (``mmcache serve``).
+
+    with start_server(ServerConfig(preset="tiny-llava")) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
+"""
+
+from .config import ServerConfig, ServerConfigError
+from .launch import RunningServer, build_engine, start_server
+
+__all__ = ["RunningServer", "ServerConfig", "ServerConfigError", "build_engine", "start_server"]

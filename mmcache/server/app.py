@@ -1,0 +1,327 @@
+"""The FastAPI application: OpenAI-compatible routes over one ``EngineHost``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (these three need an API key
+when keys are configured), ``GET /health`` (200 while the step loop runs), ``GET /metrics`` (Prometheus text).
+
+Rules:
+
+* A request is checked in this order: key (401), body size (413), JSON (400), fields (400, naming the field),
+  model (404), unsupported options (400), images (400 / 413), waiting queue (503 with ``Retry-After``). The
+  engine's own refusal of a request (bad image, prompt too long) arrives as its first event, before any byte
+  of the response is sent, so a streamed request gets a proper error status too.
+* Every error, including FastAPI's and pydantic's own and unknown routes, is an OpenAI error object, and is
+  counted in ``mmcache:request_errors_total`` by its code.
+* A client that goes away aborts its request: a non-streamed handler watches for the disconnect while it
+  waits, a streamed one aborts when its response ends for any reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from .errors import APIError, bad_request, from_engine_error, internal, model_not_found, overloaded, \
+    route_not_found, too_large, unauthorized
+from .generation import Generation
+from .metrics import ServerMetrics
+from .prompts import PromptMaker, check_supported, stop_strings
+from .protocol import ChatCompletionRequest, CompletionRequest, model_card, now, usage
+from .runner import EngineHost, QueueFull
+from .tenants import Tenants
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+def build_app(host: EngineHost, config, tenants: Tenants, metrics: ServerMetrics) -> FastAPI:
+    app = FastAPI(title="mmcache", docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(host, config, tenants, metrics)
+    app.state.api = api
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return api.error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        return api.error_response(_from_validation(err.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            return api.error_response(route_not_found(request.url.path))
+        return api.error_response(APIError(err.status_code, str(err.detail), code=f"http_{err.status_code}"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        return api.error_response(internal(f"{type(err).__name__}: {err}"))
+
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completions)
+    app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics_text)
+    return app
+
+
+def _from_validation(errors) -> APIError:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return bad_request(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param)
+
+
+class _Api:
+    def __init__(self, host: EngineHost, config, tenants: Tenants, metrics: ServerMetrics):
+        self.host = host
+        self.config = config
+        self.tenants = tenants
+        self.metrics = metrics
+        self.prompts = PromptMaker(host, config)
+        self.created = now()
+
+    # ---- errors -------------------------------------------------------------------------------------
+    def error_response(self, err: APIError) -> JSONResponse:
+        self.metrics.error(err.code or err.type)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    # ---- checks -------------------------------------------------------------------------------------
+    def _tenant(self, request: Request):
+        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
+        return tenant
+
+    async def _body(self, request: Request, model):
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await _drain(request, limit)
+            raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
+        chunks, size, more = [], 0, True
+        while more:  # the raw messages, not request.stream(): a drain must know whether more is coming
+            message = await request.receive()
+            if message["type"] != "http.request":
+                raise bad_request("the client disconnected before sending the whole body")
+            body, more = message.get("body", b""), message.get("more_body", False)
+            size += len(body)
+            if size > limit:
+                if more:
+                    await _drain(request, limit)
+                raise too_large(f"request body beyond the limit of {limit} bytes")
+            chunks.append(body)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request("the body must be a JSON object", None, "invalid_json")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise _from_validation(e.errors()) from None
+        if req.model != self.config.model_name:
+            raise model_not_found(req.model, self.config.model_name)
+        if req.cache_salt is not None and len(req.cache_salt) > self.config.max_cache_salt:
+            raise bad_request(f"cache_salt is longer than {self.config.max_cache_salt} characters", "cache_salt")
+        check_supported(req)
+        return req
+
+    # ---- routes -------------------------------------------------------------------------------------
+    async def chat(self, request: Request):
+        arrival = time.perf_counter()
+        tenant = self._tenant(request)
+        req = await self._body(request, ChatCompletionRequest)
+        stops = stop_strings(req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        engine_request = self.prompts.chat(req, rid, self.tenants.salt(tenant, req.cache_salt), arrival)
+        return await self._run(request, req, rid, engine_request, stops, chat=True)
+
+    async def completions(self, request: Request):
+        arrival = time.perf_counter()
+        tenant = self._tenant(request)
+        req = await self._body(request, CompletionRequest)
+        stops = stop_strings(req)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        engine_request = self.prompts.completion(req, rid, self.tenants.salt(tenant, req.cache_salt), arrival)
+        return await self._run(request, req, rid, engine_request, stops, chat=False)
+
+    async def models(self, request: Request):
+        self._tenant(request)
+        card = model_card(self.config.model_name, self.host.core.max_model_len, self.created)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self):
+        if not self.host.alive:
+            return self.error_response(APIError(503, "the engine's step loop is not running",
+                                                "service_unavailable", None, "not_ready"))
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self):
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- running a request --------------------------------------------------------------------------
+    async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], chat: bool):
+        try:
+            queue = await self.host.submit(engine_request)
+        except QueueFull as e:
+            raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
+        gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)
+        try:
+            first = await _unless_disconnected(request, gen.first())
+            if first.finished and first.finish_reason == "error":
+                raise from_engine_error(first.output.error, "messages" if chat else "prompt")
+            if req.stream:
+                shape = _ChatChunks(rid, req, self.config.model_name) if chat else \
+                    _CompletionChunks(rid, req, self.config.model_name)
+                return _Stream(self._sse(gen, shape, req), gen.close)
+            await _unless_disconnected(request, gen.text())
+        except _ClientGone:
+            gen.close()
+            return Response(status_code=499)
+        except BaseException:
+            gen.close()
+            raise
+        if gen.error is not None:
+            raise from_engine_error(gen.error)
+        return JSONResponse(self._whole(gen, req, rid, chat))
+
+    def _whole(self, gen: Generation, req, rid: str, chat: bool) -> dict:
+        out = gen.output
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": gen.assembler.text}
+        else:
+            choice["text"] = gen.assembler.text
+        if req.return_token_ids:
+            choice["token_ids"] = list(out.output_ids)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": self.config.model_name, "choices": [choice],
+                "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)}
+
+    async def _sse(self, gen: Generation, shape, req):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = shape.head()
+        if head is not None:
+            yield _event(shape.chunk(head, None, include_usage))
+        async for delta in gen.deltas():
+            yield _event(shape.chunk(shape.delta(delta), None, include_usage))
+        if gen.error is not None:
+            err = from_engine_error(gen.error)
+            self.metrics.error(err.code or err.type)
+            yield _event(err.body())
+        else:
+            out = gen.output
+            last = shape.chunk(shape.delta(None), gen.finish_reason, include_usage)
+            if req.return_token_ids:
+                last["choices"][0]["token_ids"] = list(out.output_ids)
+            yield _event(last)
+            if include_usage:
+                yield _event({**shape.chunk(None, None, False), "choices": [],
+                              "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)})
+        yield "data: [DONE]\n\n"
+
+
+class _ChatChunks:
+    def __init__(self, rid: str, req, model: str):
+        self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
+
+    def head(self):
+        return {"role": "assistant", "content": ""}
+
+    def delta(self, text: str | None) -> dict:
+        return {} if text is None else {"content": text}
+
+    def chunk(self, delta, finish_reason, include_usage: bool) -> dict:
+        out = {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+
+class _CompletionChunks(_ChatChunks):
+    def __init__(self, rid: str, req, model: str):
+        self.base = {"id": rid, "object": "text_completion", "created": now(), "model": model}
+
+    def head(self):
+        return None
+
+    def delta(self, text: str | None) -> str:
+        return text or ""
+
+    def chunk(self, text, finish_reason, include_usage: bool) -> dict:
+        out = {**self.base, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+
+class _Stream(StreamingResponse):
+    """A server-sent-event response that aborts its request however the response ends."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # the client closed the stream: its request is aborted below
+            pass
+        finally:
+            self._on_close()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _drain(request: Request, limit: int) -> None:
+    """Read (and drop) what is left of an oversized body, up to a few times the limit, so the client reads
+    our 413 instead of a reset connection."""
+    seen = 0
+    while seen <= 4 * limit:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """The result of ``awaitable``, or ``_ClientGone`` when the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise _ClientGone()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

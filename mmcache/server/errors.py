@@ -1,0 +1,84 @@
+"""OpenAI error objects and the HTTP status of every failure the server answers.
+
+Every error response has the body ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 for a
+malformed request or bad media, 401 for a missing or wrong API key, 404 for an unknown model or route, 413 for
+a body or image beyond the limits, 503 with ``Retry-After`` when the waiting queue is full, 500 when the model
+itself failed. ``from_engine_error`` maps the typed errors a request can end with onto these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import AllocationFailed, InvalidRequest, MediaDecodeError, MmcacheError
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+@dataclass
+class APIError(Exception):
+    """An error response: ``status``, the OpenAI error fields and extra headers."""
+
+    status: int
+    message: str
+    type: str = INVALID_REQUEST
+    param: str | None = None
+    code: str | None = None
+    headers: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__init__(self.message)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def too_large(message: str, param: str | None = None) -> APIError:
+    return APIError(413, message, INVALID_REQUEST, param, "request_too_large")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, "authentication_error", None, "invalid_api_key")
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"the model {model!r} does not exist; this server serves {served!r}", INVALID_REQUEST,
+                    "model", "model_not_found")
+
+
+def route_not_found(path: str) -> APIError:
+    return APIError(404, f"no route {path}", INVALID_REQUEST, None, "not_found")
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "queue_full", {"Retry-After": str(retry_after_s)})
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, "internal_server_error", None, "internal_error")
+
+
+def beyond_limits(err: MediaDecodeError) -> bool:
+    """Whether a media error is a size limit (bytes or pixels) rather than bad content: ``encoders.media``
+    words every size refusal with "exceed"."""
+    return "exceed" in str(err.reason)
+
+
+def from_engine_error(err: BaseException | None, param: str | None = None) -> APIError:
+    """The response for a request the engine ended with ``err``."""
+    if isinstance(err, MediaDecodeError):
+        if beyond_limits(err):
+            return too_large(f"image beyond the limits: {err}", param)
+        return bad_request(f"bad image: {err}", param, "invalid_image")
+    if isinstance(err, AllocationFailed):
+        return APIError(503, f"not enough KV pages: {err}", "service_unavailable", None, "out_of_pages",
+                        {"Retry-After": "1"})
+    if isinstance(err, InvalidRequest):
+        return bad_request(str(err), param)
+    if isinstance(err, MmcacheError):
+        return internal(f"{type(err).__name__}: {err}")
+    return internal(f"the request failed: {type(err).__name__ if err else 'unknown error'}: {err}")

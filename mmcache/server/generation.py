@@ -1,0 +1,132 @@
+"""One request's events as text: incremental detokenizing, stop strings, and the end of the request.
+
+Rules:
+
+* Text is the decode of every output token so far (special tokens skipped); a delta is what was not sent yet.
+  A trailing U+FFFD (an incomplete UTF-8 sequence) and a tail that could begin a stop string are held back
+  until the next token settles them, so no sent text is ever taken back.
+* A stop string ends the text before its first occurrence: the request is aborted at once (its pages return),
+  the finish reason is ``stop``, and tokens the engine produced after it are not sent.
+* ``close`` aborts the request unless it has finished: a handler calls it however it leaves (client gone,
+  stream closed, error), so nothing stays held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..engine.request import RequestOutput, StreamEvent
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+
+
+class TextAssembler:
+    """Output tokens -> sendable text deltas under ``stops``."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        if self.tokenizer is None:
+            return ""
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = self._first_stop()
+        if cut is not None:
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._take(cut)
+        return self._take(self._safe_end())
+
+    def flush(self) -> str:
+        """What is left once the request has ended."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def _first_stop(self) -> int | None:
+        longest = max((len(s) for s in self.stops), default=0)
+        start = max(0, self.sent - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_end(self) -> int:
+        text = self.text
+        end = len(text.rstrip("\ufffd"))
+        for s in self.stops:
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if text[:end].endswith(s[:k]):
+                    end -= k
+                    break
+        return end
+
+
+class Generation:
+    """The events of one submitted request (``queue`` from ``EngineHost.submit``) as text deltas, decoded with
+    ``tokenizer`` (the server's own copy: see ``prompts``)."""
+
+    def __init__(self, host, rid: str, queue: asyncio.Queue, stops: list[str], tokenizer):
+        self.host = host
+        self.rid = rid
+        self.queue = queue
+        self.assembler = TextAssembler(tokenizer, stops)
+        self.output: RequestOutput | None = None
+        self._pending: StreamEvent | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.assembler.stopped:
+            return "stop"
+        return None if self.output is None else _FINISH.get(self.output.finish_reason, self.output.finish_reason)
+
+    @property
+    def error(self):
+        return None if self.output is None else self.output.error
+
+    async def first(self) -> StreamEvent:
+        """Wait for the first event (a token, or the request's end: a refusal comes this way) and keep it."""
+        self._pending = await self.queue.get()
+        return self._pending
+
+    async def deltas(self):
+        """Text deltas until the request ends (``output`` is then set; ``error`` if it failed)."""
+        while self.output is None:
+            if self._pending is not None:
+                ev, self._pending = self._pending, None
+            else:
+                ev = await self.queue.get()
+            if ev.finished:
+                self.output = ev.output
+                if not self.assembler.stopped and ev.finish_reason != "error":
+                    tail = self.assembler.flush()
+                    if tail:
+                        yield tail
+                return
+            if self.assembler.stopped:
+                continue
+            delta = self.assembler.add(ev.token_id)
+            if self.assembler.stopped:
+                self.host.abort(self.rid, "stop")
+            if delta:
+                yield delta
+
+    async def text(self) -> str:
+        async for _ in self.deltas():
+            pass
+        return self.assembler.text
+
+    def close(self) -> None:
+        if self.output is None:
+            self.host.abort(self.rid)

@@ -1,0 +1,196 @@
+"""OpenAI requests -> engine requests: chat messages rendered for the served model, images checked, sampling
+settings mapped.
+
+Rules:
+
+* Images come only as data URLs. An ``http(s)`` URL is refused with a 400 saying this server fetches nothing; a
+  path or ``file://`` URL is refused too and never read (the VLM's ``ImageLimits`` forbid paths as well). A data
+  URL whose payload is beyond ``max_image_bytes`` is refused with 413 before it is decoded.
+* A text model renders chat messages with its tokenizer's own chat template when it has one; the embedded text
+  presets have none, so they use ``PlainChatTemplate``: each message as ``"{role}:"`` then ``" {text}"`` then
+  ``"\\n"``, each segment tokenized on its own, and ``"assistant:"`` as the generation prompt. An assistant
+  message carrying ``token_ids`` (the answer as generated) keeps them verbatim, so a chat's next turn begins with
+  the previous prompt plus its answer and reuses its pages.
+* A VLM renders them with the preset's chat template (``encoders.chat``); ``developer`` is read as ``system``.
+* Threads: a Hugging Face fast tokenizer refuses to encode on one thread while another uses it ("Already
+  borrowed"). The server therefore works on its own copy of the engine's tokenizer (``PromptMaker.tokenizer``),
+  on the event loop's thread only: it renders chats, tokenizes text prompts (as the engine's intake would:
+  no special tokens added) and decodes outputs there, and the engine's own tokenizer is left to the step thread.
+  A VLM's chat template tokenizes in the worker threads that build its prompts, on the template's own
+  ``tokenizers.Tokenizer`` whose settings never change after it is made, so those encodes only read it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..engine.request import Request, SamplingParams
+from .errors import bad_request, too_large
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageContent, TextContent
+
+
+def sampling_of(req, default_max_tokens: int) -> SamplingParams:
+    """The engine's sampling settings of a chat or completion request."""
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(0, req.top_k),
+                          top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
+
+
+def stop_strings(req) -> list[str]:
+    stop = req.stop
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 8 or any(not s for s in stops):
+        raise bad_request("stop must be at most 8 non-empty strings", "stop")
+    return stops
+
+
+def check_supported(req) -> None:
+    """Refuse what this server cannot honour, naming the field."""
+    if req.n != 1:
+        raise bad_request("n > 1 is not supported: ask for one choice per request", "n", "unsupported")
+    if req.logprobs not in (None, False, 0):
+        raise bad_request("logprobs are not supported", "logprobs", "unsupported")
+    if getattr(req, "echo", False):
+        raise bad_request("echo is not supported", "echo", "unsupported")
+    if (getattr(req, "best_of", None) or 1) != 1:
+        raise bad_request("best_of > 1 is not supported", "best_of", "unsupported")
+    if getattr(req, "suffix", None):
+        raise bad_request("suffix is not supported", "suffix", "unsupported")
+
+
+class PlainChatTemplate:
+    """Chat messages as plain ``role: text`` lines for a tokenizer without a chat template (see the module
+    docstring); each segment is tokenized on its own so earlier turns' ids never change."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def render(self, messages: list[tuple[str, str, list[int] | None]]) -> list[int]:
+        ids: list[int] = []
+        for role, text, token_ids in messages:
+            ids += self._ids(f"{role}:")
+            ids += list(token_ids) if token_ids is not None else self._ids(" " + text)
+            ids += self._ids("\n")
+        return ids + self._ids("assistant:")
+
+
+class PromptMaker:
+    """Builds the engine request of an API request for one host (text ``Engine`` or ``VLMEngine``)."""
+
+    def __init__(self, host, config):
+        self.host = host
+        self.config = config
+        #: the server's own copy of the engine's tokenizer, for the event loop's thread only (module docstring)
+        self.tokenizer = tokenizer = copy.deepcopy(host.core.tokenizer)
+        self.hf_template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+        self.plain = PlainChatTemplate(tokenizer) if tokenizer is not None else None
+
+    # ---- chat --------------------------------------------------------------------------------------
+    def chat(self, req: ChatCompletionRequest, rid: str, salt: bytes, arrival: float):
+        sampling = sampling_of(req, self.config.default_max_tokens)
+        if self.host.is_vlm:
+            from ..engine.vlm import VLMRequest
+
+            messages = [self._vlm_message(i, m) for i, m in enumerate(req.messages)]
+            self._count_images(messages)
+            return VLMRequest(messages=messages, sampling=sampling, request_id=rid, salt=salt)
+        return Request(self._text_prompt(req.messages), sampling, rid, salt, arrival_time=arrival)
+
+    def _vlm_message(self, i: int, message: ChatMessage) -> dict:
+        role = "system" if message.role == "developer" else message.role
+        out: dict = {"role": role}
+        if isinstance(message.content, list):
+            parts = []
+            for j, part in enumerate(message.content):
+                if isinstance(part, TextContent):
+                    parts.append({"type": "text", "text": part.text})
+                else:
+                    parts.append({"type": "image_url", "image_url": {"url": self._image_url(i, j, part)}})
+            out["content"] = parts
+        else:
+            out["content"] = message.content
+        if message.token_ids is not None:
+            out["token_ids"] = message.token_ids
+        return out
+
+    def _count_images(self, messages: list[dict]) -> None:
+        n = sum(1 for m in messages if isinstance(m["content"], list)
+                for p in m["content"] if p["type"] == "image_url")
+        if n > self.config.max_images:
+            raise bad_request(f"{n} images in the messages; at most {self.config.max_images} per request", "messages")
+
+    def _image_url(self, i: int, j: int, part: ImageContent) -> str:
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        param = f"messages.{i}.content.{j}.image_url"
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme in ("http", "https"):
+            raise bad_request("image URLs are not fetched by this server: send the image as a data URL "
+                              "(data:image/png;base64,...)", param, "invalid_image_url")
+        if scheme != "data":
+            raise bad_request("images must be data URLs (data:image/png;base64,...); paths and file URLs are "
+                              "never read", param, "invalid_image_url")
+        comma = url.find(",")
+        payload = len(url) - comma - 1 if comma >= 0 else 0
+        # base64 carries 3 bytes per 4 characters; percent-encoding at least 1 byte per 3 characters
+        size = payload * 3 // 4 if url[:comma].lower().endswith(";base64") else payload // 3
+        if size > self.config.max_image_bytes:
+            raise too_large(f"image payload of about {size} bytes is beyond the limit of "
+                            f"{self.config.max_image_bytes}", param)
+        return url
+
+    def _text_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        if self.plain is None:
+            raise bad_request("this model has no tokenizer: use /v1/completions with token ids", "messages")
+        flat: list[tuple[str, str, list[int] | None]] = []
+        for i, m in enumerate(messages):
+            if isinstance(m.content, list):
+                if any(isinstance(p, ImageContent) for p in m.content):
+                    raise bad_request(f"model {self.config.model_name!r} does not accept images",
+                                      f"messages.{i}.content", "invalid_image")
+                text = "".join(p.text for p in m.content)
+            else:
+                text = m.content or ""
+            if m.token_ids is not None and m.role != "assistant":
+                raise bad_request("token_ids are accepted on assistant messages only", f"messages.{i}.token_ids")
+            role = "system" if m.role == "developer" else m.role
+            flat.append((role, text, m.token_ids))
+        if self.hf_template:
+            return self._hf_render(flat)
+        return self.plain.render(flat)
+
+    def _hf_render(self, flat) -> list[int]:
+        tok = self.tokenizer
+        messages = [{"role": role, "content": text} for role, text, _ in flat]
+        try:
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as e:  # a template that refuses these messages (roles out of order, ...)
+            raise bad_request(f"the model's chat template refused the messages: {e}", "messages") from None
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    # ---- completions -------------------------------------------------------------------------------
+    def completion(self, req: CompletionRequest, rid: str, salt: bytes, arrival: float):
+        sampling = sampling_of(req, self.config.default_max_tokens)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("one prompt per request (a list of prompts is not supported)", "prompt",
+                                  "unsupported")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt or prompt == "":
+            raise bad_request("the prompt is empty", "prompt")
+        if self.host.is_vlm:
+            from ..engine.vlm import VLMRequest
+
+            ids = self.host.engine.builder.template.text(prompt) if isinstance(prompt, str) else prompt
+            return VLMRequest(token_ids=ids, sampling=sampling, request_id=rid, salt=salt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return Request(prompt, sampling, rid, salt, arrival_time=arrival)

@@ -1,0 +1,61 @@
+"""``mmcache serve`` as a program: it binds loopback, prints its URL, answers /health and a chat, and exits 0 on
+SIGTERM."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from mmcache.cli import build_parser
+from mmcache.server.cli import config_from_args
+
+
+def test_serve_options_build_the_config():
+    args = build_parser().parse_args(["serve", "--preset", "tiny-llava", "--api-key", "a", "--api-key", "b",
+                                      "--page-size", "32", "--max-waiting", "0", "--store-bytes", "1024"])
+    config = config_from_args(args)
+    assert config.host == "127.0.0.1" and config.port == 8000 and config.api_keys == ("a", "b")
+    assert config.engine_config.page_size == 32 and config.max_waiting == 0 and config.store_bytes == 1024
+    assert config.dtype == "float32" and config.model_name == "tiny-llava"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--preset", "tiny", "--model", "x"])
+
+
+def test_serve_prints_its_url_and_stops_on_sigterm():
+    env = {**os.environ, "MMCACHE_OPENMP": "system", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mmcache.cli", "serve", "--preset", "tiny", "--port", "0",
+                             "--served-model-name", "demo"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        found = re.search(r"at (http://127\.0\.0\.1:\d+) ", line)
+        assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = found.group(1)
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "demo", "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_refuses_a_taken_port(capsys):
+    import socket
+
+    from mmcache.server.cli import serve_main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--preset", "tiny", "--port", str(port)])
+        assert serve_main(args) == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""The server's parts without a server: chat rendering for text models, stop strings and held-back text, tenant
+keys and salts, and the engine-error to HTTP-status mapping."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mmcache.engine.models import build_model
+from mmcache.errors import InvalidRequest, MediaDecodeError
+from mmcache.server import ServerConfig
+from mmcache.server.errors import APIError, from_engine_error
+from mmcache.server.generation import TextAssembler
+from mmcache.server.prompts import PlainChatTemplate, PromptMaker
+from mmcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from mmcache.server.tenants import ANONYMOUS, Tenants
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_model("tiny")[1]
+
+
+def _chat(messages, **kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "tiny", "messages": messages, **kw})
+
+
+def _maker(tokenizer) -> PromptMaker:
+    host = SimpleNamespace(core=SimpleNamespace(tokenizer=tokenizer), is_vlm=False)
+    return PromptMaker(host, ServerConfig(preset="tiny"))
+
+
+def test_plain_template_keeps_earlier_turns_and_generated_ids(tokenizer):
+    template = PlainChatTemplate(tokenizer)
+    first = template.render([("user", "a red kite", None)])
+    answer = [301, 17, 0]
+    later = template.render([("user", "a red kite", None), ("assistant", "", answer), ("user", "why?", None)])
+    assert later[:len(first) + len(answer)] == first + answer
+    assert tokenizer.decode(first) == "user: a red kite\nassistant:"
+
+
+def test_text_chat_uses_the_tokenizers_own_template_when_it_has_one(tokenizer):
+    plain = _maker(tokenizer).chat(_chat([{"role": "user", "content": "hi there"}]), "r", b"", 0.0)
+    assert tokenizer.decode(plain.prompt) == "user: hi there\nassistant:"
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant]{% endif %}")
+    try:
+        req = _maker(tokenizer).chat(_chat([{"role": "developer", "content": "be brief"},
+                                            {"role": "user", "content": "hi"}]), "r", b"salt", 0.0)
+    finally:
+        tokenizer.chat_template = None
+    assert tokenizer.decode(req.prompt) == "[system]be brief[user]hi[assistant]"
+    assert req.salt == b"salt" and req.request_id == "r"
+
+
+def test_the_server_tokenizes_on_its_own_copy(tokenizer):
+    maker = _maker(tokenizer)
+    assert maker.tokenizer is not tokenizer and maker.tokenizer._tokenizer is not tokenizer._tokenizer
+    req = maker.completion(CompletionRequest(model="tiny", prompt="a kite"), "r", b"", 0.0)
+    assert req.prompt == tokenizer("a kite", add_special_tokens=False)["input_ids"]
+
+
+def test_text_chat_maps_sampling_fields(tokenizer):
+    req = _maker(tokenizer).chat(_chat([{"role": "user", "content": "x"}], max_tokens=9, max_completion_tokens=5,
+                                       temperature=0, top_k=-1, top_p=0.5, seed=4), "r", b"", 0.0)
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed) == (5, 0.0, 0, 0.5, 4)
+
+
+def test_images_go_to_vlms_only_and_as_data_urls(tokenizer):
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
+    with pytest.raises(APIError) as info:
+        _maker(tokenizer).chat(_chat([image]), "r", b"", 0.0)
+    assert info.value.status == 400 and info.value.code == "invalid_image"
+    vlm = PromptMaker(SimpleNamespace(core=SimpleNamespace(tokenizer=tokenizer), is_vlm=True),
+                      ServerConfig(preset="tiny-llava", max_image_bytes=10, max_images=1))
+    for url, status in (("https://a/b.png", 400), ("HTTP://a/b.png", 400), ("b.png", 400),
+                        ("data:image/png;base64," + "A" * 40, 413)):
+        msg = {"role": "user", "content": [{"type": "image_url", "image_url": url}]}
+        with pytest.raises(APIError) as info:
+            vlm.chat(_chat([msg]), "r", b"", 0.0)
+        assert info.value.status == status
+    two = {"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,AA=="}] * 2}
+    with pytest.raises(APIError) as info:
+        vlm.chat(_chat([two]), "r", b"", 0.0)
+    assert info.value.status == 400 and "at most 1" in info.value.message
+
+
+class _Chars:
+    """A tokenizer whose token i is the character chr(i) (and 0xFFFD for an unfinished byte, id 1)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i == 1 else chr(i) for i in ids)
+
+
+def test_stop_strings_cut_and_held_back_text_is_never_taken_back():
+    asm = TextAssembler(_Chars(), ["END"])
+    sent = "".join(asm.add(ord(c)) for c in "abE")
+    assert sent == "ab"  # "E" may begin the stop string: held back
+    assert asm.add(ord("x")) == "Ex" and not asm.stopped
+    assert asm.add(ord("E")) + asm.add(ord("N")) == "" and asm.add(ord("D")) == "" and asm.stopped
+    assert asm.text == "abEx"
+    asm = TextAssembler(_Chars(), [])
+    assert asm.add(ord("a")) + asm.add(1) == "a"  # an incomplete character waits for the next token
+    assert asm.flush() == "\ufffd"
+
+
+def test_keys_are_tenants_with_their_own_salts():
+    tenants = Tenants(("k1", "k2"), secret=b"s" * 32)
+    one, two = tenants.authenticate("Bearer k1"), tenants.authenticate("bearer k2")
+    assert one.name == "key-0" and two.name == "key-1" and one.salt != two.salt and len(one.salt) == 32
+    assert tenants.authenticate("Bearer k3") is None and tenants.authenticate(None) is None
+    assert tenants.authenticate("k1") is None
+    # a caller's cache_salt subdivides its own tenant and cannot spell another tenant's salt
+    assert Tenants.salt(one, "x") != Tenants.salt(two, "x") and Tenants.salt(one, "x").startswith(one.salt)
+    assert Tenants.salt(one, None) == one.salt
+    assert len(Tenants.salt(one, "\u00e9" * 256)) == len(Tenants.salt(ANONYMOUS, "x")) + 32 <= 256
+    # salts are derived from the server's secret: another server's differ
+    assert Tenants(("k1",), secret=b"t" * 32).authenticate("Bearer k1").salt != one.salt
+    assert Tenants().authenticate(None) is ANONYMOUS and Tenants.salt(ANONYMOUS, None) == b""
+
+
+def test_engine_errors_map_to_statuses():
+    assert from_engine_error(MediaDecodeError(0, "9 bytes exceed the limit of 8")).status == 413
+    assert from_engine_error(MediaDecodeError(0, "not an image")).status == 400
+    assert from_engine_error(InvalidRequest("prompt too long")).status == 400
+    assert from_engine_error(RuntimeError("boom")).status == 500
+
+
+def test_the_listening_socket_disables_nagle():
+    """Accepted connections inherit TCP_NODELAY; without it every small response waited ~40 ms for the
+    client's delayed ACK."""
+    import socket
+
+    from mmcache.server.launch import _bind
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        assert sock.getsockname()[1] != 0
+    finally:
+        sock.close()
