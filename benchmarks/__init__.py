@@ -16,4 +16,5 @@ REGISTRY = {
     "cfg": "benchmarks.cfg",
     "voice": "benchmarks.voice",
     "sampling": "benchmarks.sampling",
+    "serve": "benchmarks.serve",
 }

@@ -21,7 +21,8 @@ COUNTS = {"core": ["--repeats"], "prefix": ["--page-size"],  # core's --tokens s
           "diffusion": ["--requests", "--runs", "--steps", "--threads"],
           "cfg": ["--requests", "--runs", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
           "sampling": ["--repeats", "--batch", "--tokens"],
-          "voice": ["--rounds", "--runs", "--frames", "--threads"]}
+          "voice": ["--rounds", "--runs", "--frames", "--threads"],
+          "serve": ["--repeats", "--sessions", "--turns", "--max-tokens", "--num-pages", "--threads"]}
 
 
 def test_positive_int():
@@ -60,7 +61,9 @@ BOUNDED = [("core", "--tokens", HUGE, "at most 16777216"), ("core", "--repeats",
            ("vlm", "--num-pages", HUGE, "at most"), ("vlm", "--threads", HUGE, "at most"),
            ("prefix", "--seed", "-1", "at least 0"), ("prefix", "--page-size", "8192", "at most 4096"),
            ("voice", "--rounds", HUGE, "at most 1000"), ("voice", "--frames", HUGE, "at most 1000"),
-           ("voice", "--seed", "-1", "at least 0"), ("voice", "--threads", HUGE, "at most")]
+           ("voice", "--seed", "-1", "at least 0"), ("voice", "--threads", HUGE, "at most"),
+           ("serve", "--seed", "-1", "at least 0"), ("serve", "--repeats", HUGE, "at most 1000"),
+           ("serve", "--soak", HUGE, "at most 10000"), ("serve", "--rates", "inf", "finite")]
 
 
 @pytest.mark.parametrize("name, option, value, says", BOUNDED, ids=lambda x: str(x)[:12])
