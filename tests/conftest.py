@@ -155,3 +155,23 @@ def decode_path(request, monkeypatch):
     else:
         _require_native_kernel(monkeypatch)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def wan():
+    """The tiny Wan text-to-video pipeline (encoders.diffusion_presets), one per module, progress bars off."""
+    from encoders.diffusion_presets import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    """The tiny Stable Diffusion 3 text-to-image pipeline, one per module, progress bars off."""
+    from encoders.diffusion_presets import tiny_sd3_pipeline
+
+    pipe = tiny_sd3_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

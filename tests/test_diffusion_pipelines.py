@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
+from encoders.diffusion_presets import tiny_wan_pipeline
 from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import T5_MAX_LENGTH, ForwardCounter
 from mmcache.errors import InvalidRequest, StoreEntryRejected
@@ -24,20 +24,6 @@ SD3_ARGS = dict(height=16, width=16, num_inference_steps=2)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
-
-
-@pytest.fixture(scope="module")
-def wan():
-    pipe = tiny_wan_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="module")
-def sd3():
-    pipe = tiny_sd3_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def nothing_held(store: EncoderOutputStore) -> bool:

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.text_encoders import ForwardCounter, T5EncoderAdapter, T5Recipe, TokenizationMemo
 from mmcache.errors import InvalidRequest
 from mmcache.names import MAX_SALT_BYTES
@@ -27,20 +26,6 @@ PROMPT, NEG = "a red fox in snow", "blurry, static"
 WAN_ARGS = dict(max_sequence_length=32, guidance_scale=5.0)
 SD3_ARGS = dict(max_sequence_length=32, guidance_scale=5.0)
 BAD_SALTS = ["s" * (MAX_SALT_BYTES + 1), b"s" * (MAX_SALT_BYTES + 1), 7, ["tenant"], "tenant-\ud800"]
-
-
-@pytest.fixture(scope="module")
-def wan():
-    pipe = tiny_wan_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="module")
-def sd3():
-    pipe = tiny_sd3_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def counts(wrapper) -> dict:
