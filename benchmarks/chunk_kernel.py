@@ -35,13 +35,11 @@ per-pair ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 from mmcache.cli import positive_int, writable
 
-from .runner import write_json
+from .kernel_harness import order, paired, ratio, say_machine, timed, write_json
 
 CASES = {"hit": (1920, 128), "cold": (0, 2048)}  # (cached tokens, chunk tokens)
 
@@ -50,7 +48,8 @@ def _sides(lib, cached: int, tokens: int, kv_heads: int, group: int, dim: int, s
     import torch
     import torch.nn.functional as F
 
-    from mmcache.engine import attention, native
+    from mmcache.engine import attention
+    from mmcache.engine.compute import native
 
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
@@ -76,6 +75,9 @@ def _sides(lib, cached: int, tokens: int, kv_heads: int, group: int, dim: int, s
     return {"kernel": kernel, "aten": aten}
 
 
+_CSRC, _OLD_CSRC = "mmcache/engine/compute/csrc", "mmcache/engine/csrc"  # where the sources lie, and lay before
+
+
 def library_at(rev: str):
     """The compiled kernels built from the sources at git revision ``rev`` of this checkout (``--against``)."""
     import shutil
@@ -83,15 +85,18 @@ def library_at(rev: str):
     import tempfile
     from pathlib import Path
 
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
-    root = Path(native.__file__).resolve().parents[2]
+    root = Path(native.__file__).resolve().parents[3]
     where = Path(tempfile.mkdtemp(prefix="mmcache-kernels-"))
     try:
         sources = []
         for f in native.SOURCES + native.HEADERS:
             rel = f.resolve().relative_to(root).as_posix()
-            got = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{rel}"], capture_output=True)
+            for where_then in (rel, rel.replace(_CSRC, _OLD_CSRC)):  # the sources moved with the compute package
+                got = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{where_then}"], capture_output=True)
+                if got.returncode == 0:
+                    break
             if got.returncode != 0:
                 if f in native.SOURCES[1:] and rel not in _listed(root, rev):
                     continue  # a source added after that revision: its library is built without it
@@ -111,9 +116,9 @@ def _listed(root, rev: str) -> list[str]:
     cannot tell)."""
     import subprocess
 
-    got = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", rev, "mmcache/engine/csrc"],
+    got = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", rev, _CSRC, _OLD_CSRC],
                          capture_output=True, text=True)
-    return got.stdout.splitlines() if got.returncode == 0 else []
+    return [name.replace(_OLD_CSRC, _CSRC) for name in got.stdout.splitlines()] if got.returncode == 0 else []
 
 
 def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: int, seed: int = 0,
@@ -122,7 +127,7 @@ def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: 
     kernel on the same inputs."""
     import torch
 
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     cached, tokens = CASES[case]
     lib = native.library()
@@ -139,17 +144,12 @@ def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: 
     mine, base = sides["kernel"](), sides[other]()
     times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
-        for name in (("kernel", other) if r % 2 == 0 else (other, "kernel")):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                sides[name]()
-            times[name].append((time.perf_counter() - t0) / calls)
+        for name in order(("kernel", other), r):
+            times[name].append(timed(sides[name], calls=calls))
     out = {"shape": {"cached": cached, "tokens": tokens, "kv_heads": kv_heads, "query_heads_per_kv_head": group,
                      "head_dim": dim},
            "way": native.chunk_way(lib, dim), "threads": torch.get_num_threads(), "rounds": rounds,
-           "calls_per_round": calls, "kernel_s": statistics.median(times["kernel"]),
-           f"{other}_s": statistics.median(times[other]),
-           f"{other}_over_kernel": statistics.median(a / b for a, b in zip(times[other], times["kernel"])),
+           "calls_per_round": calls, **paired(times, other, "kernel"),
            "max_abs_difference": float((mine.float() - base.float()).abs().max()), "per_round_s": times}
     if against is not None:
         out.update(against=against[0], same_bits=bool(torch.equal(mine, base)))
@@ -161,7 +161,8 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
     library's attention kernels (decode and chunk; the norms and rotary embedding stay this tree's)."""
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, SamplingParams, native
+    from mmcache.engine import Engine, EngineConfig, SamplingParams
+    from mmcache.engine.compute import native
 
     eng = Engine.from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
     if not any(part.startswith("native-chunk") for part in eng.backend.split("+")):
@@ -170,9 +171,7 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
     sampling = SamplingParams(max_tokens=1)
 
     def serve(prompt) -> float:
-        t0 = time.perf_counter()
-        eng.generate([prompt], sampling)
-        return time.perf_counter() - t0
+        return timed(eng.generate, [prompt], sampling)
 
     def prompt() -> list[int]:
         return [int(x) for x in rng.integers(0, eng.adapter.vocab_size, 2048)]
@@ -183,7 +182,7 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
     times = {side: {"cold": [], "hit": []} for side in ("kernel", other)}
     try:
         for r in range(pairs):
-            for side in (("kernel", other) if r % 2 == 0 else (other, "kernel")):
+            for side in order(("kernel", other), r):
                 if against is None:
                     native.supports_chunk = real if side == "kernel" else (lambda *a, **kw: False)
                 else:
@@ -198,11 +197,8 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
     if against is not None:
         out["against"] = against[0]
     for kind in ("cold", "hit"):
-        k, a = times["kernel"][kind], times[other][kind]
-        out[kind] = {"kernel_s": statistics.median(k), f"{other}_s": statistics.median(a),
-                     f"{other}_over_kernel": statistics.median(x / y for x, y in zip(a, k))}
-    out["same_vs_cold"] = {side: statistics.median(c / h for c, h in zip(t["cold"], t["hit"]))
-                           for side, t in times.items()}
+        out[kind] = paired({side: t[kind] for side, t in times.items()}, other, "kernel")
+    out["same_vs_cold"] = {side: ratio(t["cold"], t["hit"]) for side, t in times.items()}
     return out
 
 
@@ -222,6 +218,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not writable(args.json, p.prog):
         return 2
+    say_machine(p.prog)
     against = (args.against, library_at(args.against)) if args.against else None
     if args.engine:
         return _report_engine(measure_engine(args.engine, args.preset, against=against), args.json)

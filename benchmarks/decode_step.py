@@ -25,7 +25,7 @@ import time
 
 from mmcache.cli import positive_int, writable
 
-from .runner import write_json
+from .kernel_harness import order, say_machine, write_json
 
 SHAPES = ("shared", "own")
 SIDES = ("kernel", "aten")
@@ -47,7 +47,8 @@ class AttentionClock:
     """Sums the wall time inside the decode attention of either path while installed."""
 
     def __init__(self):
-        from mmcache.engine import attention, native
+        from mmcache.engine import attention
+        from mmcache.engine.compute import native
 
         self.seconds = 0.0
         self._patched = [(native, "decode_attention"), (attention, "_decodes_one_by_one")]
@@ -72,7 +73,8 @@ class AttentionClock:
 def measure(args) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, native
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.compute import native
 
     kernel = native.library()
     if kernel is None:
@@ -90,7 +92,7 @@ def measure(args) -> dict:
                     eng.add_request(Request(p, sp))
                 k = 0
                 while eng.has_unfinished():
-                    side = SIDES[(k + r) % 2]
+                    side = order(SIDES, k + r)[0]  # steps alternate, each round starting on the other side
                     eng.runner.decode_kernel = kernel if side == "kernel" else None
                     prompt_tokens = eng.counters["prompt_tokens"]
                     clock.seconds = 0.0
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.shapes:
         if s not in SHAPES:
             raise SystemExit(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
+    say_machine(ap.prog)
     result = measure(args)
     for shape, r in result.items():
         m = r["medians"]

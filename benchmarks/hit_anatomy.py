@@ -27,7 +27,7 @@ import time
 
 from mmcache.cli import positive_int, writable
 
-from .runner import write_json
+from .kernel_harness import machine, say_machine, write_json
 
 FIGURES = ("cold_s", "hit_s", "linears_cold_s", "linears_hit_s")
 
@@ -38,7 +38,7 @@ def linear_modules(adapter) -> list:
     No module of the list runs inside another."""
     from torch import nn
 
-    from mmcache.engine.kernels import PackedGatedMLP
+    from mmcache.engine.compute.kernels import PackedGatedMLP
 
     decoder = adapter.decoder
     modules = []
@@ -136,13 +136,8 @@ def summarize(repeats: list[dict]) -> dict:
 
 def run(args) -> dict:
     measured = measure(args)
-    import torch  # loaded by now (measure built the engine)
-
-    from mmcache.openmp import loaded_runtime
-
     return {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size, "prompt_len": args.prompt_len,
-            **measured, **summarize(measured["repeats"]),
-            "machine": {"threads": torch.get_num_threads(), "openmp": loaded_runtime()}}
+            **measured, **summarize(measured["repeats"]), "machine": machine()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not writable(args.json, ap.prog):
         return 2
+    say_machine(ap.prog)
     result = run(args)
     for i, r in enumerate(result["repeats"]):
         print(f"repeat {i + 1}: cold {r['cold_s']:.3f} s, hit {r['hit_s']:.3f} s; linears "

@@ -5,7 +5,7 @@ requests and decode steps, paired within one process.
 
 Two engines on two copies of one preset's model (``--preset``, bfloat16, page 128, seeded alike, so the same
 weights): one with ``layer_kernels`` (the default), one without. The rotary embedding is replaced process-wide
-(``mmcache.engine.rotary``), so before each of its calls the ``torch`` side points the modeling module's
+(``mmcache.engine.compute.rotary``), so before each of its calls the ``torch`` side points the modeling module's
 function back at the original and the ``kernels`` side at the replacement.
 
 In each pair, each engine in turn (alternating which goes first) serves a fresh 2,048-token prompt cold, then
@@ -28,7 +28,7 @@ import time
 
 from mmcache.cli import positive_int, writable
 
-from .runner import write_json
+from .kernel_harness import order, paired, ratio, say_machine, write_json
 
 SIDES = ("kernels", "torch")
 KINDS = ("cold", "hit", "decode_step")
@@ -68,16 +68,18 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
             seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, rotary
+    from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.compute import rotary
 
     engines = {side: Engine.from_preset(preset, dtype="bfloat16",
-                                        config=EngineConfig(page_size=128, layer_kernels=side == "kernels"))
+                                        config=EngineConfig(page_size=128,
+                                                            compute=ComputeConfig(layer_kernels=side == "kernels")))
                for side in SIDES}
     decoder = engines["kernels"].adapter.decoder
     homes = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "head_dim")}
     home = next((h for h in homes if rotary.replacement(h) is not None), None)
-    if not engines["kernels"].adapter.num_native_norms:
-        return {"skipped": "the compiled layer kernels do not run here (see `mmcache.engine.native.status()`)"}
+    if not engines["kernels"].compute.num_native_norms:
+        return {"skipped": "the compiled layer kernels do not run here (see `mmcache.engine.compute.native.status()`)"}
     if home is None:
         why = "; ".join(rotary.skipped(decoder).values()) or "not installed"
         return {"skipped": f"the compiled rotary embedding does not run here: {why}"}
@@ -135,12 +137,12 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
         for side in SIDES:
             serve(side, tokens(256), "warm-up")
         for r in range(pairs):
-            order = SIDES if r % 2 == 0 else SIDES[::-1]
-            for side in order:
+            turn = order(SIDES, r)
+            for side in turn:
                 p = tokens(prompt_len)
                 times[side]["cold"].append(serve(side, p, "cold"))
                 times[side]["hit"].append(serve(side, p, "hit"))
-            steps = decode_steps(order)
+            steps = decode_steps(turn)
             for side in SIDES:
                 times[side]["decode_step"].append(statistics.median(steps[side]))
             step_ratios += [t / k for k, t in zip(steps["kernels"], steps["torch"])]
@@ -152,16 +154,13 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
            "decode_batch": {"requests": batch, "prompt_tokens": batch_prompt, "output_tokens": decode_tokens},
            "per_pair_s": times}
     for kind in KINDS:
-        k, t = times["kernels"][kind], times["torch"][kind]
-        out[kind] = {"kernels_s": statistics.median(k), "torch_s": statistics.median(t),
-                     "torch_over_kernels": statistics.median(b / a for a, b in zip(k, t))}
+        out[kind] = paired({side: t[kind] for side, t in times.items()}, "torch", "kernels")
     for kind in ("cold", "hit"):
         out[kind].update({f"{part}_{side}_s": statistics.median(t[side][kind])
                           for part, t in (("norms", norm_times), ("rotary", rotary_times)) for side in SIDES})
     out["decode_step"]["torch_over_kernels_by_step"] = statistics.median(step_ratios)
     out["decode_step"]["step_pairs"] = len(step_ratios)
-    out["same_vs_cold"] = {side: statistics.median(c / h for c, h in zip(t["cold"], t["hit"]))
-                           for side, t in times.items()}
+    out["same_vs_cold"] = {side: ratio(t["cold"], t["hit"]) for side, t in times.items()}
     return out
 
 
@@ -179,6 +178,7 @@ def main(argv=None) -> int:
         return 2
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prompt's forward)")
+    say_machine(p.prog)
     result = measure(args.pairs, args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.prompt_len)
     write_json(args.json, result)
     if "skipped" in result:

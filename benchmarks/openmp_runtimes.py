@@ -18,12 +18,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from mmcache.cli import positive_int, writable
 from mmcache.openmp import ENV_CHOICE, find_intel_openmp, loaded_runtime
 
-from .runner import write_json
+from .kernel_harness import order, timed, write_json
 
 
 FIGURES = ("cold_s", "hit_s", "itl_s")
@@ -42,9 +41,7 @@ def measure(args) -> dict:
         return [int(x) for x in rng.integers(10, 8000, n)]
 
     def call(p: list[int]) -> float:
-        t0 = time.perf_counter()
-        eng.generate([p], SamplingParams(max_tokens=1))
-        return time.perf_counter() - t0
+        return timed(eng.generate, [p], SamplingParams(max_tokens=1))
 
     call(prompt(args.prompt_len))
     cold, hit = [], []
@@ -75,9 +72,8 @@ def run(args) -> dict:
                   "--decodes", str(args.decodes)]
     pairs = []
     for i in range(args.pairs):
-        order = ("gnu", "intel") if i % 2 == 0 else ("intel", "gnu")
         pair = {}
-        for runtime in order:
+        for runtime in order(("gnu", "intel"), i):
             out = subprocess.run(child_args + ["--seed", str(args.seed + i)], env=child_env(runtime, lib),
                                  capture_output=True, text=True, check=True)
             pair[runtime] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -17,13 +17,11 @@ and whether the two sides' outputs are bit-identical.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 from mmcache.cli import positive_int, writable
 
-from .runner import write_json
+from .kernel_harness import order, paired, say_machine, timed, write_json
 
 REAL_UMT5_XXL_LAYER = dict(d_model=4096, d_kv=64, d_ff=10240, num_heads=64)  # wan/modules/t5.py umt5_xxl
 DTYPES = ("bfloat16", "float32")
@@ -60,19 +58,15 @@ def measure(layers: int, length: int, real: int, repeats: int, dtype: str, threa
                 return model(ids, attention_mask=mask).last_hidden_state
 
         identical = torch.equal(own(), served())  # also the warm-up of both sides, and the store's fill
-        times = {"own": [], "served": []}
+        sides = {"own": own, "served": served}
+        times = {side: [] for side in sides}
         for i in range(repeats):
-            for side in (("own", "served") if i % 2 == 0 else ("served", "own")):
-                fn = own if side == "own" else served
-                t0 = time.perf_counter()
-                fn()
-                times[side].append(time.perf_counter() - t0)
-        ratios = [s / o for o, s in zip(times["own"], times["served"])]
+            for side in order(tuple(sides), i):
+                times[side].append(timed(sides[side]))
         return {"layers": layers, "length": length, "real_tokens": real, "dtype": dtype, "threads": threads,
                 "shape": dict(shape, num_layers=layers), "repeats": repeats,
                 "bias_bytes_per_forward": biases.forward_bytes(length), "bit_identical": identical,
-                "own_s": statistics.median(times["own"]), "served_s": statistics.median(times["served"]),
-                "served_over_own": statistics.median(ratios), "per_forward_s": times,
+                **paired(times, "served", "own"), "per_forward_s": times,
                 "biases_computed": biases.computed, "biases_served": biases.served}
     finally:
         torch.set_num_threads(before)
@@ -92,6 +86,7 @@ def main(argv=None) -> int:
         return 2
     if args.real > args.length:
         p.error("--real cannot exceed --length")
+    say_machine(p.prog, kernels=False)
     r = measure(args.layers, args.length, args.real, args.repeats, args.dtype, args.threads)
     write_json(args.json, r)
     print(f"umT5-XXL x{r['layers']} layer(s), {r['dtype']}, {r['length']} tokens: own {1e3 * r['own_s']:.0f} ms, "

@@ -65,7 +65,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mmcache.engine import native
+from mmcache.engine.compute import native
 from mmcache.engine.models import DTYPES
 from mmcache.engine.presets import PRESETS
 from mmcache.errors import MmcacheError

@@ -21,13 +21,12 @@ faster).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 from mmcache.cli import positive_int, writable
 
-from .runner import write_json
+from .kernel_harness import order, paired, say_machine, timed, write_json
 
 SIDES = ("grouped", "separate")
 
@@ -36,13 +35,14 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
             seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, kernels
+    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.compute import kernels
 
     eng = Engine.from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
     attns = [m for m in eng.adapter.decoder.modules()
              if isinstance(getattr(m, "q_proj", None), kernels.PackedProjection)]
     if not attns:
-        return {"skipped": "the engine did not group this model's projections (see mmcache.engine.kernels)"}
+        return {"skipped": "the engine did not group this model's projections (see mmcache.engine.compute.kernels)"}
     sides = {"grouped": [tuple(getattr(a, n) for n in kernels.PROJECTIONS) for a in attns]}
     sides["separate"] = [tuple(kernels.PackedLinear(m) for m in group) for group in sides["grouped"]]
 
@@ -77,19 +77,15 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
         prompt = fresh(prompt_len)
         use("grouped")
         eng.generate([Request(prompt, one)])
-        for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
+        for side in order(SIDES, i):
             use(side)
-            t0 = time.perf_counter()
-            eng.generate([Request(prompt, one)])
-            hit_times[side].append(time.perf_counter() - t0)
+            hit_times[side].append(timed(eng.generate, [Request(prompt, one)]))
     use("grouped")
     pairs = min(len(steps["grouped"]), len(steps["separate"]))
     out = {"preset": preset, "backend": eng.backend, "attention_modules": len(attns),
            "per_step_s": steps, "per_hit_s": hit_times}
     for kind, times, n in (("decode_step", steps, pairs), ("hit", hit_times, hits)):
-        g, s = times["grouped"][:n], times["separate"][:n]
-        out[kind] = {"grouped_s": statistics.median(g), "separate_s": statistics.median(s), "pairs": n,
-                     "separate_over_grouped": statistics.median(b / a for a, b in zip(g, s))}
+        out[kind] = {**paired({side: t[:n] for side, t in times.items()}, "separate", "grouped"), "pairs": n}
     return out
 
 
@@ -107,6 +103,7 @@ def main(argv=None) -> int:
         return 2
     if args.decode_tokens < 3:
         p.error("--decode-tokens must be at least 3 (two decode steps make one pair)")
+    say_machine(p.prog)
     result = measure(args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.hits, args.prompt_len)
     write_json(args.json, result)
     if "skipped" in result:

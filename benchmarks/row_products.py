@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from mmcache.cli import positive_int, positive_ints, writable
 
-from .runner import write_json
+from .kernel_harness import order, paired, say_machine, timed, write_json
+
+SIDES = ("onednn", "kernel")
 
 
 def _products(preset: str, dtype: torch.dtype) -> tuple[dict, int]:
@@ -61,16 +62,9 @@ def _products(preset: str, dtype: torch.dtype) -> tuple[dict, int]:
     return weights, len(model.model.layers)
 
 
-def _timed(fn, x, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn(x)
-    return (time.perf_counter() - t0) / calls
-
-
 def measure_products(preset: str, dtype: torch.dtype, rows: list[int], rounds: int, calls: int,
                      seed: int = 0) -> dict:
-    from mmcache.engine import kernels, native
+    from mmcache.engine.compute import kernels, native
 
     lib = native.library()
     if lib is None:
@@ -89,17 +83,15 @@ def measure_products(preset: str, dtype: torch.dtype, rows: list[int], rounds: i
                 fn(x)
             times = {side: [] for side in sides}
             for r in range(rounds):
-                for side in (("onednn", "kernel") if r % 2 == 0 else ("kernel", "onednn")):
-                    times[side].append(_timed(sides[side], x, calls))
+                for side in order(SIDES, r):
+                    times[side].append(timed(sides[side], x, calls=calls))
             per_shape[name] = times
         count = {"qkv": 1, "o": 1, "gate": 2, "down": 1}
         per_shape["layer"] = {side: [sum(c * per_shape[s][side][r] for s, c in count.items())
                                      for r in range(rounds)] for side in ("onednn", "kernel")}
         per_shape["step"] = {side: [layers * per_shape["layer"][side][r] + per_shape["head"][side][r]
                                     for r in range(rounds)] for side in ("onednn", "kernel")}
-        out[str(n)] = {name: {"onednn_s": statistics.median(t["onednn"]), "kernel_s": statistics.median(t["kernel"]),
-                              "onednn_over_kernel": statistics.median(a / b for a, b in zip(t["onednn"], t["kernel"]))}
-                       for name, t in per_shape.items()}
+        out[str(n)] = {name: paired(t, "onednn", "kernel") for name, t in per_shape.items()}
     return {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
             "widened": kernels.widened(dtype), "library": native.status(), "rounds": rounds, "calls": calls,
             "rows": out}
@@ -111,7 +103,7 @@ def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int,
     once, more than a last-level cache holds at the benchmark's size, as a decode step or a short prefill does.
     Per row count: the median over ``rounds`` (alternating which side goes first) of each side's sweep and of
     oneDNN's over the kernel's."""
-    from mmcache.engine import kernels, native
+    from mmcache.engine.compute import kernels, native
     from mmcache.engine.models import build_model
 
     lib = native.library()
@@ -134,20 +126,16 @@ def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int,
         xs = {k: torch.randn(n, k, generator=gen).to(dtype) for k in {w.shape[1] for w, _ in weights}}
 
         def sweep(side, xs=xs):
-            t0 = time.perf_counter()
             for (w, _), fn in zip(weights, sides[side]):
                 fn(xs[w.shape[1]])
-            return time.perf_counter() - t0
 
         sweep("onednn"), sweep("kernel")  # first calls not timed
         times = {"onednn": [], "kernel": []}
         for r in range(rounds):
-            for side in (("onednn", "kernel") if r % 2 == 0 else ("kernel", "onednn")):
-                times[side].append(sweep(side))
+            for side in order(SIDES, r):
+                times[side].append(timed(sweep, side))
         on_kernel = sides["kernel"][0].on_rows(xs[weights[0][0].shape[1]])
-        out[str(n)] = {"onednn_s": statistics.median(times["onednn"]), "kernel_s": statistics.median(times["kernel"]),
-                       "onednn_over_kernel": statistics.median(a / b for a, b in zip(times["onednn"], times["kernel"])),
-                       "on_kernel": bool(on_kernel)}
+        out[str(n)] = {**paired(times, "onednn", "kernel"), "on_kernel": bool(on_kernel)}
     return {"kernel": kind, "weight_bytes": sum(w.numel() * w.element_size() for w, _ in weights),
             "rounds": rounds, "rows": out}
 
@@ -156,14 +144,15 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
                    seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
     from mmcache.engine.models import build_model
 
     engines = {}
     for side, on in (("off", False), ("on", True)):
         model, tok = build_model(preset, str(dtype).removeprefix("torch."))
-        engines[side] = Engine(model, tok, EngineConfig(page_size=128, row_products=on, max_num_seqs=batch))
-    if not engines["on"].adapter.num_row_product_linears:
+        engines[side] = Engine(model, tok, EngineConfig(page_size=128, max_num_seqs=batch,
+                                                        compute=ComputeConfig(row_products=on)))
+    if not engines["on"].compute.num_row_product_linears:
         raise SystemExit("the engine uses no compiled kernel for few rows here (only on the compiled library's AVX2 "
                          "build, native.row_products, and for bfloat16 on the AMX tile unit or with AVX-512 BF16, "
                          "native.product_way); run with --no-decode to time the products alone")
@@ -173,15 +162,14 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
     itl = {side: [] for side in engines}
     for i in range(pairs):
         prompts = [rng.integers(2, vocab, size=prompt_len).tolist() for _ in range(batch)]
-        for side in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        for side in order(("off", "on"), i):
             outs = engines[side].generate([Request(p, params) for p in prompts])
             gaps = [b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:])]
             itl[side].append(statistics.median(gaps))
     return {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "pairs": pairs, "batch": batch,
             "tokens": tokens, "prompt_len": prompt_len,
             "on_backend": engines["on"].backend, "off_backend": engines["off"].backend, "itl_p50_s": itl,
-            "off_s": statistics.median(itl["off"]), "on_s": statistics.median(itl["on"]),
-            "off_over_on": statistics.median(a / b for a, b in zip(itl["off"], itl["on"]))}
+            **paired(itl, "off", "on")}
 
 
 def main(argv=None) -> int:
@@ -201,6 +189,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not writable(args.json, p.prog):
         return 2
+    say_machine(p.prog)
     rows = args.rows
     dtype = getattr(torch, args.dtype)
     result = {"products": measure_products(args.preset, dtype, rows, args.rounds, args.calls)}

@@ -54,7 +54,7 @@ def _with_options_before_name(parser: argparse.ArgumentParser, opts, before, nam
 def main(args) -> int:
     import torch  # noqa: F401  (loads torch's OpenMP library, so the line below can name it)
 
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
     print(f"[mmcache] decode attention: {native.status()} (MMCACHE_NATIVE, see README)", file=sys.stderr)

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from mmcache.cli import positive_int, positive_ints, writable
 
-from .runner import write_json
+from .kernel_harness import order, paired, ratio, say_machine, timed, write_json
 
 
 def _layer_products(preset: str) -> dict:
@@ -51,15 +50,8 @@ def _layer_products(preset: str) -> dict:
     return weights
 
 
-def _timed(fn, x, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn(x)
-    return (time.perf_counter() - t0) / calls
-
-
 def measure_products(preset: str, rows: list[int], rounds: int, calls: int, seed: int = 0) -> dict:
-    from mmcache.engine import kernels
+    from mmcache.engine.compute import kernels
 
     weights = _layer_products(preset)
     native = not kernels.widened(torch.bfloat16)
@@ -76,18 +68,16 @@ def measure_products(preset: str, rows: list[int], rounds: int, calls: int, seed
             for fn in sides.values():  # first calls (allocations, oneDNN's kernel choice) not timed
                 fn(x)
             times = {side: [] for side in sides}
-            order = list(sides)
             for r in range(rounds):
-                for side in order[r % len(order):] + order[:r % len(order)]:
-                    times[side].append(_timed(sides[side], x, calls))
+                for side in order(list(sides), r):
+                    times[side].append(timed(sides[side], x, calls=calls))
             per_shape[name] = times
         summary = {}
         for name, times in [*per_shape.items(), ("layer", _layer_sum(per_shape, rounds))]:
             summary[name] = {f"{side}_s": statistics.median(t) for side, t in times.items()}
             for side, t in times.items():
                 if side != "widened":
-                    summary[name][f"{side}_over_widened"] = statistics.median(
-                        a / b for a, b in zip(t, times["widened"]))
+                    summary[name][f"{side}_over_widened"] = ratio(t, times["widened"])
         out[str(n)] = summary
     return {"preset": preset, "oneDNN_packs_bfloat16": native, "rounds": rounds, "calls": calls, "rows": out}
 
@@ -102,30 +92,26 @@ def _layer_sum(per_shape: dict, rounds: int) -> dict:
 def measure_requests(preset: str, pairs: int, prompt_len: int, seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, kernels
+    from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine.compute import kernels
     from mmcache.engine.models import build_model
 
     engines = {}
     for side, packed in (("plain", False), ("packed", True)):
         model, tok = build_model(preset, "bfloat16")
-        engines[side] = Engine(model, tok, EngineConfig(page_size=128, packed_linears=packed))
+        engines[side] = Engine(model, tok, EngineConfig(page_size=128, compute=ComputeConfig(packed_linears=packed)))
     rng = np.random.default_rng(seed)
     vocab = engines["plain"].adapter.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times = {side: [] for side in engines}
     for i in range(pairs):
         prompt = rng.integers(2, vocab, size=prompt_len).tolist()
-        order = ("plain", "packed") if i % 2 == 0 else ("packed", "plain")
-        for side in order:
-            t0 = time.perf_counter()
-            engines[side].generate([Request(prompt, one)])
-            times[side].append(time.perf_counter() - t0)
+        for side in order(("plain", "packed"), i):
+            times[side].append(timed(engines[side].generate, [Request(prompt, one)]))
     return {"preset": preset, "prompt_len": prompt_len, "pairs": pairs,
             "widened": kernels.widened(torch.bfloat16),
             "packed_backend": engines["packed"].backend, "plain_backend": engines["plain"].backend,
-            "per_request_s": times,
-            "plain_s": statistics.median(times["plain"]), "packed_s": statistics.median(times["packed"]),
-            "plain_over_packed": statistics.median(a / b for a, b in zip(times["plain"], times["packed"]))}
+            "per_request_s": times, **paired(times, "plain", "packed")}
 
 
 def main(argv=None) -> int:
@@ -142,6 +128,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not writable(args.json, p.prog):
         return 2
+    say_machine(p.prog)
     rows = args.rows
     result = {"products": measure_products(args.preset, rows, args.rounds, args.calls)}
     if not args.no_requests:

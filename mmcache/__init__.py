@@ -6,7 +6,8 @@ The core (this package's top-level modules) is engine-agnostic and depends on to
 * ``pool``      page pool with owner counts (and the KV tensor, when one is wanted)
 * ``index``     prefix index verified by token ids, extras and parent
 * ``eviction``  cold-tail release on shortfall
-* ``manager``   the allocation manager: seeding, allocation, storing, suspension, windowing, shadow mode
+* ``manager``   the allocation manager: seeding, allocation, storing, suspension, windowing
+* ``shadow``    shadow mode: a manager in mode off and a metadata-only mirror that counts would-be hits
 * ``store``     the encoder-output store
 
 ``mmcache.engine`` is the reference host engine; ``encoders`` (a sibling package) holds model adapters.
@@ -23,6 +24,7 @@ _LAZY = {
     **dict.fromkeys(["AdmitResult", "AllocationManager", "CacheConfig", "PreparedPrompt", "RequestView",
                      "ResumeResult"], "manager"),
     "CacheMetrics": "metrics",
+    **dict.fromkeys(["ShadowedManager", "make_manager"], "shadow"),
     **dict.fromkeys(["Fingerprint", "MediaItem", "Namer", "as_token_array", "canonical_encoding", "media_digest"],
                     "names"),
     **dict.fromkeys(["KVSpec", "PagePool"], "pool"),
@@ -47,7 +49,7 @@ __all__ = [
     "AdmitResult", "AllocationFailed", "AllocationManager", "CacheConfig", "CacheMetrics", "DuplicateRequest",
     "EncoderOutputStore", "Fingerprint", "InvalidRequest", "KVSpec", "Lease", "MediaDecodeError", "MediaItem",
     "MmcacheError", "Namer", "OutputSpec", "PagePool", "PreparedPrompt", "RequestStateError", "RequestView",
-    "ResumeResult", "StoreEntryRejected", "StoreMetrics", "TraceFormatError", "UnknownRequest", "as_token_array",
-    "canonical_encoding", "media_digest", "store_key",
+    "ResumeResult", "ShadowedManager", "StoreEntryRejected", "StoreMetrics", "TraceFormatError", "UnknownRequest",
+    "as_token_array", "canonical_encoding", "make_manager", "media_digest", "store_key",
 ]
 __version__ = "0.1.0"

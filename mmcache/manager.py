@@ -26,30 +26,26 @@ Invariants (``check_invariants``):
   holds for windowed labels too: a page ``release_oldest`` gave back to the index while the request keeps
   later pages of its chain is reclaimed by detaching those later pages from the index (``eviction``).
 
-Modes: ``on`` (seed and store), ``off`` (today's behaviour: every page freed at teardown, no names), and
-``shadow``: pages behave as ``off`` while a metadata-only ``on`` manager (``self.shadow``) mirrors every call
-and counts what would have matched; replay uses that same class directly. A call is queued for the mirror
-under this manager's lock, in the order the calls took effect, and applied after the lock is released, one
-thread at a time (``_mirror_turn``), so the mirror never lengthens a live call's hold of the lock and calls
-for one request still reach the shadow in the order they took effect, whichever threads made them.
+Modes: ``on`` (seed and store) and ``off`` (every page freed at teardown, no names). Mode ``shadow`` is not
+this class's: ``shadow.make_manager`` builds a ``ShadowedManager`` (a manager in mode ``off`` and its
+metadata-only mirror) for it.
 
 Reuse gates: mode ``on`` runs as ``off`` (``reuse_off`` says why) where reuse could change outputs before the
 gate that covers it exists: a tensor-parallel fingerprint (``tp_size > 1``: ranks must agree on a matched
-length first) or a KV dtype outside ``REUSE_KV_DTYPES`` (the RFC's dtype scoping). A shadow's mirror shares no
-page, so it still counts what reuse would give.
+length first) or a KV dtype outside ``REUSE_KV_DTYPES`` (the RFC's dtype scoping). A manager built with
+``reuse_gates=False`` holds no KV a forward reads (a measurement, such as a shadow's mirror), so the gates do not
+apply to it and it counts what reuse would give.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, MmcacheError, RequestStateError,
-                     UnknownRequest)
+from .errors import AllocationFailed, DuplicateRequest, InvalidRequest, RequestStateError, UnknownRequest
 from .checks import positive_int
 from .eviction import evict
 from .index import PrefixIndex
@@ -122,26 +118,74 @@ class RequestView:
     suspended: bool
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    """What one admission's lookup added to the metrics, so that a requeued abort can take exactly that back."""
+
+    tokens: int  # prompt tokens looked up
+    cap_pages: int  # pages that could have matched (``match_cap``)
+    hit_pages: int
+    forfeit_pages: int  # pages after the hit that a live request held but had not published
+    readmission: bool
+
+
+@dataclass(frozen=True)
+class _NamesAhead:
+    """Names a commit computed outside the lock, with the request's state they were computed from, which
+    ``_ahead_holds`` compares under the lock."""
+
+    start: int  # the request's seq_len
+    named: int  # how many pages had names
+    last: int | None  # the last of those names
+    written: np.ndarray  # ids written after the named pages, before ``start``
+    names: list  # names of the pages the commit completes, after the ``named`` ones
+
+
+@dataclass
+class _Window:
+    """A windowed label's state: its protected prefix (never released, the only part its teardown stores) and
+    the page positions ``release_oldest`` gave back."""
+
+    protected_tokens: int = 0
+    released: set = field(default_factory=set)
+
+    def storable_pages(self, full: int, page_size: int) -> int:
+        """Of ``full`` leading full pages, those a teardown may store: up to the protected prefix's end and the
+        first released page."""
+        full = min(full, self.protected_tokens // page_size)
+        return min(full, min(self.released)) if self.released else full
+
+
 @dataclass
 class _Request:
+    """One live request. ``names`` covers its leading full pages; of those, the first ``len(chain)`` are held
+    from the index, and the written ones after them, unless released, are listed in flight (``registered``)."""
+
+    # the prompt and what its names are rooted in
     request_id: object
     prompt: np.ndarray
     extras: dict
     root: int
     root_parent: int
     names: list  # names of the leading full pages (Python ints), extended as pages fill
+    # its allocation (``RequestView``)
     pages: list = field(default_factory=list)  # page_indices; -1 where a windowed label released a page
     seq_len: int = 0
     position_id_start: int = 0
     matched_tokens: int = 0
+    # what it shares with the index
     chain: list = field(default_factory=list)  # index pages this request holds for its leading pages
     publish_blocked: bool = False  # an equal entry appeared while running: publishing waits for teardown
     registered: dict = field(default_factory=dict)  # page position -> name, listed in the in-flight table
-    protected_tokens: int | None = None  # set by protect_prefix: the label is windowed
-    released: set = field(default_factory=set)  # page positions released by release_oldest
+    # windowing, suspension, accounting
+    window: _Window | None = None  # set by protect_prefix or the first release_oldest: the label is windowed
     suspended_ids: np.ndarray | None = None  # written ids while suspended
-    lookup: tuple = (0, 0, 0, 0, False)  # what admission added to the metrics: (cap pages, hit pages, forfeit pages,
-    #                                     recorded, readmission)
+    lookup: _Lookup | None = None  # what its admission added to the metrics (None: nothing, or taken back)
+
+    @property
+    def released_any(self) -> bool:
+        """Whether ``release_oldest`` gave back a page (only such a request can strand index pages)."""
+        return self.window is not None and bool(self.window.released)
 
     @property
     def chain_parent(self) -> int:
@@ -149,10 +193,13 @@ class _Request:
 
 
 class AllocationManager:
-    """Seeding, allocation, storing and release for one pool, under one lock. See the module docstring."""
+    """Seeding, allocation, storing and release for one pool, under one lock. See the module docstring.
+
+    ``reuse_gates=False`` is for a manager whose pages no forward reads (a measurement): mode ``on`` then
+    seeds and stores whatever the fingerprint (see the reuse gates above)."""
 
     def __init__(self, config: CacheConfig, fingerprint: Fingerprint, kv_spec: KVSpec | None = None,
-                 hash_fn: HashFn | None = None):
+                 hash_fn: HashFn | None = None, *, reuse_gates: bool = True):
         if not isinstance(config, CacheConfig) or not isinstance(fingerprint, Fingerprint):
             raise InvalidRequest(f"AllocationManager needs a CacheConfig and a Fingerprint, got "
                                  f"{type(config).__name__} and {type(fingerprint).__name__}")
@@ -161,9 +208,11 @@ class AllocationManager:
         if fingerprint.page_size != config.page_size:
             raise InvalidRequest(
                 f"fingerprint page_size {fingerprint.page_size} differs from config {config.page_size}")
+        if config.mode == "shadow":
+            raise InvalidRequest("mode 'shadow' wraps two managers: build it with mmcache.shadow.make_manager")
         self.config = config
         #: Why mode ``on`` runs as ``off`` here (see the module docstring's reuse gates), or None.
-        self.reuse_off = reuse_blocker(fingerprint, kv_spec) if config.mode == "on" and self._gated else None
+        self.reuse_off = reuse_blocker(fingerprint, kv_spec) if config.mode == "on" and reuse_gates else None
         self.mode = "off" if self.reuse_off else config.mode
         self.page_size = config.page_size
         self.namer = Namer(fingerprint, hash_fn)
@@ -175,15 +224,6 @@ class AllocationManager:
         self._requests: dict[object, _Request] = {}
         self._inflight: dict[int, int] = {}  # page name -> live requests holding it full and unpublished
         self._windowed = 0  # live requests with released pages: only they can strand index pages (eviction)
-        self.shadow: AllocationManager | None = None
-        self._shadow_dropped: set = set()
-        self._mirror_queue: deque = deque()  # (request id, call, ending), in the order the calls took effect
-        self._mirror_turn = threading.Lock()  # held by the one thread applying queued calls to the shadow
-        self.shadow_failures = 0
-        if config.mode == "shadow":
-            self.shadow = _Mirror(replace(config, mode="on"), fingerprint, None, hash_fn)
-
-    _gated = True  # whether the reuse gates apply (see _Mirror)
 
     # ---- queries -----------------------------------------------------------------------------------
     def __contains__(self, request_id) -> bool:
@@ -206,6 +246,14 @@ class AllocationManager:
         with self._lock:
             req = _lookup(self._requests, request_id)
             return 0 if req is None else len(req.pages)
+
+    def seq_len(self, request_id) -> int:
+        """Tokens whose KV the request has written (``UnknownRequest`` for one this manager does not know)."""
+        with self._lock:
+            req = _lookup(self._requests, request_id)
+            if req is None:
+                raise UnknownRequest(request_id, "seq_len")
+            return req.seq_len
 
     def page_table(self, request_id) -> np.ndarray:
         """The request's page indices (a copy), for building a forward's slot mapping."""
@@ -286,7 +334,7 @@ class AllocationManager:
             raise InvalidRequest(f"readmission must be a bool, got {readmission!r}", request_id)
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, media, salt, request_id)
-        elif self.mode != "off" and len(prompt.names) != len(prompt.ids) // self.page_size:
+        elif self.mode == "on" and len(prompt.names) != len(prompt.ids) // self.page_size:
             raise InvalidRequest("prepared prompt was named for another page size or mode", request_id)
         with self._lock:
             if request_id in self._requests:
@@ -299,8 +347,6 @@ class AllocationManager:
             if len(self.index.roots) > self._roots_limit:  # amortised: the limit doubles past what is in use
                 self.index.forget_roots({r.root_parent for r in self._requests.values()})
                 self._roots_limit = max(ROOTS_KEPT, 2 * len(self.index.roots))
-            self._mirror(request_id, lambda s: s.admit(request_id, prompt, whole=whole, readmission=readmission))
-        self._drain_mirror()
         return result
 
     def _seed(self, req: _Request, names: np.ndarray, whole: bool, readmission: bool) -> AdmitResult:
@@ -317,22 +363,27 @@ class AllocationManager:
             req.pages = pages.tolist()
             req.chain = pages.tolist()
             req.seq_len = req.matched_tokens = k * p
-        m = self.metrics
-        m.lookups += 1
-        m.lookup_pages += cap
-        m.lookup_tokens += len(req.prompt)
-        m.hit_pages += k
-        m.hit_tokens += k * p
-        m.forfeit_pages += forfeit
-        m.forfeit_tokens += forfeit * p
-        if readmission:
-            m.readmissions += 1
-            m.readmission_lookup_tokens += len(req.prompt)
-            m.readmission_hit_tokens += k * p
-        else:
-            m.record_match(req.request_id, k * p)
-        req.lookup = (cap, k, forfeit, True, readmission)
+        req.lookup = _Lookup(len(req.prompt), cap, k, forfeit, readmission)
+        self._count_lookup(req.lookup, 1)
+        if not readmission:
+            self.metrics.record_match(req.request_id, k * p)
         return AdmitResult(k * p, k, forfeit * p)
+
+    def _count_lookup(self, look: _Lookup, sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) one admission's lookup in the counters; the per-request record of a
+        first admission is kept apart (``_seed``, ``_uncount_lookup``)."""
+        p, m = self.page_size, self.metrics
+        m.lookups += sign
+        m.lookup_pages += sign * look.cap_pages
+        m.lookup_tokens += sign * look.tokens
+        m.hit_pages += sign * look.hit_pages
+        m.hit_tokens += sign * look.hit_pages * p
+        m.forfeit_pages += sign * look.forfeit_pages
+        m.forfeit_tokens += sign * look.forfeit_pages * p
+        if look.readmission:
+            m.readmissions += sign
+            m.readmission_lookup_tokens += sign * look.tokens
+            m.readmission_hit_tokens += sign * look.hit_pages * p
 
     # ---- allocation --------------------------------------------------------------------------------
     def reserve(self, request_id, num_tokens: int) -> np.ndarray:
@@ -351,9 +402,6 @@ class AllocationManager:
                 self._ensure_free(request_id, need)
                 req.pages.extend(self.pool.take(need).tolist())
             held = req.pages[:]  # a list copy here; the array (per page of the context) after the lock
-            end = req.seq_len + num_tokens
-            self._mirror(request_id, lambda s: s.reserve(request_id, max(0, end - s._requests[request_id].seq_len)))
-        self._drain_mirror()
         return np.asarray(held, dtype=np.int32)
 
     def _ensure_free(self, request_id, need: int) -> None:
@@ -399,28 +447,21 @@ class AllocationManager:
                 pos = np.arange(start, end)
                 self.pool.ids[rows[pos // p - first], pos % p] = ids
                 if self.mode == "on" and ahead is not None and self._ahead_holds(req, ahead):
-                    req.names.extend(ahead[-1])
+                    req.names.extend(ahead.names)
                 req.seq_len = end
                 if self.mode == "on":
                     self._on_pages_filled(req, first)
 
-            def mirror(s: AllocationManager):
-                mirrored = s._requests[request_id].seq_len
-                if end > mirrored:
-                    s.commit(request_id, ids[max(0, mirrored - start):])
-            self._mirror(request_id, mirror)
-        self._drain_mirror()
-
-    def _name_ahead(self, request_id, ids: np.ndarray) -> tuple | None:
+    def _name_ahead(self, request_id, ids: np.ndarray) -> _NamesAhead | None:
         """Outside the lock: names of the pages a commit of ``ids`` would complete beyond those named, with
-        what they were computed from: ``(seq_len, pages named, last name, written ids they cover, names)``.
-        None when there is nothing to name or the request is windowed (its names stop at what it may store).
+        what they were computed from. None when there is nothing to name or the request is windowed (its names
+        stop at what it may store).
 
         It reads the request's state without the lock; ``_ahead_holds`` checks that state under the lock."""
         if self.mode != "on":
             return None
         req = _lookup(self._requests, request_id)
-        if req is None or req.protected_tokens is not None or req.suspended_ids is not None:
+        if req is None or req.window is not None or req.suspended_ids is not None:
             return None
         p = self.page_size
         start, have = req.seq_len, len(req.names)
@@ -432,7 +473,7 @@ class AllocationManager:
         span = np.concatenate([written, ids[max(0, have * p - start):full * p - start]])
         if len(span) != (full - have) * p:
             return None  # the state moved under us; the lock's path names these pages
-        return start, have, last, written, self._chain_names(req, have, span, last).tolist()
+        return _NamesAhead(start, have, last, written, self._chain_names(req, have, span, last).tolist())
 
     def _written_unnamed(self, req: _Request, start: int, have: int) -> np.ndarray:
         """The ids written at positions ``have * page_size .. start`` (pages written but not yet named)."""
@@ -442,13 +483,13 @@ class AllocationManager:
         rows = np.asarray(req.pages[have:-(-start // p)], dtype=np.int32)
         return self.pool.ids[rows].reshape(-1)[:start - have * p].copy()
 
-    def _ahead_holds(self, req: _Request, ahead: tuple) -> bool:
+    def _ahead_holds(self, req: _Request, ahead: _NamesAhead) -> bool:
         """Under the lock: whether names from ``_name_ahead`` still extend ``req.names`` (same position, same
         last name, same written ids); the commit's own ids were checked against the same start."""
-        start, have, last, written, _ = ahead
-        return (req.seq_len == start and len(req.names) == have and req.protected_tokens is None
-                and (have == 0 or req.names[have - 1] == last)
-                and np.array_equal(self._written_unnamed(req, start, have), written))
+        have = ahead.named
+        return (req.seq_len == ahead.start and len(req.names) == have and req.window is None
+                and (have == 0 or req.names[have - 1] == ahead.last)
+                and np.array_equal(self._written_unnamed(req, ahead.start, have), ahead.written))
 
     def _chain_names(self, req: _Request, first: int, ids: np.ndarray, last: int | None) -> np.ndarray:
         """Names of the pages ``first ..`` whose ids ``ids`` holds, chained on ``last`` (the name of page
@@ -460,7 +501,7 @@ class AllocationManager:
     def _on_pages_filled(self, req: _Request, first: int) -> None:
         """After a commit that started in page ``first``: name, list in flight and (at prefill) publish the
         pages it completed. Earlier pages were handled by earlier commits, so the work is per page completed."""
-        full = self._storable_pages(req) if req.protected_tokens is not None else req.seq_len // self.page_size
+        full = self._storable_pages(req)
         self._name_pages(req, full)
         self._register(req, max(first, len(req.chain)), full)
         if self.config.store_at == "prefill" and not req.publish_blocked:
@@ -469,18 +510,14 @@ class AllocationManager:
     def _register(self, req: _Request, lo: int, hi: int) -> None:
         """List the full pages ``lo .. hi`` (unpublished, not released) in the in-flight table."""
         for i in range(lo, hi):
-            if i not in req.registered and i not in req.released:
+            if i not in req.registered and not (req.window and i in req.window.released):
                 name = req.registered[i] = req.names[i]
                 self._inflight[name] = self._inflight.get(name, 0) + 1
 
     def _storable_pages(self, req: _Request) -> int:
         """Leading full pages a teardown may store: up to the first released page and the protected prefix."""
         full = req.seq_len // self.page_size
-        if req.protected_tokens is not None:
-            full = min(full, req.protected_tokens // self.page_size)
-        if req.released:
-            full = min(full, min(req.released))
-        return full
+        return full if req.window is None else req.window.storable_pages(full, self.page_size)
 
     def _name_pages(self, req: _Request, upto: int) -> None:
         """Extend ``req.names`` over written full pages up to ``upto``; generated pages chain on. Under the
@@ -556,8 +593,6 @@ class AllocationManager:
                 self.index.touch(np.asarray(run, dtype=np.int32))
             self._release(req, exclude=set(transferred))
             stored = self.metrics.stored_pages - before
-            self._mirror(request_id, lambda s: s.teardown(request_id), ending=True)
-        self._drain_mirror()
         return stored
 
     def abort(self, request_id, requeue: bool = False) -> None:
@@ -575,30 +610,17 @@ class AllocationManager:
                 self._uncount_lookup(req)
             self.index.touch(np.asarray(req.chain, dtype=np.int32))
             self._release(req)
-            self._mirror(request_id, lambda s: s.abort(request_id, requeue), ending=True)
-        self._drain_mirror()
 
     def _uncount_lookup(self, req: _Request) -> None:
-        cap, k, forfeit, recorded, readmission = req.lookup
-        if not recorded:
+        look, req.lookup = req.lookup, None
+        if look is None:
             return
-        p, m = self.page_size, self.metrics
-        m.lookups -= 1
-        m.lookup_pages -= cap
-        m.lookup_tokens -= len(req.prompt)
-        m.hit_pages -= k
-        m.hit_tokens -= k * p
-        m.forfeit_pages -= forfeit
-        m.forfeit_tokens -= forfeit * p
-        req.lookup = (0, 0, 0, False, False)
-        if readmission:  # listed once, at the first admission: that record stays
-            m.readmissions -= 1
-            m.readmission_lookup_tokens -= len(req.prompt)
-            m.readmission_hit_tokens -= k * p
+        self._count_lookup(look, -1)
+        if look.readmission:  # listed once, at the first admission: that record stays
             return
         # Newest first: the record of a request being requeued was appended at its admission, moments ago, so
         # the scan stops after the few requests admitted since (not across up to 100k older records).
-        records = m.per_request_matched
+        records = self.metrics.per_request_matched
         for back, (rid, _) in enumerate(reversed(records)):
             if rid == req.request_id:
                 del records[len(records) - 1 - back]
@@ -608,7 +630,7 @@ class AllocationManager:
         req = _lookup(self._requests, request_id)
         if req is None:
             raise UnknownRequest(request_id, op)
-        if req.released:
+        if req.released_any:
             self._windowed -= 1
         return self._requests.pop(request_id)
 
@@ -630,7 +652,7 @@ class AllocationManager:
             raise InvalidRequest(f"offload must be a callable or None, got {type(offload).__name__}", request_id)
         with self._lock:
             req = self._live(request_id, "suspend")
-            if req.released:
+            if req.released_any:
                 raise RequestStateError("a windowed request with released pages cannot be suspended", request_id)
             p = self.page_size
             written_pages = -(-req.seq_len // p)
@@ -642,8 +664,6 @@ class AllocationManager:
             req.suspended_ids = ids
             req.seq_len = 0
             req.publish_blocked = False
-            self._mirror(request_id, lambda s: s.suspend(request_id))
-        self._drain_mirror()
         return ids
 
     def resume(self, request_id) -> ResumeResult:
@@ -669,8 +689,6 @@ class AllocationManager:
             req.seq_len = k * self.page_size
             req.suspended_ids = None
             pending = ids[req.seq_len:].copy()
-            self._mirror(request_id, lambda s: s.resume(request_id))
-        self._drain_mirror()
         return ResumeResult(req.seq_len, pending)
 
     # ---- windowed labels ---------------------------------------------------------------------------
@@ -684,13 +702,13 @@ class AllocationManager:
                     or not 0 <= num_tokens <= limit:
                 raise InvalidRequest(f"protected prefix must be an int in [0, {limit}], got {num_tokens!r}",
                                      request_id)
-            req.protected_tokens = int(num_tokens)
+            if req.window is None:
+                req.window = _Window()
+            req.window.protected_tokens = int(num_tokens)
             if self.mode == "on":  # pages a raised bound makes storable are in flight from now on
                 full = self._storable_pages(req)
                 self._name_pages(req, full)
                 self._register(req, len(req.chain), full)
-            self._mirror(request_id, lambda s: s.protect_prefix(request_id, num_tokens))
-        self._drain_mirror()
 
     def release_oldest(self, request_id, num_pages: int) -> np.ndarray:
         """Release the ``num_pages`` oldest full pages after the protected prefix, through the counted free
@@ -703,16 +721,16 @@ class AllocationManager:
         with self._lock:
             req = self._live(request_id, "release_oldest")
             p = self.page_size
-            first = -(-(req.protected_tokens or 0) // p)
+            first = -(-(req.window.protected_tokens if req.window else 0) // p)
             candidates = [i for i in range(first, req.seq_len // p) if req.pages[i] >= 0]
             if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
                     or not 0 <= num_pages <= len(candidates):
                 raise InvalidRequest(f"can release 0..{len(candidates)} pages, asked {num_pages!r}", request_id)
             if num_pages == 0:
                 return np.empty(0, dtype=np.int32)
-            if req.protected_tokens is None:
-                req.protected_tokens = 0
-            if not req.released:
+            if req.window is None:
+                req.window = _Window()
+            if not req.window.released:
                 self._windowed += 1
             out = []
             for i in candidates[:num_pages]:
@@ -720,27 +738,21 @@ class AllocationManager:
                     self._inflight_drop(req.registered.pop(i))
                 out.append(req.pages[i])
                 req.pages[i] = -1
-                req.released.add(i)
+                req.window.released.add(i)
             released = np.asarray(out, dtype=np.int32)
             self.pool.decref(released)
             # The chain holds only pages the request holds: it ends before the first released position.
-            del req.chain[min(req.released):]
-            self._mirror(request_id, lambda s: s.release_oldest(request_id, num_pages))
-        self._drain_mirror()
+            del req.chain[min(req.window.released):]
         return released
 
     def clear_cache(self) -> int:
         """Evict every cached page no request holds (cold tails, as on shortfall; pages a windowed request
-        still holds leave the index if that is what reaches one it released). Returns the pages freed, the
-        shadow manager's included."""
+        still holds leave the index if that is what reaches one it released). Returns the pages freed."""
         with self._lock:
             freed, batches = (evict(self.index, self.pool, self.pool.num_pages, detach=self._windowed > 0)
                               if self.mode == "on" else (0, 0))
             self.metrics.evicted_pages += freed
             self.metrics.eviction_batches += batches
-        if self.shadow is not None:
-            self._drain_mirror()
-            freed += self.shadow.clear_cache()
         return freed
 
     # ---- internals ---------------------------------------------------------------------------------
@@ -751,40 +763,6 @@ class AllocationManager:
         if req.suspended_ids is not None:
             raise RequestStateError(f"{op} while suspended", request_id)
         return req
-
-    def _mirror(self, request_id, call: Callable[["AllocationManager"], object], ending: bool = False) -> None:
-        """Queue a successful call for the shadow manager (under the lock, so the queue holds the calls in the
-        order they took effect); ``_drain_mirror`` applies it once the lock is released."""
-        if self.shadow is not None:
-            self._mirror_queue.append((request_id, call, ending))
-
-    def _drain_mirror(self) -> None:
-        """Apply the queued calls to the shadow, outside this manager's lock. One thread at a time takes the
-        turn and applies every call queued, its own and any other thread's, oldest first; a thread that waited
-        for the turn finds its own call already applied."""
-        if self.shadow is None:
-            return
-        with self._mirror_turn:
-            queue = self._mirror_queue
-            while queue:
-                self._apply_mirror(*queue.popleft())
-
-    def _apply_mirror(self, request_id, call: Callable[["AllocationManager"], object], ending: bool) -> None:
-        """Replay a call on the shadow manager. The shadow never fails the real request, whose call has
-        already taken effect: if the shadow raises one of mmcache's errors (it ran out of pages, or its state
-        let it refuse the call) it drops that request from its accounting (``shadow_failures``)."""
-        if request_id in self._shadow_dropped:
-            if ending:
-                self._shadow_dropped.discard(request_id)
-            return
-        try:
-            call(self.shadow)
-        except MmcacheError:
-            self.shadow_failures += 1
-            if request_id in self.shadow:
-                self.shadow.abort(request_id)
-            if not ending:
-                self._shadow_dropped.add(request_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""
@@ -814,19 +792,10 @@ class AllocationManager:
                 raise AssertionError(f"owner counts differ from owners on pages {bad[:10].tolist()}")
             if inflight != self._inflight:
                 raise AssertionError("in-flight table differs from the live requests' unpublished pages")
-        if self.shadow is not None:
-            self.shadow.check_invariants()
 
     def metadata_nbytes(self) -> int:
         """Per-page metadata of pool and index (not the KV tensor)."""
         return self.pool.metadata_nbytes() + self.index.metadata_nbytes()
-
-
-class _Mirror(AllocationManager):
-    """The shadow of a manager in mode ``shadow``: metadata only, it shares no page and changes no output, so
-    the reuse gates do not apply to it; it counts what reuse would give."""
-
-    _gated = False
 
 
 def reuse_blocker(fingerprint: Fingerprint, kv_spec: KVSpec | None) -> str | None:

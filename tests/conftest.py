@@ -131,7 +131,7 @@ def _require_native_kernel(monkeypatch):
     kernel cannot be built (no C compiler, neither AVX-512 nor AVX2). That is never the case on the development
     and CI machines: ``test_native_decode.py::test_the_kernel_builds_where_the_machine_can_run_it`` fails there
     instead of skipping, so a kernel that stops building cannot hide behind these skips."""
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     monkeypatch.setenv(native.ENV_CHOICE, "require")
     try:
@@ -148,7 +148,7 @@ def native_kernel(monkeypatch):
 
 @pytest.fixture(params=["native", "aten"])
 def decode_path(request, monkeypatch):
-    """Runs a test once on the compiled decode kernel (``mmcache.engine.native``) and once on ATen's flash
+    """Runs a test once on the compiled decode kernel (``mmcache.engine.compute.native``) and once on ATen's flash
     attention (``MMCACHE_NATIVE=off``)."""
     if request.param == "aten":
         monkeypatch.setenv("MMCACHE_NATIVE", "off")

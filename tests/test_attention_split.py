@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmcache.engine import native
+from mmcache.engine.compute import native
 from mmcache.engine.attention import _over_prefix
 
 

@@ -16,7 +16,7 @@ ROOT = Path(chunk_kernel.__file__).resolve().parents[1]
 @pytest.fixture
 def chunk_lib(native_kernel):
     """The compiled library, where the chunk kernel has a way to run on this CPU."""
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     if native.chunk_way(native_kernel, 64) is native.CHUNK_NONE:
         pytest.skip("the chunk kernel needs AVX-512 BF16 or the tile unit (AMX), which this CPU does not have")
@@ -32,7 +32,7 @@ def git_checkout():
 
 
 def test_both_sides_are_timed_in_alternating_rounds_and_agree(tmp_path, chunk_lib, monkeypatch):
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     monkeypatch.setattr(chunk_kernel, "CASES", {"hit": (64, 16), "cold": (0, 48)})
     out = tmp_path / "ck.json"
@@ -58,7 +58,7 @@ def test_a_shape_the_kernel_does_not_take_is_reported_not_timed(tmp_path, capsys
 def test_engine_pairs_time_cold_and_hit_on_both_sides(tmp_path, chunk_lib, monkeypatch):
     """The whole-request mode on the ``small`` preset (eight layers of the Qwen2.5-0.5B shape: the tiny presets'
     16-wide heads do not take the kernel): both sides serve every pair, and the measuring device comes off."""
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     real = native.supports_chunk
     out = tmp_path / "e2e.json"
@@ -72,7 +72,7 @@ def test_engine_pairs_time_cold_and_hit_on_both_sides(tmp_path, chunk_lib, monke
 
 
 def _sources_as_committed() -> bool:
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     return subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(native.CSRC)],
                           capture_output=True).returncode == 0
@@ -103,7 +103,8 @@ def test_engine_pairs_against_a_revision_swap_the_attention_library_and_put_it_b
                                                                                     git_checkout, monkeypatch):
     """``--engine N --against REV``: each pair serves on this tree's library and on the revision's, the
     engine's own library is back afterwards, and ATen is not involved."""
-    from mmcache.engine import Engine, native
+    from mmcache.engine import Engine
+    from mmcache.engine.compute import native
 
     engines, used = [], []
     real_init = Engine.__init__

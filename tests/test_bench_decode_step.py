@@ -6,7 +6,7 @@ import json
 
 import pytest
 from benchmarks import decode_step
-from mmcache.engine import native
+from mmcache.engine.compute import native
 
 
 pytestmark = pytest.mark.usefixtures("native_kernel")

@@ -10,7 +10,7 @@ from benchmarks import layer_kernels
 def test_pairs_time_both_engines_on_every_figure(tmp_path, native_kernel, capsys):
     import transformers.models.qwen2.modeling_qwen2 as mq
 
-    from mmcache.engine import rotary
+    from mmcache.engine.compute import rotary
 
     out = tmp_path / "layers.json"
     assert layer_kernels.main(["--pairs", "2", "--preset", "tiny-qwen2", "--prompt-len", "256", "--batch", "2",

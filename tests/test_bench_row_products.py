@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import row_products
-from mmcache.engine import kernels, native
+from mmcache.engine.compute import kernels, native
 
 
 @pytest.fixture

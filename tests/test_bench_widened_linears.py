@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import widened_linears
-from mmcache.engine import kernels
+from mmcache.engine.compute import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),
                                 reason="oneDNN is not available in this torch build")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mmcache.engine import Engine, EngineConfig, SamplingParams, UnsupportedModel
+from mmcache.engine import ComputeConfig, Engine, EngineConfig, SamplingParams, UnsupportedModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
@@ -39,7 +39,7 @@ def test_a_model_whose_pad_embedding_is_zero_is_served(kind):
     prompt = list(range(2, 40))
     expected = _greedy(model, prompt, 4)
     rng = torch.get_rng_state()
-    engine = Engine(model, None, EngineConfig(page_size=16, num_pages=32, packed_linears=False))
+    engine = Engine(model, None, EngineConfig(page_size=16, num_pages=32, compute=ComputeConfig(packed_linears=False)))
     assert torch.equal(torch.get_rng_state(), rng)  # the probe draws from its own generator
     out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert out.error is None and out.output_ids == expected

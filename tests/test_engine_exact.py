@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention, native
+from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention
+from mmcache.engine.compute import native
 from mmcache.engine.inspect import exact_cfg_runs, record_logits
 from mmcache.engine.models import build_model
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest
-from mmcache.engine import (Engine, EngineConfig, EngineConfigError, ForwardError, Request, SamplingError,
-                            SamplingParams)
+from mmcache.shadow import ShadowedManager
+from mmcache.engine import (ComputeConfig, ComputeConfigError, Engine, EngineConfig, EngineConfigError, ForwardError,
+                            Request, SamplingError, SamplingParams)
 from mmcache.engine.models import build_model
 from mmcache.engine.sequence import CFG, MAIN
 
@@ -378,10 +379,14 @@ def test_engine_config_errors_are_typed():
     with pytest.raises(EngineConfigError):
         EngineConfig(page_size=16, max_tokens_per_step=8)
     # These were taken as given: a seed numpy refuses only when the engine is built, any truthy flag.
-    for name, bad in (("seed", -1), ("seed", "x"), ("seed", 1.5), ("seed", True), ("packed_linears", "no"),
-                      ("tune_malloc", 0), ("layer_kernels", None), ("row_products", 1)):
+    for name, bad in (("seed", -1), ("seed", "x"), ("seed", 1.5), ("seed", True)):
         with pytest.raises(EngineConfigError, match=name):
             EngineConfig(**{name: bad})
+    for name, bad in (("packed_linears", "no"), ("tune_malloc", 0), ("layer_kernels", None), ("row_products", 1)):
+        with pytest.raises(ComputeConfigError, match=name):
+            ComputeConfig(**{name: bad})
+    with pytest.raises(EngineConfigError, match="compute"):
+        EngineConfig(compute={"packed_linears": False})
     assert EngineConfig(page_size=48).prefill_chunk_tokens == 2016
 
 
@@ -418,11 +423,12 @@ def test_shadow_mode_outputs_equal_cache_off_and_counts_would_have_matched_pages
     results = {}
     for mode in ("off", "shadow", "on"):
         eng = engine(tiny, cache_mode=mode)
+        assert isinstance(eng.managers[MAIN], ShadowedManager) == (mode == "shadow")  # make_manager's wrapper
         results[mode] = ([o.output_ids for w in waves for o in eng.generate(w, greedy())], eng.metrics()["main"])
         assert_pools_whole(eng)
     assert results["shadow"][0] == results["off"][0] == results["on"][0]
     real, shadow = results["shadow"][1], results["shadow"][1]["shadow"]
-    assert real["hit_pages"] == 0 and real["stored_pages"] == 0
+    assert real["hit_pages"] == 0 and real["stored_pages"] == 0 and real["shadow_failures"] == 0
     assert shadow["hit_pages"] == results["on"][1]["hit_pages"] == 3 + 2
 
 
@@ -685,9 +691,9 @@ def test_a_step_whose_batched_greedy_pick_raises_samples_each_row_instead(tiny, 
 
 @pytest.mark.parametrize("at_look", [1, 2, 3])
 def test_a_stream_closed_on_another_thread_while_a_change_runs_is_never_left_live(tiny, at_look):
-    # A stream's finaliser that finds the lock taken queues its aborts. Here it runs, on another thread, right
-    # after the holder's at_look-th look at the empty queue (the change's start, its end, after the release): the
-    # one after its last look was left live, holding its pages, until some later change.
+    # A stream's finaliser that finds the lock taken leaves its aborts in the inbox. Here it runs, on another
+    # thread, right after the holder's at_look-th look at the empty inbox (the change's start, its end, after the
+    # release): one left after the last look would stay live, holding its pages, until some later change.
     from collections import deque
 
     eng = engine(tiny)
@@ -706,22 +712,74 @@ def test_a_stream_closed_on_another_thread_while_a_change_runs_is_never_left_liv
                     closing.join(30)
             return not empty
 
-    eng._orphans = Queue()
-    with eng._changing_state():
+    eng._inbox = Queue()
+    with eng._change():
         pass
-    eng._orphans = deque(eng._orphans)
+    eng._inbox = deque(eng._inbox)
     assert len(looks) >= at_look and not eng.is_live(rid)
     assert_pools_whole(eng)
 
 
 def test_an_abort_of_a_request_a_closed_stream_already_queued_finishes_it_once(tiny):
-    # The change an abort runs first applies the aborts streams queued on other threads; when that ended the
-    # very request, the abort finished it a second time (two finished events).
+    # The change an abort runs first drains the aborts streams left in the inbox; when that ended the very
+    # request, an abort that had looked it up before finished it a second time (two finished events).
     eng = engine(tiny)
     stream = eng.stream([prompts(1, seed=32)[0]], greedy(30))
     rid = next(stream).request_id
     live = eng._live[rid]
-    eng._orphans.append(live)  # as a finaliser that found the lock taken leaves it
-    assert eng.abort(rid)
+    eng._inbox.append(live)  # as a finaliser that found the lock taken leaves it
+    assert not eng.abort(rid)  # the inbox, drained first, ended it: nothing live under rid is left to abort
     assert [e.finish_reason for e in live.sink if e.finished] == ["abort"]
+    assert not eng.abort(rid)
+    assert_pools_whole(eng)
+
+
+def test_an_abort_from_a_release_callback_ends_its_request_in_the_same_step(tiny):
+    # A release callback runs inside the change that ends its request: the abort it makes waits in the inbox
+    # until that change ends, and its event comes out of the same step.
+    from mmcache.engine import MultimodalInput
+
+    ps = prompts(2, seed=41)
+    eng = engine(tiny)
+    answers = []
+    mm = MultimodalInput(release=lambda: answers.append(eng.abort("b")))
+    eng.add_request(Request(ps[0], greedy(2), request_id="a", mm=mm))
+    eng.add_request(ps[1], greedy(20), request_id="b")
+    ended = {}
+    while "a" not in ended:
+        ended.update({e.request_id: e.output for e in eng.step() if e.finished})
+    assert answers == [True] and set(ended) == {"a", "b"}
+    assert (ended["a"].finish_reason, ended["b"].finish_reason) == ("length", "abort")
+    assert_pools_whole(eng)
+
+
+def test_an_abort_from_another_thread_waits_for_the_running_step_and_returns_with_the_request_ended(tiny):
+    eng = engine(tiny)
+    eng.add_request(prompts(1, seed=42)[0], greedy(20), request_id="x")
+    eng.step()
+    inside, go = threading.Event(), threading.Event()
+
+    def hold_the_forward(module, args, kwargs):
+        if not inside.is_set():
+            inside.set()
+            go.wait(60)
+
+    handle = tiny[0].register_forward_pre_hook(hold_the_forward, with_kwargs=True)
+    events, answer = [], []
+    stepping = threading.Thread(target=lambda: events.extend(eng.step()))
+    aborting = threading.Thread(target=lambda: answer.append((eng.abort("x"), eng.is_live("x"))))
+    try:
+        stepping.start()
+        assert inside.wait(60)
+        aborting.start()
+        aborting.join(0.3)
+        assert aborting.is_alive() and not answer, "the abort did not wait for the step running elsewhere"
+    finally:
+        go.set()
+        stepping.join(60)
+        aborting.join(60)
+        handle.remove()
+    assert answer == [(True, False)]  # it returned with the request ended
+    assert events and not any(e.finished for e in events)  # that step had ended before the abort took effect
+    assert [e.finish_reason for e in eng.step() if e.finished] == ["abort"]
     assert_pools_whole(eng)

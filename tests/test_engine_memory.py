@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, memory
-from mmcache.engine.adapter import PATH_ATTR
+from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams, memory
 from mmcache.engine.config import EngineConfigError
-from mmcache.engine.engine import PACKING_HEADROOM
+from mmcache.engine.compute.path import PACKING_HEADROOM, PATH_ATTR
 from mmcache.engine.inspect import record_logits, rows_equal
 from mmcache.engine.models import build_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-CONFIG = dict(page_size=16, num_pages=64, layer_kernels=False)
+CONFIG = dict(page_size=16, num_pages=64, compute=ComputeConfig(layer_kernels=False))
+PLAIN = dict(CONFIG, compute=ComputeConfig(packed_linears=False, layer_kernels=False))
 
 
 def write(path, text):
@@ -60,10 +60,10 @@ def test_short_of_memory_the_engine_runs_exactly_as_with_packing_off(monkeypatch
     model, tok = build_model("tiny-qwen2", "float32")
     with caplog.at_level(logging.WARNING, logger="mmcache.engine"):
         short = Engine(model, tok, EngineConfig(**CONFIG))
-    assert short.adapter.num_packed_linears == 0
+    assert short.compute.num_packed_linears == 0
     assert short.packing_skipped and "is available" in short.packing_skipped
     assert any("linears left unpacked" in r.getMessage() for r in caplog.records)
-    plain = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
+    plain = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(**PLAIN))
     assert plain.packing_skipped is None and short.fingerprint == plain.fingerprint
     rows = {id(short): record_logits(short), id(plain): record_logits(plain)}
     prompts = [np.random.default_rng(2).integers(2, 512, size=n).tolist() for n in (9, 37)]
@@ -75,7 +75,7 @@ def test_short_of_memory_the_engine_runs_exactly_as_with_packing_off(monkeypatch
     # A later engine with the same settings keeps the first one's choice, whatever memory says now.
     monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 50)
     later = Engine(model, tok, EngineConfig(**CONFIG))
-    assert later.adapter.num_packed_linears == 0 and later.packing_skipped == short.packing_skipped
+    assert later.compute.num_packed_linears == 0 and later.packing_skipped == short.packing_skipped
     assert later.backend == short.backend
 
 
@@ -84,30 +84,30 @@ def test_with_room_or_no_figure_the_engine_packs(monkeypatch, room):
     monkeypatch.setattr(memory, "available_bytes", lambda: room)
     model, tok = build_model("tiny-qwen2", "float32")
     need = Engine(build_model("tiny-qwen2", "float32")[0], tok,
-                  EngineConfig(packed_linears=False, **CONFIG)).adapter.bytes_to_pack()
+                  EngineConfig(**PLAIN)).compute.bytes_to_pack()
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert need == sum(m.weight.numel() * 4 for m in linears) > 0  # every layer linear and the head, float32
     eng = Engine(model, tok, EngineConfig(**CONFIG))
-    assert eng.packing_skipped is None and eng.adapter.num_packed_linears > 0
-    assert eng.adapter.bytes_to_pack() == 0  # nothing left to pack
+    assert eng.packing_skipped is None and eng.compute.num_packed_linears > 0
+    assert eng.compute.bytes_to_pack() == 0  # nothing left to pack
 
 
 def test_short_of_room_for_the_row_kernels_copies_the_engine_packs_without_them(native_kernel, monkeypatch,
                                                                                   caplog):
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     monkeypatch.setattr(native, "row_products", lambda lib: lib is not None)  # as on an AVX2 build
     model, tok = build_model("tiny-qwen2", "float32")
-    probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
+    probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(**PLAIN))
     pool = probe.page_bytes * probe.num_pages
-    packed, with_rows = probe.adapter.bytes_to_pack(), probe.adapter.bytes_to_pack(rows=True)
+    packed, with_rows = probe.compute.bytes_to_pack(), probe.compute.bytes_to_pack(rows=True)
     assert with_rows > packed > 0
     room = int(((packed + with_rows) // 2 + pool) / PACKING_HEADROOM)  # the packed copy fits, the row copies not
     monkeypatch.setattr(memory, "available_bytes", lambda: room)
     with caplog.at_level(logging.WARNING, logger="mmcache.engine"):
         eng = Engine(model, tok, EngineConfig(**CONFIG))
-    assert eng.packing_skipped is None and eng.adapter.num_packed_linears > 0
-    assert eng.adapter.num_row_product_linears == 0 and "+native-rows" not in eng.backend
+    assert eng.packing_skipped is None and eng.compute.num_packed_linears > 0
+    assert eng.compute.num_row_product_linears == 0 and "+native-rows" not in eng.backend
     assert eng.row_products_skipped and "is available" in eng.row_products_skipped
     assert any("row kernel left out" in r.getMessage() for r in caplog.records)
     # a later engine with the same settings keeps the choice, whatever memory says now
@@ -123,7 +123,7 @@ def test_a_kv_pool_larger_than_the_memory_left_is_refused_before_the_model_is_to
     # Allocating and zeroing it used to end in MemoryError, a bare allocator RuntimeError, or the kernel killing
     # the process, depending on how much larger than memory it was.
     model, tok = build_model("tiny-qwen2", "float32")
-    probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(packed_linears=False, **CONFIG))
+    probe = Engine(build_model("tiny-qwen2", "float32")[0], tok, EngineConfig(**PLAIN))
     pool = probe.page_bytes * probe.num_pages
     monkeypatch.setattr(memory, "available_bytes", lambda: pool - 1)
     with pytest.raises(EngineConfigError, match="num_pages"):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mmcache.cli import main as cli_main
-from mmcache.engine import (ATTENTION_BACKEND, Engine, EngineConfig, ModelLoadError, MRopeAdapter, MultimodalInput,
-                            Request, SamplingParams, UnknownPreset, UnsupportedModel)
-from mmcache.engine import kernels, native
+from mmcache.engine import (ATTENTION_BACKEND, ComputeConfig, Engine, EngineConfig, ModelLoadError, MRopeAdapter,
+                            MultimodalInput, Request, SamplingParams, UnknownPreset, UnsupportedModel)
+from mmcache.engine.compute import kernels, native
 from mmcache.errors import InvalidRequest
 from mmcache.engine.models import build_model, load_model, model_digest
 from mmcache.engine.presets import PRESETS, get_preset, preset_config
@@ -412,16 +412,16 @@ def test_packed_linears_compute_what_plain_linears_compute(name, monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "tune_malloc", lambda: calls.append(1) or True)
     plain_model, tok = build_model(name, "float32")
-    plain = Engine(plain_model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False,
-                                                  tune_malloc=False, layer_kernels=False))
-    assert plain.adapter.num_packed_linears == 0 and calls == []
+    plain = Engine(plain_model, tok, EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(
+        packed_linears=False, tune_malloc=False, layer_kernels=False)))
+    assert plain.compute.num_packed_linears == 0 and calls == []
     # the native kernels' paths are named apart
     assert plain.backend.removesuffix("+native-decode") == ATTENTION_BACKEND  # float32: no chunk kernel
     model, _ = build_model(name, "float32")
     fresh = build_model(name, "float32")[0].state_dict()
-    packed = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, layer_kernels=False))
+    packed = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(layer_kernels=False)))
     assert calls == [1]
-    assert packed.adapter.num_packed_linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    assert packed.compute.num_packed_linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
     assert isinstance(model.model.layers[0].mlp, kernels.PackedGatedMLP)  # SiLU (llama), tanh-GELU (gemma)
     assert packed.backend != plain.backend and packed.fingerprint.model_digest == plain.fingerprint.model_digest
     state = model.state_dict()
@@ -434,7 +434,7 @@ def test_packed_linears_compute_what_plain_linears_compute(name, monkeypatch):
     for x, y in zip(rows[id(plain)], rows[id(packed)]):
         torch.testing.assert_close(y, x, rtol=0, atol=1e-5 * float(x.abs().max()))
     kernels.pack_linears(model.model.layers)  # idempotent: nothing is packed twice
-    assert packed.adapter.num_packed_linears == 2 * 7 + 1
+    assert packed.compute.num_packed_linears == 2 * 7 + 1
 
 
 def test_a_model_serves_engines_of_one_compute_path():
@@ -444,27 +444,28 @@ def test_a_model_serves_engines_of_one_compute_path():
     model may take other settings."""
     import copy
 
-    from mmcache.engine import EngineConfigError
+    from mmcache.engine import ComputeConfigError
 
     model, tok = build_model("tiny-qwen2", "float32")
     spare = copy.deepcopy(model)
-    first = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False, layer_kernels=False))
+    plain = ComputeConfig(packed_linears=False, layer_kernels=False)
+    first = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, compute=plain))
     prompts = [list(range(5, 45)), list(range(9, 30))]
     before = [o.output_ids for o in first.generate(prompts, GREEDY)]
-    same = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False, layer_kernels=False))
+    same = Engine(model, tok, EngineConfig(page_size=16, num_pages=64, compute=plain))
     assert same.backend == first.backend
-    others = [EngineConfig(page_size=16, num_pages=64, layer_kernels=False)]
+    others = [EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(layer_kernels=False))]
     if native.library() is not None:  # without the kernel, asking for the layer kernels changes nothing
-        others.append(EngineConfig(page_size=16, num_pages=64, packed_linears=False))
+        others.append(EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(packed_linears=False)))
     for config in others:
-        with pytest.raises(EngineConfigError, match="copy"):
+        with pytest.raises(ComputeConfigError, match="copy"):
             Engine(model, tok, config)
     modules = {name: type(m) for name, m in model.named_modules()}
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert first.adapter.num_packed_linears == 0 and first.adapter.num_native_norms == 0
+    assert first.compute.num_packed_linears == 0 and first.compute.num_native_norms == 0
     assert [o.output_ids for o in first.generate(prompts, GREEDY)] == before
     other = Engine(spare, tok, EngineConfig(page_size=16, num_pages=64))  # a copy takes other settings
-    assert other.adapter.num_packed_linears > 0 and other.backend != first.backend
+    assert other.compute.num_packed_linears > 0 and other.backend != first.backend
     assert {name: type(m) for name, m in model.named_modules()} == modules
 
 

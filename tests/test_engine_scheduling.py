@@ -203,8 +203,8 @@ def test_a_deferred_request_whose_owner_is_preempted_is_admitted_and_completes(t
 
     def watch(e):
         for lv in e.scheduler.running + list(e.scheduler.waiting):
-            if lv.preemptions or lv.deferrals:
-                events.append((lv.request_id, lv.preemptions, lv.deferrals))
+            if lv.setbacks.preemptions or lv.setbacks.deferrals:
+                events.append((lv.request_id, lv.setbacks.preemptions, lv.setbacks.deferrals))
 
     outs = drive(eng, reqs, watch)
     assert eng.metrics()["engine"]["preemptions"] == 1 and outs[0].preemptions == 1

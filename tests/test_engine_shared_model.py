@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, kernels
+from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine.compute import kernels
 from mmcache.engine.inspect import record_logits
 from mmcache.engine.models import build_model
 
@@ -143,20 +144,22 @@ def test_setting_up_a_model_is_done_by_one_engine_at_a_time(monkeypatch):
     # names its backend from a model another is half-way through packing.
     from mmcache.engine import adapter as adapter_module
     from mmcache.engine import engine as engine_module
+    from mmcache.engine.compute import ComputePath
 
     seen: list[tuple[str, bool]] = []
-    for name in ("attach", "claim_compute_path", "pack_linears", "install_layer_kernels"):
-        original = getattr(adapter_module.CausalLMAdapter, name)
+    for owner, name in ((adapter_module.CausalLMAdapter, "attach"), (ComputePath, "claim"),
+                        (ComputePath, "pack_linears"), (ComputePath, "install_layer_kernels")):
+        original = getattr(owner, name)
 
         def watched(self, *args, _name=name, _original=original, **kwargs):
             seen.append((_name, engine_module._SETTING_UP.locked()))
             return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(adapter_module.CausalLMAdapter, name, watched)
+        monkeypatch.setattr(owner, name, watched)
     model, tok = build_model("tiny")
     config = EngineConfig(page_size=8, num_pages=32)
     engines = run_on_thread(lambda: [Engine(model, tok, config)]) + [Engine(model, tok, config)]
-    assert {name for name, _ in seen} >= {"attach", "claim_compute_path", "pack_linears"}
+    assert {name for name, _ in seen} >= {"attach", "claim", "pack_linears"}
     assert all(locked for _, locked in seen), seen
     assert engines[0].fingerprint == engines[1].fingerprint and engines[0].backend == engines[1].backend
 
@@ -187,11 +190,11 @@ def test_engines_built_at_once_on_one_model_agree_and_compute_as_one_built_alone
 
 
 def test_the_native_library_is_built_and_loaded_once_by_threads_wanting_it_at_once(monkeypatch):
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     builds = []
 
-    def slow_build():
+    def slow_build(**_):
         builds.append(threading.get_ident())
         time.sleep(0.3)  # a compiler run: another thread arriving now must wait for this build, not start its own
         raise native.NativeKernelUnavailable("test build")
@@ -218,11 +221,11 @@ def test_the_native_library_is_built_and_loaded_once_by_threads_wanting_it_at_on
 def test_reset_waits_for_a_build_in_progress(monkeypatch):
     # reset() cleared the state without the lock, so a library() reading it after its build could meet an
     # empty dict (KeyError); reset now takes the lock and so waits for the build.
-    from mmcache.engine import native
+    from mmcache.engine.compute import native
 
     building, finish = threading.Event(), threading.Event()
 
-    def slow_build():
+    def slow_build(**_):
         building.set()
         finish.wait(5)
         raise native.NativeKernelUnavailable("test build")

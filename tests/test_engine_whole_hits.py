@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, native
-from mmcache.engine.config import EngineConfigError
+from mmcache.engine import ComputeConfig, ComputeConfigError, Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine.compute import native
 from mmcache.engine.inspect import exact_cfg_runs, exact_runs, rows_equal
 from mmcache.engine.models import build_model
 
@@ -153,9 +153,10 @@ def test_where_rows_are_not_independent_the_last_page_is_computed_again():
     prompt = list(range(2, 2 + 3 * PAGE))
     outs = eng.generate([Request(prompt, GREEDY), Request(prompt, GREEDY)])
     assert [o.matched_tokens for o in outs] == [0, 2 * PAGE]
-    asked_off = Engine(qwen2(), None, EngineConfig(page_size=PAGE, num_pages=64, whole_hits=False))
+    asked_off = Engine(qwen2(), None, EngineConfig(page_size=PAGE, num_pages=64,
+                                                   compute=ComputeConfig(whole_hits=False)))
     cache_off = Engine(qwen2(), None, EngineConfig(page_size=PAGE, num_pages=64, cache_mode="off"))
     for e in (asked_off, cache_off):
         assert not e.whole_hits and e.whole_hits_skipped is None  # not asked for: nothing to explain
-    with pytest.raises(EngineConfigError, match="whole_hits"):
-        EngineConfig(whole_hits="yes")
+    with pytest.raises(ComputeConfigError, match="whole_hits"):
+        EngineConfig(compute=ComputeConfig(whole_hits="yes"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmcache import (AllocationFailed, AllocationManager, CacheConfig, DuplicateRequest, Fingerprint,
-                     InvalidRequest, MediaItem, RequestStateError, UnknownRequest, media_digest)
+                     InvalidRequest, MediaItem, RequestStateError, UnknownRequest, make_manager, media_digest)
 from mmcache.index import PrefixIndex
 from mmcache.manager import ROOTS_KEPT
 from mmcache.pool import KVSpec, PagePool
@@ -16,8 +16,9 @@ from mmcache.pool import KVSpec, PagePool
 P = 4
 
 
-def make(num_pages=32, **kw) -> AllocationManager:
-    return AllocationManager(CacheConfig(num_pages=num_pages, page_size=P, **kw), Fingerprint.for_tests(P))
+def make(num_pages=32, **kw):
+    """The manager the mode asks for (``make_manager``: a ``ShadowedManager`` for mode shadow)."""
+    return make_manager(CacheConfig(num_pages=num_pages, page_size=P, **kw), Fingerprint.for_tests(P))
 
 
 def run(mgr, rid, prompt, gen=(), media=(), salt=b""):
@@ -278,7 +279,7 @@ def test_shadow_sees_one_request_s_calls_in_the_order_they_took_effect():
     go.set()
     admitting.join(10)
     ending.join(10)
-    assert failures == [] and not mgr._requests and not mgr.shadow._requests
+    assert failures == [] and mgr.num_requests == 0 and mgr.shadow.num_requests == 0
     mgr.check_invariants()
     mgr.shadow.check_invariants()
 

@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mmcache import AllocationFailed, AllocationManager, CacheConfig, Fingerprint, InvalidRequest
+from mmcache import AllocationFailed, CacheConfig, Fingerprint, InvalidRequest, make_manager
 
 P = 4
 NUM_PAGES = 20
@@ -29,7 +29,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.mgr = AllocationManager(CacheConfig(num_pages=NUM_PAGES, page_size=P, mode=self.mode,
+        self.mgr = make_manager(CacheConfig(num_pages=NUM_PAGES, page_size=P, mode=self.mode,
                                                  store_at=self.store_at), Fingerprint.for_tests(P))
         self.live: dict[int, dict] = {}
         self.sequences: list[tuple] = []  # every sequence a request wrote (live ones are read on the fly)
@@ -112,7 +112,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         r = self.live.pop(rid)
         self.sequences.append(tuple(r["written"]))  # published-at-prefill pages may stay indexed
-        chain = list(self.mgr._requests[rid].chain)
+        chain = list(getattr(self.mgr, "real", self.mgr)._requests[rid].chain)  # a shadow's real one: mode off
         self.mgr.abort(rid)
         idx = self.mgr.index
         if chain:  # the index pages it held: now the most recent, tail first
@@ -234,9 +234,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert np.array_equal(owners, rc), "owner counts differ from the owners"
         assert set(np.flatnonzero(rc == 0).tolist()) == set(mgr.pool.free_pages().tolist())
         assert mgr.metrics.alloc_failures_cache_held == 0
-        if mgr.shadow is not None:
-            assert mgr.shadow.metrics.alloc_failures_cache_held == 0
-        counted = mgr.shadow.metrics if mgr.shadow is not None else mgr.metrics
+        mirror = getattr(mgr, "shadow", None)
+        if mirror is not None:
+            assert mirror.metrics.alloc_failures_cache_held == 0
+        counted = mirror.metrics if mirror is not None else mgr.metrics
         assert counted.readmissions == (self.readmissions if self.mode != "off" else 0)
         if self.mode == "on":
             assert mgr.metrics.hit_share == (self.first[1] / self.first[0] if self.first[0] else 0.0)
@@ -261,7 +262,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.check_invariants()
         assert self.mgr.pool.num_free == NUM_PAGES, "pages leaked after every request ended"
         assert self.mgr.index.size == 0
-        if self.mgr.shadow is not None:
+        if self.mode == "shadow":
             assert self.mgr.shadow.pool.num_free == NUM_PAGES
 
 
@@ -274,7 +275,20 @@ class PrefillMachine(ManagerMachine):
 
 
 class ShadowMachine(ManagerMachine):
+    """Drives the ``ShadowedManager`` that ``make_manager`` builds for mode ``shadow``."""
+
     mode = "shadow"
+
+    @invariant()
+    def mirror_follows_every_live_request(self):
+        """The mirror refuses nothing the real manager took, holds exactly its live requests and has written at
+        least as far (its match may run ahead of the real request's prefill), or as far once it caught up."""
+        mgr = self.mgr
+        assert mgr.shadow_failures == 0 and mgr.shadow.num_requests == mgr.num_requests == len(self.live)
+        for rid, r in self.live.items():
+            real, mirrored = mgr.seq_len(rid), mgr.shadow.seq_len(rid)
+            assert mirrored >= real and (mirrored == real or real < len(r["prompt"]))
+            assert mgr.shadow.state(rid).suspended == r["suspended"]
 
 
 class OffMachine(ManagerMachine):

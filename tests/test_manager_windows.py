@@ -3,14 +3,15 @@
 import numpy as np
 import pytest
 
-from mmcache import AllocationFailed, AllocationManager, CacheConfig, Fingerprint, InvalidRequest
+from mmcache import AllocationFailed, CacheConfig, Fingerprint, InvalidRequest, make_manager
 
 P = 2
 PROMPT = np.arange(1, 10)  # 4 full pages + 1 token
 
 
-def make(num_pages=16, **kw) -> AllocationManager:
-    return AllocationManager(CacheConfig(num_pages=num_pages, page_size=P, **kw), Fingerprint.for_tests(P))
+def make(num_pages=16, **kw):
+    """The manager the mode asks for (``make_manager``: a ``ShadowedManager`` for mode shadow)."""
+    return make_manager(CacheConfig(num_pages=num_pages, page_size=P, **kw), Fingerprint.for_tests(P))
 
 
 def prefill(mgr, rid, prompt=PROMPT):
@@ -41,7 +42,7 @@ def test_releasing_zero_pages_changes_nothing(mode, store_at):
     assert after.page_indices.tolist() == before[0].page_indices.tolist() and after.seq_len == before[0].seq_len
     assert np.array_equal(mgr.pool.refcount, before[1]) and np.array_equal(mgr.index.in_index, before[2])
     mgr.check_invariants()
-    assert mgr.shadow_failures == 0
+    assert getattr(mgr, "shadow_failures", 0) == 0
 
 
 def test_releasing_zero_pages_does_not_make_the_label_windowed():

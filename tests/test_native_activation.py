@@ -4,7 +4,7 @@ element's bits from its own inputs alone (what ``Engine.whole_hits`` relies on).
 import pytest
 import torch
 
-from mmcache.engine import native
+from mmcache.engine.compute import native
 
 
 @pytest.fixture

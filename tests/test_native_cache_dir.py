@@ -1,4 +1,4 @@
-"""Where the compiled kernels are loaded from (``mmcache.engine.native``): only this user's own files in a
+"""Where the compiled kernels are loaded from (``mmcache.engine.compute.native``): only this user's own files in a
 directory no one else can write; anything else is refused before it is loaded (a planted library's constructor
 never runs) and the kernel is built in a private directory instead; a library that loads but lacks a kernel
 function is unavailable, and an engine falls back to ATen and says so."""
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.engine import Engine, EngineConfig, native
+from mmcache.engine import Engine, EngineConfig
+from mmcache.engine.compute import native
 from mmcache.engine.models import build_model
 
 TINY = "int mmc_benign(void) { return 1; }\n"  # a library without any of the kernel's functions

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention, native
+from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention
+from mmcache.engine.compute import native
 from mmcache.engine.inspect import record_logits
 
 

@@ -1,4 +1,4 @@
-"""The compiled decode kernel (``mmcache.engine.native``): equal to plain attention, independent of its company,
+"""The compiled decode kernel (``mmcache.engine.compute.native``): equal to plain attention, independent of its company,
 refusing what it cannot take, built once and cached, and falling back to ATen when it cannot be built."""
 
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmcache.engine import native
+from mmcache.engine.compute import native
 
 
 @pytest.fixture

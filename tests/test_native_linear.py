@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, EngineConfigError, Request, SamplingParams, kernels, native
+from mmcache.engine import ComputeConfig, ComputeConfigError, Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine.compute import kernels, native
 from mmcache.engine.inspect import exact_runs, record_logits, rows_equal
 from mmcache.engine.models import build_model
 
@@ -161,25 +162,26 @@ def test_an_engine_on_the_row_kernel_names_it_and_stays_bit_exact(row_products_e
     if dtype == "bfloat16":  # as on an AVX2 CPU: bfloat16 weights widened for oneDNN, read as they are here
         monkeypatch.setattr(kernels, "_PACKS", {torch.bfloat16: False})
     model, tok = build_model("tiny", dtype)
-    probe = Engine(build_model("tiny", dtype)[0], tok, EngineConfig(page_size=16, num_pages=64, packed_linears=False))
+    probe = Engine(build_model("tiny", dtype)[0], tok,
+                   EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(packed_linears=False)))
     weights = [m.weight for m in model.model.layers.modules() if type(m) is nn.Linear] + [model.lm_head.weight]
     # the room asked for packing counts each weight's copy for the row kernel, in the weight's own dtype
-    assert (probe.adapter.bytes_to_pack(rows=True) - probe.adapter.bytes_to_pack()
+    assert (probe.compute.bytes_to_pack(rows=True) - probe.compute.bytes_to_pack()
             == sum(w.numel() * w.element_size() for w in weights) > 0)
     rng = np.random.default_rng(5)
     prefix = rng.integers(2, 512, size=40).tolist()
     prompts = [prefix + rng.integers(2, 512, size=n).tolist() for n in (9, 21)] + [list(prefix)]
     runs = exact_runs(model, tok, prompts, GREEDY, page_size=16, num_pages=64)
     eng = runs["on"][2]
-    assert "+native-rows" in eng.backend and eng.adapter.num_row_product_linears == eng.adapter.num_packed_linears > 0
+    assert "+native-rows" in eng.backend and eng.compute.num_row_product_linears == eng.compute.num_packed_linears > 0
     assert [o.matched_tokens for o in runs["on"][1]] == [0, 32, 32]
     assert all(rows_equal(runs["on"][0], runs["off"][0], i, GREEDY.max_tokens) for i in range(len(prompts)))
     # Another setting on the same model object is refused before anything changes; a copy takes it.
-    with pytest.raises(EngineConfigError, match="row_products"):
-        Engine(model, tok, EngineConfig(page_size=16, num_pages=64, row_products=False))
+    with pytest.raises(ComputeConfigError, match="row_products"):
+        Engine(model, tok, EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(row_products=False)))
     other, _ = build_model("tiny", dtype)
-    off = Engine(other, tok, EngineConfig.exact(page_size=16, num_pages=64, row_products=False))
-    assert "+native-rows" not in off.backend and off.adapter.num_row_product_linears == 0
+    off = Engine(other, tok, EngineConfig.exact(page_size=16, num_pages=64, compute=ComputeConfig(row_products=False)))
+    assert "+native-rows" not in off.backend and off.compute.num_row_product_linears == 0
     # Within the dtype's rounding of the same model on oneDNN only.
     off_rows = record_logits(off)
     off.generate([Request(p, SamplingParams(max_tokens=1, temperature=0.0), request_id=i)

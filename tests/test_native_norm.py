@@ -1,4 +1,4 @@
-"""The compiled RMSNorm (``native.rms_norm``) and its modules (``mmcache.engine.norms``): the Llama family's
+"""The compiled RMSNorm (``native.rms_norm``) and its modules (``mmcache.engine.compute.norms``): the Llama family's
 formula to one rounding of the element type, a row's bits independent of its company and of the thread count,
 typed refusals, modules replaced only where the kernel reproduces them (with their parameters untouched), and
 an engine that runs on them and names them in its backend."""
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, SamplingParams, native, norms
+from mmcache.engine import ComputeConfig, Engine, EngineConfig, SamplingParams
+from mmcache.engine.compute import native, norms
 from mmcache.engine.inspect import record_logits
 from mmcache.engine.models import build_model
 
@@ -113,9 +114,9 @@ def test_an_engine_runs_its_norms_on_the_kernel_and_names_them(native_kernel, mo
     tok = build_model("tiny-llama", "bfloat16")[1]
     on = Engine(build_model("tiny-llama", "bfloat16")[0], tok, EngineConfig(page_size=16, num_pages=64))
     off = Engine(build_model("tiny-llama", "bfloat16")[0], tok,
-                 EngineConfig(page_size=16, num_pages=64, layer_kernels=False))
+                 EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(layer_kernels=False)))
     assert on.backend == off.backend + "+native-norm" and on.fingerprint != off.fingerprint
-    assert on.adapter.num_native_norms == 2 * on.adapter.num_layers + 1 and off.adapter.num_native_norms == 0
+    assert on.compute.num_native_norms == 2 * on.adapter.num_layers + 1 and off.compute.num_native_norms == 0
     calls.clear()  # construction probed each module once
     rows = {"on": record_logits(on), "off": record_logits(off)}
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The compiled rotary embedding (``native.rotary``) and its installation (``mmcache.engine.rotary``): the same
+"""The compiled rotary embedding (``native.rotary``) and its installation (``mmcache.engine.compute.rotary``): the same
 bits as transformers' ``apply_rotary_pos_emb`` in float32 and bfloat16, laid out as the input is, typed
 refusals, a replacement only where it reproduces the original, the original for every call it does not take,
 and an engine whose logits do not change by a bit with it."""
@@ -16,7 +16,8 @@ import torch
 import transformers.models.llama.modeling_llama as modeling_llama
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, SamplingParams, native, rotary
+from mmcache.engine import Engine, EngineConfig, SamplingParams
+from mmcache.engine.compute import native, rotary
 from mmcache.engine.inspect import record_logits
 from mmcache.engine.models import build_model
 
@@ -234,7 +235,7 @@ def test_a_wrapper_it_cannot_follow_is_left_alone_with_the_reason(native_kernel,
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     root = nn.Module()
     root.attn = OpaqueAttention()
-    with caplog.at_level("INFO", logger="mmcache.engine.rotary"):
+    with caplog.at_level("INFO", logger="mmcache.engine.compute.rotary"):
         assert rotary.install(root, native_kernel) == 0
     assert fake.apply_rotary_pos_emb is opaque
     why = rotary.skipped(root)[fake.__name__]

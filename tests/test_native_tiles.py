@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, SamplingParams, kernels, native
+from mmcache.engine import ComputeConfig, Engine, EngineConfig, SamplingParams
+from mmcache.engine.compute import kernels, native
 from mmcache.engine.inspect import exact_runs, rows_equal
 from mmcache.engine.models import build_model
 
@@ -233,10 +234,10 @@ def test_the_copies_lie_in_huge_page_chunks_that_outlive_the_arena():
 def test_an_engine_on_the_tile_kernel_names_it_and_stays_bit_exact(tile_kernel):
     model, tok = build_model("tiny", "bfloat16")
     probe = Engine(build_model("tiny", "bfloat16")[0], tok,
-                   EngineConfig(page_size=16, num_pages=64, packed_linears=False))
+                   EngineConfig(page_size=16, num_pages=64, compute=ComputeConfig(packed_linears=False)))
     weights = [m.weight for m in model.model.layers.modules() if type(m) is nn.Linear] + [model.lm_head.weight]
     # the room asked for packing counts each weight's copy for the tile kernel, padded to whole blocks
-    assert (probe.adapter.bytes_to_pack(tile_kernel) - probe.adapter.bytes_to_pack()
+    assert (probe.compute.bytes_to_pack(tile_kernel) - probe.compute.bytes_to_pack()
             == sum(int(tile_kernel.mmc_tile_elements(*w.shape)) * 2 for w in weights) > 0)
     rng = np.random.default_rng(5)
     prefix = rng.integers(2, 512, size=40).tolist()
@@ -244,10 +245,10 @@ def test_an_engine_on_the_tile_kernel_names_it_and_stays_bit_exact(tile_kernel):
     runs = exact_runs(model, tok, prompts, GREEDY, page_size=16, num_pages=64)
     eng = runs["on"][2]
     assert "+native-tile-rows" in eng.backend and "+native-rows" not in eng.backend
-    assert eng.adapter.num_tile_product_linears() == eng.adapter.num_packed_linears > 0
+    assert eng.compute.num_tile_product_linears() == eng.compute.num_packed_linears > 0
     assert [o.matched_tokens for o in runs["on"][1]] == [0, 32, 32]
     assert all(rows_equal(runs["on"][0], runs["off"][0], i, GREEDY.max_tokens) for i in range(len(prompts)))
     off = Engine(build_model("tiny", "bfloat16")[0], tok,
-                 EngineConfig.exact(page_size=16, num_pages=64, row_products=False))
-    assert "tile-rows" not in off.backend and off.adapter.num_tile_product_linears() == 0
+                 EngineConfig.exact(page_size=16, num_pages=64, compute=ComputeConfig(row_products=False)))
+    assert "tile-rows" not in off.backend and off.compute.num_tile_product_linears() == 0
     assert off.fingerprint != eng.fingerprint  # other bits, other names

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, kernels
+from mmcache.engine import Engine, EngineConfig
+from mmcache.engine.compute import kernels
 from mmcache.engine.models import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),

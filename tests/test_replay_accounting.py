@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mmcache import AllocationManager, CacheConfig, InvalidRequest
+from mmcache import AllocationManager, CacheConfig, InvalidRequest, ShadowedManager
 from mmcache.replay import CostModel, MooncakeTrace, ReplayConfig, run_sweep, simulate, sweep_configs
 from mmcache.replay.ceiling import ceiling_matches
 from mmcache.replay.report import CeilingCache, build_record
@@ -159,10 +159,10 @@ def test_replay_is_the_shadow_modes_code_path(tmp_path):
         heapq.heappush(events, (log.end_s[i], 0, i, spec))
     # The engine's own pages behave as mode 'off' (no sharing), so they need a larger pool than the shadow,
     # which must have the replay's size.
-    engine = AllocationManager(CacheConfig(num_pages=4 * config.num_pages, page_size=4, mode="shadow"),
-                               replay_fingerprint(4))
-    engine.shadow = AllocationManager(CacheConfig(num_pages=config.num_pages, page_size=4, mode="on"),
-                                      replay_fingerprint(4))
+    engine = ShadowedManager(AllocationManager(CacheConfig(num_pages=4 * config.num_pages, page_size=4, mode="off"),
+                                               replay_fingerprint(4)),
+                             AllocationManager(CacheConfig(num_pages=config.num_pages, page_size=4, mode="on"),
+                                               replay_fingerprint(4), reuse_gates=False))
     while events:
         _, kind, i, spec = heapq.heappop(events)
         if kind == 1:

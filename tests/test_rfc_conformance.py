@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache import AllocationManager, CacheConfig, Fingerprint, InvalidRequest
+from mmcache import AllocationManager, CacheConfig, Fingerprint, InvalidRequest, make_manager
 from mmcache.manager import REUSE_KV_DTYPES, reuse_blocker
 from mmcache.pool import KVSpec
 
 P = 4
 
 
-def make(num_pages=32, fingerprint=None, kv_spec=None, **kw) -> AllocationManager:
-    return AllocationManager(CacheConfig(num_pages=num_pages, page_size=P, **kw),
+def make(num_pages=32, fingerprint=None, kv_spec=None, **kw):
+    """The manager the mode asks for (``make_manager``: a ``ShadowedManager`` for mode shadow)."""
+    return make_manager(CacheConfig(num_pages=num_pages, page_size=P, **kw),
                              fingerprint or Fingerprint.for_tests(P), kv_spec)
 
 
@@ -168,7 +169,7 @@ def test_the_shadow_mirror_runs_outside_the_live_lock():
         real = getattr(mgr.shadow, name)
 
         def spy(*args, _real=real, **kwargs):
-            held.append(mgr._lock.locked())
+            held.append(mgr.real._lock.locked() or mgr._order.locked())
             return _real(*args, **kwargs)
 
         setattr(mgr.shadow, name, spy)
@@ -210,7 +211,7 @@ def test_a_live_call_takes_effect_while_the_mirror_of_another_is_still_running()
     for rid in ("slow", "quick"):
         mgr.abort(rid)
     mgr.check_invariants()
-    assert not mgr.shadow._requests
+    assert mgr.shadow.num_requests == 0
 
 
 # ---- hit_share -----------------------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def test_preempted_requests_keep_their_leases_and_recompute_exactly(llava, crops
     while vlm.has_unfinished():
         outs.update({e.request_id: e.output for e in vlm.step() if e.finished})
         vlm.check_invariants()
-        waited_preempted += sum(1 for live in vlm.engine.scheduler.waiting if live.preemptions)
+        waited_preempted += sum(1 for live in vlm.engine.scheduler.waiting if live.setbacks.preemptions)
         live = [rid for rid in images if rid not in outs]
         for key in set(keys.values()):  # held by every request not finished, running or preempted
             assert vlm.store.held(key) == sum(keys[rid] == key for rid in live)
@@ -580,7 +580,7 @@ def test_a_stream_finalised_under_the_store_lock_neither_deadlocks_nor_waits_for
     stepping, done = threading.Event(), threading.Event()
 
     def step_holding_the_engine_lock():
-        with vlm.engine._changing_state():
+        with vlm.engine._change():
             stepping.set()
             done.wait(120)
 
@@ -588,7 +588,7 @@ def test_a_stream_finalised_under_the_store_lock_neither_deadlocks_nor_waits_for
     holder.start()
     stepping.wait(60)
     assert _in_thread(close_under_the_store_lock), "the finaliser waited for another thread's step"
-    assert list(vlm.engine._orphans) and vlm.store.held(keys[1]) == 1  # queued, not yet applied
+    assert list(vlm.engine._inbox) and vlm.store.held(keys[1]) == 1  # queued, not yet applied
     done.set()
     holder.join(60)
     assert not vlm.engine.is_live("abandoned-2")  # applied when that change ended

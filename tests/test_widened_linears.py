@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, kernels
+from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
+from mmcache.engine.compute import kernels
 from mmcache.engine.inspect import exact_runs, record_logits, rows_equal
 from mmcache.engine.models import build_model
 
@@ -64,7 +65,8 @@ def test_a_widened_linear_rounds_a_float32_product_once(widen, bias):
 def test_an_engine_on_widened_linears_packs_fuses_groups_and_stays_bit_exact(widen):
     model, tok = build_model("tiny", "bfloat16")
     need = Engine(build_model("tiny", "bfloat16")[0], tok,
-                  EngineConfig(page_size=16, num_pages=64, packed_linears=False)).adapter.bytes_to_pack()
+                  EngineConfig(page_size=16, num_pages=64,
+                               compute=ComputeConfig(packed_linears=False))).compute.bytes_to_pack()
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     assert need == sum(m.weight.numel() * 4 for m in linears)  # float32 copies of bfloat16 weights
     rng = np.random.default_rng(3)
@@ -73,7 +75,7 @@ def test_an_engine_on_widened_linears_packs_fuses_groups_and_stays_bit_exact(wid
     runs = exact_runs(model, tok, prompts, GREEDY, page_size=16, num_pages=64)
     eng = runs["on"][2]
     layer = model.model.layers[0]
-    assert eng.adapter.num_packed_linears > 0 and isinstance(layer.mlp, kernels.PackedGatedMLP)
+    assert eng.compute.num_packed_linears > 0 and isinstance(layer.mlp, kernels.PackedGatedMLP)
     assert isinstance(layer.self_attn.q_proj, kernels.PackedProjection)
     assert layer.mlp.gate_proj.packed.widened and layer.self_attn.q_proj.group.packed.widened
     assert "+onednn-packed-f32" in eng.backend
@@ -82,7 +84,8 @@ def test_an_engine_on_widened_linears_packs_fuses_groups_and_stays_bit_exact(wid
 
     # Within bfloat16 rounding of the same model on plain (ATen bfloat16) linears.
     plain_model, _ = build_model("tiny", "bfloat16")
-    plain = Engine(plain_model, tok, EngineConfig.exact(page_size=16, num_pages=64, packed_linears=False))
+    plain = Engine(plain_model, tok,
+                   EngineConfig.exact(page_size=16, num_pages=64, compute=ComputeConfig(packed_linears=False)))
     plain_rows = record_logits(plain)
     plain.generate([Request(p, SamplingParams(max_tokens=1, temperature=0.0), request_id=i)
                     for i, p in enumerate(prompts)])

@@ -20,7 +20,7 @@ reports the median over ``--repeats`` of each; the ratio is mmcache's median ove
   call); with ``--native-lib``, also the compiled kernel the engine now calls (every sequence in one call,
   pages read through the table).
 * linears: one product of each shape at 2048, 128, 8 and 1 rows, weights cache-hot. mmcache: a weight packed
-  once for oneDNN (``mkldnn._linear_pointwise``, as ``mmcache.engine.kernels``); vLLM: ``onednn_mm``.
+  once for oneDNN (``mkldnn._linear_pointwise``, as ``mmcache.engine.compute.kernels``); vLLM: ``onednn_mm``.
 * decode step: every linear of a 24-layer decode step at 8 rows plus the LM head, weights streamed from memory
   (about 1 GB). mmcache: seven products a layer (q, k, v, o; gate with SiLU fused, up with the product fused;
   down); vLLM: four (q/k/v fused, o, gate/up fused, down) and the SiLU-and-multiply between them.
@@ -104,8 +104,8 @@ def attention_cases(ops, repeats: int) -> list[dict]:
 
 
 def _compiled_decode(path: str):
-    """mmcache's compiled decode kernel (``mmcache/engine/csrc/decode_attention.c``), loaded from the library
-    ``mmcache.engine.native.build()`` wrote (this interpreter cannot import mmcache), called as the engine
+    """mmcache's compiled decode kernel (``mmcache/engine/compute/csrc/decode_attention.c``), loaded from the library
+    ``mmcache.engine.compute.native.build()`` wrote (this interpreter cannot import mmcache), called as the engine
     calls it: ``run(q, k_pool, v_pool, table, lo, hi, scale) -> out``."""
     import ctypes
 
@@ -275,7 +275,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--native-lib", default=None, metavar="PATH",
                    help="mmcache's compiled decode kernel, as printed in mmcache's environment by "
-                        "python -c 'from mmcache.engine import native; print(native.build())'")
+                        "python -c 'from mmcache.engine.compute import native; print(native.build())'")
     a = p.parse_args()
     import vllm
     import vllm._custom_ops as ops

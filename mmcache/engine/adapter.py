@@ -4,7 +4,8 @@ The runner only talks to a ``ModelAdapter``: ``embed`` token ids, run ``forward`
 per-token positions and the step's ``PagedBatch``, get logits for the requested rows. ``CausalLMAdapter``
 serves any transformers ``*ForCausalLM`` (and any ``*ForConditionalGeneration`` whose forward accepts
 ``inputs_embeds``: LLaVA routes them to its ``language_model``) whose attention goes through
-``AttentionInterface``. ``MRopeAdapter`` is the same with 3-D rotary positions (Qwen2-VL style).
+``AttentionInterface``. ``MRopeAdapter`` is the same with 3-D rotary positions (Qwen2-VL style). What the
+model computes with (packed linears, compiled kernels) is the compute path's business (``compute.ComputePath``).
 
 Invariants:
 
@@ -25,12 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, native, norms, rotary
 from .attention import ATTENTION_BACKEND, BATCH_KWARG, PagedBatch, Segment, UnsupportedModel, WriteGroup, register
-from .config import EngineConfigError
-
-PATH_ATTR = "_mmcache_compute_path"  # set on a model by the first engine that sets up its modules
-
 
 class CausalLMAdapter:
     position_dims = 1
@@ -121,7 +117,7 @@ class CausalLMAdapter:
             raise UnsupportedModel(f"{name}: a one-token forward through {ATTENTION_BACKEND} failed: "
                                    f"{type(e).__name__}: {e}") from e
         silent = [i for i in range(self.num_layers) if not bool(kv[i].ne(0).any())]
-        expected = expected_windows(self.text_config, self.num_layers)
+        expected = self.layer_windows
         unwindowed = [(i, expected[i], batch.windows.get(i)) for i in range(self.num_layers)
                       if i not in silent and batch.windows.get(i) != expected[i]]
         if unwindowed:
@@ -147,130 +143,10 @@ class CausalLMAdapter:
                 plan[key] = ATTENTION_BACKEND if sub is self.text_config else sub._attn_implementation
         return plan
 
-    def claim_compute_path(self, requested: dict) -> dict | None:
-        """Fix the modules this model computes with before any is replaced. ``requested``: whether this engine
-        would pack the linears (with products of few rows on the row kernel or not) and install the layer
-        kernels (its settings, where this process can).
-
-        Replacing modules changes the last bits of every engine's results on this model, so the first engine's
-        settings hold for the model object's life. Returns None for the first engine (it installs, then
-        records what it decided with ``record_compute_path``), or the first engine's record for a later one
-        with the same settings (it installs nothing and computes with what is there); an engine with other
-        settings raises ``EngineConfigError`` before changing anything (build it on another model object: one
-        loaded again, or a copy taken before the first engine replaced any module)."""
-        held = getattr(self.model, PATH_ATTR, None)
-        if held is None:
-            setattr(self.model, PATH_ATTR, {"requested": dict(requested), "packing_skipped": None,
-                                            "row_products_skipped": None})
-            return None
-        if held["requested"] != requested:
-            differ = ", ".join(f"{k}: {held['requested'][k]} there, {requested[k]} here" for k in requested
-                               if held["requested"].get(k) != requested[k])
-            raise EngineConfigError(
-                f"this {type(self.model).__name__} object already serves an engine that computes with other "
-                f"modules ({differ}); an engine replaces the model's modules in place, so build this one on "
-                f"another model object (load the model again, or take copy.deepcopy(model) before the first "
-                f"engine is built on it: a model with replaced modules cannot be copied) or with the same "
-                f"packed_linears, row_products and layer_kernels")
-        return held
-
-    def record_compute_path(self, packing_skipped: str | None, row_products_skipped: str | None = None) -> None:
-        """What the first engine decided beyond its settings: why it left the linears unpacked, or the row
-        kernel's copies out, if it did."""
-        held = getattr(self.model, PATH_ATTR)
-        held["packing_skipped"], held["row_products_skipped"] = packing_skipped, row_products_skipped
-
-    def bytes_to_pack(self, rows=None) -> int:
-        """Bytes of the packed copies ``pack_linears`` would add (the plain weights stay): every linear of the
-        decoder layers and the head not packed yet; with ``rows`` (the library offered for products of few rows,
-        or True for the row kernel), also each of those weights once more as its row kernel reads it
-        (``kernels.row_copy_bytes``: in its own dtype, for the tile kernel padded to whole blocks)."""
-        decoder = self.decoder
-        layers = getattr(decoder, "layers", decoder)
-        plain = [m for m in layers.modules() if type(m) is torch.nn.Linear]
-        if type(self.lm_head) is torch.nn.Linear:
-            plain.append(self.lm_head)
-        return sum(kernels.packed_bytes(m.weight) + (kernels.row_copy_bytes(m.weight, rows) if rows else 0)
-                   for m in plain)
-
-    def pack_linears(self, rows=None) -> None:
-        """Pack the decoder's linears and the LM head for oneDNN where available (see ``kernels``); ``rows``:
-        the compiled library for products of few rows (``kernels.PackedWeight``), or None."""
-        if not kernels.available(self.device, self.dtype):
-            return
-        decoder = self.decoder
-        kernels.pack_linears(getattr(decoder, "layers", decoder), rows)
-        head = self.lm_head
-        if type(head) is torch.nn.Linear:
-            # The packed module keeps the head's Parameter, so a head tied to the embeddings stays tied.
-            self.model.set_output_embeddings(kernels.PackedLinear(head, rows))
-
-    def install_layer_kernels(self, lib) -> None:
-        """Run the decoder's Llama-family RMSNorms on the compiled kernel ``lib`` (see ``norms``), and its
-        rotary embedding (same bits; see ``rotary``)."""
-        if self.device.type == "cpu":
-            norms.install(self.decoder, lib)
-            rotary.install(self.decoder, lib)
-
     @property
-    def num_native_norms(self) -> int:
-        """RMSNorms of the decoder computed by the compiled kernel (also when installed by another engine)."""
-        return norms.count(self.decoder)
-
-    @property
-    def num_row_product_linears(self) -> int:
-        """Packed linears of the decoder and head whose products of few rows run on a compiled kernel."""
-        head = self.lm_head
-        return kernels.count_on_rows(self.decoder) + (isinstance(head, kernels.PackedLinear)
-                                                      and head.packed.rows is not None)
-
-    def num_tile_product_linears(self, way: str = native.PRODUCTS_TILES) -> int:
-        """Those of them on the tile kernel (``native.TileWeight``) by its ``way``: the tile unit, or the vector
-        way (``native.PRODUCTS_VECTOR``)."""
-        head = self.lm_head
-        return kernels.count_on_rows(self.decoder, way) + (isinstance(head, kernels.PackedLinear)
-                                                           and head.packed.row_kernel == way)
-
-    def whole_hit_blocker(self, lib, page_size: int) -> str | None:
-        """Why this model's forward could give a row other bits than the same row computed alone, or None.
-
-        A whole hit computes a prompt's last token again in a forward of one row, where the exact schedule
-        computed it in a chunk of up to ``page_size`` rows; its logits are the same bits only where every
-        operation gives each row what it would give it alone: products on the tile kernel (``native.TileWeight``,
-        up to ``native.TILE_PRODUCT_ROWS`` rows, all on one of its ways), attention on the chunk kernel (its row's
-        sums in an order set by key positions, not by where the chunk begins: ``native.chunk_attention``), every
-        norm on the compiled kernel, the gated MLPs' activation on the activation kernel (``native.silu_mul``), and
-        no sliding window (which would take attention off the chunk kernel past the window). The rest of the
-        forward is element by element (embeddings, rotary embedding, residual sums). Checked on the modules as
-        installed."""
-        if lib is None or self.device.type != "cpu":
-            return "no compiled library for the CPU"
-        if self.dtype != torch.bfloat16:
-            return f"{self.dtype} products run on oneDNN, whose bits depend on the number of rows"
-        if page_size > native.TILE_PRODUCT_ROWS:
-            return f"page_size {page_size} is more rows than the tile kernel takes ({native.TILE_PRODUCT_ROWS})"
-        if native.chunk_way(lib, self.head_dim) is native.CHUNK_NONE:
-            return f"attention of head size {self.head_dim} does not run on the chunk kernel here"
-        if any(w is not None for w in expected_windows(self.text_config, self.num_layers)):
-            return "sliding-window attention"
-        decoder = self.decoder
-        linears = sum(isinstance(m, torch.nn.Linear) for m in decoder.modules())
-        linears += isinstance(self.lm_head, torch.nn.Linear)
-        if not linears or max(self.num_tile_product_linears(w) for w in kernels.TILE_LAYOUT) != linears:
-            return "not every linear runs on the tile kernel (on one of its ways)"
-        for name, m in decoder.named_modules():
-            if type(m).__name__.endswith("Norm") and not isinstance(m, norms.NativeRMSNorm):
-                return f"{name} ({type(m).__name__}) does not run on the compiled norm kernel"
-        for i, layer in enumerate(getattr(decoder, "layers", ())):
-            mlp = getattr(layer, "mlp", None)
-            if not isinstance(mlp, kernels.PackedGatedMLP) or mlp.native_act is None:
-                return f"layer {i}'s MLP does not run on the activation kernel"
-        return None
-
-    @property
-    def num_packed_linears(self) -> int:
-        """Linears of the decoder and head computed from packed weights (also when packed by another engine)."""
-        return kernels.count_packed(self.decoder) + isinstance(self.lm_head, kernels.PackedLinear)
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window each decoder layer attends with by its config (``expected_windows``)."""
+        return expected_windows(self.text_config, self.num_layers)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)

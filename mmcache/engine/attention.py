@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MmcacheError
-from . import native
+from .compute import native
 
 ATTENTION_BACKEND = "mmcache_paged_sdpa"
 BATCH_KWARG = "mmcache_batch"

@@ -14,25 +14,19 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   running request is writing waits for it to be published instead of computing it too (see ``scheduler``).
   It acts only where full prompt pages are published as prefill writes them (``store_at="prefill"``);
   under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
-* ``packed_linears``, ``row_products``, ``layer_kernels`` and ``tune_malloc`` only change speed (see
-  ``kernels``, ``native``, ``norms`` and ``rotary``); packed linears, the row kernel and the compiled norms
-  change the last bits of results, so they are part of the fingerprint's backend name (the compiled rotary
-  embedding keeps every bit). The packed copy is made
-  only where it fits in available memory beside the KV pool (``Engine.packing_skipped`` says why not); the row
-  kernel's copy too, else the linears are packed without it (``Engine.row_products_skipped``).
-* ``whole_hits`` lets a prompt held whole in the cache (it ends on a page boundary) be matched to its end and
-  only its last token computed again, for its logits, instead of its last page. The engine takes it only
-  where its forward gives each row the same bits whatever else the forward computes (``Engine.whole_hits``;
-  ``Engine.whole_hits_skipped`` says why not), so a hit's logits stay equal to the exact schedule's.
+* ``compute`` (``ComputeConfig``) holds the settings that only change speed (packed linears, the row and
+  tile kernels, layer kernels, the allocator setting, whole hits); see ``compute``. ``ComputeConfig.aten()``
+  computes on plain ATen.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..checks import positive_int
 from ..errors import MmcacheError
 from ..manager import MODES, STORE_AT
+from .compute.config import ComputeConfig
 
 SCHEDULES = ("continuous", "serial")
 
@@ -55,15 +49,8 @@ class EngineConfig:
     schedule: str = "continuous"  # "continuous" | "serial" (one request at a time)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
-    packed_linears: bool = True  # pack the decoder's linear weights once for oneDNN (CPU, where memory allows)
-    tune_malloc: bool = True  # process-wide glibc setting that keeps activations mapped (see kernels)
     defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
-    layer_kernels: bool = True  # RMSNorms and rotary embedding on the compiled kernels (norms, rotary)
-    row_products: bool = True  # packed linears' products of few rows on a compiled kernel: the row kernel on
-    #                            the AVX2 build, bfloat16 ones on the tile kernel where the CPU grants AMX
-    #                            (kernels.PackedWeight, native.row_products, native.tile_products); needs
-    #                            packed_linears
-    whole_hits: bool = True  # a prompt cached whole computes only its last token again, where that is exact
+    compute: ComputeConfig = field(default_factory=ComputeConfig)  # speed only: what the CPU computes with
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -89,10 +76,9 @@ class EngineConfig:
               f"bad max_model_len {self.max_model_len!r}")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
               f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        for name in ("packed_linears", "tune_malloc", "defer_shared_prefill", "layer_kernels", "row_products",
-                     "whole_hits"):
-            value = getattr(self, name)
-            check(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
+        check(isinstance(self.defer_shared_prefill, bool),
+              f"defer_shared_prefill must be a bool, got {self.defer_shared_prefill!r}")
+        check(isinstance(self.compute, ComputeConfig), f"compute must be a ComputeConfig, got {self.compute!r}")
 
     @classmethod
     def exact(cls, page_size: int = 16, **kw) -> "EngineConfig":

@@ -18,22 +18,20 @@ requests. Invariants:
 * A KV pool in host memory larger than the process can still take (``memory.available_bytes``) is refused
   with ``EngineConfigError`` before the model is set up; the CFG pool, made on first use, fails the request
   that needed it with that error instead.
-* The engine is single-threaded by design; ``step``, ``abort`` and ``add_request`` serialise on one lock
-  (``add_request`` validates and names a prompt before taking it), so ``abort`` and ``add_request`` may be
-  called from another thread or between streamed events, and every event they cause reaches ``step``.
-* No request leaves in the middle of a change to the engine's state. An abort that re-enters on the thread
-  already inside one (a stream finalised by the garbage collector during a forward, a model hook, a release
-  callback) is queued and applied when the outermost change ends: for a step, after its commits and samples
-  and before ``step`` returns its events, so the abort event reaches that same ``step``. Such an ``abort``
-  returns True; the request still ends ``"eos"``/``"length"``/... instead if it finishes in that step.
-* A stream that is closed (or collected) aborts its own unfinished requests only: never a later request that
-  took the id of one of them after it ended. It never waits for the engine's lock to do so: the garbage
-  collector may finalise it on a thread that holds another lock (the encoder store's, inside an allocation)
-  which a step running on another thread is about to take. When the lock is taken elsewhere, its aborts are
-  queued (``_orphans``) and applied by whichever thread next finds the lock free: every holder looks when it
-  releases it (``_locked``, ``_changing_state``), and the finaliser looks again after queueing, so none is
-  left behind. A change (a step, an abort, an add) applies those queued before it at its start, so no forward
-  is computed for a closed stream's request.
+* Aborts and threads. ``step``, ``add_request`` and ``abort`` are changes to the engine's state; they
+  serialise on one lock (``add_request`` validates and names a prompt before taking it), so any thread may
+  call them and every event they cause reaches ``step``. Every abort goes through one thread-safe inbox,
+  drained at the start and the end of every change, so a request never leaves in the middle of one (between a
+  forward and its commit): it ends ``"abort"`` then, its computed full pages stored, its other pages and its
+  store leases (``MultimodalInput.release``) returned, unless it finished in that change. ``abort`` from
+  outside a change waits for the running one and returns with the request ended; from inside a change on
+  its own thread (a model hook, a release callback, a stream collected during a forward) it returns True at
+  once and the request ends when that change ends (for a step, before ``step`` returns its events: the abort
+  event is in them). A stream closed or collected aborts its own unfinished requests only, never a later
+  request that took one's id, and never waits for the lock (its finaliser may run on a thread holding a lock
+  a step is about to take): it leaves them in the inbox and drains it only if the lock is free. Every change
+  looks at the inbox again after releasing the lock, so no abort is left behind, and drains it at its start,
+  so no forward is computed for a closed stream's request.
 * A request added without an id gets ``req-N``, N counting up per engine and skipping ids live or handed out
   to a request still being added; a caller adding such an id meanwhile gets ``DuplicateRequest``, as for a
   live one, so two requests never share an id.
@@ -57,9 +55,11 @@ from ..errors import DuplicateRequest, InvalidRequest, MmcacheError
 from ..manager import AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..pool import KVSpec
-from . import kernels, memory, native
+from ..shadow import ShadowedManager, make_manager
+from . import memory
 from .adapter import adapter_for
-from .attention import ATTENTION_BACKEND
+from .compute import ComputePath
+from .compute.path import size_text
 from .config import EngineConfig, EngineConfigError
 from .models import build_model, load_model, model_digest
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
@@ -75,25 +75,6 @@ _SETTING_UP = threading.Lock()
 """Held while an engine sets up its model (routes its attention, claims or replaces its modules, names its
 compute path), so engines built at once on one model object from several threads neither both replace the
 modules nor one name its backend from a half-replaced model. Building an engine is rare; serving never takes it."""
-PACKING_HEADROOM = 0.9  # pack only when the packed copy and the KV pool fit in this share of available memory
-# The chunk kernel's two ways differ in the last bits (their sums run in other orders), so each names the backend.
-_CHUNK_SUFFIX = {native.CHUNK_TILES: "+native-chunk", native.CHUNK_VECTOR: "+native-chunk-vector",
-                 native.CHUNK_NONE: ""}
-
-
-def _packing_room(need: int, pool: int) -> str | None:
-    """None when the packed copy of the linears (``need`` bytes) and the KV pool fit in available memory with
-    headroom (or memory cannot be read); otherwise the reason not to pack."""
-    have = memory.available_bytes()
-    if have is None or need + pool <= PACKING_HEADROOM * have:
-        return None
-    return (f"the packed copy needs {_size(need)} and the KV pool {_size(pool)}, but only {_size(have)} is "
-            f"available; decodes and short prefills run slower on plain linears "
-            f"(EngineConfig(packed_linears=False) asks for this and silences the warning)")
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 class ForwardError(MmcacheError, RuntimeError):
@@ -117,9 +98,10 @@ class SamplingError(MmcacheError, RuntimeError):
 
 class Engine:
     """Serve a transformers decoder model (``model`` is taken over: its attention is routed to the paged
-    backend and, on CPU, its linears are packed and its norms may run on the compiled kernel). Every engine on
-    one model object computes with the same modules: one asking for other ``packed_linears`` or
-    ``layer_kernels`` than the first raises ``EngineConfigError`` (give it a copy of the model).
+    backend and, on CPU, its compute path is set up: ``EngineConfig.compute``, ``compute.ComputePath``). Every
+    engine on one model object computes with the same modules: one asking for other ``packed_linears``,
+    ``row_products`` or ``layer_kernels`` than the first raises ``ComputeConfigError`` (give it a copy of the
+    model).
     ``digest`` overrides the model digest of the fingerprint.
 
     ``generate`` / ``stream`` run a list of prompts to completion; ``add_request`` / ``step`` drive the engine
@@ -129,87 +111,23 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None,
                  digest: str | None = None):
         self.config = config = config or EngineConfig()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # held by the thread inside a change to the state (see _change)
         self.model = model
         self.tokenizer = tokenizer
         with _SETTING_UP:  # see _SETTING_UP
-            self.adapter = adapter_for(model)
-            self.adapter.attach()
-            a = self.adapter
-            self.max_model_len = min(config.max_model_len or a.max_model_len, a.max_model_len)
-            if config.max_model_len and config.max_model_len > a.max_model_len:
-                _log.warning("max_model_len %d is more than this model serves; using %d (%s)", config.max_model_len,
-                             a.max_model_len, a.max_model_len_reason)
-            self.kv_dtype = a.dtype
-            digest = digest or model_digest(model)  # before packing: the digest is over the model's own weights
-            elem = torch.empty(0, dtype=a.dtype).element_size()
-            self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
-            self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
-            self._check_pool_fits(self.num_pages, "num_pages")  # before anything is set up on the model
-            # Chosen once, here (MMCACHE_NATIVE; built on first use): decodes on the compiled kernel or on ATen, and
-            # (where the library can use the tile unit) bfloat16 prefill chunks on its chunk kernel; and the decoder's
-            # RMSNorms and rotary embedding on its layer kernels (``norms``, ``rotary``).
-            decode_kernel = native.library() if a.device.type == "cpu" else None
-            packs = config.packed_linears and kernels.available(a.device, a.dtype)
-            offers = (native.row_products(decode_kernel)  # the AVX2 build; or bfloat16 on the tile kernel
-                      or kernels.row_kernel(decode_kernel, a.dtype, kernels.widened(a.dtype)) in kernels.TILE_LAYOUT)
-            rows = decode_kernel if packs and config.row_products and offers else None
-            requested = {"packed_linears": packs, "layer_kernels": config.layer_kernels and decode_kernel is not None,
-                         "row_products": rows is not None}
-            held = a.claim_compute_path(requested)
-            #: Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
-            #: the packed copy beside the KV pool), or None.
-            self.packing_skipped = held["packing_skipped"] if held else None
-            #: Why the row kernel's copies of the weights were left out although ``row_products`` asked for them
-            #: (they did not fit beside the packed copy and the KV pool; the packed copy alone did), or None.
-            self.row_products_skipped = held["row_products_skipped"] if held else None
-            if held is None:  # the first engine on this model sets up its modules
-                if requested["packed_linears"]:
-                    pool = self.page_bytes * self.num_pages
-                    self.packing_skipped = _packing_room(a.bytes_to_pack(rows), pool)
-                    if self.packing_skipped and rows is not None and _packing_room(a.bytes_to_pack(), pool) is None:
-                        self.row_products_skipped, self.packing_skipped, rows = self.packing_skipped, None, None
-                        _log.warning("row kernel left out (packed linears alone fit): %s", self.row_products_skipped)
-                    if self.packing_skipped is None:
-                        a.pack_linears(rows)
-                    else:
-                        _log.warning("linears left unpacked: %s", self.packing_skipped)
-                    a.record_compute_path(self.packing_skipped, self.row_products_skipped)
-                if requested["layer_kernels"]:
-                    a.install_layer_kernels(decode_kernel)
-            if config.tune_malloc:
-                kernels.tune_malloc()
-            # Packed and plain linears (bfloat16 ones widened to float32 or not), and the kernels and ATen, differ
-            # in the last bits, so the compute path is part of the backend's name.
-            packed = "+onednn-packed" + ("-f32" if kernels.widened(a.dtype) else "") if a.num_packed_linears else ""
-            tiles, vector = a.num_tile_product_linears(), a.num_tile_product_linears(native.PRODUCTS_VECTOR)
-            packed += "+native-rows" if a.num_row_product_linears > tiles + vector else ""
-            packed += ("+native-tile-rows" if tiles else "") + ("+native-vector-rows" if vector else "")
-            self.backend = (ATTENTION_BACKEND + packed
-                            + ("+native-decode" if decode_kernel is not None else "")
-                            + (_CHUNK_SUFFIX[native.chunk_way(decode_kernel, a.head_dim)]
-                               if a.dtype == torch.bfloat16 else "")
-                            + ("+native-norm" if a.num_native_norms else ""))
-            self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
-                                           attention_backend=self.backend, page_size=config.page_size)
-            #: Why ``whole_hits`` was asked for but not taken (``CausalLMAdapter.whole_hit_blocker``), or None.
-            self.whole_hits_skipped = (a.whole_hit_blocker(decode_kernel, config.page_size)
-                                       if config.whole_hits and config.cache_mode == "on" else None)
-            #: Whether a prompt held whole in the cache is matched to its end and only its last token computed
-            #: again (``EngineConfig.whole_hits``, where this model's forward allows it; see ``scheduler``).
-            self.whole_hits = config.whole_hits and config.cache_mode == "on" and self.whole_hits_skipped is None
+            self._set_up_model(config, digest)
+        a = self.adapter
         self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
                                                    config.defer_shared_prefill, self.whole_hits))
-        self.runner = ModelRunner(a, config.page_size, decode_kernel)
+        self.runner = ModelRunner(a, config.page_size, self.compute.decode_kernel)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
                              self._manager, config.seed, config.cfg_num_pages)
         self._live: dict[object, LiveRequest] = {}
-        self._changing = False  # inside a change to the state (a step, an abort, an add); under the lock
-        self._deferred_aborts: list[LiveRequest] = []  # aborts that re-entered a change; applied when it ends
-        self._orphans: deque[LiveRequest] = deque()  # aborts of streams closed while another thread held the lock
+        self._inbox: deque[LiveRequest] = deque()  # aborts not applied yet; any thread appends (see _change)
+        self._owner: int | None = None  # the thread inside a change (holding the lock), or None
         self._events: list[StreamEvent] = []  # events of requests added with add_request
         self._next_id = 0
         self._naming: set = set()  # automatic ids handed out whose requests are not registered yet
@@ -218,6 +136,50 @@ class Engine:
                          "greedy_pick_failures": 0}
 
     # ---- construction ------------------------------------------------------------------------------
+    def _set_up_model(self, config: EngineConfig, digest: str | None) -> None:
+        """Route the model's attention to the paged backend, size the KV pool, set up the compute path and name
+        the fingerprint (under ``_SETTING_UP``)."""
+        self.adapter = a = adapter_for(self.model)
+        a.attach()
+        self.max_model_len = self._max_model_len(config.max_model_len)
+        self.kv_dtype = a.dtype
+        digest = digest or model_digest(self.model)  # before packing: the digest is over the model's own weights
+        elem = torch.empty(0, dtype=a.dtype).element_size()
+        self.page_bytes = 2 * a.num_layers * a.num_kv_heads * a.head_dim * config.page_size * elem
+        self.num_pages = config.pages_for(self.page_bytes, self.max_model_len)
+        self._check_pool_fits(self.num_pages, "num_pages")  # before anything is set up on the model
+        #: What the model computes with (``compute.ComputePath``): chosen once, here; the choices that change a
+        #: result's last bits are named in ``backend``, and so in the fingerprint.
+        self.compute = ComputePath(a, config.compute)
+        self.compute.set_up(self.page_bytes * self.num_pages)
+        self.backend = self.compute.backend
+        self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
+                                       attention_backend=self.backend, page_size=config.page_size)
+        #: Whether a prompt held whole in the cache is matched to its end and only its last token computed again
+        #: (``ComputeConfig.whole_hits``, where this model's forward allows it; see ``scheduler``), and why not
+        #: where it was asked for (``ComputePath.whole_hit_blocker``), or None.
+        self.whole_hits, self.whole_hits_skipped = self.compute.whole_hits(config.page_size,
+                                                                           config.cache_mode == "on")
+
+    def _max_model_len(self, asked: int | None) -> int:
+        a = self.adapter
+        if asked and asked > a.max_model_len:
+            _log.warning("max_model_len %d is more than this model serves; using %d (%s)", asked, a.max_model_len,
+                         a.max_model_len_reason)
+        return min(asked or a.max_model_len, a.max_model_len)
+
+    @property
+    def packing_skipped(self) -> str | None:
+        """Why the linears were left unpacked although ``packed_linears`` asked for them (not enough memory for
+        the packed copy beside the KV pool), or None."""
+        return self.compute.packing_skipped
+
+    @property
+    def row_products_skipped(self) -> str | None:
+        """Why the row kernel's copies of the weights were left out although ``row_products`` asked for them
+        (they did not fit beside the packed copy and the KV pool; the packed copy alone did), or None."""
+        return self.compute.row_products_skipped
+
     @classmethod
     def from_preset(cls, name: str, dtype="float32", config: EngineConfig | None = None) -> "Engine":
         model, tokenizer = build_model(name, dtype)
@@ -235,19 +197,19 @@ class Engine:
             return
         pool, have = self.page_bytes * num_pages, memory.available_bytes()
         if have is not None and pool > have:
-            raise EngineConfigError(f"a KV pool of {num_pages} pages needs {_size(pool)}, but only {_size(have)} "
-                                    f"is available; ask for fewer pages ({setting})")
+            raise EngineConfigError(f"a KV pool of {num_pages} pages needs {size_text(pool)}, but only "
+                                    f"{size_text(have)} is available; ask for fewer pages ({setting})")
 
-    def _new_manager(self, num_pages: int) -> AllocationManager:
+    def _new_manager(self, num_pages: int) -> AllocationManager | ShadowedManager:
         a = self.adapter
         spec = KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, a.device)
         cache = CacheConfig(num_pages=num_pages, page_size=self.config.page_size, mode=self.config.cache_mode,
                             store_at=self.config.store_at)
-        return AllocationManager(cache, self.fingerprint, kv_spec=spec)
+        return make_manager(cache, self.fingerprint, kv_spec=spec)
 
-    def _manager(self, label: str) -> AllocationManager:
+    def _manager(self, label: str) -> AllocationManager | ShadowedManager:
         """The label's manager; the CFG pool is allocated on its first request."""
-        with self._locked():
+        with self._change():
             if label not in self.managers:
                 pages = self.config.cfg_num_pages or self.num_pages
                 self._check_pool_fits(pages, "cfg_num_pages")  # fails this request with the reason, not the engine
@@ -296,8 +258,11 @@ class Engine:
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduling step; returns the events of requests queued with ``add_request``."""
-        with self._locked():  # an abort from another thread appends under the lock: none lands between copy and clear
-            self._step()  # its deferred aborts are applied before it returns: their events are in this copy
+        with self._change():  # events are appended in changes only: none lands between copy and clear
+            self._step()
+            failure = self._drain()  # aborts that re-entered the step: their events belong to its copy
+            if failure is not None:
+                raise failure
             events = list(self._events)
             self._events.clear()  # cleared in place: live requests hold this list as their sink
         return events
@@ -306,17 +271,20 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def abort(self, request_id) -> bool:
-        """End a live request now (its computed full pages are stored); False if it is not live (an id that
-        cannot be hashed names no request: ``add_request`` refuses those). Called on the thread of a running
-        step (a model hook, a stream collected by the garbage collector), it ends the request when that step
-        ends, before the step returns its events."""
-        with self._locked():
+        """End a live request (its computed full pages are stored); False if none is live under this id (an id
+        that cannot be hashed names none: ``add_request`` refuses those). It ends at once, or, called on the
+        thread of a running change (a model hook, a stream collected by the garbage collector), when that
+        change ends: for a step, before the step returns its events (see the module docstring)."""
+        with self._change():
             live = self._live_of(request_id)
-            return live is not None and self._abort(live)
+            if live is None:
+                return False
+            self._inbox.append(live)  # applied at this change's end (or the running one's, on its thread)
+            return True
 
     def is_live(self, request_id) -> bool:
         """Whether a request with this id is live (added, not yet finished)."""
-        with self._locked():
+        with self._change():
             return self._live_of(request_id) is not None
 
     def holds(self, request: Request) -> bool:
@@ -341,7 +309,7 @@ class Engine:
             d["num_pages"] = m.pool.num_pages
             d["free_pages"] = m.pool.num_free
             d["cached_pages"] = m.index.size
-            if m.shadow is not None:
+            if isinstance(m, ShadowedManager):
                 d["shadow"] = m.shadow.metrics.as_dict()
                 d["shadow_failures"] = m.shadow_failures
             out[label] = d
@@ -350,12 +318,12 @@ class Engine:
 
     def clear_cache(self) -> int:
         """Drop every cached page no live request holds (for cold measurements); returns how many."""
-        with self._changing_state():
+        with self._change():
             return sum(m.clear_cache() for m in self.managers.values())
 
     def check_invariants(self) -> None:
         """The managers' invariants, and agreement between them and the engine's live requests."""
-        with self._changing_state():  # reads only; but an abort re-entering mid-check must wait for its end
+        with self._change():  # reads only; but an abort re-entering mid-check must wait for its end
             for label, m in self.managers.items():
                 m.check_invariants()
                 admitted = [lv for lv in self._live.values() if label in lv.branches and lv.branches[label].admitted]
@@ -387,57 +355,80 @@ class Engine:
                     yield ev
                 if not pending:
                     return
-                self._step()
+                with self._change():
+                    self._step()
         finally:
             # A consumer that stops iterating early (or an exception) must not leave requests holding pages. By
             # their live state, not their ids: one that ended unread may have given its id to a new request.
             self._abort_without_waiting(list(pending.values()))
 
     def _abort_without_waiting(self, lives: list[LiveRequest]) -> None:
-        """Abort ``lives`` now if the lock is free or this thread's, else queue them for the change running on
-        the thread that holds it (see the module docstring: a stream's finaliser must never wait for the lock)."""
-        if not lives:
-            return
-        if not self._lock.acquire(blocking=False):
-            self._orphans.extend(lives)  # deque.extend is atomic
-            # The holder may have looked at the queue and released the lock between our try and our append:
-            # look again. If another holder has it now, it looks when it releases it.
-            self._apply_orphans_if_free()
-            return
-        try:
-            for live in lives:
-                self._abort(live)
-        finally:
-            self._lock.release()
-        self._apply_orphans_if_free()
+        """Queue the aborts of ``lives`` and apply them now if the lock is free; never waits for it (a stream's
+        finaliser calls it; see the module docstring)."""
+        self._inbox.extend(lives)  # deque.extend is atomic
+        failure = self._drain_if_free()
+        if failure is not None:
+            raise failure
 
     @contextmanager
-    def _locked(self):
-        """The lock, for a read or a bookkeeping change that is not a change to the requests' state; on release,
-        the aborts streams queued meanwhile are applied if the lock is free (``_apply_orphans_if_free``)."""
-        with self._lock:
+    def _change(self):
+        """Hold the engine for a change to its state: the lock, with the inbox of aborts drained at the start and
+        the end, and looked at again once the lock is released (``_drain_if_free``). On the thread already inside
+        a change (a hook, a callback, a finaliser) it only runs the body: that change drains what it queued. A
+        failure of a drained abort is raised after the change, the other aborts still applied."""
+        me = threading.get_ident()
+        if self._owner == me:
             yield
-        self._apply_orphans_if_free()
+            return
+        failure = None
+        try:
+            with self._lock:
+                self._owner = me
+                try:
+                    failure = self._drain()  # streams closed meanwhile: before this change's work
+                    yield
+                finally:
+                    end = self._drain()  # an abort applied here may itself queue more: drained in the same loop
+                    failure = failure or end
+                    self._owner = None
+        finally:
+            late = self._drain_if_free()
+        if failure or late:
+            raise failure or late
 
-    def _apply_orphans_if_free(self) -> None:
-        """Apply the aborts queued by streams closed while another thread held the lock, if it is free now (or
-        this thread's outside a change). Never waits: it runs in finalisers too. A change running on this thread
-        (the lock held further out) applies them itself when it ends."""
-        while self._orphans and self._lock.acquire(blocking=False):
+    def _drain(self) -> Exception | None:
+        """Inside a change: end every request in the inbox that is still live as aborted; the others still end
+        when one fails, and the first failure is returned."""
+        failure = None
+        while self._inbox:
+            live = self._inbox.popleft()
             try:
-                if self._changing:
-                    return
-                with self._changing_state():
-                    pass  # a change applies the queued aborts at its start
+                if self._is_live(live):
+                    self._finish(live, "abort", None, store=True)
+            except Exception as e:
+                failure = failure or e
+        return failure
+
+    def _drain_if_free(self) -> Exception | None:
+        """Drain the inbox if the lock is free; never waits. The lock is not reentrant: on the thread inside a
+        change this finds it taken and leaves the inbox to that change's end."""
+        failure = None
+        while self._inbox and self._lock.acquire(blocking=False):
+            try:
+                self._owner = threading.get_ident()
+                drained = self._drain()
+                failure = failure or drained
             finally:
+                self._owner = None
                 self._lock.release()
+        return failure
 
     def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
         """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
         arrival = time.perf_counter()
         rid, named = req.request_id, req.request_id is None
         if named:
-            with self._locked():  # skips ids live or being added ("req-0" is an id like any other), and holds it
+            with self._change():  # skips ids live or being added ("req-0" is an id like any other), and holds it
                 while (rid := f"req-{self._next_id}") in self._live or rid in self._naming:
                     self._next_id += 1
                 self._next_id += 1
@@ -447,18 +438,18 @@ class Engine:
         except MmcacheError as err:
             _release_media(req)
             out = RequestOutput(rid, _safe_len(req.prompt), [], 0, "error", err, arrival, None, [])
-            with self._locked():  # step copies and clears the event list under it
+            with self._change():  # step copies and clears the event list under it
                 if named:
                     self._naming.discard(rid)
                 sink.append(StreamEvent(rid, None, time.perf_counter(), True, "error", out, key))
             return None, rid
         except BaseException:
             if named:
-                with self._locked():
+                with self._change():
                     self._naming.discard(rid)
             raise
         live.sink, live.key = sink, key
-        with self._changing_state():
+        with self._change():
             if named:
                 self._naming.discard(rid)
             if rid in self._live or (not named and rid in self._naming):
@@ -472,108 +463,56 @@ class Engine:
         return live, rid
 
     # ---- stepping ----------------------------------------------------------------------------------
-    @contextmanager
-    def _changing_state(self):
-        """Hold the lock for a change to the engine's state. An abort that re-enters on this thread meanwhile
-        (the lock is an RLock: a stream finalised by the garbage collector inside a forward, a model hook, a
-        release callback) is queued by ``_abort`` and applied here when the outermost change ends, so a request
-        never leaves between a forward and its commit, nor in the middle of a scheduler or pool update. The
-        aborts of streams closed on other threads (``_orphans``) are applied at its start and its end, and looked
-        for again once the lock is released (``_apply_orphans_if_free``)."""
-        with self._lock:
-            if self._changing:
-                yield
-                return
-            self._changing = True
-            failure = None
-            try:
-                failure = self._end_queued(failure)  # streams closed meanwhile: before this change's work
-                yield
-            finally:
-                try:
-                    failure = self._end_queued(failure)  # an abort applied here may itself queue more
-                finally:
-                    self._changing = False
-                if failure is not None:
-                    raise failure
-        self._apply_orphans_if_free()
-
-    def _end_queued(self, failure: Exception | None) -> Exception | None:
-        """Abort every queued request still live (this thread's deferred aborts, then other threads' closed
-        streams); the others are still ended when one fails, and the first failure is returned."""
-        while self._deferred_aborts or self._orphans:
-            live = self._deferred_aborts.pop(0) if self._deferred_aborts else self._orphans.popleft()
-            try:
-                if self._is_live(live):
-                    self._finish(live, "abort", None, store=True)
-            except Exception as e:
-                failure = failure or e
-        return failure
-
-    def _abort(self, live: LiveRequest) -> bool:
-        """End ``live`` as aborted if it is still the live request of its id (now, or when the change to the
-        state running on this thread ends); False if it is not."""
-        with self._locked():
-            if not self._is_live(live):
-                return False
-            if self._changing:  # this thread's change: another thread's would hold the lock
-                self._deferred_aborts.append(live)
-                return True
-            with self._changing_state():
-                if self._is_live(live):  # the change's start may have ended it (a stream closed elsewhere)
-                    self._finish(live, "abort", None, store=True)
-            return True
-
     def _is_live(self, live: LiveRequest) -> bool:
         return self._live.get(live.request_id) is live
 
     def _step(self) -> None:
-        with self._changing_state():  # aborts re-entering during the step are applied when it ends
-            self.counters["steps"] += 1
-            plan = self.scheduler.schedule()
-            for live, err in plan.failed:
-                self._finish(live, "error", err, store=False)
-            if not plan.works:
-                if self.scheduler.num_unfinished and not (plan.preempted or plan.failed):
-                    self._fail_stuck()
-                return
-            works = self.runner.order(plan.works)
-            self.counters["forwards"] += 1
-            self.counters["forward_tokens"] += sum(w.end - w.start for w in works)
-            self.counters["prompt_tokens"] += sum(max(0, min(w.end, w.branch.prompt_len) - w.start) for w in works)
-            try:
-                logits = self.runner.run(works)
-            except Exception as cause:  # any failure inside the model: its requests fail, the engine goes on
-                self.counters["failed_forwards"] += 1
-                err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}", cause)
-                for live in _unique(w.live for w in works):
-                    if self._is_live(live):
-                        self._finish(live, "error", err, store=False)
-                return
-            # Aborts are deferred to the end of the step, so every work's request should still be live; one that
-            # is not (ended by a path this engine does not foresee) is skipped rather than failing the others.
-            row, greedy_rows = 0, {}
-            for w in works:
-                live_now = self._is_live(w.live)
-                if live_now and w.write:  # a whole hit's last token (no write) has its KV in the matched pages
-                    w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
-                    w.branch.computed = w.end
-                if w.wants_logits:
-                    if live_now:
-                        w.branch.logits = logits[row]
-                        if w.live.sampling.greedy and CFG not in w.live.branches:
-                            greedy_rows[id(w.live)] = row
-                    row += 1
-            try:
-                greedy = greedy_picks(logits, greedy_rows)
-            except Exception:  # each request then samples its own row, and a failure there ends that request only
-                self.counters["greedy_pick_failures"] += 1
-                _log.warning("picking a step's greedy tokens together raised; each request samples its own row",
-                             exc_info=True)
-                greedy = {}
+        """One scheduling step, inside a change: aborts re-entering during it are applied when the change ends."""
+        self.counters["steps"] += 1
+        plan = self.scheduler.schedule()
+        for live, err in plan.failed:
+            self._finish(live, "error", err, store=False)
+        if not plan.works:
+            if self.scheduler.num_unfinished and not (plan.preempted or plan.failed):
+                self._fail_stuck()
+            return
+        works = self.runner.order(plan.works)
+        self.counters["forwards"] += 1
+        self.counters["forward_tokens"] += sum(w.end - w.start for w in works)
+        self.counters["prompt_tokens"] += sum(max(0, min(w.end, w.branch.prompt_len) - w.start) for w in works)
+        try:
+            logits = self.runner.run(works)
+        except Exception as cause:  # any failure inside the model: its requests fail, the engine goes on
+            self.counters["failed_forwards"] += 1
+            err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}", cause)
             for live in _unique(w.live for w in works):
-                if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
-                    self._emit_token(live, greedy.get(id(live)))
+                if self._is_live(live):
+                    self._finish(live, "error", err, store=False)
+            return
+        # Aborts are deferred to the end of the step, so every work's request should still be live; one that
+        # is not (ended by a path this engine does not foresee) is skipped rather than failing the others.
+        row, greedy_rows = 0, {}
+        for w in works:
+            live_now = self._is_live(w.live)
+            if live_now and w.write:  # a whole hit's last token (no write) has its KV in the matched pages
+                w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
+                w.branch.computed = w.end
+            if w.wants_logits:
+                if live_now:
+                    w.branch.logits = logits[row]
+                    if w.live.sampling.greedy and CFG not in w.live.branches:
+                        greedy_rows[id(w.live)] = row
+                row += 1
+        try:
+            greedy = greedy_picks(logits, greedy_rows)
+        except Exception:  # each request then samples its own row, and a failure there ends that request only
+            self.counters["greedy_pick_failures"] += 1
+            _log.warning("picking a step's greedy tokens together raised; each request samples its own row",
+                         exc_info=True)
+            greedy = {}
+        for live in _unique(w.live for w in works):
+            if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
+                self._emit_token(live, greedy.get(id(live)))
 
     def _fail_stuck(self) -> None:
         """Nothing could be scheduled although requests wait: the budget or pool can never fit them."""
@@ -598,9 +537,7 @@ class Engine:
             b.tokens.append(token)
             b.logits = None
         live.output_ids.append(token)
-        live.token_times.append(now)
-        if live.first_token_time is None:
-            live.first_token_time = now
+        live.timing.token_sampled(now)
         self._emit(live, StreamEvent(live.request_id, token, now, False, None, None, live.key))
         reason = None
         if token in live.eos_ids:

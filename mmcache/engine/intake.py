@@ -32,14 +32,15 @@ from ..checks import finite_number, unicode_text
 from ..errors import InvalidRequest
 from ..manager import AllocationManager
 from ..names import MediaItem, as_token_array
+from ..shadow import ShadowedManager
 from .adapter import CausalLMAdapter
 from .request import MultimodalInput, Request, SamplingParams
-from .sequence import CFG, MAIN, Branch, LiveRequest
+from .sequence import CFG, MAIN, Branch, LiveRequest, Timing
 
 
 class Intake:
     def __init__(self, adapter: CausalLMAdapter, tokenizer, max_model_len: int, page_size: int, num_pages: int,
-                 eos_ids: frozenset, manager: Callable[[str], AllocationManager], seed: int,
+                 eos_ids: frozenset, manager: Callable[[str], AllocationManager | ShadowedManager], seed: int,
                  cfg_num_pages: int | None = None):
         self.adapter = adapter
         self.tokenizer = tokenizer
@@ -92,7 +93,7 @@ class Intake:
                 with self._seeds_lock:
                     seed = int(self._seeds.integers(0, 2**63 - 1))
             generator = torch.Generator().manual_seed(seed)
-        return LiveRequest(rid, req, req.sampling, branches, generator, arrival, len(ids), self.max_model_len,
+        return LiveRequest(rid, req, req.sampling, branches, generator, Timing(arrival), len(ids), self.max_model_len,
                            frozenset() if req.sampling.ignore_eos else self.eos_ids)
 
     def _token_ids(self, prompt, rid, what: str, pool_pages: int, written: int) -> np.ndarray:

@@ -197,7 +197,7 @@ class Scheduler:
                 if b.prepared is None:
                     b.prepare(live.request_id)
             if unwritten and self._deferred(live, unwritten):
-                live.deferrals += 1
+                live.setbacks.deferrals += 1
                 self.deferrals += 1
                 seats += 1
                 i += 1
@@ -287,7 +287,7 @@ class Scheduler:
         """Tear the request down (storing its full pages) and queue it first for re-admission."""
         self.running.remove(live)
         self.release(live, store=True)
-        live.preemptions += 1
+        live.setbacks.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(live)
 

@@ -16,6 +16,7 @@ A live request has one ``Branch`` per label: ``main`` (the prompt) and, for clas
 * ``branch.names`` are the names of the full pages of ``tokens`` as of the latest admission (from its
   ``PreparedPrompt``): while the branch is admitted, the pages from ``computed // page_size`` on are the ones
   it has yet to write, which the scheduler's deferral compares waiting requests against.
+* ``timing.tokens`` holds one stamp per output token, in order (``Timing``); ``setbacks`` only count up.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from ..errors import MmcacheError
 from ..manager import AllocationManager, PreparedPrompt
 from ..names import MediaItem
+from ..shadow import ShadowedManager
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams
 
 MAIN = "main"
@@ -37,7 +39,7 @@ CFG = "cfg"
 @dataclass(eq=False)  # identity: a live branch equals only itself (``in`` and ``remove`` stay O(1) per item)
 class Branch:
     label: str
-    manager: AllocationManager
+    manager: AllocationManager | ShadowedManager
     tokens: list[int]
     prompt_len: int
     salt: bytes | str = b""
@@ -61,6 +63,30 @@ class Branch:
                                              request_id)
 
 
+@dataclass
+class Timing:
+    """``perf_counter`` stamps of one request: when the engine accepted it (or a front end received it) and when
+    each output token was sampled. ``tokens`` only grows, in order, and ``first_token`` is its first stamp."""
+
+    arrival: float
+    first_token: float | None = None
+    tokens: list[float] = field(default_factory=list)
+
+    def token_sampled(self, now: float) -> None:
+        self.tokens.append(now)
+        if self.first_token is None:
+            self.first_token = now
+
+
+@dataclass
+class Setbacks:
+    """What held a request back on its way: preemptions (torn down and queued again) and steps it spent
+    deferred behind a running request computing the same pages (``scheduler``)."""
+
+    preemptions: int = 0
+    deferrals: int = 0
+
+
 @dataclass(eq=False)  # identity, not a field-by-field comparison on every ``in`` / ``remove`` of the scheduler
 class LiveRequest:
     request_id: object
@@ -68,15 +94,12 @@ class LiveRequest:
     sampling: SamplingParams
     branches: dict[str, Branch]
     generator: torch.Generator | None
-    arrival_time: float
+    timing: Timing
     prompt_len: int
     max_len: int  # the sequence may not grow past this many tokens (model limit)
     eos_ids: frozenset
     output_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    first_token_time: float | None = None
-    preemptions: int = 0
-    deferrals: int = 0  # steps spent deferred behind a running request computing the same pages
+    setbacks: Setbacks = field(default_factory=Setbacks)
     finish_reason: str | None = None
     error: MmcacheError | None = None
     sink: list = field(default_factory=list)  # where this request's events go
@@ -92,6 +115,6 @@ class LiveRequest:
         return RequestOutput(
             request_id=self.request_id, prompt_len=self.prompt_len, output_ids=list(self.output_ids),
             matched_tokens=main.first_matched or 0, finish_reason=self.finish_reason, error=self.error,
-            arrival_time=self.arrival_time, first_token_time=self.first_token_time,
-            token_times=list(self.token_times), negative_matched_tokens=(cfg.first_matched or 0) if cfg else 0,
-            preemptions=self.preemptions, text=text)
+            arrival_time=self.timing.arrival, first_token_time=self.timing.first_token,
+            token_times=list(self.timing.tokens), negative_matched_tokens=(cfg.first_matched or 0) if cfg else 0,
+            preemptions=self.setbacks.preemptions, text=text)

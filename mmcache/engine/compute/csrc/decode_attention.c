@@ -3,8 +3,8 @@
  * CPUs with AMX tiles or AVX-512 BF16, the attention of a bfloat16 prefill chunk over its cached prefix and its
  * own keys (mmc_chunk_attention, near the end of this file).
  *
- * Built and loaded at run time by mmcache/engine/native.py; the engine falls back to ATen when this file cannot
- * be compiled (no C compiler, neither AVX-512 nor AVX2 with FMA).
+ * Built and loaded at run time by mmcache/engine/compute/native.py; the engine falls back to ATen when this
+ * file cannot be compiled (no C compiler, neither AVX-512 nor AVX2 with FMA).
  *
  * Layout (all contiguous, element type float32 or bfloat16 alike for q, the pools and out):
  *   q      (n, H, G, D)     queries grouped by KV head: G query heads read KV head h

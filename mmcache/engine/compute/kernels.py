@@ -4,14 +4,14 @@ keeps activation memory mapped between forwards (``tune_malloc``).
 
 ``torch.nn.functional.linear`` on CPU lays the weight out for oneDNN's blocked kernels on every call; for the
 row counts of a decode or a cached-prefix prefill that copy costs as much as the product. ``pack_linears``
-does it once: each ``nn.Linear`` of the decoder layers (and the LM head, see the adapter) becomes a
+does it once: each ``nn.Linear`` of the decoder layers (and the LM head: ``ComputePath.pack_linears``) becomes a
 ``PackedLinear`` that keeps its parameters (names, values and ``state_dict`` unchanged) and also holds the
 packed copy; a gated MLP (``down(act(gate(x)) * up(x))`` with SiLU or tanh-GELU) runs as three packed
 products with the activation and the product fused into them; and the ``q_proj``, ``k_proj`` and ``v_proj``
 of an attention module (one input size, all with a bias or none) become ``PackedProjection`` parts of one
 ``PackedProjections``: one product over their concatenated weights per input tensor, which reads the three
 weights in one pass and saves two calls (a few percent of a decode step or a hit, ``benchmarks/projections.py``).
-Where the engine asks for it (``EngineConfig.row_products``), products of a few rows (a decode step's) run on
+Where the engine asks for it (``ComputeConfig.row_products``), products of a few rows (a decode step's) run on
 a compiled kernel instead, from a second copy of the weight laid out for it in the weight's own dtype
 (``row_kernel``; ``benchmarks/row_products.py``): on AVX2 builds of the compiled library float32 products of
 at most ``native.ROW_PRODUCT_ROWS`` rows (``native.RowWeight``, ``native.linear``), and bfloat16 products of at
@@ -21,7 +21,7 @@ the CPU has that (``native.TileWeight``, ``native.product_way``).
 Invariants:
 
 * The packed copy takes as much memory again as the weights it packs, twice as much for bfloat16 weights
-  packed as float32 (``widened``; the engine packs only where that fits, see ``Engine.packing_skipped``). It
+  packed as float32 (``widened``; the engine packs only where that fits, see ``ComputePath.packing_skipped``). It
   is made from the weights as they are when packing; an engine's model is frozen from then on (an in-place
   weight change is not seen by the packed copies). With the row kernel every packed weight has a second copy,
   laid out for it in the weight's own dtype (as many bytes as the weight, for the tile kernel padded to whole

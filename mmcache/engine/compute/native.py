@@ -3,12 +3,12 @@ and the attention of a bfloat16 prefill chunk over its cached prefix and its own
 products on the AMX tile unit where the CPU grants it, else with AVX-512 BF16 dot products: ``chunk_way``), both
 in ``decode_attention.c``; the Llama family's RMSNorm in one pass per row
 (``rms_norm``, ``rms_norm.c``, installed as modules by ``norms``); and its rotary position embedding, with the
-same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.rotary``); and the
+same bits as transformers' code (``rotary``, ``rotary.c``, installed by ``mmcache.engine.compute.rotary``); and the
 linear products of a decode step's few rows with a weight laid out once for them in its own dtype: on AVX2
 builds in float32 (``linear`` and ``RowWeight``, ``linear.c``, used by ``kernels.PackedWeight`` where
 ``row_products`` says so), and for bfloat16 weights on the AMX tile unit, else with AVX-512 BF16 dot products
 (``TileWeight``, ``tile_linear.c``, the way ``product_way`` names). ``MMCACHE_TILE_UNIT=off`` keeps the tile unit
-out of all of them (``tile_unit``).
+out of all of them (``ComputeSettings.tile_unit``; the environment is read in ``settings``).
 
 ATen's flash attention has a fixed cost of tens of microseconds per call, and a decode calls it once per
 sequence and layer with only ``G`` query rows (the query heads of one KV head); it also needs each sequence's
@@ -73,12 +73,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MmcacheError
+from ...errors import MmcacheError
+from .settings import ENV_CACHE, ENV_CHOICE, ComputeSettings, NativeConfigError
+from .settings import ENV_TILES  # noqa: F401 (callers name the variables here, beside the library)
 
-ENV_CHOICE = "MMCACHE_NATIVE"
-ENV_CACHE = "MMCACHE_CACHE_DIR"
-ENV_TILES = "MMCACHE_TILE_UNIT"
-_CHOICES = ("auto", "off", "require")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "decode_attention.c", CSRC / "rms_norm.c", CSRC / "rotary.c", CSRC / "linear.c",
            CSRC / "tile_linear.c", CSRC / "activation.c")
@@ -97,10 +95,6 @@ class NativeKernelUnavailable(MmcacheError, RuntimeError):
     """``MMCACHE_NATIVE=require`` and the kernel cannot be built or loaded here; the message says why."""
 
 
-class NativeConfigError(MmcacheError, ValueError):
-    """``MMCACHE_NATIVE`` holds something other than auto, off or require."""
-
-
 _state: dict = {}  # "lib": the loaded library or None, "why": the reason it is None; filled once per process
 _state_lock = threading.Lock()  # threads wanting the library at once build and load it once
 _private: dict = {}  # "dir": this process's private build directory, made when a cache directory is refused
@@ -108,30 +102,9 @@ _private_lock = threading.Lock()
 _refusals: set = set()  # (directory, why) pairs already warned about
 
 
-def tile_unit() -> bool:
-    """Whether the library may use the AMX tile unit where the CPU has it and Linux grants it: yes unless
-    ``MMCACHE_TILE_UNIT`` is ``off``, which runs everything on the vector unit's ways, as on a CPU with AVX-512
-    BF16 and no tile unit (AMD Zen 4): decode scores, prefill chunks (``chunk_way``) and the products of few
-    rows (``product_way``). Read when the library is loaded (``library``, after ``reset``)."""
-    value = os.environ.get(ENV_TILES, "auto").strip().lower() or "auto"
-    if value not in ("auto", "off"):
-        raise NativeConfigError(f"{ENV_TILES}={os.environ[ENV_TILES]!r}: expected auto or off")
-    return value == "auto"
-
-
-def choice() -> str:
-    value = os.environ.get(ENV_CHOICE, "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise NativeConfigError(f"{ENV_CHOICE}={os.environ[ENV_CHOICE]!r}: expected one of {', '.join(_CHOICES)}")
-    return value
-
-
-def cache_dir() -> Path:
+def cache_dir(settings: ComputeSettings | None = None) -> Path:
     """Where ``build`` keeps libraries (checked there before use: see the module's docstring)."""
-    if os.environ.get(ENV_CACHE):
-        return Path(os.environ[ENV_CACHE])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mmcache"
+    return (settings or ComputeSettings.from_env()).library_dir
 
 
 def _not_ours(st: os.stat_result, what: str) -> str | None:
@@ -190,8 +163,9 @@ def _machine() -> str:
 
 
 def build(compiler: str | None = None, directory: Path | None = None,
-          sources: tuple[Path, ...] | None = None) -> Path:
-    """Compile the kernel (or find it already compiled) and return the library's path.
+          sources: tuple[Path, ...] | None = None, settings: ComputeSettings | None = None) -> Path:
+    """Compile the kernel (or find it already compiled) and return the library's path. ``compiler`` and
+    ``directory`` default to ``settings``' (by default the environment's: ``ComputeSettings.from_env``).
 
     ``sources``: other copies of ``SOURCES`` (in that order, the headers of ``HEADERS`` beside them), such as
     an earlier revision's to measure against (``benchmarks/chunk_kernel.py --against``); by default this
@@ -205,7 +179,8 @@ def build(compiler: str | None = None, directory: Path | None = None,
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise NativeKernelUnavailable(f"the decode kernel is built for Linux on x86-64, not {sys.platform} "
                                       f"on {platform.machine()}")
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    settings = settings or ComputeSettings.from_env()
+    cc = compiler or settings.compiler or shutil.which("cc") or shutil.which("gcc")
     if not cc or not shutil.which(cc):
         raise NativeKernelUnavailable(f"no C compiler found ({cc or 'cc'}; set CC to one)")
     try:
@@ -218,7 +193,7 @@ def build(compiler: str | None = None, directory: Path | None = None,
         digest.update(part)
         digest.update(b"\0")
     name = f"decode_attention-{digest.hexdigest()[:20]}.so"
-    directory, why = _own_directory(directory or cache_dir())
+    directory, why = _own_directory(directory or settings.library_dir)
     if why is not None:
         directory = _refuse(directory, why)
     target = directory / name
@@ -299,21 +274,23 @@ def _dlopen(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def load(path: Path) -> ctypes.CDLL:
-    """The library at ``path`` (from ``build``) with its functions' argument types declared.
-    ``NativeKernelUnavailable`` where the file or its directory is not this user's alone (``_open_own``) or it
-    lacks a function the engine calls."""
+def load(path: Path, tile_unit: bool | None = None) -> ctypes.CDLL:
+    """The library at ``path`` (from ``build``) with its functions' argument types declared, allowed the AMX
+    tile unit where ``tile_unit`` (default: ``ComputeSettings.from_env().tile_unit``). ``NativeKernelUnavailable``
+    where the file or its directory is not this user's alone (``_open_own``) or it lacks a function the engine
+    calls."""
     lib = _dlopen(Path(path))
     lib.path = Path(path)  # where it was found (ctypes names it by the descriptor it was loaded through)
     try:
-        return _declare(lib)
+        return _declare(lib, ComputeSettings.from_env().tile_unit if tile_unit is None else tile_unit)
     except AttributeError as exc:  # ctypes: "...: undefined symbol: mmc_..."
         raise NativeKernelUnavailable(f"{Path(path).name} lacks a kernel function ({exc}); built from other "
                                       f"sources?") from exc
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """``lib`` with the argument and result types of its functions declared and its capabilities read."""
+def _declare(lib: ctypes.CDLL, use_tiles: bool) -> ctypes.CDLL:
+    """``lib`` with the argument and result types of its functions declared and its capabilities read; the tile
+    unit used only where ``use_tiles``."""
     fn = lib.mmc_decode_attention
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -341,7 +318,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mmc_row_panel.restype = ctypes.c_int
     lib.mmc_init.argtypes = [ctypes.c_int]  # a library from before the argument ignores it
     lib.mmc_init.restype = ctypes.c_int
-    use_tiles = tile_unit()
     lib.tiles = bool(lib.mmc_init(int(use_tiles)))  # scores on the tile unit (AMX) where the CPU and the OS allow it
     lib.tile_rows = 0  # rows per tile of the tile products (tile_linear.c), 0 where they cannot run
     if hasattr(lib, "mmc_tile_linear"):  # a library built from an earlier revision's sources has none
@@ -371,15 +347,18 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None when ``MMCACHE_NATIVE`` is off or (under auto) it cannot be built here."""
-    mode = choice()
+def library(settings: ComputeSettings | None = None) -> ctypes.CDLL | None:
+    """The loaded kernel, or None when ``settings.native`` (by default ``MMCACHE_NATIVE``) is off or (under
+    auto) it cannot be built here. Built and loaded once per process (until ``reset``), with the settings of
+    that first call."""
+    settings = settings or ComputeSettings.from_env()
+    mode = settings.native
     if mode == "off":
         return None
     with _state_lock:
         if "lib" not in _state:
             try:
-                lib, why = load(build()), None
+                lib, why = load(build(settings=settings), settings.tile_unit), None
             except (NativeKernelUnavailable, OSError) as exc:
                 lib, why = None, str(exc)
                 _log.info("decode kernel unavailable, using ATen: %s", exc)
@@ -391,12 +370,12 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def status() -> str:
+def status(settings: ComputeSettings | None = None) -> str:
     """What decode attention runs on in this process: ``native`` (with what the tile unit or AVX-512 BF16 adds:
     AMX scores and prefill chunks on the tile unit, or prefill chunks on the vector way; or that the kernel
     runs on AVX2's 8 lanes), or ``aten (why)``."""
     try:
-        lib = library()
+        lib = library(settings)
         if lib is not None:
             if lib.tiles:
                 return "native (AMX scores)"
@@ -678,7 +657,7 @@ PRODUCTS_TILES, PRODUCTS_VECTOR = "tiles", "vector"
 def tile_products(lib: ctypes.CDLL | None) -> bool:
     """Whether the engine computes bfloat16 products of at most ``TILE_PRODUCT_ROWS`` rows (a decode step's, or
     a page-sized prefill chunk's) with ``tile_linear``: where the library was built for a CPU with the AMX tile
-    unit and Linux grants it (and ``tile_unit``). On the Intel AMX machine of
+    unit and Linux grants it (and ``ComputeSettings.tile_unit``). On the Intel AMX machine of
     RESULTS.md oneDNN's products of a few rows streamed the weights at 13-17 GB/s and this kernel's at 20-24 GB/s
     (``benchmarks/row_products.py``; RESULTS.md, "Decode products on the tile unit")."""
     return lib is not None and getattr(lib, "tile_rows", 0) > 0

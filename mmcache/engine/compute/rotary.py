@@ -36,7 +36,7 @@ from torch import nn
 from . import native
 
 NAME = "apply_rotary_pos_emb"
-_log = logging.getLogger("mmcache.engine.rotary")
+_log = logging.getLogger("mmcache.engine.compute.rotary")
 _skipped: dict[str, str] = {}  # modeling module name -> why ``install`` left its function alone (last try)
 
 

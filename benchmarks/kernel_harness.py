@@ -1,0 +1,71 @@
+"""What the kernel micro-benchmarks share: paired repeats in turns, medians of per-repeat ratios, the machine.
+
+Rules every such benchmark follows (this machine's speed moves by more than most differences measured):
+
+* The sides run in every repeat, in turns (``order``: each repeat starts one side later), so a slow minute
+  weighs on every side alike.
+* A ratio is taken within its repeat and then the median over repeats (``ratio``), never as a ratio of
+  medians; each side's own figure is its median (``paired``).
+* First calls (allocations, oneDNN's kernel choice) are not timed; ``timed`` gives the mean of ``calls``
+  calls after them.
+* The result names the machine it was measured on (``machine``; ``say_machine`` prints it to stderr) and is
+  written whole (``write_json``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from mmcache.cli import write_json
+
+__all__ = ["machine", "order", "paired", "ratio", "say_machine", "timed", "write_json"]
+
+
+def order(sides: Sequence[str], repeat: int) -> list[str]:
+    """The order of ``sides`` in repeat number ``repeat``: rotated by one per repeat (two sides alternate)."""
+    k = repeat % len(sides)
+    return [*sides[k:], *sides[:k]]
+
+
+def timed(fn: Callable, *args, calls: int = 1) -> float:
+    """Seconds per call of ``fn(*args)``, the mean over ``calls`` calls in a row."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    return (time.perf_counter() - t0) / calls
+
+
+def ratio(over: Sequence[float], under: Sequence[float]) -> float:
+    """The median over repeats of ``over[r] / under[r]``."""
+    return statistics.median(a / b for a, b in zip(over, under))
+
+
+def paired(times: dict[str, Sequence[float]], over: str, under: str) -> dict:
+    """``{over}_s`` and ``{under}_s`` (each side's median) and ``{over}_over_{under}`` (``ratio``)."""
+    return {f"{over}_s": statistics.median(times[over]), f"{under}_s": statistics.median(times[under]),
+            f"{over}_over_{under}": ratio(times[over], times[under])}
+
+
+def machine(kernels: bool = True) -> dict:
+    """Threads torch computes with and the OpenMP runtime loaded; with ``kernels``, also what the compiled
+    kernels run on (``native.status``: builds the library where it is not built yet)."""
+    import torch
+
+    from mmcache.openmp import loaded_runtime
+
+    out = {"threads": torch.get_num_threads(), "openmp": loaded_runtime()}
+    if kernels:
+        from mmcache.engine.compute import native
+
+        out["kernels"] = native.status()
+    return out
+
+
+def say_machine(name: str, kernels: bool = True) -> None:
+    """One line on stderr naming the machine ``name`` measures on (``machine``)."""
+    m = machine(kernels)
+    line = f"[{name}] {m['threads']} threads, OpenMP runtime {m['openmp']}"
+    print(line + (f", compiled kernels: {m['kernels']}" if kernels else ""), file=sys.stderr)
