@@ -71,9 +71,10 @@ _STATE_KEYWORDS = ("encoder_cache", "padding_cache", "use_streaming")
 
 
 class CachedCodecEncode:
-    """Callable standing in for ``codec.encode`` while attached (``with CachedCodecEncode(codec, store):``)."""
+    """Callable standing in for ``codec.encode`` while attached (``with CachedCodecEncode(codec, store):``); its
+    store entries are of ``kind`` (default ``"output"``; a server files them as ``"codec"``)."""
 
-    def __init__(self, codec: torch.nn.Module, store: EncoderOutputStore | None):
+    def __init__(self, codec: torch.nn.Module, store: EncoderOutputStore | None, kind: str = "output"):
         from transformers import MimiModel
 
         if not isinstance(codec, MimiModel):
@@ -81,8 +82,11 @@ class CachedCodecEncode:
                                  f"{type(codec).__name__}")
         if store is not None and not isinstance(store, EncoderOutputStore):
             raise InvalidRequest(f"store must be an EncoderOutputStore or None, got {type(store).__name__}")
+        if not isinstance(kind, str) or not kind:
+            raise InvalidRequest(f"an entry kind must be a non-empty str, got {kind!r}")
         self.codec = codec
         self.store = store
+        self.kind = kind  # the kind of the store entries it makes (the store's per-kind metrics count them apart)
         # (salt, preprocessing descriptor) of the calls in the current thread or task (``salted``); one variable
         # per instance, so two adapters (two codecs) keep theirs apart
         self._request: contextvars.ContextVar[tuple[bytes, object]] = contextvars.ContextVar(
@@ -242,7 +246,7 @@ class CachedCodecEncode:
                 q = self._check(input_values, padding_mask, num_quantizers)
                 key = self._key(input_values, padding_mask, q, self._request.get())
                 with self.store.get_or_compute(key, lambda: (self._run(original, input_values, padding_mask, q), {}),
-                                               self.spec) as lease:
+                                               self.spec, kind=self.kind) as lease:
                     codes = lease.outputs["audio_codes"].clone()
                     if lease.hit:
                         with self._lock:

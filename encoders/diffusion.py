@@ -19,6 +19,9 @@ Invariants:
   end of ``__call__``), also when encoding or the pipeline fails, so entries in use are never evicted and a
   failed request holds nothing afterwards.
 * ``store=None`` runs the same code with every prompt encoded (the store-off baseline).
+* ``prompt_kind`` and ``negative_kind`` (default ``"output"`` both) are the kinds of the store entries the
+  prompts and the negative prompts make, which the store's per-kind metrics count apart (a server labels them
+  text encoder and negative prompt). A text used both ways under one salt is one entry, of the kind that made it.
 * The salt is per call: ``prepare`` and ``__call__`` take ``cache_salt=`` (bytes or str, at most
   ``names.MAX_SALT_BYTES``), the wrapper's own ``salt`` when it is None. It reaches every store entry the call
   uses (prompt and negative-prompt outputs, position biases) and the tokenization memos, so one wrapper serves
@@ -161,9 +164,13 @@ def _placement_state(module: torch.nn.Module) -> tuple:
 
 class _CachedPipeline(abc.ABC):
     def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
-                 position_biases: bool = True):
+                 position_biases: bool = True, prompt_kind: str = "output", negative_kind: str = "output"):
         if not isinstance(position_biases, bool):
             raise InvalidRequest(f"position_biases must be a bool, got {position_biases!r}")
+        for kind in (prompt_kind, negative_kind):
+            if not isinstance(kind, str) or not kind:
+                raise InvalidRequest(f"an entry kind must be a non-empty str, got {kind!r}")
+        self.kinds = {False: prompt_kind, True: negative_kind}  # negative? -> the kind of the entries it makes
         self.pipe = pipe
         self.store = store
         self.salt = Namer.salt_bytes(salt)  # the salt of a call that names none
@@ -246,8 +253,8 @@ class _CachedPipeline(abc.ABC):
     def _arg(self, kwargs: dict, name: str):
         return kwargs.pop(name, self._defaults[name])
 
-    def _encode(self, call: PreparedCall, adapter, text: str, max_length: int, **selector) -> dict:
-        lease = adapter.encode(text, max_length, self.store, call.salt, **selector)
+    def _encode(self, call: PreparedCall, adapter, text: str, max_length: int, negative: bool, **selector) -> dict:
+        lease = adapter.encode(text, max_length, self.store, call.salt, kind=self.kinds[negative], **selector)
         call.leases.append(lease)
         return lease.outputs
 
@@ -258,8 +265,9 @@ class CachedWanPipeline(_CachedPipeline):
     512) is refused: WanPipeline itself sets no limit and would pad every prompt to it."""
 
     def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
-                 max_sequence_length_limit: int = T5_MAX_LENGTH, position_biases: bool = True):
-        super().__init__(pipe, store, salt, position_biases)
+                 max_sequence_length_limit: int = T5_MAX_LENGTH, position_biases: bool = True,
+                 prompt_kind: str = "output", negative_kind: str = "output"):
+        super().__init__(pipe, store, salt, position_biases, prompt_kind, negative_kind)
         self._max_length_limit = max_sequence_length_limit
         self.text = None
         self._follow_components()
@@ -276,10 +284,10 @@ class CachedWanPipeline(_CachedPipeline):
     def _adapter_list(self):
         return [self.text]
 
-    def _embeds(self, call, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
+    def _embeds(self, call, texts: list[str], max_length: int, n: int, place: dict, negative: bool) -> torch.Tensor:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        rows = [self._encode(call, self.text, prompt_clean(text), max_length)["hidden"].to(**place)
+        rows = [self._encode(call, self.text, prompt_clean(text), max_length, negative)["hidden"].to(**place)
                 for text in texts]
         # The pipeline's trim-and-zero-pad, written into one zeroed tensor instead of a cat and a stack.
         embeds = rows[0].new_zeros((len(rows), max_length, rows[0].size(1)))
@@ -299,10 +307,10 @@ class CachedWanPipeline(_CachedPipeline):
         # WanPipeline.do_classifier_free_guidance; every input is checked before anything is encoded.
         negatives = _negatives(negative_prompt, len(prompts)) if guidance > 1.0 else None
         place = {"dtype": self.pipe.text_encoder.dtype, "device": self.execution_device()}
-        kwargs.update(prompt_embeds=self._embeds(call, prompts, max_length, n, place), guidance_scale=guidance,
+        kwargs.update(prompt_embeds=self._embeds(call, prompts, max_length, n, place, False), guidance_scale=guidance,
                       max_sequence_length=max_length, num_videos_per_prompt=1)  # rows are already repeated
         if negatives is not None:
-            kwargs["negative_prompt_embeds"] = self._embeds(call, negatives, max_length, n, place)
+            kwargs["negative_prompt_embeds"] = self._embeds(call, negatives, max_length, n, place, True)
         return kwargs
 
 
@@ -310,8 +318,8 @@ class CachedSD3Pipeline(_CachedPipeline):
     """``StableDiffusion3Pipeline`` with CLIP-L, CLIP-G and T5 outputs (positive and negative) from the store."""
 
     def __init__(self, pipe, store: EncoderOutputStore | None = None, salt: bytes | str | None = b"",
-                 position_biases: bool = True):
-        super().__init__(pipe, store, salt, position_biases)
+                 position_biases: bool = True, prompt_kind: str = "output", negative_kind: str = "output"):
+        super().__init__(pipe, store, salt, position_biases, prompt_kind, negative_kind)
         self.clip: list = [None, None]
         self.t5 = None
         self._follow_components()
@@ -335,24 +343,25 @@ class CachedSD3Pipeline(_CachedPipeline):
     def _adapter_list(self):
         return [a for a in (*self.clip, self.t5) if a is not None]
 
-    def _clip(self, call, index: int, texts: list[str], hidden_layer: int, n: int, place: dict):
-        outs = [self._encode(call, self.clip[index], t, self.pipe.tokenizer_max_length, hidden_layer=hidden_layer)
+    def _clip(self, call, index: int, texts: list[str], hidden_layer: int, n: int, place: dict, negative: bool):
+        outs = [self._encode(call, self.clip[index], t, self.pipe.tokenizer_max_length, negative,
+                             hidden_layer=hidden_layer)
                 for t in texts]
         hidden = torch.stack([o["hidden"] for o in outs]).to(dtype=place["clip_dtype"], device=place["device"])
         return _repeat(hidden, n), _repeat(torch.stack([o["pooled"] for o in outs]), n)
 
-    def _t5(self, call, texts: list[str], max_length: int, n: int, place: dict) -> torch.Tensor:
+    def _t5(self, call, texts: list[str], max_length: int, n: int, place: dict, negative: bool) -> torch.Tensor:
         if self.t5 is None:  # the pipeline's stand-in when the T5 encoder is dropped
             return torch.zeros((len(texts) * n, max_length, self.pipe.transformer.config.joint_attention_dim),
                                device=place["device"], dtype=place["clip_dtype"])
-        rows = [self._encode(call, self.t5, t, max_length)["hidden"] for t in texts]
+        rows = [self._encode(call, self.t5, t, max_length, negative)["hidden"] for t in texts]
         return _repeat(torch.stack(rows).to(dtype=place["t5_dtype"], device=place["device"]), n)
 
-    def _embeds(self, call, texts, texts_2, texts_3, hidden_layer, max_length, n, place):
-        hidden_l, pooled_l = self._clip(call, 0, texts, hidden_layer, n, place)
-        hidden_g, pooled_g = self._clip(call, 1, texts_2, hidden_layer, n, place)
+    def _embeds(self, call, texts, texts_2, texts_3, hidden_layer, max_length, n, place, negative=False):
+        hidden_l, pooled_l = self._clip(call, 0, texts, hidden_layer, n, place, negative)
+        hidden_g, pooled_g = self._clip(call, 1, texts_2, hidden_layer, n, place, negative)
         clip = torch.cat([hidden_l, hidden_g], dim=-1)
-        t5 = self._t5(call, texts_3, max_length, n, place)
+        t5 = self._t5(call, texts_3, max_length, n, place, negative)
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
 
@@ -383,6 +392,6 @@ class CachedSD3Pipeline(_CachedPipeline):
                       max_sequence_length=max_length, num_images_per_prompt=1)  # rows are already repeated
         if negatives is not None:
             # The pipeline encodes negatives with clip_skip=None whatever the request's clip_skip.
-            neg, neg_pooled = self._embeds(call, *negatives, -2, max_length, n, place)
+            neg, neg_pooled = self._embeds(call, *negatives, -2, max_length, n, place, negative=True)
             kwargs.update(negative_prompt_embeds=neg, negative_pooled_prompt_embeds=neg_pooled)
         return kwargs

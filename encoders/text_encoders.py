@@ -530,8 +530,9 @@ class TextEncoderAdapter(abc.ABC):
         """One encoder forward of batch 1; the outputs as the pipeline holds them after its encoder call."""
 
     def encode(self, text: str, max_length: int, store: EncoderOutputStore | None = None,
-               salt: bytes | str | None = b"", **selector) -> Lease:
+               salt: bytes | str | None = b"", kind: str = "output", **selector) -> Lease:
         """A held lease on the encoder outputs for ``text``; release it when the request is done with them.
+        ``kind`` is the store entry's kind (what the store's per-kind metrics count a lookup under).
 
         With ``store=None`` the prompt is tokenized afresh, the encoder runs and the lease holds nothing (the
         store-off path is this same code).
@@ -555,7 +556,7 @@ class TextEncoderAdapter(abc.ABC):
             outputs, meta = compute()
             spec.check(key, outputs)
             return Lease(key, outputs, meta, hit=False)
-        lease = store.get_or_compute(key, compute, spec)
+        lease = store.get_or_compute(key, compute, spec, kind=kind)
         if lease.meta.get("tokens") != tokens.token_bytes():
             lease.release()  # a 128-bit key collision: never use another prompt's outputs
             outputs, meta = compute()

@@ -39,3 +39,36 @@ def error_of(response: httpx.Response) -> dict:
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     return body["error"]
+
+
+def store_holds(store) -> int:
+    """Leases held on the store's entries, all entries together (0 when no request holds anything)."""
+    return sum(store.held(key) for key in store.keys())
+
+
+class Blocked:
+    """Keeps a generation queue's worker busy (``with Blocked(queue, waiting=k):``): one job that waits for the
+    block to end, and ``waiting`` more queued behind it, so the queue's state is known while the block runs."""
+
+    def __init__(self, queue, waiting: int = 0):
+        import threading
+
+        self.queue = queue
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.waiting = waiting
+
+    def _hold(self, job):
+        self.started.set()
+        self.gate.wait(60)
+
+    def __enter__(self):
+        self.jobs = [self.queue.submit(self._hold)]
+        assert self.started.wait(30), "the worker did not take the blocking job"
+        self.jobs += [self.queue.submit(lambda job: None) for _ in range(self.waiting)]
+        return self
+
+    def __exit__(self, *exc):
+        self.gate.set()
+        for job in self.jobs:
+            job.future.result(60)

@@ -1,11 +1,18 @@
 """``mmcache serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the reference engine.
 
 A host layer above the engine and the encoders: it may import the core, ``mmcache.engine`` and ``encoders``;
-only the command line, benchmarks and tests import it. The pieces, one concept each: ``config`` (what to
-serve and its limits), ``runner`` (the engine's step loop in its own thread, asyncio queues to handlers),
-``protocol`` (request and response bodies), ``prompts`` (API requests to engine requests), ``generation``
-(events to text, stop strings), ``tenants`` (API keys and cache salts), ``errors`` (OpenAI error objects),
-``metrics`` (Prometheus), ``app`` (routes), ``launch`` (``start_server``), ``cli`` (``mmcache serve``).
+only the command line, benchmarks and tests import it. The pieces, one concept each:
+
+* serving in general: ``config`` (what to serve and its limits), ``intake`` (the checks every route shares:
+  key, body size, JSON, model, salt), ``tenants`` (API keys and cache salts), ``errors`` (OpenAI error
+  objects), ``metrics`` (Prometheus), ``app`` (routes), ``launch`` (``start_server``), ``cli`` (``mmcache serve``);
+* chat: ``runner`` (the engine's step loop in its own thread, asyncio queues to handlers), ``protocol``
+  (request and response bodies), ``prompts`` (API requests to engine requests), ``generation`` (events to text,
+  stop strings);
+* generation: ``pipelines`` (diffusers and CSM pipelines from presets or folders), ``workers`` (one bounded
+  queue and worker thread per pipeline), ``images`` (``/v1/images/generations``), ``speech``
+  (``/v1/audio/speech``), ``videos``, ``video_jobs``, ``video_render``, ``video_mp4`` (``/v1/videos``:
+  asynchronous jobs, their bounded store, rendering and MP4 encoding).
 
     with start_server(ServerConfig(preset="tiny-llava")) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none")

@@ -1,7 +1,9 @@
-"""The FastAPI application: OpenAI-compatible routes over one ``EngineHost``.
+"""The FastAPI application: OpenAI-compatible routes over one ``EngineHost`` and the generation services.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (these three need an API key
-when keys are configured), ``GET /health`` (200 while the step loop runs), ``GET /metrics`` (Prometheus text).
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (with a chat model), the routers of the image,
+speech and video services (``images.image_router``, ``speech.speech_router``, ``videos``), ``GET /v1/models``
+(these need an API key when keys are configured), ``GET /health`` (200 while the step loop and every generation
+queue run), ``GET /metrics`` (Prometheus text).
 
 Rules:
 
@@ -26,13 +28,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .errors import APIError, bad_request, from_engine_error, internal, model_not_found, overloaded, \
-    route_not_found, too_large, unauthorized
+from .errors import APIError, from_engine_error, internal, overloaded, route_not_found
 from .generation import Generation
+from .intake import ClientGone, Intake, from_validation, unless_disconnected
 from .metrics import ServerMetrics
 from .prompts import PromptMaker, check_supported, stop_strings
 from .protocol import ChatCompletionRequest, CompletionRequest, model_card, now, usage
@@ -40,13 +41,12 @@ from .runner import EngineHost, QueueFull
 from .tenants import Tenants
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-def build_app(host: EngineHost, config, tenants: Tenants, metrics: ServerMetrics) -> FastAPI:
+def build_app(host: EngineHost | None, config, tenants: Tenants, metrics: ServerMetrics, routers=(),
+              services=()) -> FastAPI:
+    """The app over ``host`` (None: no chat model), with each of ``routers`` (FastAPI ``APIRouter``s) included;
+    ``services`` (each with ``name``, ``task`` and ``alive``) are listed in /v1/models and checked by /health."""
     app = FastAPI(title="mmcache", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(host, config, tenants, metrics)
+    api = _Api(host, config, tenants, metrics, services)
     app.state.api = api
 
     @app.exception_handler(APIError)
@@ -55,7 +55,7 @@ def build_app(host: EngineHost, config, tenants: Tenants, metrics: ServerMetrics
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
-        return api.error_response(_from_validation(err.errors()))
+        return api.error_response(from_validation(err.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
@@ -67,28 +67,26 @@ def build_app(host: EngineHost, config, tenants: Tenants, metrics: ServerMetrics
     async def _unexpected(request: Request, err: Exception):
         return api.error_response(internal(f"{type(err).__name__}: {err}"))
 
-    app.post("/v1/chat/completions")(api.chat)
-    app.post("/v1/completions")(api.completions)
+    if host is not None:
+        app.post("/v1/chat/completions")(api.chat)
+        app.post("/v1/completions")(api.completions)
+    for router in routers:
+        app.include_router(router)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
     return app
 
 
-def _from_validation(errors) -> APIError:
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return bad_request(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param)
-
-
 class _Api:
-    def __init__(self, host: EngineHost, config, tenants: Tenants, metrics: ServerMetrics):
+    def __init__(self, host: EngineHost | None, config, tenants: Tenants, metrics: ServerMetrics, services=()):
         self.host = host
         self.config = config
         self.tenants = tenants
         self.metrics = metrics
-        self.prompts = PromptMaker(host, config)
+        self.services = list(services)
+        self.intake = Intake(config, tenants)
+        self.prompts = PromptMaker(host, config) if host is not None else None
         self.created = now()
 
     # ---- errors -------------------------------------------------------------------------------------
@@ -97,75 +95,49 @@ class _Api:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     # ---- checks -------------------------------------------------------------------------------------
-    def _tenant(self, request: Request):
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        if tenant is None:
-            raise unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
-        return tenant
-
     async def _body(self, request: Request, model):
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            await _drain(request, limit)
-            raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
-        chunks, size, more = [], 0, True
-        while more:  # the raw messages, not request.stream(): a drain must know whether more is coming
-            message = await request.receive()
-            if message["type"] != "http.request":
-                raise bad_request("the client disconnected before sending the whole body")
-            body, more = message.get("body", b""), message.get("more_body", False)
-            size += len(body)
-            if size > limit:
-                if more:
-                    await _drain(request, limit)
-                raise too_large(f"request body beyond the limit of {limit} bytes")
-            chunks.append(body)
-        try:
-            data = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
-        if not isinstance(data, dict):
-            raise bad_request("the body must be a JSON object", None, "invalid_json")
-        try:
-            req = model.model_validate(data)
-        except ValidationError as e:
-            raise _from_validation(e.errors()) from None
-        if req.model != self.config.model_name:
-            raise model_not_found(req.model, self.config.model_name)
-        if req.cache_salt is not None and len(req.cache_salt) > self.config.max_cache_salt:
-            raise bad_request(f"cache_salt is longer than {self.config.max_cache_salt} characters", "cache_salt")
+        """The tenant's salt and the checked request body."""
+        tenant = self.intake.tenant(request)
+        req = await self.intake.body(request, model, self.config.chat_model_name)
+        salt = self.intake.salt(tenant, req.cache_salt)
         check_supported(req)
-        return req
+        return salt, req
 
     # ---- routes -------------------------------------------------------------------------------------
     async def chat(self, request: Request):
         arrival = time.perf_counter()
-        tenant = self._tenant(request)
-        req = await self._body(request, ChatCompletionRequest)
+        salt, req = await self._body(request, ChatCompletionRequest)
         stops = stop_strings(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_request = self.prompts.chat(req, rid, self.tenants.salt(tenant, req.cache_salt), arrival)
+        engine_request = self.prompts.chat(req, rid, salt, arrival)
         return await self._run(request, req, rid, engine_request, stops, chat=True)
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
-        tenant = self._tenant(request)
-        req = await self._body(request, CompletionRequest)
+        salt, req = await self._body(request, CompletionRequest)
         stops = stop_strings(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        engine_request = self.prompts.completion(req, rid, self.tenants.salt(tenant, req.cache_salt), arrival)
+        engine_request = self.prompts.completion(req, rid, salt, arrival)
         return await self._run(request, req, rid, engine_request, stops, chat=False)
 
     async def models(self, request: Request):
-        self._tenant(request)
-        card = model_card(self.config.model_name, self.host.core.max_model_len, self.created)
-        return JSONResponse({"object": "list", "data": [card]})
+        self.intake.tenant(request)
+        cards = []
+        if self.host is not None:
+            cards.append(model_card(self.config.chat_model_name, self.host.core.max_model_len, self.created))
+        for service in self.services:
+            cards.append({"id": service.name, "object": "model", "created": self.created, "owned_by": "mmcache",
+                          "root": service.name, "task": service.task})
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(self):
-        if not self.host.alive:
+        if self.host is not None and not self.host.alive:
             return self.error_response(APIError(503, "the engine's step loop is not running",
                                                 "service_unavailable", None, "not_ready"))
+        for service in self.services:
+            if not service.alive:
+                return self.error_response(APIError(503, f"the {service.task} worker is not running",
+                                                    "service_unavailable", None, "not_ready"))
         return JSONResponse({"status": "ok"})
 
     async def metrics_text(self):
@@ -179,15 +151,15 @@ class _Api:
             raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
         gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)
         try:
-            first = await _unless_disconnected(request, gen.first())
+            first = await unless_disconnected(request, gen.first())
             if first.finished and first.finish_reason == "error":
                 raise from_engine_error(first.output.error, "messages" if chat else "prompt")
             if req.stream:
-                shape = _ChatChunks(rid, req, self.config.model_name) if chat else \
-                    _CompletionChunks(rid, req, self.config.model_name)
+                shape = _ChatChunks(rid, req, self.config.chat_model_name) if chat else \
+                    _CompletionChunks(rid, req, self.config.chat_model_name)
                 return _Stream(self._sse(gen, shape, req), gen.close)
-            await _unless_disconnected(request, gen.text())
-        except _ClientGone:
+            await unless_disconnected(request, gen.text())
+        except ClientGone:
             gen.close()
             return Response(status_code=499)
         except BaseException:
@@ -207,7 +179,7 @@ class _Api:
         if req.return_token_ids:
             choice["token_ids"] = list(out.output_ids)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": self.config.model_name, "choices": [choice],
+                "model": self.config.chat_model_name, "choices": [choice],
                 "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)}
 
     async def _sse(self, gen: Generation, shape, req):
@@ -287,41 +259,3 @@ class _Stream(StreamingResponse):
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _drain(request: Request, limit: int) -> None:
-    """Read (and drop) what is left of an oversized body, up to a few times the limit, so the client reads
-    our 413 instead of a reset connection."""
-    seen = 0
-    while seen <= 4 * limit:
-        message = await request.receive()
-        if message["type"] != "http.request":
-            return
-        seen += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
-
-
-async def _unless_disconnected(request: Request, awaitable):
-    """The result of ``awaitable``, or ``_ClientGone`` when the client disconnects first."""
-    task = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watch.cancel()
-        raise
-    watch.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    raise _ClientGone()
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so the next message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -1,8 +1,12 @@
 """``mmcache serve``: the OpenAI-compatible server in the foreground.
 
-    mmcache serve (--preset NAME | --model DIR) [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
-                  [--served-model-name NAME] [--max-waiting N] [--page-size N] [--num-pages N]
-                  [--max-num-seqs N] [--store-bytes N] [--dtype D] [--cache-mode on|off]
+    mmcache serve [--preset NAME | --model DIR] [--diffusion PRESET_OR_DIR ...] [--tts PRESET_OR_DIR]
+                  [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] [--served-model-name NAME]
+                  [--max-waiting N] [--page-size N] [--num-pages N] [--max-num-seqs N] [--store-bytes N]
+                  [--dtype D] [--cache-mode on|off] [image, speech and video limits]
+
+At least one of ``--preset`` / ``--model`` (chat), ``--diffusion`` (images, videos) and ``--tts`` (speech) is
+given; every model shares one encoder-output store of ``--store-bytes``.
 
 Binds the loopback address unless ``--host`` says otherwise, prints the URL it serves once it accepts
 connections (``/health`` answers from then on), and runs until interrupted (Ctrl-C or SIGTERM), when it stops
@@ -20,16 +24,25 @@ from ..cli import count
 from ..engine.models import DTYPES
 from ..engine.presets import PRESETS
 from ..engine.vlm_presets import VLM_PRESETS
+from .config import DEFAULT_STORE_BYTES, ServerConfigError
+from .pipelines import DIFFUSION_PRESETS, TTS_PRESETS
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a text or VLM preset, or a local Hugging Face folder, over an "
-                                   "OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, "
-                                   "/health, /metrics).")
-    src = p.add_mutually_exclusive_group(required=True)
+    p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API",
+                       description="Serve a text or VLM chat model, diffusion pipelines and a voice-cloning "
+                                   "pipeline (presets or local folders) over an OpenAI-compatible API "
+                                   "(/v1/chat/completions, /v1/completions, /v1/images/generations, /v1/videos, "
+                                   "/v1/audio/speech, /v1/models, /health, /metrics).")
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=list(PRESETS) + list(VLM_PRESETS))
     src.add_argument("--model", metavar="DIR", help="a local Hugging Face folder of a text model")
+    p.add_argument("--diffusion", action="append", default=[], metavar="PRESET_OR_DIR",
+                   help=f"a diffusion pipeline: {', '.join(DIFFUSION_PRESETS)} or a local diffusers folder "
+                        f"(SD3 family: /v1/images/generations; Wan: /v1/videos); give it once per task")
+    p.add_argument("--tts", metavar="PRESET_OR_DIR",
+                   help=f"a voice-cloning pipeline for /v1/audio/speech: {', '.join(TTS_PRESETS)} or a local CSM "
+                        f"folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=count(65535, 0), default=8000, help="0: a free port")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -42,12 +55,43 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=count(), default=16, help="tokens per KV page (default 16)")
     p.add_argument("--num-pages", type=count(), default=None, help="KV pages per pool (default: from 1 GiB)")
     p.add_argument("--max-num-seqs", type=count(), default=64, help="requests decoded together (default 64)")
-    p.add_argument("--store-bytes", type=count(), default=256 * 2**20,
-                   help="encoder-output store budget in bytes (VLM presets; default 256 MiB)")
+    p.add_argument("--store-bytes", type=count(), default=DEFAULT_STORE_BYTES,
+                   help="the encoder-output store's budget in bytes, shared by every model (default 256 MiB)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default: float32 for presets, bfloat16 for --model")
+                   help="default: float32 when every model is a preset, else bfloat16 (presets stay float32)")
     p.add_argument("--cache-mode", default="on", choices=["on", "off"])
+    g = p.add_argument_group("image, speech and video requests")
+    g.add_argument("--image-size", action="append", default=[], metavar="WxH",
+                   help="a size image requests may ask for, the first the default (default: the pipeline's own)")
+    g.add_argument("--negative-prompt", default="", metavar="TEXT",
+                   help="the negative prompt of image requests that send none (encoded once per tenant)")
+    g.add_argument("--max-inference-steps", type=count(), default=50, help="per image request (default 50)")
+    g.add_argument("--max-images-per-request", type=count(), default=4, help="an image request's n (default 4)")
+    g.add_argument("--max-speech-frames", type=count(), default=250,
+                   help="audio frames a speech request generates at most (default 250: 20 s of Mimi)")
+    g.add_argument("--max-ref-audio-seconds", type=_seconds, default=30.0,
+                   help="longest reference clip (default 30)")
+    g.add_argument("--max-generation-waiting", type=count(), default=16,
+                   help="image, speech or video requests queued per pipeline beyond which 503 (default 16)")
     p.set_defaults(func=serve_main)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _default_dtype(args: argparse.Namespace) -> str:
+    """float32 when every source is a preset, bfloat16 when a folder is served."""
+    folders = [args.model] if args.model else []
+    folders += [s for s in args.diffusion if s not in DIFFUSION_PRESETS]
+    folders += [args.tts] if args.tts and args.tts not in TTS_PRESETS else []
+    return "bfloat16" if folders else "float32"
 
 
 def config_from_args(args: argparse.Namespace):
@@ -56,21 +100,31 @@ def config_from_args(args: argparse.Namespace):
 
     engine_config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                                  max_num_seqs=args.max_num_seqs, cache_mode=args.cache_mode)
-    return ServerConfig(preset=args.preset, model=args.model, host=args.host, port=args.port,
-                        api_keys=tuple(args.api_key), served_model_name=args.served_model_name,
-                        max_waiting=args.max_waiting, engine_config=engine_config, store_bytes=args.store_bytes,
-                        dtype=args.dtype or ("float32" if args.preset else "bfloat16"))
+    return ServerConfig(preset=args.preset, model=args.model, diffusion=tuple(args.diffusion), tts=args.tts,
+                        host=args.host, port=args.port, api_keys=tuple(args.api_key),
+                        served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                        engine_config=engine_config, store_bytes=args.store_bytes,
+                        dtype=args.dtype or _default_dtype(args), image_sizes=tuple(args.image_size),
+                        negative_prompt=args.negative_prompt, max_inference_steps=args.max_inference_steps,
+                        max_images_per_request=args.max_images_per_request,
+                        max_speech_frames=args.max_speech_frames, max_ref_audio_seconds=args.max_ref_audio_seconds,
+                        max_generation_waiting=args.max_generation_waiting)
 
 
 def serve_main(args: argparse.Namespace) -> int:
     from .launch import start_server
 
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ServerConfigError as e:
+        print(f"mmcache serve: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         with start_server(config) as srv:
-            print(f"mmcache serve: {config.model_name} at {srv.url} (OpenAI API: {srv.base_url})", flush=True)
+            print(f"mmcache serve: {', '.join(config.model_names)} at {srv.url} (OpenAI API: {srv.base_url})",
+                  flush=True)
             try:
                 while not stop.wait(0.5):
                     pass
@@ -80,6 +134,9 @@ def serve_main(args: argparse.Namespace) -> int:
     except OSError as e:  # the address is taken or cannot be bound
         print(f"mmcache serve: cannot serve on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
         return 1
+    except ServerConfigError as e:  # a pipeline the server cannot serve (a folder of another kind, a bad size)
+        print(f"mmcache serve: {e}", file=sys.stderr)
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0

@@ -1,12 +1,15 @@
 """What ``mmcache serve`` serves and under which limits: one frozen dataclass, checked at construction.
 
-Invariants: exactly one of ``preset`` and ``model`` is given; every limit is a positive int; the host binds the
-loopback address unless told otherwise; ``port`` 0 asks for a free port. A bad value raises
-``ServerConfigError`` before any model is built.
+Invariants: at least one model is served: a chat model (at most one of ``preset`` and ``model``), diffusion
+pipelines (``diffusion``: at most one per task, text-to-image and text-to-video, checked when they are built) and
+a voice-cloning pipeline (``tts``); no two served models share a name. Every limit is a positive int (seconds a
+positive finite number); the host binds the loopback address unless told otherwise; ``port`` 0 asks for a free
+port. A bad value raises ``ServerConfigError`` before any model is built.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..checks import positive_int
@@ -20,17 +23,35 @@ class ServerConfigError(MmcacheError, ValueError):
 DEFAULT_STORE_BYTES = 256 * 2**20
 
 
+def source_name(source: str) -> str:
+    """The name clients give for a model served from ``source`` (a preset name, or a folder's last part)."""
+    return str(source).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or str(source)
+
+
+def parse_size(size: str) -> tuple[int, int] | None:
+    """``"WxH"`` as (width, height), or None when it is not two positive whole numbers."""
+    if not isinstance(size, str):
+        return None
+    w, sep, h = size.strip().lower().partition("x")
+    if not sep or not (w.isdigit() and h.isdigit() and w.isascii() and h.isascii()):
+        return None
+    width, height = int(w), int(h)
+    return (width, height) if width > 0 and height > 0 else None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     preset: str | None = None  # an engine preset (text) or a VLM preset
     model: str | None = None  # a local Hugging Face folder (text model)
+    diffusion: tuple[str, ...] = ()  # diffusion presets or local diffusers folders (SD3 images, Wan videos)
+    tts: str | None = None  # a voice-cloning preset or a local CSM folder
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     api_keys: tuple[str, ...] = ()  # empty: no key asked; two or more: each key is its own tenant
-    served_model_name: str | None = None  # default: the preset name or the folder's name
+    served_model_name: str | None = None  # the chat model's name; default: the preset name or the folder's name
     max_waiting: int = 256  # requests accepted but not yet started beyond which a request gets 503
     engine_config: object = None  # an EngineConfig; None: EngineConfig(page_size=16)
-    store_bytes: int = DEFAULT_STORE_BYTES  # encoder-output store budget (VLM presets)
+    store_bytes: int = DEFAULT_STORE_BYTES  # the one encoder-output store's budget, shared by every model
     dtype: str = "float32"
     max_body_bytes: int = 64 * 2**20  # a request body beyond this gets 413
     max_image_bytes: int = 16 * 2**20  # an image beyond this (decoded payload) gets 413
@@ -41,10 +62,30 @@ class ServerConfig:
     retry_after_s: int = 1  # the Retry-After of a 503
     tenant_secret: bytes | None = None  # keys a tenant's salt; None: drawn at random when the server starts
     log_level: str = "warning"
+    # ---- image and speech generation ----
+    image_sizes: tuple[str, ...] = ()  # "WxH" sizes an image request may ask for; empty: the pipeline's default
+    max_images_per_request: int = 4  # an image request's n
+    max_inference_steps: int = 50  # an image request's num_inference_steps
+    negative_prompt: str = ""  # the deployment's negative prompt, for image requests that send none
+    max_speech_chars: int = 4096  # characters of a speech request's input
+    max_speech_frames: int = 250  # audio frames a speech request generates at most (Mimi: 12.5 a second)
+    max_ref_audio_seconds: float = 30.0  # a reference clip longer than this gets 413
+    max_ref_audio_bytes: int = 16 * 2**20  # a reference clip beyond this (decoded payload) gets 413
+    max_generation_waiting: int = 16  # image, speech or video requests queued per pipeline beyond which 503
+    video_limits: object = None  # a videos.VideoLimits (sizes, frames, steps, fps); None: its defaults
+    max_video_jobs: int = 64  # video jobs kept (at least max_generation_waiting); the oldest finished goes first
+    max_video_bytes: int = 256 * 2**20  # MP4 bytes kept in memory for finished video jobs
 
     def __post_init__(self):
-        if (self.preset is None) == (self.model is None):
-            raise ServerConfigError("give exactly one of preset and model")
+        if self.preset is not None and self.model is not None:
+            raise ServerConfigError("give at most one of preset and model")
+        if isinstance(self.diffusion, str):
+            raise ServerConfigError("diffusion must be a list of presets or folders, not one string")
+        object.__setattr__(self, "diffusion", tuple(self.diffusion))
+        if not self.serves_chat and not self.diffusion and self.tts is None:
+            raise ServerConfigError("nothing to serve: give preset or model, diffusion, or tts")
+        if self.served_model_name and not self.serves_chat:
+            raise ServerConfigError("served_model_name names the chat model; none is served")
         if isinstance(self.api_keys, str):
             raise ServerConfigError("api_keys must be a list of keys, not one string")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -56,18 +97,56 @@ class ServerConfig:
         if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
             raise ServerConfigError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
         for name in ("store_bytes", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images",
-                     "max_cache_salt", "default_max_tokens", "retry_after_s"):
+                     "max_cache_salt", "default_max_tokens", "retry_after_s", "max_images_per_request",
+                     "max_inference_steps", "max_speech_chars", "max_speech_frames", "max_ref_audio_bytes",
+                     "max_generation_waiting", "max_video_jobs", "max_video_bytes"):
             if not positive_int(getattr(self, name)):
                 raise ServerConfigError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        seconds = self.max_ref_audio_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ServerConfigError(f"max_ref_audio_seconds must be a positive number, got {seconds!r}")
+        self._check_generation()
         secret = self.tenant_secret
         if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
             raise ServerConfigError("tenant_secret must be bytes of at least 16")
 
+    def _check_generation(self) -> None:
+        if isinstance(self.image_sizes, str):
+            raise ServerConfigError("image_sizes must be a list of \"WxH\" sizes, not one string")
+        object.__setattr__(self, "image_sizes", tuple(self.image_sizes))
+        for size in self.image_sizes:
+            if parse_size(size) is None:
+                raise ServerConfigError(f"image size {size!r} is not of the form WxH (positive whole numbers)")
+        if self.max_generation_waiting > self.max_video_jobs:
+            raise ServerConfigError(f"max_generation_waiting ({self.max_generation_waiting}) must not exceed "
+                                    f"max_video_jobs ({self.max_video_jobs}): queued video jobs are kept as jobs")
+        if not isinstance(self.negative_prompt, str):
+            raise ServerConfigError("negative_prompt must be a str")
+        names = self.model_names
+        if len(set(names)) != len(names):
+            raise ServerConfigError(f"two served models share a name: {names}; serve them from different folders "
+                                    f"or rename the chat model (served_model_name)")
+
     @property
-    def model_name(self) -> str:
-        """The name clients give as ``model``."""
+    def serves_chat(self) -> bool:
+        return self.preset is not None or self.model is not None
+
+    @property
+    def chat_model_name(self) -> str | None:
+        """The name clients give as ``model`` for chat and completions (None: no chat model)."""
+        if not self.serves_chat:
+            return None
         if self.served_model_name:
             return self.served_model_name
-        if self.preset is not None:
-            return self.preset
-        return str(self.model).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or str(self.model)
+        return self.preset if self.preset is not None else source_name(self.model)
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every served model's name: the chat model's, each diffusion pipeline's, the voice pipeline's."""
+        names = [self.chat_model_name] if self.serves_chat else []
+        return names + [source_name(s) for s in self.diffusion] + ([source_name(self.tts)] if self.tts else [])
+
+    @property
+    def model_name(self) -> str:
+        """The chat model's name, or without one the first served model's (the label of shared metrics)."""
+        return self.model_names[0]

@@ -1,10 +1,15 @@
-"""Starting a server: the engine built from a ``ServerConfig``, its host, the app, and uvicorn on a bound socket.
+"""Starting a server: the engine and the generation pipelines built from a ``ServerConfig``, the one store they
+share, the engine's host, the app, and uvicorn on a bound socket.
 
 ``start_server`` runs uvicorn in a background thread (tests, benchmarks, ``mmcache serve`` alike) and returns
 once the socket is bound and the server started; leaving the block stops accepting, stops the step loop and
-aborts what is still live (a stream then ends with finish reason ``abort``), and joins both threads: the
-engine holds no request afterwards. The socket is bound before uvicorn starts, so port 0 gives a free
-port with no race between choosing it and binding it.
+aborts what is still live (a stream then ends with finish reason ``abort``), stops the generation workers (what
+waits fails, what runs stops at its next step), and joins every thread: nothing holds a page or a store entry
+afterwards. The socket is bound before uvicorn starts, so port 0 gives a free port with no race between choosing
+it and binding it.
+
+One store for everything: a VLM's own store when the chat model is a VLM, else a store of ``store_bytes`` when
+a diffusion or voice pipeline is served (a text-only chat server has none).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-from .config import ServerConfig
+from .config import ServerConfig, ServerConfigError, source_name
 from .runner import EngineHost
 
 _START_TIMEOUT_S = 60
@@ -32,11 +37,14 @@ def image_limits(config: ServerConfig):
 
 
 def build_engine(config: ServerConfig):
-    """An ``Engine`` (text preset or local folder) or a ``VLMEngine`` (VLM preset) as ``config`` names."""
+    """An ``Engine`` (text preset or local folder) or a ``VLMEngine`` (VLM preset) as ``config`` names; None
+    when it names no chat model."""
     from ..engine.config import EngineConfig
     from ..engine.engine import Engine
     from ..engine.vlm_presets import VLM_PRESETS
 
+    if not config.serves_chat:
+        return None
     engine_config = config.engine_config or EngineConfig(page_size=16)
     if config.preset in VLM_PRESETS:
         from ..engine.vlm import VLMEngine
@@ -48,17 +56,119 @@ def build_engine(config: ServerConfig):
     return Engine.from_pretrained(config.model, config.dtype, engine_config)
 
 
+def shared_store(config: ServerConfig, engine):
+    """The one encoder-output store of the server (module docstring)."""
+    from ..store import EncoderOutputStore
+
+    if engine is not None and hasattr(engine, "builder"):  # a VLMEngine: its vision tower's store
+        return engine.store
+    if config.diffusion or config.tts:
+        return EncoderOutputStore(config.store_bytes)
+    return None
+
+
 @dataclass
 class RunningServer:
     """A started server: ``url`` (``http://HOST:PORT``), ``base_url`` (``url + "/v1"``, for OpenAI clients),
-    ``host`` (the ``EngineHost``; ``host.engine`` is the engine), ``app`` and ``metrics``."""
+    ``host`` (the ``EngineHost``, None without a chat model; ``host.engine`` is the engine), ``app``,
+    ``metrics``, ``store`` (the shared encoder-output store, or None) and ``services`` (task -> service:
+    ``images`` an ``ImageService``, ``speech`` a ``SpeechService``, ``videos`` a ``VideoService``)."""
 
     url: str
     base_url: str
-    host: EngineHost
+    host: EngineHost | None
     app: object
     metrics: object
     config: ServerConfig
+    store: object = None
+    services: dict = field(default_factory=dict)
+
+
+@dataclass
+class VideoService:
+    """The video jobs of a Wan pipeline, as /v1/models and /health see them."""
+
+    name: str
+    jobs: object  # a video_jobs.VideoJobs
+    task: str = "videos"
+
+    @property
+    def alive(self) -> bool:
+        return self.jobs.alive
+
+    def close(self) -> None:
+        self.jobs.close()
+
+
+def build_services(config: ServerConfig, store, tenants, metrics) -> tuple[dict, list]:
+    """The generation services ``config`` names (task -> service) and their routers; on failure, those built
+    are closed."""
+    services: dict = {}
+    routers: list = []
+    try:
+        for source in config.diffusion:
+            from .pipelines import load_diffusion
+
+            task, pipe = load_diffusion(source, config.dtype)
+            if task in services:
+                raise ServerConfigError(f"two diffusion pipelines serve {task}; give at most one of each")
+            service, router = _SERVICE_BUILDERS[task](pipe, store, config, source, tenants, metrics)
+            services[task] = service
+            routers.append(router)
+        if config.tts is not None:
+            from .pipelines import load_tts
+
+            service, router = _speech(load_tts(config.tts, config.dtype), store, config, source_name(config.tts),
+                                      tenants, metrics)
+            services["speech"] = service
+            routers.append(router)
+    except BaseException:
+        for service in services.values():
+            service.close()
+        raise
+    return services, routers
+
+
+def _images(pipe, store, config, source, tenants, metrics):
+    from .images import ImageService, image_router
+    from .intake import Intake
+
+    name = source_name(source)
+    service = ImageService(pipe, store, config, name)
+    metrics.watch_queue("images", name, service.queue)
+    return service, image_router(service, Intake(config, tenants), metrics)
+
+
+def _speech(voice, store, config, name, tenants, metrics):
+    from .intake import Intake
+    from .speech import SpeechService, speech_router
+
+    service = SpeechService(voice, store, config, name)
+    metrics.watch_queue("speech", name, service.queue)
+    return service, speech_router(service, Intake(config, tenants), metrics)
+
+
+def _videos(pipe, store, config, source, tenants, metrics):
+    from encoders.diffusion import CachedWanPipeline
+
+    from .images import NEGATIVE_KIND, TEXT_ENCODER_KIND
+    from .video_jobs import VideoJobs
+    from .video_render import WanRenderer
+    from .videos import VideoLimits, video_router
+
+    wrapper = CachedWanPipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
+    jobs = VideoJobs(WanRenderer(wrapper), max_jobs=config.max_video_jobs, max_pending=config.max_generation_waiting,
+                     max_bytes=config.max_video_bytes)
+    limits = config.video_limits or (VideoLimits(**TINY_WAN_DEFAULTS) if source == "tiny-wan" else VideoLimits())
+    router = video_router(jobs, tenants, metrics.registry, model_name=source_name(source), limits=limits,
+                          max_body_bytes=config.max_body_bytes,
+                          max_cache_salt=config.max_cache_salt, retry_after_s=config.retry_after_s)
+    return VideoService(source_name(source), jobs), router
+
+
+_SERVICE_BUILDERS = {"images": _images, "videos": _videos}
+# what a video request leaving fields out gets from the tiny preset: a size and length it renders in a second
+TINY_WAN_DEFAULTS = {"default_width": 32, "default_height": 32, "default_frames": 5, "default_steps": 4}
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -88,20 +198,28 @@ def start_server(config: ServerConfig, engine=None):
     from .tenants import Tenants
 
     sock = _bind(config.host, config.port)  # first: a taken address fails before the model is built
+    services: dict = {}
     try:
         engine = engine if engine is not None else build_engine(config)
-        host = EngineHost(engine, config.max_waiting)
-        metrics = ServerMetrics(host, config.model_name)
-        host.observe = metrics.observe
-        app = build_app(host, config, Tenants(config.api_keys, config.tenant_secret), metrics)
+        host = EngineHost(engine, config.max_waiting) if engine is not None else None
+        store = shared_store(config, engine)
+        metrics = ServerMetrics(host, config.model_name, store)
+        if host is not None:
+            host.observe = metrics.observe
+        tenants = Tenants(config.api_keys, config.tenant_secret)
+        services, routers = build_services(config, store, tenants, metrics)
+        app = build_app(host, config, tenants, metrics, routers, services.values())
         server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=5))
     except BaseException:
+        for service in services.values():
+            service.close()
         sock.close()
         raise
     shown = f"[{config.host}]" if ":" in config.host else config.host
     url = f"http://{shown}:{sock.getsockname()[1]}"
-    host.start()
+    if host is not None:
+        host.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mmcache-uvicorn", daemon=True)
     thread.start()
     try:
@@ -110,10 +228,14 @@ def start_server(config: ServerConfig, engine=None):
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start on {url}")
             time.sleep(0.01)
-        yield RunningServer(url, url + "/v1", host, app, metrics, config)
+        yield RunningServer(url, url + "/v1", host, app, metrics, config, store, services)
     finally:
         server.should_exit = True  # stop accepting
-        host.stop()  # abort what is live: its handlers end now instead of holding uvicorn's shutdown
+        if host is not None:
+            host.stop()  # abort what is live: its handlers end now instead of holding uvicorn's shutdown
+        for service in services.values():
+            service.close()  # what waits fails, what runs stops at its next step
         thread.join()
-        host.stop()  # and what was submitted meanwhile
+        if host is not None:
+            host.stop()  # and what was submitted meanwhile
         sock.close()

@@ -2,25 +2,32 @@
 
 Two sources, one registry per server (never the process-wide default, so servers in one process do not mix):
 
-* What the engine and the store already count is read at scrape time by a collector (``_EngineCollector``):
-  prefix-cache queries and hits in prompt tokens, encoder-store queries and hits per kind of entry, store bytes
-  and entries, KV pages free / cached / live and the live share, evictions, requests running and waiting. No
-  counter is mirrored, so a scrape always agrees with ``engine.metrics()``.
-* What only the server sees is recorded as requests end: outcomes by finish reason, errors by type (every
-  error response, engine errors included), and histograms of time to first token, inter-token latency,
-  end-to-end latency and prompt length.
+* What the engine, the store and the generation queues already count is read at scrape time by collectors
+  (``_EngineCollector``, ``_StoreCollector``, ``_QueueCollector``): prefix-cache queries and hits in prompt
+  tokens, KV pages free / cached / live and the live share, evictions, requests running and waiting; the one
+  encoder-output store's queries and hits per kind of entry, its bytes and entries; image and speech requests
+  queued and running. No counter is mirrored, so a scrape always agrees with ``engine.metrics()`` and
+  ``store.metrics``.
+* What only the server sees is recorded as requests end: chat outcomes by finish reason, errors by type (every
+  error response, engine errors included), histograms of time to first token, inter-token latency, end-to-end
+  latency and prompt length; per generation endpoint (``images``, ``speech``) requests by status and a latency
+  histogram, and the time to first audio of speech.
 
-Store kinds are labelled as the issue names them; a VLM's store holds vision-tower outputs, which the store
-files under its default kind ``output``.
+Store kinds are labelled as the issue names them: ``output`` (the store's default kind, which only a VLM's
+vision tower uses in a server) is ``vision``; the image and speech pipelines file their entries under
+``text_encoder``, ``negative_prompt``, ``position_bias`` and ``codec`` themselves.
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine.request import StreamEvent
+from .errors import APIError
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -31,9 +38,10 @@ ENGINE_SECTIONS = ("engine", "encoder")  # entries of engine.metrics() that are 
 
 
 class ServerMetrics:
-    """The registry of one server over ``host`` (an ``EngineHost``); ``observe`` is the host's callback."""
+    """The registry of one server over ``host`` (an ``EngineHost``, None without a chat model) and ``store``
+    (the shared encoder-output store, None without one); ``observe`` is the host's callback."""
 
-    def __init__(self, host, model_name: str):
+    def __init__(self, host, model_name: str, store=None):
         self.registry = CollectorRegistry(auto_describe=False)
         self.model_name = model_name
         labels = ["model_name"]
@@ -52,9 +60,47 @@ class ServerMetrics:
                                        labels, buckets=_TOKEN_BUCKETS, registry=r)
         self.generation_tokens = Counter("mmcache:generation_tokens", "Output tokens generated.", labels,
                                          registry=r)
-        r.register(_EngineCollector(host, model_name))
+        self.endpoint_requests = Counter("mmcache:endpoint_requests", "Image and speech requests, by endpoint and "
+                                         "HTTP status (499: the client went away).",
+                                         labels + ["endpoint", "status"], registry=r)
+        self.endpoint_latency = Histogram("mmcache:endpoint_latency_seconds", "Arrival to response of successful "
+                                          "image and speech requests.", labels + ["endpoint"],
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("mmcache:time_to_first_audio_seconds", "Arrival to the first byte of audio of a "
+                              "speech request.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        if host is not None:
+            r.register(_EngineCollector(host, model_name))
+        r.register(_StoreCollector(store, model_name))
+        self.queues = _QueueCollector()
+        r.register(self.queues)
 
-    def observe(self, event: StreamEvent, reason: str) -> None:
+    def watch_queue(self, endpoint: str, model_name: str, queue) -> None:
+        """Report ``queue`` (a ``GenerationQueue``) as ``endpoint``'s requests waiting and running."""
+        self.queues.queues[endpoint] = (model_name, queue)
+
+    @contextmanager
+    def timed(self, endpoint: str, model_name: str):
+        """Records a generation request: its status (200 unless an ``APIError`` or another exception ends the
+        block, or the block sets ``outcome.status``) and, for a 200, its latency."""
+        outcome = _Outcome()
+        start = time.perf_counter()
+        try:
+            yield outcome
+        except APIError as e:
+            outcome.status = e.status
+            raise
+        except BaseException:
+            outcome.status = 500
+            raise
+        finally:
+            self.endpoint_requests.labels(model_name, endpoint, str(outcome.status)).inc()
+            if outcome.status == 200:
+                self.endpoint_latency.labels(model_name, endpoint).observe(time.perf_counter() - start)
+
+    def first_audio(self, model_name: str, seconds: float) -> None:
+        self.ttfa.labels(model_name).observe(max(0.0, seconds))
+
+    def observe(self, event, reason: str) -> None:
         """Record a finished request (called on the step thread); errors are recorded by ``error``."""
         out = event.output
         name = self.model_name
@@ -119,7 +165,6 @@ class _EngineCollector:
         yield gauge("mmcache:num_requests_running", "Requests with an output token and not yet finished.",
                     host.running)
         yield gauge("mmcache:num_requests_waiting", "Requests accepted that have no output yet.", host.waiting)
-        yield from self._store(stats.get("encoder"))
 
     def _live_pages(self) -> int:
         """Pages with an owner besides the index: a page's owner count is its live requests plus one if indexed."""
@@ -128,7 +173,23 @@ class _EngineCollector:
             live += int(np.count_nonzero(manager.pool.refcount > manager.index.in_index))
         return live
 
-    def _store(self, store: dict | None):
+
+class _Outcome:
+    status: int = 200
+
+
+class _StoreCollector:
+    """Reads the shared encoder-output store's own counts at scrape time (zeros when there is none)."""
+
+    def __init__(self, store, model_name: str):
+        self.store = store
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        store = self._counts()
         name = self.model_name
         queries = CounterMetricFamily("mmcache:encoder_cache_queries", "Encoder-output store lookups, by kind.",
                                       labels=["model_name", "kind"])
@@ -140,7 +201,6 @@ class _EngineCollector:
                                  labels=["model_name"])
         entries = GaugeMetricFamily("mmcache:encoder_cache_entries", "Entries in the encoder-output store.",
                                     labels=["model_name"])
-        store = store or {}
         for kind, counts in (store.get("kinds") or {}).items():
             label = _STORE_KIND_LABELS.get(kind, kind)
             queries.add_metric([name, label], counts.get("lookups", 0))
@@ -149,3 +209,33 @@ class _EngineCollector:
         used.add_metric([name], store.get("bytes", 0))
         entries.add_metric([name], store.get("entries", 0))
         yield from (queries, hits, evictions, used, entries)
+
+    def _counts(self) -> dict:
+        if self.store is None:
+            return {}
+        for _ in range(3):
+            try:
+                return self.store.metrics.as_dict()
+            except RuntimeError:  # a request added a kind while the counts were read: read them again
+                continue
+        return self.store.metrics.as_dict()
+
+
+class _QueueCollector:
+    """Image and speech requests waiting and running, per endpoint, read from their queues at scrape time."""
+
+    def __init__(self):
+        self.queues: dict[str, tuple[str, object]] = {}
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        waiting = GaugeMetricFamily("mmcache:generation_requests_waiting", "Image and speech requests queued.",
+                                    labels=["model_name", "endpoint"])
+        running = GaugeMetricFamily("mmcache:generation_requests_running", "Image and speech requests running.",
+                                    labels=["model_name", "endpoint"])
+        for endpoint, (name, queue) in list(self.queues.items()):
+            waiting.add_metric([name, endpoint], queue.waiting)
+            running.add_metric([name, endpoint], queue.running)
+        yield from (waiting, running)

@@ -1,4 +1,5 @@
-"""Request and response bodies in OpenAI's shape (pydantic models).
+"""Request and response bodies in OpenAI's shape (pydantic models): chat and completions, image generation,
+speech.
 
 Requests accept the fields OpenAI's clients send; fields this server does not act on are ignored, except those
 whose meaning it cannot honour (``n`` above 1, ``logprobs``, ``echo``, ``best_of`` above 1), which are refused
@@ -78,6 +79,48 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+
+class ImageGenerationRequest(_Lenient):
+    """``POST /v1/images/generations``. ``model`` may be left out (this server's image model); ``size`` "WxH"
+    (default: the first configured size); ``seed`` (extension, as vLLM-Omni's): the same seed, the same images."""
+
+    prompt: Annotated[str, Field(min_length=1)]
+    model: str | None = None
+    negative_prompt: str | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    size: str | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    guidance_scale: float | None = None
+    num_inference_steps: Annotated[int, Field(ge=1)] | None = None
+    response_format: str | None = None  # "b64_json" (the default here); "url" is refused: no file is stored
+    output_format: str | None = None  # "png" only
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+class SpeechRequest(_Lenient):
+    """``POST /v1/audio/speech``: ``input`` spoken in the voice of ``ref_audio`` (a data URL or base64 of a WAV,
+    FLAC or OGG file) whose transcript is ``ref_text``. ``voice`` is accepted (OpenAI's clients send it) and not
+    used: the voice is the reference clip's. Extensions: ``ref_audio``, ``ref_text``, ``seed``, ``temperature``
+    (None: the model's generation config; 0: greedy; above: sampling) and ``max_new_tokens`` (audio frames)."""
+
+    model: str
+    input: Annotated[str, Field(min_length=1)]
+    voice: str | None = None
+    ref_audio: str | None = None
+    ref_text: str = ""
+    response_format: str = "wav"
+    speed: float | None = None
+    instructions: str | None = None
+    stream_format: str | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    cache_salt: str | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

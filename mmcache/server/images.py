@@ -1,0 +1,177 @@
+"""``POST /v1/images/generations``: text-to-image through ``CachedSD3Pipeline``, in OpenAI's images shape.
+
+Rules:
+
+* Every field is checked before anything is queued or encoded: ``size`` is one of the configured sizes
+  (``invalid_size``), ``n`` and ``num_inference_steps`` within the configured limits, ``seed`` not negative,
+  ``response_format`` ``b64_json`` (``url`` is refused: this server stores no files), PNG output only, the
+  guidance scale a finite number. A refused request holds nothing.
+* The images are the pipeline's own for the same arguments: the wrapper's call (prompt and negative-prompt
+  embeddings from the store, under the request's tenant salt) with a CPU ``torch.Generator`` seeded with
+  ``seed`` (drawn at random when the request names none), ``output_type="pil"``, each image written as a PNG
+  (lossless): decoding the PNG gives the pipeline's pixels.
+* The negative prompt is the request's, or the deployment's (``ServerConfig.negative_prompt``) when it sends
+  none: its store entries are computed once per tenant salt and hit after. Prompt entries are of kind
+  ``text_encoder``, negative-prompt entries of kind ``negative_prompt``, position biases ``position_bias``.
+* Generation runs on the pipeline's ``GenerationQueue`` (one call at a time, a bounded queue: 503 beyond). A
+  client that goes away cancels its job: a waiting job never runs, a running one stops at its next denoising
+  step; the wrapper releases its leases either way.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+import secrets
+from dataclasses import dataclass
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .config import ServerConfigError, parse_size
+from .errors import bad_request
+from .intake import run_job
+from .protocol import ImageGenerationRequest, now
+from .workers import GenerationQueue, Job
+
+TEXT_ENCODER_KIND = "text_encoder"
+NEGATIVE_KIND = "negative_prompt"
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """A checked image request: what the pipeline is called with."""
+
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    n: int
+    seed: int
+    guidance_scale: float | None  # None: the pipeline's default
+    num_inference_steps: int
+
+
+class ImageService:
+    """One SD3-family pipeline served through the store: ``check`` a request, ``submit`` it, PNG bytes back."""
+
+    task = "images"
+
+    def __init__(self, pipe, store, config, name: str):
+        from encoders.diffusion import CachedSD3Pipeline
+
+        self.name = name
+        self.config = config
+        self.pipe = pipe
+        self.wrapper = CachedSD3Pipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
+        pipe.set_progress_bar_config(disable=True)  # a server's stderr is its log, not a terminal
+        self.sizes = _sizes(pipe, config.image_sizes)
+        default_steps = inspect.signature(type(pipe).__call__).parameters["num_inference_steps"].default
+        self.default_steps = min(int(default_steps), config.max_inference_steps)
+        self.queue = GenerationQueue("images", config.max_generation_waiting)
+
+    def check(self, req) -> ImageSpec:
+        """The request as an ``ImageSpec``, or an ``APIError`` (400) naming the field."""
+        limits = self.config
+        if req.response_format not in (None, "b64_json"):
+            raise bad_request(f"response_format {req.response_format!r} is not supported: this server stores no "
+                              f"files, so it answers b64_json only", "response_format")
+        if req.output_format not in (None, "png"):
+            raise bad_request(f"output_format {req.output_format!r} is not supported: images are PNG",
+                              "output_format")
+        size = self.sizes[0] if req.size in (None, "auto") else parse_size(req.size)
+        if size not in self.sizes:
+            known = ", ".join(f"{w}x{h}" for w, h in self.sizes)
+            raise bad_request(f"size {req.size!r} is not served; this server serves {known}", "size", "invalid_size")
+        if req.n > limits.max_images_per_request:
+            raise bad_request(f"n is {req.n}, above the limit of {limits.max_images_per_request} images a request",
+                              "n")
+        steps = self.default_steps if req.num_inference_steps is None else req.num_inference_steps
+        if steps > limits.max_inference_steps:
+            raise bad_request(f"num_inference_steps is {steps}, above the limit of {limits.max_inference_steps}",
+                              "num_inference_steps")
+        negative = limits.negative_prompt if req.negative_prompt is None else req.negative_prompt
+        seed = secrets.randbelow(2**63) if req.seed is None else req.seed
+        return ImageSpec(req.prompt, negative, size[0], size[1], req.n, seed, req.guidance_scale, steps)
+
+    def submit(self, spec: ImageSpec, salt: bytes) -> Job:
+        """Queue ``spec`` (``QueueFull`` when the queue is full); the job's result is a list of PNG bytes."""
+        return self.queue.submit(lambda job: self.render(spec, salt, job))
+
+    def render(self, spec: ImageSpec, salt: bytes, job: Job | None = None) -> list[bytes]:
+        """The PNG bytes of each image of ``spec`` (in the calling thread); ``InvalidRequest`` for arguments the
+        wrapper refuses; ``JobCancelled`` when ``job`` is cancelled during the call."""
+        if job is not None:
+            job.check()
+        extra = {} if spec.guidance_scale is None else {"guidance_scale": spec.guidance_scale}
+
+        def on_step(pipe, step, timestep, tensors):
+            if job is not None:
+                job.check()  # raises inside the pipeline: the wrapper releases its leases on the way out
+            return tensors
+
+        with torch.no_grad():  # as the pipeline itself runs; no inference tensors enter the shared store
+            out = self.wrapper(spec.prompt, spec.negative_prompt, cache_salt=salt, height=spec.height,
+                               width=spec.width, num_inference_steps=spec.num_inference_steps,
+                               num_images_per_prompt=spec.n, output_type="pil",
+                               generator=torch.Generator("cpu").manual_seed(spec.seed),
+                               callback_on_step_end=on_step, **extra)
+        return [png(image) for image in out.images]
+
+    @property
+    def alive(self) -> bool:
+        return self.queue.alive
+
+    def close(self) -> None:
+        self.queue.close()
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def images_body(created: int, pngs: list[bytes], size: tuple[int, int]) -> dict:
+    """OpenAI's images response."""
+    return {"created": created, "data": [{"b64_json": base64.b64encode(p).decode("ascii")} for p in pngs],
+            "output_format": "png", "size": f"{size[0]}x{size[1]}"}
+
+
+def _sizes(pipe, configured: tuple[str, ...]) -> list[tuple[int, int]]:
+    """The served sizes, each checked against what the pipeline takes: a multiple of its latent patch in pixels
+    (SD3's ``check_inputs``), and within its position embedding when it has a maximum."""
+    step = pipe.vae_scale_factor * pipe.patch_size
+    default = pipe.default_sample_size * pipe.vae_scale_factor
+    sizes = [parse_size(s) for s in configured] or [(default, default)]
+    limit = getattr(pipe.transformer.config, "pos_embed_max_size", None)
+    for w, h in sizes:
+        if w % step or h % step:
+            raise ServerConfigError(f"image size {w}x{h} is not a multiple of the pipeline's {step} pixels")
+        if limit and max(w, h) // step > limit:
+            raise ServerConfigError(f"image size {w}x{h} is beyond the pipeline's position embedding "
+                                    f"({limit * step} pixels a side)")
+    return sizes
+
+
+def image_router(service: ImageService, intake, metrics) -> APIRouter:
+    """``POST /v1/images/generations`` over ``service``, read through ``intake`` (an ``intake.Intake``)."""
+    router = APIRouter()
+
+    @router.post("/v1/images/generations")
+    async def generations(request: Request):
+        with metrics.timed("images", service.name) as outcome:
+            tenant = intake.tenant(request)
+            req = await intake.body(request, ImageGenerationRequest, service.name, model_required=False)
+            salt = intake.salt(tenant, req.cache_salt)
+            spec = service.check(req)
+            pngs = await run_job(request, lambda: service.submit(spec, salt), intake.config.retry_after_s)
+            if pngs is None:
+                outcome.status = 499
+                return Response(status_code=499)
+            return JSONResponse(images_body(now(), pngs, (spec.width, spec.height)))
+
+    return router
+

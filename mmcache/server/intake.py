@@ -1,0 +1,149 @@
+"""Reading a request, the same way for every route: key, body, JSON, fields, model, salt; and waiting for a
+result unless the client goes away.
+
+Rules: a request is checked in this order: key (401), body size (413, the rest of an oversized body drained so
+the client reads the answer), JSON (400, ``invalid_json``), fields (400, naming the field), model (404),
+``cache_salt`` length (400). Nothing is held by a request that fails these checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from ..errors import InvalidRequest
+from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
+from .runner import QueueFull
+from .tenants import Tenant, Tenants
+from .workers import JobCancelled
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class Intake:
+    """The checks shared by every route, over the server's ``config`` and ``tenants``."""
+
+    def __init__(self, config, tenants: Tenants):
+        self.config = config
+        self.tenants = tenants
+
+    def tenant(self, request: Request) -> Tenant:
+        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
+        return tenant
+
+    async def json(self, request: Request) -> dict:
+        """The body as a JSON object, read within ``max_body_bytes``."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await drain(request, limit)
+            raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
+        chunks, size, more = [], 0, True
+        while more:  # the raw messages, not request.stream(): a drain must know whether more is coming
+            message = await request.receive()
+            if message["type"] != "http.request":
+                raise bad_request("the client disconnected before sending the whole body")
+            body, more = message.get("body", b""), message.get("more_body", False)
+            size += len(body)
+            if size > limit:
+                if more:
+                    await drain(request, limit)
+                raise too_large(f"request body beyond the limit of {limit} bytes")
+            chunks.append(body)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request("the body must be a JSON object", None, "invalid_json")
+        return data
+
+    async def body(self, request: Request, model, served: str, model_required: bool = True):
+        """The body validated as the pydantic ``model``, for the model named ``served`` (a request naming no
+        model is for it unless ``model_required``)."""
+        data = await self.json(request)
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation(e.errors()) from None
+        if (req.model is not None or model_required) and req.model != served:
+            raise model_not_found(req.model, served)
+        return req
+
+    def salt(self, tenant: Tenant, cache_salt: str | None) -> bytes:
+        if cache_salt is not None and len(cache_salt) > self.config.max_cache_salt:
+            raise bad_request(f"cache_salt is longer than {self.config.max_cache_salt} characters", "cache_salt")
+        return self.tenants.salt(tenant, cache_salt)
+
+
+def from_validation(errors) -> APIError:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return bad_request(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param)
+
+
+async def drain(request: Request, limit: int) -> None:
+    """Read (and drop) what is left of an oversized body, up to a few times the limit, so the client reads
+    our 413 instead of a reset connection."""
+    seen = 0
+    while seen <= 4 * limit:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+async def unless_disconnected(request: Request, awaitable):
+    """The result of ``awaitable``, or ``ClientGone`` when the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_job(request: Request, submit, retry_after_s: int):
+    """The result of the job ``submit()`` queues, or None when the client went away first (the job is then
+    cancelled). ``QueueFull`` is a 503, a refusal by the pipeline (``InvalidRequest``) a 400."""
+    try:
+        job = submit()
+    except QueueFull as e:
+        raise overloaded(f"the server is busy: {e}; retry later", retry_after_s) from None
+    try:
+        return await unless_disconnected(request, asyncio.wrap_future(job.future))
+    except ClientGone:
+        job.cancel()
+        return None
+    except InvalidRequest as e:
+        raise bad_request(str(e)) from None
+    except JobCancelled:
+        raise overloaded("the server is stopping; retry later", retry_after_s) from None
+    except asyncio.CancelledError:
+        job.cancel()
+        raise

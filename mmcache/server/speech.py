@@ -1,0 +1,236 @@
+"""``POST /v1/audio/speech``: voice cloning through transformers' CSM, unchanged, its codec served by the store.
+
+Rules:
+
+* Every field is checked before anything is queued: ``input`` within ``max_speech_chars``; ``ref_audio`` a data
+  URL (``audio/*``) or bare base64 of a WAV, FLAC or OGG file, read under the configured byte and duration
+  limits (413 beyond them, 400 when unreadable) and resampled to the codec's rate (``encoders.audio``), in a
+  worker thread; ``response_format`` ``wav`` or ``pcm``; ``max_new_tokens`` within ``max_speech_frames``;
+  ``speed`` 1, no ``instructions``, ``stream_format`` ``audio``. A refused request holds nothing.
+* The audio is the pipeline's own: ``generate(..., output_audio=True)`` on the prompt
+  ``voice_prompt(ref_text, input)`` with the reference samples. ``wav`` is a 32-bit float WAV of exactly those
+  samples (the same samples, the same bytes); ``pcm`` is OpenAI's raw 16-bit little-endian PCM at the codec's
+  rate (clipped to [-1, 1], times 32767, rounded). Both are sent whole, not streamed: CSM decodes audio only
+  after its last frame (the codec's decoder runs once over every frame), so no audio exists earlier; time to
+  first audio is the time to that whole answer.
+* The reference clip's codes come from the store (kind ``codec``), keyed by the exact samples after
+  resampling, their preprocessing descriptor and the codec's fingerprint, under the request's tenant salt
+  (``CachedCodecEncode.salted``, entered in the thread that runs ``generate``; the codec is attached once).
+* Sampling: ``temperature`` None keeps the model's generation config, 0 decodes the backbone greedily, above 0
+  samples it at that temperature. Every call runs on torch's global generator seeded with ``seed`` (drawn at
+  random when none) inside a forked RNG state, one call at a time per pipeline (its ``GenerationQueue``): the
+  same seed gives the same audio, unless another part of the process draws from torch's global generator at that
+  moment (a chat request without a seed).
+* A client that goes away cancels its job: a waiting job never runs, a running one stops at its next frame (a
+  streamer that raises); the codec holds a store lease only inside its ``encode``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import re
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..errors import InvalidRequest, MediaDecodeError
+from .errors import bad_request, beyond_limits, too_large
+from .intake import run_job
+from .protocol import SpeechRequest
+from .workers import GenerationQueue, Job
+
+CODEC_KIND = "codec"
+FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+@dataclass(frozen=True)
+class SpeechSpec:
+    """A checked speech request (its reference clip decoded apart)."""
+
+    text: str
+    ref_text: str
+    response_format: str
+    frames: int
+    seed: int
+    temperature: float | None
+
+
+class SpeechService:
+    """One CSM pipeline (``tts_presets.VoicePipeline``) served through the store."""
+
+    task = "speech"
+
+    def __init__(self, voice, store, config, name: str):
+        from encoders.audio import AudioLimits
+        from encoders.codec import CachedCodecEncode
+
+        self.name = name
+        self.config = config
+        self.model = voice.model
+        self.processor = voice.processor
+        self.rate = int(voice.codec.config.sampling_rate)
+        self.limits = AudioLimits(max_seconds=float(config.max_ref_audio_seconds),
+                                  max_bytes=config.max_ref_audio_bytes)
+        self.codec = CachedCodecEncode(voice.codec, store, kind=CODEC_KIND).attach()
+        self.queue = GenerationQueue("speech", config.max_generation_waiting)
+
+    def check(self, req) -> SpeechSpec:
+        """The request's fields as a ``SpeechSpec`` or an ``APIError`` (400) naming the field."""
+        from encoders.tts_presets import voice_prompt
+
+        limits = self.config
+        if req.response_format not in FORMATS:
+            raise bad_request(f"response_format {req.response_format!r} is not supported: wav or pcm",
+                              "response_format")
+        if req.stream_format not in (None, "audio"):
+            raise bad_request("stream_format 'sse' is not supported: the audio is sent whole (CSM decodes it only "
+                              "after its last frame)", "stream_format")
+        if req.speed not in (None, 1.0):
+            raise bad_request("speed is not supported: CSM speaks at the reference voice's pace", "speed")
+        if req.instructions:
+            raise bad_request("instructions are not supported: the voice is the reference clip's", "instructions")
+        if len(req.input) > limits.max_speech_chars:
+            raise bad_request(f"input has {len(req.input)} characters, above the limit of "
+                              f"{limits.max_speech_chars}", "input")
+        if not req.ref_audio:
+            raise bad_request("ref_audio is required: this server clones the voice of a reference clip (a data URL "
+                              "or base64 of a WAV, FLAC or OGG file)", "ref_audio")
+        frames = limits.max_speech_frames if req.max_new_tokens is None else req.max_new_tokens
+        if frames > limits.max_speech_frames:
+            raise bad_request(f"max_new_tokens is {frames}, above the limit of {limits.max_speech_frames} audio "
+                              f"frames", "max_new_tokens")
+        try:
+            voice_prompt(req.ref_text, req.input)
+        except InvalidRequest as e:
+            raise bad_request(str(e), "input") from None
+        seed = secrets.randbelow(2**63) if req.seed is None else req.seed
+        return SpeechSpec(req.input, req.ref_text, req.response_format, frames, seed, req.temperature)
+
+    def reference(self, ref_audio: str):
+        """The reference clip as ``audio.DecodedAudio`` at the codec's rate, or an ``APIError`` (400 unreadable,
+        413 beyond the limits). Blocking: call it in a worker thread."""
+        from encoders.audio import decode_clip, read_audio
+
+        try:
+            source = ref_audio if ref_audio[:5].lower() == "data:" else self._base64(ref_audio)
+            return decode_clip(read_audio(source, limits=self.limits), self.rate, self.limits)
+        except MediaDecodeError as e:
+            if beyond_limits(e):
+                raise too_large(f"reference audio beyond the limits: {e.reason}", "ref_audio") from None
+            raise bad_request(f"bad reference audio: {e.reason}", "ref_audio", "invalid_audio") from None
+
+    def _base64(self, text: str) -> bytes:
+        payload = re.sub(r"\s+", "", text)
+        if len(payload) // 4 * 3 > self.limits.max_bytes:  # before decoding it
+            raise too_large(f"ref_audio exceeds the limit of {self.limits.max_bytes} bytes", "ref_audio")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request("ref_audio is neither a data URL nor base64 (this server reads no paths or URLs)",
+                              "ref_audio", "invalid_audio") from None
+        if not data:
+            raise bad_request("ref_audio is empty", "ref_audio", "invalid_audio")
+        return data
+
+    def submit(self, spec: SpeechSpec, clip, salt: bytes) -> Job:
+        """Queue the request (``QueueFull`` when the queue is full); the job's result is the float32 samples."""
+        return self.queue.submit(lambda job: self.render(spec, clip, salt, job))
+
+    def render(self, spec: SpeechSpec, clip, salt: bytes, job: Job | None = None) -> np.ndarray:
+        """The generated waveform (float32, mono, at ``rate``), in the calling thread."""
+        from encoders.tts_presets import voice_prompt
+
+        if job is not None:
+            job.check()
+        inputs = self.processor(text=[voice_prompt(spec.ref_text, spec.text)], audio=[clip.samples],
+                                return_tensors="pt", sampling_rate=self.rate)
+        options = {}
+        if spec.temperature is not None:
+            options = {"do_sample": True, "temperature": spec.temperature} if spec.temperature > 0 else \
+                {"do_sample": False}
+        with self.codec.salted(salt, preprocessing=clip.preprocessing), torch.no_grad(), _seeded(spec.seed):
+            out = self.model.generate(**inputs, max_new_tokens=spec.frames, output_audio=True,
+                                      return_dict_in_generate=True, streamer=_Watch(job), **options)
+        audio = out.audio[0] if out.audio else torch.empty(0)
+        return audio.detach().to("cpu", torch.float32).reshape(-1).numpy()
+
+    def encode(self, samples: np.ndarray, response_format: str) -> bytes:
+        return pcm16(samples) if response_format == "pcm" else float_wav(samples, self.rate)
+
+    @property
+    def alive(self) -> bool:
+        return self.queue.alive
+
+    def close(self) -> None:
+        self.queue.close()
+        self.codec.detach()
+
+
+def float_wav(samples: np.ndarray, rate: int) -> bytes:
+    """A mono 32-bit IEEE float WAV of ``samples``, written here rather than by libsndfile, whose float WAVs carry
+    a PEAK chunk with the time of writing: the same samples always give the same bytes."""
+    data = np.ascontiguousarray(samples, dtype="<f4").tobytes()
+    fmt = struct.pack("<HHIIHHH", 3, 1, rate, rate * 4, 4, 32, 0)  # IEEE float, mono, 4-byte frames, no extension
+    fact = struct.pack("<I", len(samples))  # frames: a non-PCM WAV states them
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"fact" + struct.pack("<I", 4) + fact \
+        + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """OpenAI's ``pcm``: 16-bit signed little-endian samples, no header."""
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class _Watch:
+    """A generate streamer that only stops a cancelled job at its next frame."""
+
+    def __init__(self, job: Job | None):
+        self.job = job
+
+    def put(self, value) -> None:
+        if self.job is not None:
+            self.job.check()
+
+    def end(self) -> None:
+        pass
+
+
+def speech_router(service: SpeechService, intake, metrics) -> APIRouter:
+    """``POST /v1/audio/speech`` over ``service``, read through ``intake`` (an ``intake.Intake``)."""
+    router = APIRouter()
+
+    @router.post("/v1/audio/speech")
+    async def speech(request: Request):
+        arrival = time.perf_counter()
+        with metrics.timed("speech", service.name) as outcome:
+            tenant = intake.tenant(request)
+            req = await intake.body(request, SpeechRequest, service.name)
+            salt = intake.salt(tenant, req.cache_salt)
+            spec = service.check(req)
+            clip = await asyncio.to_thread(service.reference, req.ref_audio)
+            samples = await run_job(request, lambda: service.submit(spec, clip, salt), intake.config.retry_after_s)
+            if samples is None:
+                outcome.status = 499
+                return Response(status_code=499)
+            body = service.encode(samples, spec.response_format)
+            metrics.first_audio(service.name, time.perf_counter() - arrival)
+            return Response(body, media_type=FORMATS[spec.response_format])
+
+    return router

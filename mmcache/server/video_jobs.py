@@ -1,0 +1,302 @@
+"""Video jobs: a bounded store of asynchronous generation jobs and the one worker thread that runs them.
+
+A job is created ``queued``, becomes ``in_progress`` when the worker takes it, and ends ``completed`` (its MP4
+bytes held in memory, in this process: nothing is written to disk) or ``failed`` (an error object). Jobs run one
+at a time, in creation order: a diffusers pipeline keeps per-call state in its scheduler, so two calls on one
+pipeline cannot overlap. A job runs whether or not anyone is still waiting for it.
+
+Bounds and the eviction rule (checked by ``check_invariants``):
+
+* At most ``max_pending`` jobs are queued or running (``/sync`` jobs included); creating one more raises
+  ``JobsFull`` (the server answers 503 with Retry-After). Queued and running jobs are never evicted.
+* At most ``max_jobs`` listed jobs are kept. Creating a job when the store is full first evicts the job that
+  finished (completed or failed) longest ago. ``max_pending <= max_jobs``, so a finished job is always there.
+* The MP4 bytes of completed jobs total at most ``max_bytes``. A job that completes evicts the completed jobs
+  that finished longest ago until its bytes fit; a video larger than ``max_bytes`` alone fails
+  (``video_too_large``) and is not kept.
+* An evicted or deleted job is gone: its id is unknown afterwards. Deleting a queued job removes it before it
+  runs; deleting a running one stops it at its next denoising step (the renderer's progress callback raises
+  ``JobCancelled``) and drops its output.
+* A job belongs to the tenant (``owner``) that created it; every lookup is by owner, so another tenant's job is
+  indistinguishable from a missing one.
+* ``/sync`` jobs (``listed=False``) share the queue and the pending bound, are never listed, never counted in
+  ``max_jobs`` or ``max_bytes``, and hand their bytes only to their waiter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..checks import positive_int
+from ..errors import InvalidRequest, MmcacheError
+
+QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
+
+
+class JobsFull(MmcacheError):
+    """The queue holds ``max_pending`` jobs already."""
+
+
+class JobCancelled(MmcacheError):
+    """Raised inside a running job whose job was deleted or whose store is closing."""
+
+
+@dataclass(eq=False)
+class VideoJob:
+    id: str
+    owner: str  # the tenant's name
+    spec: object  # what the renderer renders; opaque to the store
+    salt: bytes
+    listed: bool = True
+    created_at: float = field(default_factory=time.time)
+    status: str = QUEUED
+    progress: int = 0
+    completed_at: float | None = None
+    error: dict | None = None  # {"code", "message"} when failed
+    content: bytes | None = None
+    info: dict = field(default_factory=dict)  # what the renderer reports (e.g. store hits)
+    outcome: str | None = None  # completed, failed or cancelled, once finished
+    latency_s: float | None = None  # creation to finish
+    cancelled: bool = False
+    _start: float = field(default_factory=time.perf_counter)
+    _callbacks: list = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
+
+
+Renderer = Callable[[object, bytes, Callable[[float], None]], tuple[bytes, dict]]
+
+
+class VideoJobs:
+    """The job store and its worker. ``render(spec, salt, progress)`` returns ``(mp4 bytes, info)``; it calls
+    ``progress(fraction)`` between steps, which raises ``JobCancelled`` when the job is to stop. ``observe(job)``
+    is called once per finished job, on the worker thread (or the thread that cancelled a queued job)."""
+
+    def __init__(self, render: Renderer, max_jobs: int = 64, max_pending: int = 8, max_bytes: int = 256 * 2**20,
+                 observe: Callable[[VideoJob], None] | None = None):
+        for name, value in (("max_jobs", max_jobs), ("max_pending", max_pending), ("max_bytes", max_bytes)):
+            if not positive_int(value):
+                raise InvalidRequest(f"{name} must be a positive int, got {value!r}")
+        if max_pending > max_jobs:
+            raise InvalidRequest(f"max_pending ({max_pending}) must not exceed max_jobs ({max_jobs})")
+        self.render = render
+        self.max_jobs, self.max_pending, self.max_bytes = max_jobs, max_pending, max_bytes
+        self.observe = observe
+        self.evictions = 0
+        self.stored_bytes = 0
+        self._jobs: dict[str, VideoJob] = {}  # listed jobs, any status
+        self._finished: OrderedDict[str, VideoJob] = OrderedDict()  # listed finished jobs, oldest finish first
+        self._queue: deque[VideoJob] = deque()
+        self._running: VideoJob | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._worker = threading.Thread(target=self._work, name="mmcache-video-jobs", daemon=True)
+        self._worker.start()
+
+    # ---- the API --------------------------------------------------------------------------------------
+    def submit(self, owner: str, spec: object, salt: bytes, listed: bool = True) -> VideoJob:
+        """A new queued job; ``JobsFull`` when ``max_pending`` jobs wait or run."""
+        with self._cond:
+            if self._closed:
+                raise JobsFull("the server is shutting down")
+            if self.pending >= self.max_pending:
+                raise JobsFull(f"{self.pending} video jobs are queued or running (the limit is {self.max_pending})")
+            job = VideoJob(f"video_{uuid.uuid4().hex}", owner, spec, salt, listed)
+            if listed:
+                while len(self._jobs) >= self.max_jobs:
+                    self._evict(next(iter(self._finished.values())))
+                self._jobs[job.id] = job
+            self._queue.append(job)
+            self._cond.notify()
+        return job
+
+    def get(self, owner: str, job_id: str) -> VideoJob | None:
+        with self._cond:
+            job = self._jobs.get(job_id)
+            return job if job is not None and job.owner == owner else None
+
+    def list(self, owner: str) -> list[VideoJob]:
+        """The owner's jobs, newest first."""
+        with self._cond:
+            jobs = [job for job in self._jobs.values() if job.owner == owner]
+        return sorted(jobs, key=lambda j: j.created_at, reverse=True)
+
+    def delete(self, owner: str, job_id: str) -> bool:
+        """Forget the owner's job (stopping it if queued or running); False when there is none."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is None or job.owner != owner:
+                return False
+            self._forget(job)
+            queued = self._cancel_locked(job)
+        if queued:
+            self._notify(job)
+        return True
+
+    def cancel(self, job: VideoJob) -> None:
+        """Stop a job nobody waits for any more (a ``/sync`` client gone); a finished job is left as it is."""
+        with self._cond:
+            queued = self._cancel_locked(job)
+        if queued:
+            self._notify(job)
+
+    def on_done(self, job: VideoJob, callback: Callable[[VideoJob], None]) -> None:
+        """Call ``callback(job)`` once the job has finished (at once if it has)."""
+        with self._cond:
+            if not job.finished:
+                job._callbacks.append(callback)
+                return
+        callback(job)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker runs (False once closed)."""
+        return self._worker.is_alive()
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + (self._running is not None)
+
+    def stats(self) -> dict:
+        with self._cond:
+            counts = {s: 0 for s in (QUEUED, IN_PROGRESS, COMPLETED, FAILED)}
+            for job in self._jobs.values():
+                counts[job.status] += 1
+            return {"jobs": counts, "pending": self.pending, "stored_bytes": self.stored_bytes,
+                    "evictions": self.evictions}
+
+    def close(self) -> None:
+        """Stop: queued jobs fail with ``shutdown``, the running one stops at its next step; joins the worker.
+        Every stored byte is released."""
+        with self._cond:
+            self._closed = True
+            queued = list(self._queue)
+            for job in queued:
+                self._cancel_locked(job)
+            if self._running is not None:
+                self._running.cancelled = True
+            self._cond.notify_all()
+        for job in queued:
+            self._notify(job)
+        self._worker.join()
+        with self._cond:
+            for job in list(self._jobs.values()):
+                self._forget(job)
+
+    def __enter__(self) -> "VideoJobs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_invariants(self) -> None:
+        with self._cond:
+            assert len(self._jobs) <= self.max_jobs and self.pending <= self.max_pending
+            assert self.stored_bytes == sum(len(j.content) for j in self._jobs.values() if j.content is not None)
+            assert self.stored_bytes <= self.max_bytes
+            assert all(j.finished for j in self._finished.values())
+            assert set(self._finished) == {i for i, j in self._jobs.items() if j.finished}
+            assert all(j.status == QUEUED and not j.finished for j in self._queue)
+
+    # ---- bookkeeping (under the lock) ------------------------------------------------------------------
+    def _forget(self, job: VideoJob) -> None:
+        self._jobs.pop(job.id, None)
+        self._finished.pop(job.id, None)
+        if job.content is not None and job.listed:
+            self.stored_bytes -= len(job.content)
+        job.content = None
+
+    def _evict(self, job: VideoJob) -> None:
+        self._forget(job)
+        self.evictions += 1
+
+    def _cancel_locked(self, job: VideoJob) -> bool:
+        """Flag ``job`` to stop; a queued job is finished here (True: its callbacks are to be called)."""
+        if job.finished:
+            return False
+        job.cancelled = True
+        if job.status != QUEUED:
+            return False  # the worker stops it at its next step
+        self._queue.remove(job)
+        self._finish(job, FAILED, None, {"code": "cancelled", "message": "the job was cancelled before it ran"})
+        job.outcome = "cancelled"
+        return True
+
+    def _finish(self, job: VideoJob, status: str, content: bytes | None, error: dict | None) -> None:
+        job.status, job.error = status, error
+        job.completed_at = time.time()
+        job.latency_s = time.perf_counter() - job._start
+        job.outcome = status
+        if status == COMPLETED:
+            job.progress = 100
+        if job.listed and job.id in self._jobs:
+            if content is not None:
+                self._make_room(len(content))
+                self.stored_bytes += len(content)
+            self._finished[job.id] = job
+        job.content = content
+
+    def _make_room(self, size: int) -> None:
+        for old in [j for j in self._finished.values() if j.content is not None]:
+            if self.stored_bytes + size <= self.max_bytes:
+                return
+            self._evict(old)
+
+    # ---- the worker -------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                job.status = IN_PROGRESS
+                self._running = job
+            self._run(job)
+
+    def _run(self, job: VideoJob) -> None:
+        def progress(fraction: float) -> None:
+            if job.cancelled:
+                raise JobCancelled("the job was cancelled")
+            job.progress = max(job.progress, min(99, int(fraction * 100)))
+
+        content, error, info = None, None, {}
+        try:
+            content, info = self.render(job.spec, job.salt, progress)
+        except JobCancelled:
+            error = {"code": "cancelled", "message": "the job was cancelled while it ran"}
+        except InvalidRequest as e:
+            error = {"code": "invalid_request", "message": str(e)}
+        except Exception as e:  # a failed job reports its error; the worker goes on with the next
+            error = {"code": "generation_failed", "message": f"{type(e).__name__}: {e}"}
+        with self._cond:
+            self._running = None
+            job.info = info
+            if error is None and job.cancelled:
+                error = {"code": "cancelled", "message": "the job was cancelled while it ran"}
+            if error is None and job.listed and len(content) > self.max_bytes:
+                error = {"code": "video_too_large",
+                         "message": f"the video of {len(content)} bytes exceeds the store's {self.max_bytes}"}
+            if error is None:
+                self._finish(job, COMPLETED, content, None)
+            else:
+                self._finish(job, FAILED, None, error)
+                if job.cancelled:
+                    job.outcome = "cancelled"
+                    self._forget(job)  # deleted meanwhile, or the store closing
+        self._notify(job)
+
+    def _notify(self, job: VideoJob) -> None:
+        callbacks, job._callbacks = job._callbacks, []
+        if self.observe is not None:
+            self.observe(job)
+        for callback in callbacks:
+            callback(job)

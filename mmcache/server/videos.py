@@ -1,0 +1,447 @@
+"""The ``/v1/videos`` routes (vLLM-Omni's video API shape) over a ``VideoJobs`` store.
+
+Wiring (one line in the app, one at shutdown)::
+
+    jobs = VideoJobs(WanRenderer(CachedWanPipeline(pipe, store)), max_jobs=64, max_pending=8, max_bytes=256 << 20)
+    app.include_router(video_router(jobs, tenants, metrics.registry, model_name=name, limits=VideoLimits(),
+                                    max_body_bytes=..., max_cache_salt=..., retry_after_s=...))
+    jobs.close()  # when the server stops: stops the worker, frees every stored video
+
+``video_router(jobs, tenants, registry, *, model_name, limits=VideoLimits(), max_body_bytes=64 MiB,
+max_cache_salt=256, retry_after_s=1) -> fastapi.APIRouter``. Its routes raise ``errors.APIError``; the app's
+handler for it (``app.build_app``) turns them into OpenAI error objects and counts them.
+
+Routes: ``POST /v1/videos`` (a job object, status ``queued``), ``GET /v1/videos`` (the caller's jobs, newest
+first), ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (``video/mp4``), ``DELETE /v1/videos/{id}``,
+``POST /v1/videos/sync`` (runs on the same queue and returns the MP4 bytes; a client that goes away cancels it).
+
+Rules:
+
+* Fields come as JSON or as a form (multipart or urlencoded, parsed by python-multipart; a file part is
+  refused): ``prompt`` (required), ``negative_prompt``, ``width``, ``height`` (or ``size`` as ``WIDTHxHEIGHT``),
+  ``num_frames``, ``fps``, ``num_inference_steps``, ``seed``, ``guidance_scale``, ``model``, ``cache_salt``,
+  ``user`` (ignored). Any other field (``seconds`` included: give ``num_frames`` and ``fps``) is refused.
+* A request is checked in full before a job exists: 401 (key), 415 (content type), 413 (body), 400 (a field's
+  type or value: a size the model cannot render exactly, a frame count not 1 + k x the model's temporal factor,
+  fps outside [1, ``max_fps``], a negative seed), 413 (width, height, frames or steps beyond ``VideoLimits``),
+  404 (model), 503 with Retry-After (queue full). A refused request leaves no job and no store entry.
+* A job is its tenant's: any other key gets 404 for it, and it is absent from the others' listings. Its prompts
+  are keyed in the store under the tenant's salt and the request's ``cache_salt``.
+* A seed left out is drawn by the server and shown in the job object, so any video can be made again.
+* ``/content`` of a job not completed is 409 (``video_not_ready``, or ``video_failed`` with the job's error in
+  its object); a ``/sync`` job that fails is 500 (400 if the pipeline refused its arguments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..checks import finite_number, positive_int, unicode_text
+from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
+from .tenants import Tenants
+from .video_jobs import COMPLETED, JobsFull, VideoJob, VideoJobs
+from .video_render import VideoSpec
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0)
+_FIELDS = {"prompt", "negative_prompt", "model", "width", "height", "size", "num_frames", "fps",
+           "num_inference_steps", "seed", "guidance_scale", "cache_salt", "user"}
+_MAX_FORM_FIELDS = 32
+_FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one request may ask for, and what it gets when it leaves a field out (Wan 2.1's 480p defaults)."""
+
+    max_width: int = 1280
+    max_height: int = 1280
+    max_frames: int = 129
+    max_steps: int = 100
+    max_fps: int = 60
+    default_width: int = 832
+    default_height: int = 480
+    default_frames: int = 81
+    default_fps: int = 16
+    default_steps: int = 50
+
+    def __post_init__(self):
+        for name, value in self.__dict__.items():
+            if not positive_int(value):
+                raise ValueError(f"VideoLimits.{name} must be a positive int, got {value!r}")
+
+
+def video_router(jobs: VideoJobs, tenants: Tenants, registry, *, model_name: str,
+                 limits: VideoLimits = VideoLimits(), max_body_bytes: int = 64 * 2**20, max_cache_salt: int = 256,
+                 retry_after_s: int = 1) -> APIRouter:
+    """The video routes over ``jobs`` (whose renderer has ``size_error`` and ``frames_error``, as
+    ``WanRenderer``), recording into the Prometheus ``registry``."""
+    api = _VideoApi(jobs, tenants, VideoMetrics(registry, model_name, jobs), model_name, limits, max_body_bytes,
+                    max_cache_salt, retry_after_s)
+    router = APIRouter()
+    router.add_api_route("/v1/videos", api.create, methods=["POST"])
+    router.add_api_route("/v1/videos/sync", api.sync, methods=["POST"])
+    router.add_api_route("/v1/videos", api.listing, methods=["GET"])
+    router.add_api_route("/v1/videos/{video_id}", api.retrieve, methods=["GET"])
+    router.add_api_route("/v1/videos/{video_id}/content", api.content, methods=["GET"])
+    router.add_api_route("/v1/videos/{video_id}", api.delete, methods=["DELETE"])
+    return router
+
+
+class VideoMetrics:
+    """Requests by route, finished jobs by outcome, job latency; stored jobs, bytes and evictions at scrape."""
+
+    def __init__(self, registry, model_name: str, jobs: VideoJobs):
+        self.model_name = model_name
+        self.requests = Counter("mmcache:video_requests", "Video API requests, by route.",
+                                ["model_name", "route"], registry=registry)
+        self.outcomes = Counter("mmcache:video_jobs_finished", "Video jobs finished, by outcome.",
+                                ["model_name", "outcome"], registry=registry)
+        self.latency = Histogram("mmcache:video_job_latency_seconds", "Creation to completion of a video job.",
+                                 ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry)
+        registry.register(_JobsCollector(jobs, model_name))
+        jobs.observe = self.job_finished
+
+    def request(self, route: str) -> None:
+        self.requests.labels(self.model_name, route).inc()
+
+    def job_finished(self, job: VideoJob) -> None:
+        self.outcomes.labels(self.model_name, job.outcome).inc()
+        if job.outcome == COMPLETED:
+            self.latency.labels(self.model_name).observe(job.latency_s)
+
+
+class _JobsCollector:
+    def __init__(self, jobs: VideoJobs, model_name: str):
+        self.jobs, self.model_name = jobs, model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats, name = self.jobs.stats(), self.model_name
+        stored = GaugeMetricFamily("mmcache:video_jobs_stored", "Video jobs held, by status.",
+                                   labels=["model_name", "status"])
+        for status, count in stats["jobs"].items():
+            stored.add_metric([name, status], count)
+        size = GaugeMetricFamily("mmcache:video_stored_bytes", "MP4 bytes held by completed jobs.",
+                                 labels=["model_name"])
+        size.add_metric([name], stats["stored_bytes"])
+        evicted = CounterMetricFamily("mmcache:video_jobs_evicted", "Finished video jobs evicted by the bounds.",
+                                      labels=["model_name"])
+        evicted.add_metric([name], stats["evictions"])
+        yield from (stored, size, evicted)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _VideoApi:
+    def __init__(self, jobs: VideoJobs, tenants: Tenants, metrics: VideoMetrics, model_name: str,
+                 limits: VideoLimits, max_body_bytes: int, max_cache_salt: int, retry_after_s: int):
+        self.jobs, self.tenants, self.metrics = jobs, tenants, metrics
+        self.model_name, self.limits = model_name, limits
+        self.max_body_bytes, self.max_cache_salt, self.retry_after_s = max_body_bytes, max_cache_salt, retry_after_s
+
+    # ---- routes -----------------------------------------------------------------------------------------
+    async def create(self, request: Request):
+        self.metrics.request("create")
+        job = await self._submit(request, listed=True)
+        return JSONResponse(self._object(job))
+
+    async def sync(self, request: Request):
+        self.metrics.request("sync")
+        job = await self._submit(request, listed=False)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake(_job):
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            except RuntimeError:  # the loop has closed: nobody is waiting
+                pass
+
+        self.jobs.on_done(job, wake)
+        try:
+            await _unless_disconnected(request, done)
+        except _ClientGone:
+            self.jobs.cancel(job)
+            return Response(status_code=499)
+        if job.status != COMPLETED:
+            raise _job_error(job)
+        return Response(job.content, media_type="video/mp4",
+                        headers={"x-video-id": job.id, "x-video-seed": str(job.spec.seed)})
+
+    async def listing(self, request: Request):
+        self.metrics.request("list")
+        tenant = self._tenant(request)
+        data = [self._object(job) for job in self.jobs.list(tenant.name)]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": False})
+
+    async def retrieve(self, request: Request, video_id: str):
+        self.metrics.request("retrieve")
+        return JSONResponse(self._object(self._job(request, video_id)))
+
+    async def content(self, request: Request, video_id: str):
+        self.metrics.request("content")
+        job = self._job(request, video_id)
+        content = job.content
+        if job.status != COMPLETED or content is None:
+            if job.status == COMPLETED:  # deleted or evicted between the lookup and here
+                raise _video_not_found(video_id)
+            code = "video_failed" if job.finished else "video_not_ready"
+            raise APIError(409, f"the video {video_id} is {job.status}; its content exists once it has completed",
+                           "invalid_request_error", None, code)
+        return Response(content, media_type="video/mp4",
+                        headers={"content-disposition": f'attachment; filename="{job.id}.mp4"'})
+
+    async def delete(self, request: Request, video_id: str):
+        self.metrics.request("delete")
+        tenant = self._tenant(request)
+        if not self.jobs.delete(tenant.name, video_id):
+            raise _video_not_found(video_id)
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def _tenant(self, request: Request):
+        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        if tenant is None:
+            raise unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
+        return tenant
+
+    def _job(self, request: Request, video_id: str) -> VideoJob:
+        job = self.jobs.get(self._tenant(request).name, video_id)
+        if job is None:
+            raise _video_not_found(video_id)
+        return job
+
+    async def _submit(self, request: Request, listed: bool) -> VideoJob:
+        tenant = self._tenant(request)
+        fields, from_form = await self._fields(request)
+        spec, cache_salt = self._spec(fields, from_form)
+        try:
+            return self.jobs.submit(tenant.name, spec, Tenants.salt(tenant, cache_salt), listed)
+        except JobsFull as e:
+            raise overloaded(f"the video queue is full: {e}; retry later", self.retry_after_s) from None
+
+    async def _fields(self, request: Request) -> tuple[dict, bool]:
+        """The request's fields, and whether they came as a form (every value a str)."""
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype not in ("application/json", *_FORM_TYPES):
+            raise APIError(415, f"send the fields as application/json or multipart/form-data, not {ctype!r}",
+                           "invalid_request_error", None, "unsupported_media_type")
+        body = await _bounded_body(request, self.max_body_bytes)
+        if ctype == "application/json":
+            try:
+                data = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
+            if not isinstance(data, dict):
+                raise bad_request("the body must be a JSON object", None, "invalid_json")
+            return data, False
+        return await _form(request, body), True
+
+    def _spec(self, fields: dict, from_form: bool) -> tuple[VideoSpec, str | None]:
+        """A checked ``VideoSpec`` and the request's cache salt; ``APIError`` for anything wrong."""
+        unknown = sorted(set(fields) - _FIELDS)
+        if unknown:
+            raise bad_request(f"unsupported field {unknown[0]!r}", unknown[0], "unsupported_field")
+        prompt = _text(fields, "prompt", required=True)
+        negative = _text(fields, "negative_prompt")
+        model = _text(fields, "model")
+        if model is not None and model != self.model_name:
+            raise model_not_found(model, self.model_name)
+        cache_salt = _text(fields, "cache_salt")
+        if cache_salt is not None and len(cache_salt) > self.max_cache_salt:
+            raise bad_request(f"cache_salt is longer than {self.max_cache_salt} characters", "cache_salt")
+        width, height = self._size(fields, from_form)
+        num_frames = self._bounded(fields, "num_frames", from_form, self.limits.default_frames,
+                                   self.limits.max_frames)
+        reason = self.jobs.render.frames_error(num_frames)
+        if reason:
+            raise bad_request(reason, "num_frames")
+        steps = self._bounded(fields, "num_inference_steps", from_form, self.limits.default_steps,
+                              self.limits.max_steps)
+        fps = _int(fields, "fps", from_form, self.limits.default_fps)
+        if not 1 <= fps <= self.limits.max_fps:
+            raise bad_request(f"fps must be in [1, {self.limits.max_fps}], got {fps}", "fps")
+        seed = _int(fields, "seed", from_form, None)
+        if seed is None:
+            seed = secrets.randbits(63)
+        elif not 0 <= seed <= MAX_SEED:
+            raise bad_request(f"seed must be an int in [0, 2**64 - 1], got {seed}", "seed")
+        guidance = _number(fields, "guidance_scale", from_form)
+        spec = VideoSpec(prompt, negative, width, height, num_frames, fps, steps, seed, guidance)
+        return spec, cache_salt
+
+    def _size(self, fields: dict, from_form: bool) -> tuple[int, int]:
+        size = _text(fields, "size")
+        if size is not None:
+            match = re.fullmatch(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})", size)
+            if match is None:
+                raise bad_request(f"size must be WIDTHxHEIGHT (e.g. 832x480), got {size!r}", "size")
+            for name, value in zip(("width", "height"), match.groups()):
+                if name in fields and _int(fields, name, from_form, None) != int(value):
+                    raise bad_request(f"size {size} and {name} {fields[name]} disagree", name)
+                fields = {**fields, name: int(value)}
+        width = self._bounded(fields, "width", from_form, self.limits.default_width, self.limits.max_width)
+        height = self._bounded(fields, "height", from_form, self.limits.default_height, self.limits.max_height)
+        reason = self.jobs.render.size_error(width, height)
+        if reason:
+            raise bad_request(reason, "width")
+        return width, height
+
+    def _bounded(self, fields: dict, name: str, from_form: bool, default: int, limit: int) -> int:
+        value = _int(fields, name, from_form, default)
+        if value < 1:
+            raise bad_request(f"{name} must be at least 1, got {value}", name)
+        if value > limit:
+            raise too_large(f"{name} {value} is beyond this server's limit of {limit}", name)
+        return value
+
+    def _object(self, job: VideoJob) -> dict:
+        spec: VideoSpec = job.spec
+        content = job.content
+        return {"id": job.id, "object": "video", "model": self.model_name, "status": job.status,
+                "progress": job.progress, "created_at": int(job.created_at),
+                "completed_at": None if job.completed_at is None else int(job.completed_at),
+                "prompt": spec.prompt, "size": f"{spec.width}x{spec.height}",
+                "seconds": f"{spec.num_frames / spec.fps:g}", "num_frames": spec.num_frames, "fps": spec.fps,
+                "num_inference_steps": spec.num_inference_steps, "seed": spec.seed, "error": job.error,
+                "media_type": "video/mp4", "bytes": None if content is None else len(content),
+                "inference_time_s": job.latency_s, **job.info}
+
+
+# ---- field parsing ------------------------------------------------------------------------------------------
+def _text(fields: dict, name: str, required: bool = False) -> str | None:
+    value = fields.get(name)
+    if value is None:
+        if required:
+            raise bad_request(f"{name} is required", name)
+        return None
+    if not isinstance(value, str) or not unicode_text(value):
+        raise bad_request(f"{name} must be a string of Unicode text", name)
+    if required and not value.strip():
+        raise bad_request(f"{name} must not be empty", name)
+    return value
+
+
+def _int(fields: dict, name: str, from_form: bool, default):
+    value = fields.get(name)
+    if value is None or (from_form and value == ""):
+        return default
+    if from_form and isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]{1,24}", value.strip()):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise bad_request(f"{name} must be an integer, got {value!r}"[:300], name)
+
+
+def _number(fields: dict, name: str, from_form: bool) -> float | None:
+    value = fields.get(name)
+    if value is None or (from_form and value == ""):
+        return None
+    if from_form and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise bad_request(f"{name} must be a number, got {value!r}"[:300], name) from None
+    if not finite_number(value) or value < 0:
+        raise bad_request(f"{name} must be a finite number >= 0, got {value!r}"[:300], name)
+    return float(value)
+
+
+def _video_not_found(video_id: str) -> APIError:
+    return APIError(404, f"no video {video_id!r}", "invalid_request_error", "video_id", "video_not_found")
+
+
+def _job_error(job: VideoJob) -> APIError:
+    error = job.error or {"code": "generation_failed", "message": "the job failed"}
+    if error["code"] == "invalid_request":
+        return bad_request(error["message"])
+    return APIError(500, error["message"], "internal_server_error", None, error["code"])
+
+
+# ---- the body -----------------------------------------------------------------------------------------------
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 once it passes ``limit`` bytes (the rest is read and dropped, so the client can
+    read the answer)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        await _drain(request, limit)
+        raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
+    chunks, size, more = [], 0, True
+    while more:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise bad_request("the client disconnected before sending the whole body")
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            if more:
+                await _drain(request, limit)
+            raise too_large(f"request body beyond the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _drain(request: Request, limit: int) -> None:
+    seen = 0
+    while seen <= 4 * limit:  # past that the connection is closed rather than read on
+        message = await request.receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+async def _form(request: Request, body: bytes) -> dict:
+    """The form fields of ``body`` (python-multipart through Starlette); a file part is refused."""
+    async def replay():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=0, max_fields=_MAX_FORM_FIELDS)
+    except StarletteHTTPException as e:
+        raise bad_request(f"bad form: {e.detail}", None, "invalid_form") from None
+    except AssertionError as e:  # Starlette's way of saying python-multipart is not installed
+        raise APIError(415, f"forms need the python-multipart package on the server: {e}", "invalid_request_error",
+                       None, "unsupported_media_type") from None
+    fields = {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            raise bad_request(f"field {key!r} is a file; this endpoint takes text fields only", key)
+        if key in fields:
+            raise bad_request(f"field {key!r} is given twice", key)
+        fields[key] = value
+    return fields
+
+
+async def _unless_disconnected(request: Request, awaitable) -> None:
+    """Wait for ``awaitable``; ``_ClientGone`` when the client disconnects first (the body has been read, so
+    the next message is the disconnect)."""
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({watch, awaitable}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if awaitable not in done:
+        raise _ClientGone()
