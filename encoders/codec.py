@@ -8,7 +8,7 @@ pipeline's code is unchanged) with a lookup in the encoder-output store.
 
 ``key = store_key(fingerprint, content digest, salt)`` where
 
-* ``fingerprint`` = ``text_encoders.module_fingerprint`` of the codec: its class, configuration and the copy
+* ``fingerprint`` = ``fingerprint.module_fingerprint`` of the codec: its class, configuration and the copy
   its encoder runs on, their attention implementations, device type and every weight, with this adapter's
   recipe. Taking it drops the codebooks' cached centroids (``_embed``), which transformers' Mimi computes at
   first use and never again, so codes filed under new weights are computed with them;
@@ -31,7 +31,7 @@ Invariants:
   a copy, so a caller cannot change a stored entry. No lease outlives the call; a failing encode stores nothing.
 * Bad input (not a floating-point tensor ``[batch, channels, samples]`` with samples, on the codec's device
   type, in its dtype unless autocast is on) is refused with ``InvalidRequest`` before anything runs or is stored.
-* The fingerprint follows the codec through ``text_encoders.LiveFingerprint``, as the text encoders' does: it is
+* The fingerprint follows the codec through ``fingerprint.LiveFingerprint``, as the text encoders' does: it is
   taken again whenever a weight tensor was replaced, moved or cast (its identity, storage, dtype or device) or
   written in place through autograd's view (its version counter, as ``load_state_dict`` writes), when an
   attention kernel changed, and when the configuration changed (compared at every ``attach``); after a write
@@ -64,7 +64,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, OutputSpec, store_key
 
-from .text_encoders import LiveFingerprint, kernel_implementations, module_fingerprint
+from .fingerprint import LiveFingerprint, kernel_implementations, module_fingerprint
 
 ADAPTER_VERSION = 1
 _STATE_KEYWORDS = ("encoder_cache", "padding_cache", "use_streaming")

@@ -33,7 +33,7 @@ Invariants:
 * The adapters follow the pipeline's components: before each request an adapter whose text encoder or tokenizer
   is no longer the pipeline's (identity; ``register_modules``) is built again, and SD3's T5 adapter appears and
   disappears with ``text_encoder_3`` (without it, the pipeline's zeros). Changes inside a component are the
-  adapter's to follow (``text_encoders.LiveFingerprint``).
+  adapter's to follow (``fingerprint.LiveFingerprint``).
 * The embeddings are placed on the pipeline's ``_execution_device``, which diffusers finds by walking every
   module of every component (milliseconds). The wrapper reads it once and again only when the placement
   may have moved (``_placement_state``): a component replaced, its first parameter on another device

@@ -3,10 +3,9 @@
 An adapter tokenizes a prompt exactly as its pipeline does, keys the result, and runs the encoder only on a
 miss. ``key = store_key(encoder fingerprint, content digest, salt)`` where
 
-* the encoder fingerprint digests the adapter recipe (which outputs, masked or not, trimmed or not), the model
-  class, its config with the attention implementation of it and of every config nested in it, the device type,
-  its dtype and every tensor of its state dict, so other weights, another attention kernel (sdpa and eager
-  round differently) or another device never share an entry;
+* the encoder fingerprint is ``fingerprint.module_fingerprint`` of the model with the adapter recipe (which
+  outputs, masked or not, trimmed or not): other weights, another dtype, attention kernel (sdpa and eager round
+  differently) or device never share an entry;
 * the content digest covers the padded token ids fed to the encoder, the attention mask, the max length and the
   output selector (the CLIP hidden layer), so equal text at different max lengths never collides and a prompt
   is keyed on its own: a negative prompt's entry is independent of the positive prompt beside it. A selector
@@ -32,7 +31,7 @@ Invariants:
   shape or dtype is refused with ``StoreEntryRejected`` and nothing is stored.
 * A hit is used only after the token ids stored with the entry equal the request's (the design's
   "hashes nominate, ids confirm"); on a mismatch the adapter encodes without the store.
-* The fingerprint and the declared dtype follow the model (``LiveFingerprint``): they are taken again at the
+* The fingerprint and the declared dtype follow the model (``fingerprint.LiveFingerprint``): taken again at the
   next encode after a weight or buffer is replaced, moved or cast (``load_state_dict``, ``.to(...)``), written in
   place through autograd's view (``weight.mul_(...)`` under ``no_grad``), or a config attribute changes (the
   attention or experts kernel: ``set_attn_implementation``). A write through ``.data``, a replaced or added
@@ -65,8 +64,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
-from operator import attrgetter
-from typing import Callable, Generic, Mapping, Sequence, TypeVar
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -77,6 +75,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.names import TOKEN_DTYPE, Namer, canonical_encoding, content_hasher
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
+from .fingerprint import LiveFingerprint, module_fingerprint
 from .position_bias import PositionBiases
 
 ADAPTER_VERSION = 1
@@ -84,184 +83,10 @@ ADAPTER_VERSION = 1
 # encode. Every prompt is padded to max_length and the encoder attends over all of it (memory grows with its
 # square), so a far larger value is a mistake that would exhaust memory, not a request to serve.
 T5_MAX_LENGTH = 4096
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
 # The tokenizer call every adapter makes (the pipelines' own); part of every memo key.
 _TOKENIZER_CALL = (("padding", "max_length"), ("truncation", True), ("add_special_tokens", True))
 # Parts of a fast tokenizer's serialized form that each call rewrites (set_truncation_and_padding), not content.
 _PER_CALL_BACKEND_KEYS = ("padding", "truncation")
-
-
-def nested_configs(config: object) -> dict[str, object]:
-    """``config`` and every config nested in it (``text_config``, ``vision_config``, ... found by walking its
-    attributes, not by a list of names), keyed by attribute path, ``""`` for ``config`` itself; a config reachable
-    under two names (an alias) is listed once. Empty for None or an object that is not a transformers config."""
-    out: dict[str, object] = {}
-    seen: set[int] = set()
-
-    def walk(cfg: object, path: str) -> None:
-        if id(cfg) in seen:
-            return
-        seen.add(id(cfg))
-        out[path] = cfg
-        for name, value in sorted(getattr(cfg, "__dict__", {}).items()):
-            if hasattr(value, "_attn_implementation") and hasattr(value, "to_dict"):
-                walk(value, f"{path}.{name}" if path else name)
-
-    if config is not None and hasattr(config, "_attn_implementation"):
-        walk(config, "")
-    return out
-
-
-def module_configs(module: torch.nn.Module) -> dict[str, object]:
-    """Every distinct config reachable from ``module``: the ``config`` of the module and of each submodule, and
-    the configs nested in each (``nested_configs``), keyed ``"<module path>:<attribute path>"``; a config object
-    reachable twice is listed once, at its first path. A submodule may run on a config of its own, not the
-    top-level one: Mimi's encoder keeps a copy, whose attention kernel is set apart from the model's."""
-    out: dict[str, object] = {}
-    seen: set[int] = set()
-    for path, sub in module.named_modules():
-        for attribute, cfg in nested_configs(getattr(sub, "config", None)).items():
-            if id(cfg) not in seen:
-                seen.add(id(cfg))
-                out[f"{path}:{attribute}"] = cfg
-    return out
-
-
-def kernel_implementations(config: object) -> dict[str, dict[str, str | None]]:
-    """The kernels chosen for ``config`` and for every config nested in it (``nested_configs``), keyed by attribute
-    path: ``{"attention": ..., "experts": ...}``, the attention implementation (``sdpa``, ``eager``,
-    ``flash_attention_2``, ...) and the mixture-of-experts one (``eager``, ``grouped_mm``, ``batched_mm``, ...),
-    None where unset.
-
-    transformers keeps both in private attributes (``_attn_implementation``, ``_experts_implementation``) that
-    ``to_dict`` and ``to_json_string`` leave out; yet the kernels round differently, so outputs of the same
-    weights differ in their last bits and a fingerprint must hold them."""
-    def chosen(cfg: object, attribute: str) -> str | None:
-        value = getattr(cfg, attribute, None)
-        return None if value is None else str(value)
-
-    return {path: {"attention": chosen(cfg, "_attn_implementation"), "experts": chosen(cfg, "_experts_implementation")}
-            for path, cfg in nested_configs(config).items()}
-
-
-def module_fingerprint(model: torch.nn.Module, recipe: Mapping) -> str:
-    """Hex xxh3_128 over the recipe, the model class, the device type(s) of its tensors, its config and every
-    other config a submodule runs on (``module_configs``), the attention and experts implementations of each
-    (``kernel_implementations``) and every state-dict tensor (name, dtype, shape, bytes). About one second per
-    10 GB of weights: taken when a ``LiveFingerprint`` sees the module change, not per call."""
-    if not isinstance(model, torch.nn.Module):
-        raise InvalidRequest(f"a text encoder must be a torch module, got {type(model).__name__}")
-    if not isinstance(recipe, Mapping):
-        raise InvalidRequest(f"an adapter recipe must be a mapping, got {type(recipe).__name__}")
-    tensors = model.state_dict()
-    config = getattr(model, "config", None)
-    configs = module_configs(model)
-    h = xxhash.xxh3_128()
-    h.update(canonical_encoding({"recipe": dict(recipe), "class": type(model).__qualname__,
-                                 "version": ADAPTER_VERSION,
-                                 "device": sorted({t.device.type for t in tensors.values()}),
-                                 "kernels": {path: kernel_implementations(cfg)[""] for path, cfg in configs.items()}}))
-    # the top-level config (its nested ones are in its dict), then each config a submodule keeps of its own
-    for path, cfg in [("", config), *((p, c) for p, c in configs.items() if not p.startswith(":"))]:
-        if cfg is not None:
-            values = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-            h.update(canonical_encoding(path))
-            h.update(json.dumps(values, sort_keys=True, default=str).encode("utf-8"))
-    for name, t in tensors.items():
-        h.update(canonical_encoding([name, str(t.dtype), list(t.shape)]))
-        h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-T = TypeVar("T")
-_VERSION, _DTYPE, _DEVICE = attrgetter("_version"), attrgetter("dtype"), attrgetter("device")
-
-
-class LiveFingerprint(Generic[T]):
-    """``take()`` (a module's fingerprint, or a record holding one) kept while the module's state token is the one
-    it was taken at, and taken again at the first call that sees another: shared by the text-encoder adapters,
-    the codec and the vision adapters (which follow several modules: tower and projector).
-
-    The token holds, for every parameter and buffer of the module (or of each module of a list) looked up where
-    its module keeps it (``module._parameters`` / ``_buffers``), its identity, version counter, storage address,
-    dtype and device, then a copy of the attributes of each watched object: by default every config the module
-    and its submodules run on (``module_configs``; the attention and experts kernels are among them, in
-    ``_attn_implementation_internal`` ...), or what ``watched()`` returns (a vision adapter's tower configs, the
-    top-level config without the language model's, the image processor). So a tensor replaced
-    (``load_state_dict(assign=True)``, ``p.data = ...``, ``.to(dtype or device)``), written in place through
-    autograd's view of it (``mul_`` under ``no_grad``, ``load_state_dict``), another kernel
-    (``set_attn_implementation``) or another config value takes it again. Where the tensors and configs live is
-    found at the first call and again after each change seen; alone, these are not seen, so call ``refresh``
-    after them: a write through ``.data`` (``p.data.mul_(...)`` bumps no version counter), a submodule, tensor or
-    nested config replaced or added (not where the token looks), a config value changed in place (a list
-    edited), and a storage freed and another of the same dtype allocated at its address between two calls
-    (``.to(bfloat16)`` then ``.to(float32)``).
-
-    A call costs about half a microsecond to a microsecond and a half per tensor, by machine, and one per config
-    (``take`` aside): a look at a few hundred tensors, not a hash of gigabytes. The config attributes are read
-    from ``__dict__``: through transformers' ``__getattribute__``, ``kernel_implementations`` costs tens of
-    microseconds. Thread-safe: the token and what was taken at it are replaced as one pair, never kept when a
-    ``refresh`` came while ``take`` ran; two threads seeing one change may both take it.
-    """
-
-    def __init__(self, module: torch.nn.Module | Sequence[torch.nn.Module], take: Callable[[], T],
-                 watched: Callable[[], Sequence[object]] | None = None):
-        modules = [module] if isinstance(module, torch.nn.Module) else module
-        if (not isinstance(modules, (list, tuple)) or not modules
-                or not all(isinstance(m, torch.nn.Module) for m in modules)):
-            raise InvalidRequest(f"a fingerprinted module must be a torch module or a non-empty list of them, got "
-                                 f"{type(module).__name__}")
-        self.modules = list(modules)
-        self._take = take
-        self._watched = watched or (lambda: [cfg for m in self.modules for cfg in module_configs(m).values()])
-        self._lock = threading.Lock()
-        # ([(module._parameters or module._buffers, name) of every tensor], [every config]), or None: find them
-        self._places: tuple[list, list] | None = None
-        self._held: tuple | None = None  # (token, what take returned at it)
-        self._refreshes = 0
-
-    def __call__(self) -> T:
-        with self._lock:
-            held, refreshes = self._held, self._refreshes
-        token = self.token()
-        if held is not None and held[0] == token:
-            return held[1]
-        self._find()  # the module changed: where its tensors and configs live may have too
-        token = self.token()
-        taken = self._take()  # outside the lock: seconds on a large model, while other modules' calls go on
-        with self._lock:
-            if self._refreshes == refreshes:
-                self._held = (token, taken)
-        return taken
-
-    def refresh(self) -> None:
-        """Find the tensors and configs again and take the fingerprint again at the next call (after changes the
-        token cannot see)."""
-        with self._lock:
-            self._held, self._places = None, None
-            self._refreshes += 1
-
-    def token(self) -> tuple:
-        """The module's state as compared at each call (see the class docstring)."""
-        places = self._places
-        try:
-            return self._token(*(self._find() if places is None else places))
-        except (KeyError, AttributeError):  # a tensor deleted from its module, or set to None: find them again
-            return self._token(*self._find())
-
-    def _find(self) -> tuple[list, list]:
-        modules = {id(m): m for root in self.modules for m in root.modules()}  # a module two roots share: once
-        slots = [(table, name) for module in modules.values() for table in (module._parameters, module._buffers)
-                 for name, t in table.items() if t is not None]
-        watched = list({id(o): o for o in self._watched()}.values())  # each object once, in order
-        self._places = places = (slots, watched)
-        return places
-
-    @staticmethod
-    def _token(slots: list, configs: list) -> tuple:
-        tensors = [table[name] for table, name in slots]
-        return (*map(id, tensors), *map(_VERSION, tensors), *map(torch.Tensor.data_ptr, tensors),
-                *map(_DTYPE, tensors), *map(_DEVICE, tensors), *(dict(vars(obj)) for obj in configs))
 
 
 @dataclass(frozen=True)

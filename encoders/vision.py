@@ -11,13 +11,13 @@ Invariants:
   configuration, its class and the transformers version, and the decode rule (``media.DECODE_PARAMS``). The
   media digest is ``names.media_digest(bytes as sent, preprocess_params)``.
 * ``fingerprint`` is a digest of the adapter kind, the tower and projector configuration, the attention and
-  experts implementations of every config the tower modules run on (``text_encoders.module_configs`` and
-  ``kernel_implementations``: transformers leaves them out of the config's JSON, yet sdpa and eager features
-  differ in their last bits), their weights (every tensor's name, dtype, shape and bytes), the device type and
+  experts implementations of every config the tower modules run on (``fingerprint.module_kernels``:
+  transformers leaves them out of the config's JSON, yet sdpa and eager features differ in their last bits),
+  their weights (``fingerprint.weights_digest``: every tensor's name, dtype, shape and bytes), the device type and
   ``preprocess_params``. The language model's attention is not part of it (the engine routes it through its
   paged backend when it attaches; the features do not depend on it).
 * The fingerprint, ``preprocess_params`` and the declared dtype follow the model and the image processor
-  (``text_encoders.LiveFingerprint`` over the tower modules): they are taken again at the next encode after a
+  (``fingerprint.LiveFingerprint`` over the tower modules): they are taken again at the next encode after a
   tower weight or buffer is replaced, moved or cast, written in place through autograd's view, a tower config
   or top-level config attribute changes (``set_attn_implementation`` on the tower, ``vision_feature_layer``) or
   an image processor attribute is set. A write through ``.data``, a replaced submodule and a value edited in
@@ -55,7 +55,7 @@ from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
 from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
-from .text_encoders import LiveFingerprint, kernel_implementations, module_configs
+from .fingerprint import LiveFingerprint, module_configs, module_kernels, weights_digest
 
 ADAPTER_VERSION = 1
 
@@ -112,19 +112,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def weights_digest(modules: Sequence[nn.Module]) -> str:
-    """xxh3_128 hex over every tensor (name, dtype, shape, bytes) of ``modules``' state dicts, in order."""
-    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
-        raise InvalidRequest("weights_digest takes a list of torch modules")
-    h = xxhash.xxh3_128()
-    for i, module in enumerate(modules):
-        for name, tensor in module.state_dict().items():
-            t = tensor.detach().to("cpu").contiguous()
-            h.update(canonical_encoding([i, name, str(t.dtype), list(t.shape)]))
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def config_dict(config: transformers.PretrainedConfig) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
@@ -148,7 +135,7 @@ class VisionAdapter(ABC):
         self.limits = limits
         preprocessor_params(image_processor)  # refuses what is not an image processor, before anything is taken
         # (fingerprint, preprocess params, output spec), taken again when the tower, its configs or the image
-        # processor change (``text_encoders.LiveFingerprint``)
+        # processor change (``fingerprint.LiveFingerprint``)
         self._state = LiveFingerprint(self._tower_modules(), self._describe, watched=self._watched)
         self._state()  # now, so that the first request does not pay for it
 
@@ -168,8 +155,7 @@ class VisionAdapter(ABC):
             # the configs the tower modules run on (a transformers sub-model carries one; the projector has
             # none), not the whole model's: the engine sets the language model's attention when it attaches,
             # which must not key the same tower's features apart
-            "kernels": [{path: kernel_implementations(cfg)[""] for path, cfg in module_configs(m).items()}
-                        for m in self._tower_modules()],
+            "kernels": [module_kernels(m) for m in self._tower_modules()],
             "weights": weights_digest(self._tower_modules()),
             "device": next(self.model.parameters()).device.type,
             "preprocess": params,

@@ -9,8 +9,9 @@ from tokenizers import AddedToken, normalizers
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
+from encoders.fingerprint import LiveFingerprint
 from encoders.local_tokenizers import t5_tokenizer, wan_negative_prompt
-from encoders.text_encoders import LiveFingerprint, T5EncoderAdapter, T5Recipe, TokenizationMemo
+from encoders.text_encoders import T5EncoderAdapter, T5Recipe, TokenizationMemo
 from encoders.vlm_presets import build_preset
 from mmcache.store import EncoderOutputStore
 

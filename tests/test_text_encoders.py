@@ -15,9 +15,9 @@ import torch
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
 from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
+from encoders.fingerprint import kernel_implementations, module_fingerprint
 from encoders.text_encoders import (T5_MAX_LENGTH, CLIPEncoderAdapter, ForwardCounter, T5EncoderAdapter, T5Recipe,
-                                    TokenizationMemo, kernel_implementations, module_fingerprint,
-                                    tokenizer_fingerprint, tokenize)
+                                    TokenizationMemo, tokenizer_fingerprint, tokenize)
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore, store_key
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
+from encoders.fingerprint import weights_digest
 from encoders.media import ImageLimits, decode_image, read_image
-from encoders.vision import weights_digest
 from encoders.vlm_presets import PRESET_NAMES, build_preset
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.store import EncoderOutputStore
