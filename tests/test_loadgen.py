@@ -125,7 +125,7 @@ class StubChat:
         await send({"type": "http.response.body", "body": payload})
 
 
-def run_stub(app, sessions, rate=200.0, time_limit_s=20.0, max_in_flight=None):
+def run_stub(app, sessions, rate=200.0, time_limit_s=20.0, max_in_flight=None, offsets=None):
     import httpx2
     import openai
 
@@ -133,7 +133,7 @@ def run_stub(app, sessions, rate=200.0, time_limit_s=20.0, max_in_flight=None):
         async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as http:
             client = openai.AsyncOpenAI(base_url="http://stub/v1", api_key="k", max_retries=0, http_client=http)
             return await loadgen.open_loop(lambda key: client, sessions, rate, seed=1, time_limit_s=time_limit_s,
-                                           max_in_flight=max_in_flight)
+                                           max_in_flight=max_in_flight, offsets=offsets)
 
     return asyncio.run(go())
 
@@ -170,3 +170,88 @@ def test_the_time_limit_cancels_what_still_runs():
     outcomes = {r.session: r.outcome for r in records}
     assert outcomes[0] == "ok" and outcomes[1] == "timeout"
     assert outcomes.get(2, "timeout") == "timeout"  # queued behind the hanging one: cancelled before or while sent
+
+
+# ---- token-id sessions over /v1/completions ----------------------------------------------------------------
+class StubCompletions(StubChat):
+    """/v1/completions: answers ``max_tokens`` chunks of text; the answer's ids are ``1000 + len(prompt) + i``,
+    sent either all on the last chunk (as mmcache does) or one per chunk (as vLLM does) when asked for."""
+
+    def __init__(self, per_chunk: bool):
+        super().__init__()
+        self.per_chunk = per_chunk
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        body = json.loads(raw)
+        self.bodies.append(body)
+        prompt, n = body["prompt"], body["max_tokens"]
+        ids = [1000 + len(prompt) + i for i in range(n)]
+        want = body.get("return_token_ids", False)
+        chunks = []
+        for i in range(n):
+            choice = {"index": 0, "text": f"t{i} ", "finish_reason": None}
+            if want and self.per_chunk:
+                choice["token_ids"] = [ids[i]]
+            chunks.append({"choices": [choice]})
+        if want and not self.per_chunk:
+            chunks[-1]["choices"][0]["token_ids"] = ids
+        chunks.append({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                                "total_tokens": len(prompt) + n,
+                                                "prompt_tokens_details": {"cached_tokens": 0}}})
+        common = {"id": "c", "object": "text_completion", "created": 0, "model": "m"}
+        sse = b"".join(b"data: " + json.dumps({**common, **c}).encode() + b"\n\n" for c in chunks)
+        await self._reply(send, 200, "text/event-stream", sse + b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("per_chunk", [False, True])
+def test_token_sessions_extend_the_prompt_with_the_answer_ids(per_chunk):
+    app = StubCompletions(per_chunk)
+    s = loadgen.TokenSession([[5, 6, 7], [8], [9, 9]], {"model": "m", "max_tokens": 9,
+                                                        "extra_body": {"cache_salt": "s"}}, max_tokens=[2, 3, 1])
+    records = run_stub(app, [s])
+    assert [r.outcome for r in records] == ["ok"] * 3
+    prompts = [b["prompt"] for b in app.bodies]
+    assert prompts[0] == [5, 6, 7]
+    assert prompts[1] == [5, 6, 7, 1003, 1004, 8]  # the first answer's ids, then turn 1's own
+    assert prompts[2] == prompts[1] + [1006, 1007, 1008, 9, 9]
+    assert [b["max_tokens"] for b in app.bodies] == [2, 3, 1]
+    assert [b.get("return_token_ids", False) for b in app.bodies] == [True, True, False]  # the last needs none
+    assert all(b["cache_salt"] == "s" and b["stream"] is True for b in app.bodies)
+    first = records[0]
+    assert first.token_ids == [1003, 1004] and first.text == "t0 t1 " and first.output_tokens == 2
+    assert first.ttft is not None and first.tpot is not None
+
+
+def test_a_token_session_without_answer_ids_is_refused():
+    class NoIds(StubCompletions):
+        async def __call__(self, scope, receive, send):
+            async def strip():
+                msg = await receive()
+                if msg.get("body"):
+                    body = json.loads(msg["body"])
+                    body.pop("return_token_ids", None)
+                    msg = dict(msg, body=json.dumps(body).encode(), more_body=False)
+                return msg
+            await super().__call__(scope, strip, send)
+
+    s = loadgen.TokenSession([[5], [6]], {"model": "m", "max_tokens": 2})
+    with pytest.raises(loadgen.MissingTokenIds, match="0 answer ids for 2 output tokens"):
+        run_stub(NoIds(False), [s])
+
+
+def test_given_offsets_replace_the_poisson_schedule():
+    app = StubCompletions(False)
+    sessions = [loadgen.TokenSession([[i + 1]], {"model": "m", "max_tokens": 1}) for i in range(3)]
+    records = run_stub(app, sessions, time_limit_s=20.0, offsets=[0.0, 0.0, 0.3])
+    sends = {r.session: r.send for r in records}
+    assert sends[2] - min(sends.values()) >= 0.29
+    with pytest.raises(ValueError, match="one finite"):
+        run_stub(app, sessions, offsets=[0.0, 1.0])
