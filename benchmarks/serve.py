@@ -130,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=count(MAX_PAGE_SIZE), default=16)
     p.add_argument("--num-pages", type=count(MAX_POOL_TOKENS), default=2048,
                    help=f"KV pages per engine (pages times page size at most {MAX_POOL_TOKENS})")
+    p.add_argument("--prefill-chunk-tokens", type=count(MAX_POOL_TOKENS), default=None, metavar="N",
+                   help="tokens of a prompt prefilled in one step, a multiple of --page-size (default: the "
+                        "engine's, the largest multiple of the page size up to 2048)")
     p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--peers", action="store_true",
@@ -247,7 +250,8 @@ def sessions(plan, options: dict) -> list[loadgen.Session]:
 def engine_config(args, cache_mode: str = "on"):
     from mmcache.engine import EngineConfig
 
-    return EngineConfig(page_size=args.page_size, num_pages=args.num_pages, cache_mode=cache_mode)
+    return EngineConfig(page_size=args.page_size, num_pages=args.num_pages, cache_mode=cache_mode,
+                        prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def server_config(args, cache_mode: str = "on", **changes):
@@ -595,7 +599,7 @@ def run(args) -> dict:
                                                       "soak_concurrency", "time_limit", "workloads", "duration",
                                                       "text_preset", "text_dtype", "text_sessions", "text_requests",
                                                       "text_turns",
-                                                      "text_max_tokens", "peers")}
+                                                      "text_max_tokens", "peers", "prefill_chunk_tokens")}
     result["config"].update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
                             text_shape=TEXT_SHAPES["quick" if args.quick else "full"])
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

@@ -55,6 +55,11 @@ def register(sub) -> None:
     p.add_argument("--page-size", type=count(), default=16, help="tokens per KV page (default 16)")
     p.add_argument("--num-pages", type=count(), default=None, help="KV pages per pool (default: from 1 GiB)")
     p.add_argument("--max-num-seqs", type=count(), default=64, help="requests decoded together (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=count(), default=4096, metavar="N",
+                   help="tokens of one engine step, prefill and decode together (default 4096)")
+    p.add_argument("--prefill-chunk-tokens", type=count(), default=None, metavar="N",
+                   help="tokens of a prompt prefilled in one step, a multiple of --page-size (default: the largest "
+                        "multiple up to 2048); smaller chunks hold decoding requests up for less time")
     p.add_argument("--store-bytes", type=count(), default=DEFAULT_STORE_BYTES,
                    help="the encoder-output store's budget in bytes, shared by every model (default 256 MiB)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
@@ -99,7 +104,8 @@ def config_from_args(args: argparse.Namespace):
     from .config import ServerConfig
 
     engine_config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
-                                 max_num_seqs=args.max_num_seqs, cache_mode=args.cache_mode)
+                                 max_num_seqs=args.max_num_seqs, max_tokens_per_step=args.max_num_batched_tokens,
+                                 prefill_chunk_tokens=args.prefill_chunk_tokens, cache_mode=args.cache_mode)
     return ServerConfig(preset=args.preset, model=args.model, diffusion=tuple(args.diffusion), tts=args.tts,
                         host=args.host, port=args.port, api_keys=tuple(args.api_key),
                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,

@@ -40,25 +40,9 @@ class Intake:
 
     async def json(self, request: Request) -> dict:
         """The body as a JSON object, read within ``max_body_bytes``."""
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            await drain(request, limit)
-            raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
-        chunks, size, more = [], 0, True
-        while more:  # the raw messages, not request.stream(): a drain must know whether more is coming
-            message = await request.receive()
-            if message["type"] != "http.request":
-                raise bad_request("the client disconnected before sending the whole body")
-            body, more = message.get("body", b""), message.get("more_body", False)
-            size += len(body)
-            if size > limit:
-                if more:
-                    await drain(request, limit)
-                raise too_large(f"request body beyond the limit of {limit} bytes")
-            chunks.append(body)
+        body = await bounded_body(request, self.config.max_body_bytes)
         try:
-            data = json.loads(b"".join(chunks))
+            data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
         if not isinstance(data, dict):
@@ -88,6 +72,28 @@ def from_validation(errors) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     return bad_request(f"{param or 'request'}: {first.get('msg', 'invalid value')}", param)
+
+
+async def bounded_body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 once it passes ``limit`` bytes (what is left is read and dropped, so the client
+    reads the 413 instead of a reset connection)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        await drain(request, limit)
+        raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
+    chunks, size, more = [], 0, True
+    while more:  # the raw messages, not request.stream(): a drain must know whether more is coming
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise bad_request("the client disconnected before sending the whole body")
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            if more:
+                await drain(request, limit)
+            raise too_large(f"request body beyond the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def drain(request: Request, limit: int) -> None:

@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import finite_number, positive_int, unicode_text
 from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
+from .intake import bounded_body
 from .tenants import Tenants
 from .video_jobs import COMPLETED, JobsFull, VideoJob, VideoJobs
 from .video_render import VideoSpec
@@ -243,7 +244,7 @@ class _VideoApi:
         if ctype not in ("application/json", *_FORM_TYPES):
             raise APIError(415, f"send the fields as application/json or multipart/form-data, not {ctype!r}",
                            "invalid_request_error", None, "unsupported_media_type")
-        body = await _bounded_body(request, self.max_body_bytes)
+        body = await bounded_body(request, self.max_body_bytes)
         if ctype == "application/json":
             try:
                 data = json.loads(body)
@@ -376,39 +377,6 @@ def _job_error(job: VideoJob) -> APIError:
 
 
 # ---- the body -----------------------------------------------------------------------------------------------
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    """The whole body, or 413 once it passes ``limit`` bytes (the rest is read and dropped, so the client can
-    read the answer)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        await _drain(request, limit)
-        raise too_large(f"request body of {declared} bytes is beyond the limit of {limit}")
-    chunks, size, more = [], 0, True
-    while more:
-        message = await request.receive()
-        if message["type"] != "http.request":
-            raise bad_request("the client disconnected before sending the whole body")
-        chunk, more = message.get("body", b""), message.get("more_body", False)
-        size += len(chunk)
-        if size > limit:
-            if more:
-                await _drain(request, limit)
-            raise too_large(f"request body beyond the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _drain(request: Request, limit: int) -> None:
-    seen = 0
-    while seen <= 4 * limit:  # past that the connection is closed rather than read on
-        message = await request.receive()
-        if message["type"] != "http.request":
-            return
-        seen += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
-
-
 async def _form(request: Request, body: bytes) -> dict:
     """The form fields of ``body`` (python-multipart through Starlette); a file part is refused."""
     async def replay():
