@@ -123,17 +123,26 @@ async def stream_chat(client, body: Mapping, record: Record, cut_after: int | No
     come; closes the stream after ``cut_after`` content chunks (``outcome`` ``cut``). Errors of the request
     are recorded, not raised; cancellation closes the stream and propagates. ``cut_after`` 0 closes it as soon
     as the server has accepted the request."""
+    async def read(stream) -> None:
+        if cut_after == 0:  # closed once the server accepted it, before any token
+            record.outcome = "cut"
+        else:
+            await _read_stream(stream, record, cut_after)
+
+    return await _streamed(record, lambda: client.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}), read)
+
+
+async def _streamed(record: Record, open_stream, read) -> Record:
+    """Open a stream (``await open_stream()``) and ``read`` it into ``record``: the send and end times, an API
+    error recorded as the outcome instead of raised, the stream closed whatever happens, the output counted."""
     import openai
 
     stream = None
     try:
         record.send = time.perf_counter()
-        stream = await client.chat.completions.create(**body, stream=True,
-                                                      stream_options={"include_usage": True})
-        if cut_after == 0:  # closed once the server accepted it, before any token
-            record.outcome = "cut"
-        else:
-            await _read_stream(stream, record, cut_after)
+        stream = await open_stream()
+        await read(stream)
         record.end = time.perf_counter()
     except openai.APIError as exc:
         record.end, record.outcome = time.perf_counter(), "error"
@@ -170,12 +179,7 @@ async def stream_completion(client, body: Mapping, record: Record) -> Record:
     """``stream_chat`` for ``/v1/completions`` (``body`` without ``stream``): a choice's ``text`` is its content,
     and its ``token_ids`` (one list at the end, or one per chunk as vLLM sends them) are gathered in order into
     ``record.token_ids``."""
-    import openai
-
-    stream = None
-    try:
-        record.send = time.perf_counter()
-        stream = await client.completions.create(**body, stream=True, stream_options={"include_usage": True})
+    async def read(stream) -> None:
         async for chunk in stream:
             now = time.perf_counter()
             if record.first_chunk is None:
@@ -191,16 +195,9 @@ async def stream_completion(client, body: Mapping, record: Record) -> Record:
                     record.text += choice.text
                     if record.first_token is None:
                         record.first_token = now
-        record.end = time.perf_counter()
-    except openai.APIError as exc:
-        record.end, record.outcome = time.perf_counter(), "error"
-        record.status, record.error = _error_of(exc)
-    finally:
-        if stream is not None:
-            await stream.close()
-    if record.output_tokens is None:
-        record.output_tokens = len(record.token_times)
-    return record
+
+    return await _streamed(record, lambda: client.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}), read)
 
 
 async def complete_chat(client, body: Mapping, record: Record) -> Record:
