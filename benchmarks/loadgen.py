@@ -157,22 +157,32 @@ async def _streamed(record: Record, open_stream, read) -> Record:
 
 async def _read_stream(stream, record: Record, cut_after: int | None) -> None:
     async for chunk in stream:
-        now = time.perf_counter()
-        if record.first_chunk is None:
-            record.first_chunk = now
-        if chunk.usage is not None:
-            _take_usage(record, chunk.usage)
+        now = _chunk_arrived(record, chunk)
         for choice in chunk.choices:
             # Non-empty content only: servers open with a role chunk whose content is "" (vLLM's
             # benchmark counts chunks the same way)
             if choice.delta is not None and choice.delta.content:
-                record.token_times.append(now)
-                record.text += choice.delta.content
-                if record.first_token is None:
-                    record.first_token = now
+                _text_arrived(record, choice.delta.content, now)
         if cut_after is not None and len(record.token_times) >= cut_after:
             record.outcome = "cut"
             break
+
+
+def _chunk_arrived(record: Record, chunk) -> float:
+    """Note a chunk's arrival (and the usage it may carry); returns its time."""
+    now = time.perf_counter()
+    if record.first_chunk is None:
+        record.first_chunk = now
+    if chunk.usage is not None:
+        _take_usage(record, chunk.usage)
+    return now
+
+
+def _text_arrived(record: Record, text: str, now: float) -> None:
+    record.token_times.append(now)
+    record.text += text
+    if record.first_token is None:
+        record.first_token = now
 
 
 async def stream_completion(client, body: Mapping, record: Record) -> Record:
@@ -181,20 +191,13 @@ async def stream_completion(client, body: Mapping, record: Record) -> Record:
     ``record.token_ids``."""
     async def read(stream) -> None:
         async for chunk in stream:
-            now = time.perf_counter()
-            if record.first_chunk is None:
-                record.first_chunk = now
-            if chunk.usage is not None:
-                _take_usage(record, chunk.usage)
+            now = _chunk_arrived(record, chunk)
             for choice in chunk.choices:
                 ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
                 if ids:
                     record.token_ids.extend(int(t) for t in ids)
                 if choice.text:
-                    record.token_times.append(now)
-                    record.text += choice.text
-                    if record.first_token is None:
-                        record.first_token = now
+                    _text_arrived(record, choice.text, now)
 
     return await _streamed(record, lambda: client.completions.create(
         **body, stream=True, stream_options={"include_usage": True}), read)

@@ -72,3 +72,25 @@ class Blocked:
         self.gate.set()
         for job in self.jobs:
             job.future.result(60)
+
+
+def cancelled_from_a_hook(module, render) -> int:
+    """Run ``render(job)`` with its job cancelled from a forward hook of ``module`` at the hook's first call;
+    the render must raise ``JobCancelled``. Returns how many forwards of ``module`` ran."""
+    import pytest
+
+    from mmcache.server.workers import Job, JobCancelled
+
+    job, calls = Job(lambda j: None), []
+
+    def cancel(module, args, output):
+        calls.append(1)
+        job.cancelled.set()
+
+    hook = module.register_forward_hook(cancel)
+    try:
+        with pytest.raises(JobCancelled):
+            render(job)
+    finally:
+        hook.remove()
+    return len(calls)

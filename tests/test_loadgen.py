@@ -83,6 +83,16 @@ def test_goodput_is_the_highest_rate_meeting_the_threshold():
 
 
 # ---- the client against a stub app -----------------------------------------------------------------------
+async def _read_json(receive) -> dict:
+    """An ASGI request's whole body, parsed as JSON."""
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return json.loads(raw)
+
+
 class StubChat:
     """An ASGI app answering /v1/chat/completions like an OpenAI server, streaming ``max_tokens`` chunks
     ("w0 w1 ..."); a user message "fail" gets a 400 error object, "hang" never answers. Keeps every body."""
@@ -93,13 +103,7 @@ class StubChat:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        body = json.loads(raw)
+        body = await _read_json(receive)
         self.bodies.append(body)
         last = body["messages"][-1]["content"]
         if last == "hang":
@@ -184,13 +188,7 @@ class StubCompletions(StubChat):
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        body = json.loads(raw)
+        body = await _read_json(receive)
         self.bodies.append(body)
         prompt, n = body["prompt"], body["max_tokens"]
         ids = [1000 + len(prompt) + i for i in range(n)]

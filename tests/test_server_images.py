@@ -17,8 +17,8 @@ from PIL import Image
 from encoders.diffusion_presets import tiny_sd3_pipeline
 from mmcache.server import ServerConfig, ServerConfigError, start_server
 from mmcache.server.images import ImageSpec
-from mmcache.server.workers import Job, JobCancelled
-from server_helpers import Blocked, data_url, error_of, metric, scrape, store_holds
+from mmcache.server.workers import JobCancelled
+from server_helpers import Blocked, cancelled_from_a_hook, data_url, error_of, metric, scrape, store_holds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -215,20 +215,8 @@ def test_a_client_gone_before_its_turn_cancels_its_job(server):
 def test_a_job_cancelled_while_it_runs_stops_and_releases_its_leases(server):
     service = server.services["images"]
     spec = ImageSpec("a running job that is stopped", NEGATIVE, 16, 16, 1, 0, None, 4)
-    job = Job(lambda j: None)
-    steps = []
-
-    def count_and_cancel(module, args, output):
-        steps.append(1)
-        job.cancelled.set()
-
-    hook = service.pipe.transformer.register_forward_hook(count_and_cancel)
-    try:
-        with pytest.raises(JobCancelled):
-            service.render(spec, b"", job)
-    finally:
-        hook.remove()
-    assert len(steps) == 1  # stopped after its first denoising step of four
+    steps = cancelled_from_a_hook(service.pipe.transformer, lambda job: service.render(spec, b"", job))
+    assert steps == 1  # stopped after its first denoising step of four
     _sound(server)
 
 

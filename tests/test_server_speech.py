@@ -17,7 +17,7 @@ from encoders.audio import decode_clip, read_audio
 from encoders.tts_presets import SAMPLING_RATE, csm_pipeline, voice_prompt
 from mmcache.server import ServerConfig, start_server
 from mmcache.server.speech import float_wav, pcm16
-from server_helpers import Blocked, data_url, error_of, metric, scrape, store_holds
+from server_helpers import Blocked, cancelled_from_a_hook, data_url, error_of, metric, scrape, store_holds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,24 +213,13 @@ def test_wav_bytes_depend_on_the_samples_alone():
 
 def test_a_job_cancelled_while_it_runs_stops_at_its_next_frame(server):
     from mmcache.server.speech import SpeechSpec
-    from mmcache.server.workers import Job, JobCancelled
 
     service = server.services["speech"]
     reference = service.reference(data_url(clip(0.5, 16_000, 300.0), "audio/wav"))
-    job = Job(lambda j: None)
-    frames = []
-
-    def cancel_after_a_frame(module, args, output):
-        frames.append(1)
-        job.cancelled.set()
-
-    hook = service.model.depth_decoder.register_forward_hook(cancel_after_a_frame)
-    try:
-        with pytest.raises(JobCancelled):
-            service.render(SpeechSpec("Stop me.", REF_TEXT, "wav", FRAMES, 0, None), reference, b"", job)
-    finally:
-        hook.remove()
-    assert len(frames) == service.model.config.num_codebooks - 1  # one frame's depth decoding of FRAMES
+    spec = SpeechSpec("Stop me.", REF_TEXT, "wav", FRAMES, 0, None)
+    frames = cancelled_from_a_hook(service.model.depth_decoder,
+                                   lambda job: service.render(spec, reference, b"", job))
+    assert frames == service.model.config.num_codebooks - 1  # one frame's depth decoding of FRAMES
     _sound(server)
 
 
