@@ -28,14 +28,15 @@ import statistics
 
 import torch
 
-from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+from mmcache.presets.local_tokenizers import parti_prompts, wan_negative_prompt
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
 from mmcache.engine.models import DTYPES
-from mmcache.engine.presets import PRESETS
+from mmcache.presets.text import PRESETS
 
 from .diffusion import zipf_stream
 from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, count, fill_sizes, real, seed
 from .table import Row
+from mmcache.presets import engine_from_preset
 
 DESCRIPTION = "autoregressive CFG with a fixed negative prompt: negative-branch reuse, TTFT cache on vs off"
 MAX_CONTEXT = max(p.config["max_position_embeddings"] for p in PRESETS.values())  # the longest preset context
@@ -71,7 +72,7 @@ def add_arguments(p) -> None:
 
 def _engine(args, mode: str) -> Engine:
     cfg = EngineConfig(page_size=args.page_size, cache_mode=mode, kv_cache_bytes=512 << 20, max_num_seqs=4)
-    return Engine.from_preset(args.preset, dtype=args.dtype, config=cfg)
+    return engine_from_preset(args.preset, dtype=args.dtype, config=cfg)
 
 
 def _serve(eng: Engine, rid, prompt: str, negative: str, args):
@@ -147,7 +148,7 @@ def exact_check(args, prompts: list[str], negative: str) -> dict:
     runs = {}
     for mode in ("on", "off"):
         cfg = EngineConfig.exact(page_size=args.page_size, cache_mode=mode, kv_cache_bytes=512 << 20)
-        eng = Engine.from_preset(args.preset, dtype=args.dtype, config=cfg)
+        eng = engine_from_preset(args.preset, dtype=args.dtype, config=cfg)
         rec = record_logits(eng)
         runs[mode] = (rec, [_serve(eng, f"exact-{i}", p, negative, args) for i, p in enumerate(prompts)])
         eng.check_invariants()

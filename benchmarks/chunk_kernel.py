@@ -161,10 +161,11 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
     library's attention kernels (decode and chunk; the norms and rotary embedding stay this tree's)."""
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, SamplingParams
+    from mmcache.engine import EngineConfig, SamplingParams
+    from mmcache.presets import engine_from_preset
     from mmcache.engine.compute import native
 
-    eng = Engine.from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
+    eng = engine_from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
     if not any(part.startswith("native-chunk") for part in eng.backend.split("+")):
         return {"skipped": f"the chunk kernel does not run here ({native.status()})"}
     rng = np.random.default_rng(seed)

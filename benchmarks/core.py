@@ -31,6 +31,7 @@ from array import array
 import numpy as np
 
 from mmcache import AllocationManager, CacheConfig, Fingerprint
+
 from .options import MAX_REPEATS, MAX_TOKENS, count, fill_sizes
 from .table import Row
 
@@ -348,11 +349,12 @@ def bench_digest_share_vlm(repeats: int) -> dict:
     from pathlib import Path
 
     from mmcache.engine import EngineConfig, SamplingParams
-    from mmcache.engine.vlm import VLMEngine, VLMRequest
+    from mmcache.hosts.vlm import VLMRequest
+    from mmcache.presets import vlm_from_preset
     from mmcache.names import media_digest
 
     image = (Path(__file__).resolve().parents[1] / "datasets" / "images" / "chelsea.png").read_bytes()
-    eng = VLMEngine.from_preset("tiny-llava", config=EngineConfig(page_size=16, num_pages=256))
+    eng = vlm_from_preset("tiny-llava", config=EngineConfig(page_size=16, num_pages=256))
     params = eng.builder.adapter.preprocess_params
     chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -368,7 +370,8 @@ def bench_digest_share_voice(repeats: int) -> dict:
 
     from encoders.audio import decode_audio, read_audio
     from encoders.codec import CachedCodecEncode
-    from encoders.tts_presets import SAMPLING_RATE, csm_pipeline, voice_prompt
+    from encoders.voice import SAMPLING_RATE, voice_prompt
+    from mmcache.presets.tts import csm_pipeline
     from mmcache.names import media_digest
     from mmcache.store import EncoderOutputStore
 

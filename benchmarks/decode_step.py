@@ -73,13 +73,14 @@ class AttentionClock:
 def measure(args) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine import EngineConfig, Request, SamplingParams
+    from mmcache.presets import engine_from_preset
     from mmcache.engine.compute import native
 
     kernel = native.library()
     if kernel is None:
         raise SystemExit(f"the compiled decode kernel is not available here: {native.status()}")
-    eng = Engine.from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
+    eng = engine_from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
     rng = np.random.default_rng(args.seed)
     clock = AttentionClock()
     result = {}

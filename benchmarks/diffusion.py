@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import SD3Preset, UMT5Shape, WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
-from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+from mmcache.presets.diffusion import SD3Preset, UMT5Shape, WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
+from mmcache.presets.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
 from mmcache.store import EncoderOutputStore
 

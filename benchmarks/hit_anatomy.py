@@ -77,11 +77,12 @@ class LinearClock:
 def measure(args) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, SamplingParams
+    from mmcache.engine import EngineConfig, SamplingParams
+    from mmcache.presets import engine_from_preset
 
     if args.prompt_len % args.page_size or args.prompt_len < 2 * args.page_size:
         raise SystemExit("--prompt-len must be a multiple of --page-size, at least two pages")
-    eng = Engine.from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
+    eng = engine_from_preset(args.preset, dtype=args.dtype, config=EngineConfig(page_size=args.page_size))
     rng = np.random.default_rng(args.seed)
     modules = linear_modules(eng.adapter)
     clock = LinearClock(modules)

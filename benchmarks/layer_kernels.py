@@ -68,10 +68,11 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
             seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine import ComputeConfig, EngineConfig, Request, SamplingParams
+    from mmcache.presets import engine_from_preset
     from mmcache.engine.compute import rotary
 
-    engines = {side: Engine.from_preset(preset, dtype="bfloat16",
+    engines = {side: engine_from_preset(preset, dtype="bfloat16",
                                         config=EngineConfig(page_size=128,
                                                             compute=ComputeConfig(layer_kernels=side == "kernels")))
                for side in SIDES}

@@ -32,9 +32,10 @@ def measure(args) -> dict:
     """One child's figures, on whatever runtime this process started with."""
     import numpy as np
 
-    from mmcache.engine import Engine, SamplingParams
+    from mmcache.engine import SamplingParams
+    from mmcache.presets import engine_from_preset
 
-    eng = Engine.from_preset(args.preset, dtype=args.dtype)
+    eng = engine_from_preset(args.preset, dtype=args.dtype)
     rng = np.random.default_rng(args.seed)
 
     def prompt(n: int) -> list[int]:

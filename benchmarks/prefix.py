@@ -67,7 +67,7 @@ from pathlib import Path
 
 from mmcache.engine.compute import native
 from mmcache.engine.models import DTYPES
-from mmcache.engine.presets import PRESETS
+from mmcache.presets.text import PRESETS
 from mmcache.errors import MmcacheError
 from mmcache.openmp import loaded_runtime
 

@@ -35,10 +35,11 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
             seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
+    from mmcache.engine import EngineConfig, Request, SamplingParams
+    from mmcache.presets import engine_from_preset
     from mmcache.engine.compute import kernels
 
-    eng = Engine.from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
+    eng = engine_from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
     attns = [m for m in eng.adapter.decoder.modules()
              if isinstance(getattr(m, "q_proj", None), kernels.PackedProjection)]
     if not attns:

@@ -44,7 +44,7 @@ SIDES = ("onednn", "kernel")
 
 def _products(preset: str, dtype: torch.dtype) -> tuple[dict, int]:
     """One decoder layer's products and the LM head: name -> (weight, bias); and the number of layers."""
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     model, _ = build_model(preset, str(dtype).removeprefix("torch."))
     layer = model.model.layers[0]
@@ -104,7 +104,7 @@ def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int,
     Per row count: the median over ``rounds`` (alternating which side goes first) of each side's sweep and of
     oneDNN's over the kernel's."""
     from mmcache.engine.compute import kernels, native
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     lib = native.library()
     model, _ = build_model(preset, str(dtype).removeprefix("torch."))
@@ -145,7 +145,7 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
     import numpy as np
 
     from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     engines = {}
     for side, on in (("off", False), ("on", True)):

@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from mmcache.engine.presets import PRESETS
+from mmcache.presets.text import PRESETS
 
 from .options import MAX_REPEATS, MAX_REQUESTS, count
 from .table import Row
@@ -115,10 +115,11 @@ def paired_ratio(engine: list[float], definition: list[float]) -> tuple[float, l
 
 
 def _engine_itl(batch: int, tokens: int, runs: int) -> dict:
-    from mmcache.engine import Engine, EngineConfig, SamplingParams
+    from mmcache.engine import EngineConfig, SamplingParams
+    from mmcache.presets import engine_from_preset
     from mmcache.engine import engine as engine_module
 
-    eng = Engine.from_preset(ENGINE_PRESET, dtype="bfloat16", config=EngineConfig(cache_mode="off"))
+    eng = engine_from_preset(ENGINE_PRESET, dtype="bfloat16", config=EngineConfig(cache_mode="off"))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 8000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
     sp = [SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)

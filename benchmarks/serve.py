@@ -3,7 +3,7 @@
     mmcache bench serve [--quick] [--peers] [--rates R1,R2] [--duration S] [--json PATH] [--plot PATH]
                         [--workloads W1,W2] [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
 
-Each part starts a server in this process (``mmcache.server.start_server``: loopback, a free port) and drives
+Each part starts a server in this process (``mmcache.presets.serve``: loopback, a free port) and drives
 it with the async ``openai`` client, streaming.
 
 * Low load (with ``vlm_chat``): the multi-turn VLM chats of ``benchmarks.vlm`` (its photos of
@@ -266,7 +266,7 @@ def server_config(args, cache_mode: str = "on", **changes):
 def in_process(args):
     """A ``VLMEngine`` built by the server's own builder from the server's config: same preset, dtype, engine
     config, store budget and image limits."""
-    from mmcache.server import build_engine
+    from mmcache.presets.serving import build_engine
 
     return build_engine(server_config(args))
 
@@ -287,7 +287,7 @@ def in_process_turn(front, messages: list, args, salt: str) -> dict:
     token event, to the first token that makes text (decoded as the server decodes, held-back text included:
     the server's own ``TextAssembler``), and to the finished event."""
     from mmcache.engine import SamplingParams
-    from mmcache.engine.vlm import VLMRequest
+    from mmcache.hosts.vlm import VLMRequest
     from mmcache.server.generation import TextAssembler
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -492,7 +492,7 @@ def open_loop(args, plan) -> dict:
     import tempfile
     from pathlib import Path
 
-    from mmcache.server import start_server
+    from mmcache.presets import serve
 
     from .prefix import token_space
     from .serve_model import export_text_model
@@ -519,10 +519,10 @@ def open_loop(args, plan) -> dict:
                 continue
             mode = "off" if engine == "mmcache_nocache" else "on"
             if "vlm_chat" in works:
-                with start_server(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
+                with serve(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
                     per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo)
             if texts:
-                with start_server(text_server_config(args, folder, mode)) as srv:
+                with serve(text_server_config(args, folder, mode)) as srv:
                     for w in texts:
                         per[w] = measure(mmcache_target(srv, engine), works[w], args, slo)
     if args.peers and "vlm_chat" in args.workloads:
@@ -609,11 +609,11 @@ def run(args) -> dict:
 
 def low_load_part(args, plan) -> dict:
     """HTTP beside the in-process engine on the chats, one request at a time (cache on)."""
-    from mmcache.server import start_server
+    from mmcache.presets import serve
 
     _progress(f"building {args.preset} ({args.dtype}): the server's engine and the in-process one")
     front = in_process(args)
-    with start_server(server_config(args)) as srv:
+    with serve(server_config(args)) as srv:
         _progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
         pairs = asyncio.run(low_load(srv, front, plan, args))
         _check_idle(srv)

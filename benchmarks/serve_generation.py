@@ -1,7 +1,7 @@
 """The generation streams of ``mmcache bench serve``: images, videos and cloned speech over HTTP, store on
 against store off, request by request.
 
-Two servers run in this process on loopback ports (``mmcache.server.start_server``), each serving ``tiny-sd3``
+Two servers run in this process on loopback ports (``mmcache.presets.serve``), each serving ``tiny-sd3``
 (``/v1/images/generations``), ``tiny-wan`` (``/v1/videos/sync``) and ``tiny-csm`` (``/v1/audio/speech``; or
 ``csm-mimi``, Mimi at its published size, with ``--voice-preset``): "on" with a store of ``STORE_BYTES``, "off"
 with a store of one byte, which every encoder output bypasses (the server's own store-off path, the one
@@ -108,7 +108,7 @@ def add_arguments(p) -> None:
 # ---- the request lists ----------------------------------------------------------------------------------
 def image_requests(n: int, zipf: float, seed: int) -> list[dict]:
     """``n`` PartiPrompts drawn with Zipf popularity; the negative prompt is the deployment's, so none is sent."""
-    from encoders.local_tokenizers import parti_prompts
+    from mmcache.presets.local_tokenizers import parti_prompts
 
     from .diffusion import zipf_stream
 
@@ -117,7 +117,7 @@ def image_requests(n: int, zipf: float, seed: int) -> list[dict]:
 
 def video_requests(n: int, zipf: float, seed: int) -> list[dict]:
     """``n`` of Wan's example prompts drawn with Zipf popularity, each with Wan's default negative prompt."""
-    from encoders.local_tokenizers import wan_example_prompts, wan_negative_prompt
+    from mmcache.presets.local_tokenizers import wan_example_prompts, wan_negative_prompt
 
     from .diffusion import zipf_stream
 
@@ -322,7 +322,7 @@ def run(args) -> dict:
     """Every stream of ``args.gen_streams`` against a store-on and a store-off server; the figures as a dict."""
     from contextlib import ExitStack
 
-    from mmcache.server import start_server
+    from mmcache.presets import serve
 
     _settle(args)
     streams = list(getattr(args, "gen_streams", STREAMS))
@@ -339,7 +339,7 @@ def run(args) -> dict:
     try:
         _quiet_logs()
         with ExitStack() as stack, httpx.Client() as http:
-            servers = {side: stack.enter_context(start_server(server_config(streams, budget, args.gen_steps,
+            servers = {side: stack.enter_context(serve(server_config(streams, budget, args.gen_steps,
                                                                             frames, voice)))
                        for side, budget in (("on", STORE_BYTES), ("off", OFF_STORE_BYTES))}
             urls = {side: srv.url for side, srv in servers.items()}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def export_text_model(preset: str, out_dir, dtype: str) -> Path:
     """Write ``preset`` (vocabulary cut to its tokenizer) to ``out_dir`` (new or empty); returns the folder."""
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

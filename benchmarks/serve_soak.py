@@ -336,10 +336,10 @@ def soak(args, progress=_say_tenths) -> dict:
     config = server_config(preset, api_keys=TENANTS, max_body_bytes=BODY_LIMIT, max_image_bytes=IMAGE_LIMIT,
                            max_waiting=max(1, concurrency - 2))
     planned = plan(args.soak, config.model_name, args.seed)
-    from mmcache.server import start_server
+    from mmcache.presets import serve
 
     t0 = time.perf_counter()
-    with start_server(config) as srv:
+    with serve(config) as srv:
         asyncio.run(drive(planned, srv.base_url, concurrency, args.time_limit, progress))
         seconds = time.perf_counter() - t0
         idle = wait_idle(srv.host, 30.0)

@@ -96,7 +96,7 @@ QUICK = Shape(images=1, users=2, turns=3, max_tokens=4, runs=1, guard_requests=1
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bench-llava", choices=("bench-llava", "tiny-llava"),
-                   help="a LLaVA preset of mmcache.engine.vlm_presets (tiny-llava: a seconds-long smoke run)")
+                   help="a LLaVA preset of mmcache.presets.vlm (tiny-llava: a seconds-long smoke run)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--page-size", type=count(MAX_PAGE_SIZE), default=16)
     p.add_argument("--num-pages", type=count(MAX_POOL_TOKENS), default=2048,
@@ -236,7 +236,7 @@ def flop_model(preset) -> FlopModel:
 # ---- engines ---------------------------------------------------------------------------------------------
 def make_front(preset, mode: str, args):
     from mmcache.engine import Engine, EngineConfig
-    from mmcache.engine.vlm import VLMEngine
+    from mmcache.hosts.vlm import VLMEngine
     from mmcache.store import EncoderOutputStore
 
     config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
@@ -271,7 +271,7 @@ def serve(front, request, counter: TowerCounter):
 # ---- the chat workload -----------------------------------------------------------------------------------
 def chat_run(preset, shape: Shape, args, flops: FlopModel, counter: TowerCounter, run: int) -> dict:
     from mmcache.engine import SamplingParams
-    from mmcache.engine.vlm import VLMRequest, answer_message
+    from mmcache.hosts.vlm import VLMRequest, answer_message
 
     sampling = SamplingParams(max_tokens=shape.max_tokens, temperature=0.0, ignore_eos=True)
     fronts = {mode: make_front(preset, mode, args) for mode in MODES}
@@ -348,7 +348,7 @@ def summarise_chat(runs: list[dict], shape: Shape) -> dict:
 # ---- the overhead guard ----------------------------------------------------------------------------------
 def guard(preset, shape: Shape, args, counter: TowerCounter) -> dict:
     from mmcache.engine import SamplingParams
-    from mmcache.engine.vlm import VLMRequest
+    from mmcache.hosts.vlm import VLMRequest
 
     sampling = SamplingParams(max_tokens=shape.max_tokens, temperature=0.0, ignore_eos=True)
     qs = questions()
@@ -435,7 +435,7 @@ def bookkeeping(prompt_len: int, output_len: int, page_size: int, preset, reques
 
 # ---- entry points ----------------------------------------------------------------------------------------
 def run(args) -> dict:
-    from mmcache.engine.vlm_presets import build_vlm
+    from mmcache.presets.vlm import build_vlm
 
     shape = shape_from_args(args)
     threads = torch.get_num_threads()

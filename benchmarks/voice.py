@@ -27,7 +27,7 @@ time (``encoder_time_cut_runs``), where it was the cut between the two sides' me
 one run).
 
 The codec is Mimi at its published size (79 M parameters, the codec of CSM-1B and Moshi), so its encode time is
-real; CSM's backbone and depth decoder are tiny (``encoders.tts_presets``), so the reference encoder's share of
+real; CSM's backbone and depth decoder are tiny (``mmcache.presets.tts``), so the reference encoder's share of
 a request here is far larger than with CSM-1B. The share it would take with CSM-1B is estimated on paper
 (``estimate``): the codec's FLOPs counted on the real clips (``torch.utils.flop_counter``) against CSM-1B's
 backbone and depth decoder at two FLOPs per parameter per token, from transformers' ``CsmConfig`` defaults.
@@ -45,7 +45,8 @@ import torch
 
 from encoders.audio import AudioLimits, decode_audio, read_audio
 from encoders.codec import CachedCodecEncode
-from encoders.tts_presets import CODECS, SAMPLING_RATE, csm_pipeline, voice_prompt
+from encoders.voice import SAMPLING_RATE, voice_prompt
+from mmcache.presets.tts import CODECS, csm_pipeline
 from mmcache.errors import InvalidRequest, MmcacheError
 from mmcache.store import EncoderOutputStore
 

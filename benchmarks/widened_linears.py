@@ -34,7 +34,7 @@ from .kernel_harness import order, paired, ratio, say_machine, timed, write_json
 
 def _layer_products(preset: str) -> dict:
     """One decoder layer's products of the preset in bfloat16: name -> (weight, bias)."""
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     model, _ = build_model(preset, "bfloat16")
     layer = model.model.layers[0]
@@ -94,7 +94,7 @@ def measure_requests(preset: str, pairs: int, prompt_len: int, seed: int = 0) ->
 
     from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
     from mmcache.engine.compute import kernels
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     engines = {}
     for side, packed in (("plain", False), ("packed", True)):

@@ -159,8 +159,8 @@ def decode_path(request, monkeypatch):
 
 @pytest.fixture(scope="module")
 def wan():
-    """The tiny Wan text-to-video pipeline (encoders.diffusion_presets), one per module, progress bars off."""
-    from encoders.diffusion_presets import tiny_wan_pipeline
+    """The tiny Wan text-to-video pipeline (mmcache.presets.diffusion), one per module, progress bars off."""
+    from mmcache.presets.diffusion import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
@@ -170,7 +170,7 @@ def wan():
 @pytest.fixture(scope="module")
 def sd3():
     """The tiny Stable Diffusion 3 text-to-image pipeline, one per module, progress bars off."""
-    from encoders.diffusion_presets import tiny_sd3_pipeline
+    from mmcache.presets.diffusion import tiny_sd3_pipeline
 
     pipe = tiny_sd3_pipeline()
     pipe.set_progress_bar_config(disable=True)

@@ -11,7 +11,8 @@ import torch
 
 from encoders.audio import RESAMPLER, AudioLimits, decode_audio, decode_clip, read_audio
 from encoders.codec import CachedCodecEncode
-from encoders.tts_presets import SAMPLING_RATE, csm_pipeline
+from encoders.voice import SAMPLING_RATE
+from mmcache.presets.tts import csm_pipeline
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.store import EncoderOutputStore
 

@@ -6,11 +6,12 @@ import json
 
 import pytest
 from benchmarks import hit_anatomy
-from mmcache.engine import Engine, SamplingParams
+from mmcache.engine import SamplingParams
+from mmcache.presets import engine_from_preset
 
 
 def test_the_clock_times_every_linear_product_of_a_forward_once():
-    eng = Engine.from_preset("tiny")
+    eng = engine_from_preset("tiny")
     modules = hit_anatomy.linear_modules(eng.adapter)
     # per layer: q, k, v, o and the fused gated MLP (its gate, up and down are not called apart); the LM head
     assert len(modules) == 5 * eng.adapter.num_layers + 1 and modules[-1] is eng.adapter.lm_head

@@ -268,11 +268,11 @@ def test_the_sampling_itl_ratio_is_the_median_of_per_pair_ratios(monkeypatch):
     pairs' ratios are 2.5, 1.1 and 1.1, so the paired median is 1.1 where the ratio of the two medians (2.5 / 2)
     would say 1.25; the table's "better by" is the paired figure."""
     from benchmarks import sampling
-    from mmcache import engine as engine_package
+    from mmcache import presets
 
     gaps = {"mmcache": [1.0, 2.0, 3.0], "definition": [2.5, 2.2, 3.3]}
     fake = _FakeEngine(gaps)
-    monkeypatch.setattr(engine_package.Engine, "from_preset", classmethod(lambda cls, *a, **k: fake))
+    monkeypatch.setattr(presets, "engine_from_preset", lambda *a, **k: fake)
     e = sampling._engine_itl(batch=2, tokens=3, runs=3)
     assert e["itl_runs_s"] == gaps and e["itl_p50_s"] == 2.0 and e["itl_p50_definition_s"] == 2.5
     assert e["itl_ratio_pairs"] == pytest.approx([2.5, 1.1, 1.1]) and e["itl_ratio_paired"] == pytest.approx(1.1)

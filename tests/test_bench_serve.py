@@ -143,10 +143,11 @@ def test_the_soak_plan_is_seeded_and_mixed():
 def test_held_after_sees_a_live_request_and_its_leases():
     """The soak's check must see what a live request holds (pages, a store lease), and nothing once it ends."""
     from mmcache.engine import EngineConfig, SamplingParams
-    from mmcache.engine.vlm import VLMEngine, VLMRequest
+    from mmcache.hosts.vlm import VLMRequest
+    from mmcache.presets import vlm_from_preset
     from mmcache.server.runner import EngineHost
 
-    front = VLMEngine.from_preset("tiny-llava", EngineConfig(page_size=16, num_pages=64))
+    front = vlm_from_preset("tiny-llava", EngineConfig(page_size=16, num_pages=64))
     host = EngineHost(front)  # not started: this test steps the engine itself
     image = soak.small_images(1, seed=2)[0]
     msg = {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]}
@@ -376,18 +377,19 @@ def test_the_text_model_folder_has_its_vocabulary_cut_to_its_tokenizer(tmp_path,
     tokenizer dropped, the first rows unchanged; a folder that is not empty is refused."""
     import torch
 
-    import mmcache.engine.models as models
+    import mmcache.presets.text as text_presets
     from benchmarks.serve_model import export_text_model
+    from mmcache.engine.models import load_model
 
-    model, tokenizer = models.build_model("tiny", "float32")
+    model, tokenizer = text_presets.build_model("tiny", "float32")
     rows = len(tokenizer)
     kept = model.get_input_embeddings().weight[:rows].detach().clone()
     model.resize_token_embeddings(rows + 88)  # wider than the tokenizer, as small's 151,936 rows over 4,811
-    monkeypatch.setattr(models, "build_model", lambda name, dtype: (model, tokenizer))
+    monkeypatch.setattr(text_presets, "build_model", lambda name, dtype: (model, tokenizer))
     out = export_text_model("tiny", tmp_path / "m", "float32")
     assert json.loads((out / "config.json").read_text())["vocab_size"] == rows
     assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
-    loaded, _ = models.load_model(out, "float32")
+    loaded, _ = load_model(out, "float32")
     assert torch.equal(loaded.get_input_embeddings().weight, kept)
     with pytest.raises(FileExistsError, match="not empty"):
         export_text_model("tiny", out, "float32")

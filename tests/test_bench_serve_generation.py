@@ -124,9 +124,9 @@ def test_encoder_calls_count_misses_in_items():
 
 
 def test_a_failed_request_is_a_typed_error():
-    from mmcache.server import start_server
+    from mmcache.presets import serve
 
-    with start_server(sg.server_config(["image"], sg.STORE_BYTES, 1, 1)) as srv, httpx.Client() as http:
+    with serve(sg.server_config(["image"], sg.STORE_BYTES, 1, 1)) as srv, httpx.Client() as http:
         assert sg._post(http, srv.url, "image", {"prompt": "a red fox"}, 1, 0, "s")  # the PNG, base64
         with pytest.raises(sg.GenerationRequestFailed, match="HTTP 400"):
             sg._post(http, srv.url, "image", {"prompt": "a red fox"}, 99, 0, "s")  # steps above the limit

@@ -9,7 +9,7 @@ import pytest
 from mmcache.engine import ATTENTION_BACKEND, ComputeConfig, ComputeConfigError, Engine, EngineConfig, SamplingParams
 from mmcache.engine import compute
 from mmcache.engine.compute import ComputeSettings, NativeConfigError, kernels, native
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

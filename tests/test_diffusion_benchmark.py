@@ -7,7 +7,7 @@ import torch
 from benchmarks import diffusion
 from benchmarks.runner import bench_parser
 from encoders.diffusion import CachedWanPipeline
-from encoders.local_tokenizers import parti_prompts
+from mmcache.presets.local_tokenizers import parti_prompts
 
 
 def test_zipf_stream_is_seeded_and_skewed():

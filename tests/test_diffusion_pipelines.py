@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import tiny_wan_pipeline
-from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+from mmcache.presets.diffusion import tiny_wan_pipeline
+from mmcache.presets.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import T5_MAX_LENGTH, ForwardCounter
 from mmcache.errors import InvalidRequest, StoreEntryRejected
 from mmcache.store import EncoderOutputStore

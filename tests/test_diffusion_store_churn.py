@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from encoders.diffusion import CachedWanPipeline
-from encoders.diffusion_presets import tiny_wan_pipeline
-from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+from mmcache.presets.diffusion import tiny_wan_pipeline
+from mmcache.presets.local_tokenizers import parti_prompts, wan_negative_prompt
 from encoders.text_encoders import ForwardCounter
 from mmcache.store import EncoderOutputStore
 

@@ -20,10 +20,11 @@ from PIL import Image
 from encoders.audio import DECODE_PARAMS, RawAudio, decode_audio
 from encoders.codec import CachedCodecEncode
 from encoders.media import MediaRef, RawImage, decode_image
-from encoders.tts_presets import SAMPLING_RATE, csm_pipeline
+from encoders.voice import SAMPLING_RATE
+from mmcache.presets.tts import csm_pipeline
 from mmcache.engine import Engine, EngineConfig, SamplingParams
-from mmcache.engine.vlm import VLMEngine, VLMRequest
-from mmcache.engine.vlm_presets import build_vlm
+from mmcache.hosts.vlm import VLMEngine, VLMRequest
+from mmcache.presets.vlm import build_vlm
 from mmcache.names import media_digest
 from mmcache.store import EncoderOutputStore, store_key
 

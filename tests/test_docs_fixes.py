@@ -126,7 +126,7 @@ def _help(module, name) -> str:
 
 def test_an_export_gives_every_file_the_mode_of_an_ordinary_write(tmp_path):
     # safetensors made model.safetensors 0600 while the other files were 0666 less the umask.
-    from mmcache.engine.models import export_model
+    from mmcache.presets.export import export_model
 
     old = os.umask(0o027)
     try:

@@ -8,11 +8,11 @@ import torch
 from tokenizers import AddedToken, normalizers
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
+from mmcache.presets.diffusion import WanPreset, tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.fingerprint import LiveFingerprint
-from encoders.local_tokenizers import t5_tokenizer, wan_negative_prompt
+from mmcache.presets.local_tokenizers import t5_tokenizer, wan_negative_prompt
 from encoders.text_encoders import T5EncoderAdapter, T5Recipe, TokenizationMemo
-from encoders.vlm_presets import build_preset
+from mmcache.presets.vlm import build_preset
 from mmcache.store import EncoderOutputStore
 
 NEG = wan_negative_prompt()

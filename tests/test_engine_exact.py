@@ -15,7 +15,7 @@ import torch
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams, attention
 from mmcache.engine.compute import native
 from mmcache.engine.inspect import exact_cfg_runs, record_logits
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 FAMILIES = ["tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-gemma"]

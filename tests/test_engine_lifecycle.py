@@ -16,7 +16,7 @@ from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest
 from mmcache.shadow import ShadowedManager
 from mmcache.engine import (ComputeConfig, ComputeConfigError, Engine, EngineConfig, EngineConfigError, ForwardError,
                             Request, SamplingError, SamplingParams)
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 from mmcache.engine.sequence import CFG, MAIN
 
 

@@ -13,7 +13,7 @@ from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, Samplin
 from mmcache.engine.config import EngineConfigError
 from mmcache.engine.compute.path import PACKING_HEADROOM, PATH_ATTR
 from mmcache.engine.inspect import record_logits, rows_equal
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 CONFIG = dict(page_size=16, num_pages=64, compute=ComputeConfig(layer_kernels=False))

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from mmcache.cli import main as cli_main
-from mmcache.engine import (ATTENTION_BACKEND, ComputeConfig, Engine, EngineConfig, ModelLoadError, MRopeAdapter,
-                            MultimodalInput, Request, SamplingParams, UnknownPreset, UnsupportedModel)
+from mmcache.engine import (ATTENTION_BACKEND, ComputeConfig, Engine, EngineConfig, ModelLoadError, MRopeAdapter, MultimodalInput, Request, SamplingParams, UnsupportedModel)
+from mmcache.presets.text import UnknownPreset
 from mmcache.engine.compute import kernels, native
 from mmcache.errors import InvalidRequest
-from mmcache.engine.models import build_model, load_model, model_digest
-from mmcache.engine.presets import PRESETS, get_preset, preset_config
+from mmcache.engine.models import load_model, model_digest
+from mmcache.presets.text import build_model
+from mmcache.presets.text import PRESETS, get_preset, preset_config
 from mmcache.engine.tokenizer import train_tokenizer
 from mmcache.names import MediaItem, media_digest
+from mmcache.presets import engine_from_preset
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -56,7 +58,7 @@ def test_tokenizer_training_is_deterministic_and_lossless():
 
 def test_an_export_fills_a_new_folder_or_refreshes_an_export_and_otherwise_writes_nothing(tmp_path, capsys,
                                                                                           monkeypatch):
-    from mmcache.engine import models
+    from mmcache.presets import export as models
 
     out = tmp_path / "m"
     assert cli_main(["export-model", "tiny", str(out), "--dtype", "float32"]) == 0
@@ -115,7 +117,7 @@ def test_export_model_cli_and_from_pretrained_roundtrip(tmp_path, capsys):
     assert type(hf).__name__ == "Qwen2ForCausalLM"
     assert AutoTokenizer.from_pretrained(out)("a cat")["input_ids"]
 
-    preset = Engine.from_preset("tiny", dtype="float32", config=EngineConfig(page_size=16, num_pages=64))
+    preset = engine_from_preset("tiny", dtype="float32", config=EngineConfig(page_size=16, num_pages=64))
     loaded = Engine.from_pretrained(out, dtype="float32", config=EngineConfig(page_size=16, num_pages=64))
     assert loaded.fingerprint == preset.fingerprint
     prompts = ["a photo of a cat on a mat", [5, 6, 7, 8, 9]]

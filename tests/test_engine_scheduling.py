@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mmcache.engine import Engine, EngineConfig, EngineConfigError, ForwardError, Request, SamplingParams
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 from mmcache.engine.sequence import CFG, MAIN
 
 P = 16

@@ -20,7 +20,7 @@ from torch import nn
 from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
 from mmcache.engine.compute import kernels
 from mmcache.engine.inspect import record_logits
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # see conftest
               pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),

@@ -14,7 +14,7 @@ import pytest
 
 from mmcache.errors import DuplicateRequest, InvalidRequest
 from mmcache.engine import Engine, Request, SamplingParams
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 from test_engine_lifecycle import assert_pools_whole, engine, greedy, prompts
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mmcache.engine import Engine, EngineConfig, ForwardError, Request, SamplingParams
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 from mmcache.errors import AllocationFailed, InvalidRequest
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest

@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from mmcache.engine import ComputeConfig, ComputeConfigError, Engine, EngineConfig, Request, SamplingParams
 from mmcache.engine.compute import native
 from mmcache.engine.inspect import exact_cfg_runs, exact_runs, rows_equal
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ import torch
 
 from encoders.fingerprint import (LiveFingerprint, kernel_implementations, module_configs, module_fingerprint,
                                   module_kernels, nested_configs, weights_digest)
-from encoders.vlm_presets import build_preset
+from mmcache.presets.vlm import build_preset
 from mmcache.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parent.parent

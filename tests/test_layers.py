@@ -1,12 +1,10 @@
 """The layer order of DESIGN.md, checked on every import of the tree (``ast``, so imports inside functions count).
 
-Lowest first: the core (``mmcache/*.py``); the engine, the encoders and replay, each on the core only; the hosts
-that compose an engine with encoders (the VLM front end, the HTTP server); the embedded-model presets; the command
-lines and the benchmarks, which may import every layer. A module imports only its own layer and those below.
-
-``KNOWN`` lists the edges against the order that the tree still has, each one a piece of the layer work left in
-issue 41 (presets that hosts and the engine build from, the VLM front end living in the engine's folder). The
-test fails on any other edge, and on an entry of ``KNOWN`` that is gone, so the list only shrinks.
+Lowest first, each a folder: the core (``mmcache/*.py``); the engine (``mmcache/engine/``), the encoders
+(``encoders/``) and replay (``mmcache/replay/``), each on the core only; the hosts that compose an engine with
+encoders (``mmcache/hosts/``: the VLM front end; ``mmcache/server/``: the HTTP server); the embedded models
+(``mmcache/presets/``); the command lines (every ``cli`` module) and the benchmarks, which may import every
+layer. A module imports only its own layer and those below; the test fails on any edge against the order.
 """
 
 import ast
@@ -17,28 +15,13 @@ PACKAGES = ("mmcache", "encoders", "benchmarks")
 
 CORE, ENGINE, ENCODERS, REPLAY, HOSTS, PRESETS, TOP = "core", "engine", "encoders", "replay", "hosts", "presets", "top"
 RANK = {CORE: 0, ENGINE: 1, ENCODERS: 1, REPLAY: 1, HOSTS: 2, PRESETS: 3, TOP: 4}
-PRESET_MODULES = {"mmcache.engine.presets", "mmcache.engine.vlm_presets", "encoders.local_tokenizers"}
-
-KNOWN = {
-    ("mmcache.engine", "mmcache.engine.presets"),
-    ("mmcache.engine", "mmcache.engine.vlm"),
-    ("mmcache.engine", "mmcache.engine.vlm_presets"),
-    ("mmcache.engine.models", "mmcache.engine.presets"),
-    ("mmcache.engine.vlm", "mmcache.engine.vlm_presets"),
-    ("mmcache.server.launch", "mmcache.engine.vlm_presets"),
-    ("mmcache.server.pipelines", "encoders.diffusion_presets"),
-    ("mmcache.server.pipelines", "encoders.tts_presets"),
-    ("mmcache.server.speech", "encoders.tts_presets"),
-}
-
-
 def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "benchmarks" or parts[-1] == "cli":
         return TOP
-    if module in PRESET_MODULES or parts[-1].endswith("_presets"):
+    if module.startswith("mmcache.presets"):
         return PRESETS
-    if module == "mmcache.engine.vlm" or module.startswith("mmcache.server"):
+    if module.startswith(("mmcache.hosts", "mmcache.server")):
         return HOSTS
     if parts[0] == "encoders":
         return ENCODERS
@@ -93,18 +76,16 @@ def edges_against_the_order() -> set:
 
 def test_the_layer_rule_reads_as_intended():
     assert layer("mmcache.names") == CORE and layer("mmcache.engine.compute.native") == ENGINE
-    assert layer("encoders.tts_presets") == PRESETS and layer("mmcache.server.app") == HOSTS
+    assert layer("mmcache.presets.tts") == PRESETS and layer("mmcache.server.app") == HOSTS
+    assert layer("mmcache.hosts.vlm") == HOSTS and layer("encoders.voice") == ENCODERS
     assert layer("mmcache.server.cli") == TOP and layer("benchmarks.core") == TOP
     assert not allowed("mmcache.names", "mmcache.engine.engine")  # the core never imports the engine
     assert not allowed("encoders.vision", "mmcache.engine.tokenizer")  # siblings stay apart
     assert allowed("mmcache.server.app", "encoders.media") and allowed("benchmarks.vlm", "mmcache.server")
+    assert allowed("mmcache.presets.serving", "mmcache.server.launch")  # presets build what the hosts serve
+    assert not allowed("mmcache.server.launch", "mmcache.presets.vlm")  # and the hosts never build a preset
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    new = edges_against_the_order() - KNOWN
-    assert not new, f"imports against the layer order (DESIGN.md): {sorted(new)}"
-
-
-def test_the_known_exceptions_are_still_there():
-    gone = KNOWN - edges_against_the_order()
-    assert not gone, f"these edges are gone: take them out of KNOWN: {sorted(gone)}"
+    found = edges_against_the_order()
+    assert not found, f"imports against the layer order (DESIGN.md): {sorted(found)}"

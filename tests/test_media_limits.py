@@ -15,8 +15,8 @@ import encoders.media as media
 from encoders.audio import AudioLimits, read_audio
 from encoders.media import ImageLimits, RawImage, decode_image, image_size, read_image
 from mmcache.engine import Engine, EngineConfig, SamplingParams
-from mmcache.engine.vlm import VLMEngine, VLMRequest
-from mmcache.engine.vlm_presets import build_vlm
+from mmcache.hosts.vlm import VLMEngine, VLMRequest
+from mmcache.presets.vlm import build_vlm
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.store import EncoderOutputStore
 

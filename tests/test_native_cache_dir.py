@@ -14,7 +14,7 @@ import pytest
 
 from mmcache.engine import Engine, EngineConfig
 from mmcache.engine.compute import native
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 TINY = "int mmc_benign(void) { return 1; }\n"  # a library without any of the kernel's functions
 PLANTED = r"""

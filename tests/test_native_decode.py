@@ -212,7 +212,7 @@ def test_the_engine_falls_back_to_aten_with_the_same_tokens(monkeypatch, lib):
     """Greedy tokens with the kernel and with ATen agree on the tiny model in float32 (both are float32
     attention; their last bits differ, which on these random-weight logits flips no greedy choice here)."""
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     prompts = [[5 + i for i in range(40)], [5 + i for i in range(33)] + [7, 7, 7]]
     outs = {}
@@ -231,7 +231,7 @@ def test_an_engine_chooses_its_decode_path_once_and_names_it(monkeypatch, lib):
     computed on one path are never hits for an engine on the other; changing MMCACHE_NATIVE later changes
     nothing for that engine. A bad setting fails the construction with its typed error."""
     from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     model, tok = build_model("tiny-qwen2", "float32")
     monkeypatch.setenv(native.ENV_CHOICE, "off")

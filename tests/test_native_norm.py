@@ -11,7 +11,7 @@ from torch import nn
 from mmcache.engine import ComputeConfig, Engine, EngineConfig, SamplingParams
 from mmcache.engine.compute import native, norms
 from mmcache.engine.inspect import record_logits
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 
 def module_formula(x, w, eps):

@@ -19,7 +19,7 @@ from torch import nn
 from mmcache.engine import Engine, EngineConfig, SamplingParams
 from mmcache.engine.compute import native, rotary
 from mmcache.engine.inspect import record_logits
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 
 def original():

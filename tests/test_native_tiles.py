@@ -15,7 +15,7 @@ from torch import nn
 from mmcache.engine import ComputeConfig, Engine, EngineConfig, SamplingParams
 from mmcache.engine.compute import kernels, native
 from mmcache.engine.inspect import exact_runs, rows_equal
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.bfloat16),
                                 reason="oneDNN is not available in this torch build")

@@ -8,7 +8,7 @@ from torch import nn
 
 from mmcache.engine import Engine, EngineConfig
 from mmcache.engine.compute import kernels
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),
                                 reason="oneDNN is not available in this torch build")

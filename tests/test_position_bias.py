@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
+from mmcache.presets.diffusion import tiny_sd3_pipeline, tiny_wan_pipeline
 from encoders.position_bias import BUDGET_SHARE, PositionBiases, bias_owners
 from encoders.text_encoders import T5EncoderAdapter, T5Recipe
 from mmcache.errors import InvalidRequest
@@ -267,7 +267,7 @@ def test_switched_off_the_wrappers_store_prompt_outputs_only():
 def test_biases_and_prompt_outputs_churn_together_under_a_tight_budget():
     pipe = tiny_wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
-    from encoders.local_tokenizers import parti_prompts, wan_negative_prompt
+    from mmcache.presets.local_tokenizers import parti_prompts, wan_negative_prompt
 
     neg, pool = wan_negative_prompt(), parti_prompts()[300:312]
     need = PositionBiases(pipe.text_encoder).forward_bytes(64)

@@ -244,7 +244,7 @@ def test_hit_share_of_the_shadow_counts_first_admissions_only():
 
 def test_an_engine_s_hit_share_leaves_out_a_preempted_request_s_readmission():
     from mmcache.engine import Engine, EngineConfig, SamplingParams
-    from mmcache.engine.models import build_model
+    from mmcache.presets.text import build_model
 
     torch.set_num_threads(1)
     model, tok = build_model("tiny", "float32")

@@ -14,8 +14,9 @@ import soundfile
 import torch
 from PIL import Image
 
-from encoders.diffusion_presets import tiny_sd3_pipeline
-from mmcache.server import ServerConfig, ServerConfigError, start_server
+from mmcache.presets.diffusion import tiny_sd3_pipeline
+from mmcache.presets import serve
+from mmcache.server import ServerConfig, ServerConfigError
 from mmcache.server.images import ImageSpec
 from mmcache.server.workers import JobCancelled
 from server_helpers import Blocked, cancelled_from_a_hook, data_url, error_of, metric, scrape, store_holds
@@ -33,7 +34,7 @@ def server(one_thread):
     config = ServerConfig(diffusion=(MODEL,), api_keys=KEYS, image_sizes=("16x16", "32x32"), negative_prompt=NEGATIVE,
                           max_images_per_request=2, max_inference_steps=4, max_generation_waiting=2,
                           max_body_bytes=32 * 1024)
-    with start_server(config) as srv:
+    with serve(config) as srv:
         yield srv
     srv.store.check_invariants()
     assert store_holds(srv.store) == 0
@@ -222,7 +223,7 @@ def test_a_job_cancelled_while_it_runs_stops_and_releases_its_leases(server):
 
 def test_sizes_the_pipeline_cannot_take_are_refused_at_start():
     with pytest.raises(ServerConfigError, match="position embedding"):
-        with start_server(ServerConfig(diffusion=(MODEL,), image_sizes=("64x64",))):
+        with serve(ServerConfig(diffusion=(MODEL,), image_sizes=("64x64",))):
             pass
     with pytest.raises(ServerConfigError, match="WxH"):
         ServerConfig(diffusion=(MODEL,), image_sizes=("16 by 16",))
@@ -231,7 +232,7 @@ def test_sizes_the_pipeline_cannot_take_are_refused_at_start():
 def test_chat_images_videos_and_speech_share_one_store_and_one_registry(one_thread, datasets_dir):
     config = ServerConfig(preset="tiny-llava", diffusion=(MODEL, "tiny-wan"), tts="tiny-csm", store_bytes=64 * 2**20,
                           image_sizes=("16x16",), max_speech_frames=2)
-    with start_server(config) as srv:
+    with serve(config) as srv:
         assert srv.store is srv.host.engine.store and srv.store.budget_bytes == 64 * 2**20
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-llava", MODEL, "tiny-wan", "tiny-csm"]
@@ -277,7 +278,7 @@ def test_serve_options_build_the_config(capsys):
     with pytest.raises(ServerConfigError, match="share a name"):
         ServerConfig(diffusion=(MODEL, "elsewhere/" + MODEL))
     with pytest.raises(ServerConfigError, match="neither a preset nor a local folder"):
-        with start_server(ServerConfig(diffusion=("no-such-pipeline",))):
+        with serve(ServerConfig(diffusion=("no-such-pipeline",))):
             pass
 
 

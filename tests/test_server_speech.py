@@ -14,8 +14,10 @@ import soundfile
 import torch
 
 from encoders.audio import decode_clip, read_audio
-from encoders.tts_presets import SAMPLING_RATE, csm_pipeline, voice_prompt
-from mmcache.server import ServerConfig, start_server
+from encoders.voice import SAMPLING_RATE, voice_prompt
+from mmcache.presets.tts import csm_pipeline
+from mmcache.presets import serve
+from mmcache.server import ServerConfig
 from mmcache.server.speech import float_wav, pcm16
 from server_helpers import Blocked, cancelled_from_a_hook, data_url, error_of, metric, scrape, store_holds
 
@@ -42,7 +44,7 @@ def clip(seconds=0.6, rate=16_000, freq=220.0, fmt="WAV") -> bytes:
 def server(one_thread):
     config = ServerConfig(tts=MODEL, api_keys=KEYS, max_speech_frames=FRAMES, max_speech_chars=200,
                           max_ref_audio_seconds=2.0, max_generation_waiting=2, max_body_bytes=512 * 1024)
-    with start_server(config) as srv:
+    with serve(config) as srv:
         yield srv
     srv.store.check_invariants()
     assert store_holds(srv.store) == 0

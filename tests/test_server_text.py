@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from mmcache.engine.config import EngineConfig
-from mmcache.engine.engine import Engine
 from mmcache.engine.request import SamplingParams
-from mmcache.server import ServerConfig, ServerConfigError, start_server
+from mmcache.presets import serve
+from mmcache.server import Models, ServerConfig, ServerConfigError, start_server
 from server_helpers import error_of, metric, scrape, wait_quiet
+from mmcache.presets import engine_from_preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +29,7 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def server(one_thread):
     config = ServerConfig(preset=MODEL, engine_config=EngineConfig(page_size=PAGE), max_body_bytes=256 * 1024)
-    with start_server(config) as srv:
+    with serve(config) as srv:
         yield srv
     srv.host.engine.check_invariants()
 
@@ -161,7 +162,7 @@ def test_concurrent_clients_match_the_engine(server):
     # text prompts too: the server tokenizes them (on its own copy of the tokenizer) as the engine would
     prompts += [f"prompt {i}: a {colour} boat on a lake" for i, colour in enumerate(["red", "blue", "green"] * 3)][:8]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    reference = Engine.from_preset(MODEL, config=EngineConfig(page_size=PAGE)).generate(prompts, sp)
+    reference = engine_from_preset(MODEL, config=EngineConfig(page_size=PAGE)).generate(prompts, sp)
 
     async def ask_all():
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
@@ -312,7 +313,7 @@ def test_client_gone_before_a_whole_answer_aborts_it(server):
 
 
 def test_leaving_the_block_aborts_what_is_live(one_thread):
-    engine = Engine.from_preset(MODEL, config=EngineConfig(page_size=PAGE))
+    engine = engine_from_preset(MODEL, config=EngineConfig(page_size=PAGE))
     lines: list = []
 
     def consume(url):
@@ -320,7 +321,7 @@ def test_leaving_the_block_aborts_what_is_live(one_thread):
         with httpx.stream("POST", url + "/completions", json=body, timeout=60) as r:
             lines.extend(line for line in r.iter_lines() if line)
 
-    with start_server(ServerConfig(preset=MODEL), engine=engine) as srv:
+    with start_server(ServerConfig(preset=MODEL), lambda config: Models(engine)) as srv:
         reader = threading.Thread(target=consume, args=(srv.base_url,))
         reader.start()
         while not engine.has_unfinished():

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.server import ServerConfig
 from mmcache.server.errors import APIError, from_engine_error

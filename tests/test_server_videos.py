@@ -98,7 +98,7 @@ class _Recording(WanRenderer):
 
 @pytest.fixture(scope="module")
 def wan():
-    from encoders.diffusion_presets import tiny_wan_pipeline
+    from mmcache.presets.diffusion import tiny_wan_pipeline
 
     return tiny_wan_pipeline()
 
@@ -329,11 +329,12 @@ def test_lookups_of_unknown_or_unfinished_videos(served):
 
 
 def test_served_by_mmcache_serve_a_shared_negative_prompt_is_a_store_hit_in_metrics():
-    from mmcache.server import ServerConfig, start_server
+    from mmcache.presets import serve
+    from mmcache.server import ServerConfig
 
     body = {"prompt": "a cat on a wall", "negative_prompt": "blurry, static", "guidance_scale": 5.0, "seed": 1,
             "width": 16, "height": 16, "num_frames": 5, "num_inference_steps": 1}
-    with start_server(ServerConfig(diffusion=("tiny-wan",))) as srv:
+    with serve(ServerConfig(diffusion=("tiny-wan",))) as srv:
         jobs = srv.services["videos"].jobs
         assert jobs.alive
         for prompt in ("a cat on a wall", "a dog in the snow"):

@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from mmcache.engine.config import EngineConfig
-from mmcache.server import ServerConfig, start_server
+from mmcache.presets import serve
+from mmcache.server import ServerConfig
 from server_helpers import data_url, error_of, metric, scrape, wait_quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,7 +27,7 @@ MAX_PIXELS = 400_000
 def server(one_thread):
     config = ServerConfig(preset=MODEL, api_keys=KEYS, engine_config=EngineConfig(page_size=16),
                           max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_PIXELS)
-    with start_server(config) as srv:
+    with serve(config) as srv:
         yield srv
     srv.host.engine.check_invariants()
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from encoders.diffusion import CachedSD3Pipeline, CachedWanPipeline
-from encoders.diffusion_presets import tiny_sd3_pipeline, tiny_wan_pipeline
-from encoders.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
+from mmcache.presets.diffusion import tiny_sd3_pipeline, tiny_wan_pipeline
+from mmcache.presets.local_tokenizers import clip_tokenizer, t5_tokenizer, wan_negative_prompt
 from encoders.fingerprint import kernel_implementations, module_fingerprint
 from encoders.text_encoders import (T5_MAX_LENGTH, CLIPEncoderAdapter, ForwardCounter, T5EncoderAdapter, T5Recipe,
                                     TokenizationMemo, tokenizer_fingerprint, tokenize)

@@ -13,8 +13,9 @@ import unicodedata
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from mmcache.engine.models import build_model, export_model
-from mmcache.engine.presets import PRESETS, preset_config
+from mmcache.presets.export import export_model
+from mmcache.presets.text import build_model
+from mmcache.presets.text import PRESETS, preset_config
 from mmcache.engine.tokenizer import EOS, PAD, corpus_lines, hf_tokenizer, train_tokenizer
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny"))

@@ -9,7 +9,7 @@ import torch
 
 from encoders.fingerprint import weights_digest
 from encoders.media import ImageLimits, decode_image, read_image
-from encoders.vlm_presets import PRESET_NAMES, build_preset
+from mmcache.presets.vlm import TINY_VLM_PRESETS, build_preset
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.store import EncoderOutputStore
 
@@ -26,7 +26,7 @@ def images(datasets_dir) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def presets() -> dict:
-    return {name: build_preset(name) for name in PRESET_NAMES}
+    return {name: build_preset(name) for name in TINY_VLM_PRESETS}
 
 
 def count_tower_calls(adapter) -> list:
@@ -54,7 +54,7 @@ def two_image_chat(images):
     ]
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", TINY_VLM_PRESETS)
 def test_substituted_features_give_the_models_own_logits(name, presets, images, hf_vlm_logits):
     preset = presets[name]
     store = EncoderOutputStore(1 << 24)

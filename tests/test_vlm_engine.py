@@ -1,4 +1,4 @@
-"""VLM requests through the reference engine (mmcache/engine/vlm.py): placeholders, page names and encoder
+"""VLM requests through the reference engine (mmcache/hosts/vlm.py): placeholders, page names and encoder
 outputs together.
 
 * The engine computes what the VLM computes from pixels (its own forward), for LLaVA and Qwen2-VL (3-D).
@@ -23,12 +23,14 @@ import torch
 from PIL import Image, ImageOps
 
 from encoders.media import ImageLimits
-from mmcache.engine import Engine, EngineConfig, SamplingParams, UnknownPreset
+from mmcache.engine import Engine, EngineConfig, SamplingParams
+from mmcache.presets.text import UnknownPreset
 from mmcache.engine.attention import ATTENTION_BACKEND
 from mmcache.engine.inspect import record_logits
-from mmcache.engine.vlm import VLMEngine, VLMRequest, answer_message
-from mmcache.engine.vlm_presets import build_vlm
+from mmcache.hosts.vlm import VLMEngine, VLMRequest, answer_message
+from mmcache.presets.vlm import build_vlm
 from mmcache.store import EncoderOutputStore
+from mmcache.presets import vlm_from_preset
 
 P = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -256,7 +258,8 @@ def test_ttft_counts_image_encoding(presets, images):
 
 
 def test_text_engine_does_not_import_encoders():
-    code = ("import sys, mmcache.engine, mmcache.engine.vlm, mmcache.engine.vlm_presets; "
+    code = ("import sys, mmcache.engine, mmcache.hosts.vlm, mmcache.presets.text, mmcache.presets; "
+            "mmcache.presets.engine_from_preset; "
             "print(any(m == 'encoders' or m.startswith('encoders.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -264,11 +267,11 @@ def test_text_engine_does_not_import_encoders():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_from_preset_serves_a_chat_with_text_out(name, images):
-    vlm = VLMEngine.from_preset(name, EngineConfig(page_size=P, num_pages=64), store_bytes=1 << 20)
+    vlm = vlm_from_preset(name, EngineConfig(page_size=P, num_pages=64), store_bytes=1 << 20)
     out = vlm.generate([VLMRequest(chat(images["coffee"]), sampling=SamplingParams(max_tokens=4, temperature=0.0))])[0]
     assert out.finish_reason in ("length", "eos") and out.error is None
     assert isinstance(out.text, str) and out.text == vlm.engine.tokenizer.decode(out.output_ids)
     assert vlm.engine.eos_ids == {vlm.builder.template.end_of_turn_id}
     assert len(vlm.store) == 1 and vlm.metrics()["encoder"]["computes"] == 1
     with pytest.raises(UnknownPreset):
-        VLMEngine.from_preset("tiny-gpt-vision")
+        vlm_from_preset("tiny-gpt-vision")

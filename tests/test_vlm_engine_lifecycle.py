@@ -1,4 +1,4 @@
-"""Store leases and pages of VLM requests over their whole life in the engine (mmcache/engine/vlm.py).
+"""Store leases and pages of VLM requests over their whole life in the engine (mmcache/hosts/vlm.py).
 
 After every step ``VLMEngine.check_invariants`` holds: the engine's page owner counts, the store's budget, and
 exact hold counts (each store entry is held exactly as many times as live requests hold it, so an entry held
@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from mmcache.engine import Engine, EngineConfig, ForwardError, MultimodalInput, Request, SamplingParams
-from mmcache.engine.vlm import VLMEngine, VLMRequest
-from mmcache.engine.vlm_presets import build_vlm
+from mmcache.hosts.vlm import VLMEngine, VLMRequest
+from mmcache.presets.vlm import build_vlm
 from mmcache.errors import DuplicateRequest, InvalidRequest, MediaDecodeError
 from mmcache.names import MediaItem, media_digest
 from mmcache.store import EncoderOutputStore

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mmcache.engine import Engine, EngineConfig, ForwardError, SamplingParams
-from mmcache.engine.vlm import VLMEngine, VLMRequest
-from mmcache.engine.vlm_presets import build_vlm
+from mmcache.hosts.vlm import VLMEngine, VLMRequest
+from mmcache.presets.vlm import build_vlm
 from mmcache.errors import AllocationFailed, MediaDecodeError
 from mmcache.store import EncoderOutputStore
 

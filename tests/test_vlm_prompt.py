@@ -12,7 +12,7 @@ from PIL import Image
 from encoders.chat import PromptBuilder
 from encoders.chat_template import ImagePart, ImageRun, Message, TextPart
 from encoders.mrope import continuation_positions, mrope_positions
-from encoders.vlm_presets import PRESET_NAMES, build_preset
+from mmcache.presets.vlm import TINY_VLM_PRESETS, build_preset
 from mmcache.errors import InvalidRequest
 from mmcache.names import Fingerprint, Namer, as_token_array, page_extras
 from mmcache.store import EncoderOutputStore
@@ -33,7 +33,7 @@ def questions(datasets_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def presets() -> dict:
-    return {name: build_preset(name) for name in PRESET_NAMES}
+    return {name: build_preset(name) for name in TINY_VLM_PRESETS}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def byte_level_answer(template, text: str, end: bool) -> list[int]:
     return ids + [template.end_of_turn_id] if end else ids
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", TINY_VLM_PRESETS)
 def test_five_turn_chat_extends_each_prompt_and_runs_the_tower_twice(name, presets, images, questions):
     preset = presets[name]
     store = EncoderOutputStore(1 << 24)
@@ -98,7 +98,7 @@ def test_five_turn_chat_extends_each_prompt_and_runs_the_tower_twice(name, prese
     assert all(store.held(k) == 0 for k in (builder.adapter.key(images[0]), builder.adapter.key(images[1])))
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", TINY_VLM_PRESETS)
 def test_token_ids_with_single_placeholders_match_the_chat_path(name, presets, images):
     preset = presets[name]
     builder = preset.prompt_builder(EncoderOutputStore(1 << 24))

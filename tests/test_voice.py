@@ -14,7 +14,8 @@ from benchmarks import voice
 from encoders.audio import AudioLimits, RawAudio, decode_audio, ogg_unended, read_audio
 from encoders.codec import CachedCodecEncode
 from encoders.media import SOURCE_BYTES, SOURCE_DATA_URL, SOURCE_PATH, MediaRef
-from encoders.tts_presets import SAMPLING_RATE, csm_pipeline, voice_prompt
+from encoders.voice import SAMPLING_RATE, voice_prompt
+from mmcache.presets.tts import csm_pipeline
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.store import EncoderOutputStore
 

@@ -11,7 +11,7 @@ from torch import nn
 from mmcache.engine import ComputeConfig, Engine, EngineConfig, Request, SamplingParams
 from mmcache.engine.compute import kernels
 from mmcache.engine.inspect import exact_runs, record_logits, rows_equal
-from mmcache.engine.models import build_model
+from mmcache.presets.text import build_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32),
                                 reason="oneDNN is not available in this torch build")

@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
+from ..presets.text import PRESETS
 from .models import DTYPES
-from .presets import PRESETS
 
 
 def register(sub) -> None:
@@ -49,7 +49,7 @@ def register(sub) -> None:
 
 
 def export_main(args: argparse.Namespace) -> int:
-    from .models import ModelExportError, export_model
+    from ..presets.export import ModelExportError, export_model
 
     try:
         out = export_model(args.preset, args.dir, args.dtype)
@@ -61,13 +61,14 @@ def export_main(args: argparse.Namespace) -> int:
 
 
 def generate_main(args: argparse.Namespace) -> int:
+    from ..presets.text import engine_from_preset
     from .config import EngineConfig
     from .engine import Engine
     from .request import SamplingParams
 
     config = EngineConfig(page_size=args.page_size, cache_mode=args.cache_mode)
     if args.preset:
-        eng = Engine.from_preset(args.preset, dtype=args.dtype or "float32", config=config)
+        eng = engine_from_preset(args.preset, dtype=args.dtype or "float32", config=config)
     else:
         eng = Engine.from_pretrained(args.model, dtype=args.dtype or "bfloat16", config=config)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

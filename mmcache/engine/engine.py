@@ -61,7 +61,7 @@ from .adapter import adapter_for
 from .compute import ComputePath
 from .compute.path import size_text
 from .config import EngineConfig, EngineConfigError
-from .models import build_model, load_model, model_digest
+from .models import load_model, model_digest
 from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 from .intake import Intake
 from .runner import ModelRunner
@@ -179,11 +179,6 @@ class Engine:
         """Why the row kernel's copies of the weights were left out although ``row_products`` asked for them
         (they did not fit beside the packed copy and the KV pool; the packed copy alone did), or None."""
         return self.compute.row_products_skipped
-
-    @classmethod
-    def from_preset(cls, name: str, dtype="float32", config: EngineConfig | None = None) -> "Engine":
-        model, tokenizer = build_model(name, dtype)
-        return cls(model, tokenizer, config)
 
     @classmethod
     def from_pretrained(cls, path, dtype="bfloat16", config: EngineConfig | None = None) -> "Engine":

@@ -1,15 +1,10 @@
-"""Building, loading, exporting and fingerprinting models.
+"""Loading and fingerprinting models (the embedded presets are built and exported by ``mmcache.presets``).
 
 Invariants:
 
 * ``model_digest`` is xxh3_128 over the canonical config (minus fields that do not change the computation:
   private keys, ``architectures``, ``dtype``, ``transformers_version``) and every distinct parameter and
   persistent buffer (name, dtype, shape, bytes) in name order; equal digests mean equal weights and config.
-* ``export_model`` writes an ordinary Hugging Face folder (``EXPORT_FILES``: config.json, model.safetensors,
-  generation config, tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM load, and
-  that ``load_model`` reads back to the same digest. The folder gets every file or none: they are written
-  beside it and moved in only when all are written. It overwrites only a folder that its own mark
-  (``EXPORT_MARK``) names an earlier export.
 * ``load_model`` serves the folder's own weights or refuses it (``ModelLoadError``): a weight the config needs
   and the files lack, one the files hold and the config has no place for, or one of another shape, which
   transformers would draw at random, drop or refuse, each refuses the folder.
@@ -18,10 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,23 +21,9 @@ import xxhash
 
 from ..errors import MmcacheError
 from ..names import canonical_encoding
-from .presets import get_preset, preset_config
-from .tokenizer import hf_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DIGEST_SKIP = {"architectures", "dtype", "torch_dtype", "transformers_version"}
-EXPORT_MARK = "mmcache_export.json"
-"""Written into every export (the preset and dtype it holds): a folder without it is not an earlier export,
-whatever files it holds, and is never overwritten."""
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", EXPORT_MARK)
-
-
-class ModelExportError(MmcacheError, OSError):
-    """A preset could not be exported: the folder is not a new, empty or earlier export's folder, or writing
-    failed (no space, a file in the way); nothing was left in the folder."""
-
-
 class ModelLoadError(MmcacheError, ValueError):
     """A model folder could not be loaded (missing or damaged files, unknown architecture, weights that do not
     fit the config, a tokenizer without vocabulary, bad dtype)."""
@@ -58,19 +36,6 @@ def resolve_dtype(dtype) -> torch.dtype:
         return DTYPES[str(dtype)]
     except KeyError:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
-
-
-def build_model(preset_name: str, dtype="float32"):
-    """``(model, tokenizer)`` of an embedded preset; weights drawn from the preset's seed in float32, then cast."""
-    from transformers import AutoModelForCausalLM
-
-    preset = get_preset(preset_name)
-    config = preset_config(preset)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(preset.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model = model.to(resolve_dtype(dtype)).eval()
-    return model, hf_tokenizer(preset.tokenizer_vocab, model_type=preset.model_type)
 
 
 def load_model(path, dtype="bfloat16"):
@@ -136,73 +101,6 @@ def _check_weights_fit(path: Path, model: torch.nn.Module, info: dict) -> None:
 
 
 _SHAPE_OF_NAME = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer or expert index inside a tensor name
-
-
-def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
-    """Write an embedded preset as a Hugging Face folder; returns the folder.
-
-    ``out_dir`` may be new, empty, or an earlier export (its files are replaced; it is known by its
-    ``EXPORT_MARK``). Any other folder is refused before the model is built: one holding another model's files
-    (written by ``save_pretrained``, say, with the very names an export writes) would lose them, one holding
-    other files beside these (a shard index) would load wrongly, and an empty path would mean the current
-    folder. The files are written
-    into a temporary folder beside ``out_dir`` and moved in once all are written, so a failure (no space,
-    an unwritable file) leaves ``out_dir`` as it was. Every file gets the mode an ordinary write gives (0666
-    less the umask)."""
-    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
-        raise ModelExportError(f"the output folder must be a non-empty path, got {out_dir!r}")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ModelExportError(f"cannot write {out}: it exists and is not a folder")
-    if out.is_dir():
-        other = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
-        if other:
-            raise ModelExportError(f"{out} holds files an export does not write ({', '.join(other[:5])}); "
-                                   f"export into a new or empty folder")
-        if any(out.iterdir()) and not (out / EXPORT_MARK).is_file():
-            raise ModelExportError(f"{out} holds a model that mmcache did not export (no {EXPORT_MARK}); its files "
-                                   f"would be replaced: export into a new or empty folder (an export written "
-                                   f"before exports were marked has no mark either: delete it first)")
-    model, tokenizer = build_model(preset_name, dtype)
-    tmp = None
-    try:
-        out.absolute().parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-", dir=out.absolute().parent))
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        # transformers 5 records its own backend class; the generic fast class also loads in transformers 4
-        # (vLLM).
-        tok_cfg = tmp / "tokenizer_config.json"
-        cfg = json.loads(tok_cfg.read_text())
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        (tmp / EXPORT_MARK).write_text(json.dumps({"preset": preset_name, "dtype": str(dtype)}, indent=2) + "\n")
-        # safetensors' save_file makes its file private (0600); give every file the mode the others have.
-        mode = _new_file_mode(tmp)
-        for path in tmp.iterdir():
-            if path.is_file():
-                path.chmod(mode)
-        out.mkdir(exist_ok=True)
-        # the mark last, so a new folder is marked only once every file is in it
-        for name in sorted((p.name for p in tmp.iterdir()), key=lambda name: (name == EXPORT_MARK, name)):
-            os.replace(tmp / name, out / name)
-    except Exception as e:  # OSError, safetensors' and the tokenizers library's own errors for a failed write
-        raise ModelExportError(f"cannot write {out}: {type(e).__name__}: {e}") from e
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _new_file_mode(folder: Path) -> int:
-    """The permission bits an ordinary new file in ``folder`` gets (0666 less the umask), found by making one:
-    reading the umask means setting it, which is process-wide and would race with other threads."""
-    probe = folder / ".mode-probe"
-    probe.touch()
-    try:
-        return probe.stat().st_mode & 0o777
-    finally:
-        probe.unlink()
 
 
 def model_digest(model: torch.nn.Module) -> str:

@@ -22,10 +22,10 @@ import threading
 
 from ..cli import count
 from ..engine.models import DTYPES
-from ..engine.presets import PRESETS
-from ..engine.vlm_presets import VLM_PRESETS
+from ..presets.serving import DIFFUSION_PRESETS, TTS_PRESETS
+from ..presets.text import PRESETS
+from ..presets.vlm import VLM_PRESETS
 from .config import DEFAULT_STORE_BYTES, ServerConfigError
-from .pipelines import DIFFUSION_PRESETS, TTS_PRESETS
 
 
 def register(sub) -> None:
@@ -118,7 +118,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from .launch import start_server
+    from ..presets.serving import serve
 
     try:
         config = config_from_args(args)
@@ -128,7 +128,7 @@ def serve_main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        with start_server(config) as srv:
+        with serve(config) as srv:
             print(f"mmcache serve: {', '.join(config.model_names)} at {srv.url} (OpenAI API: {srv.base_url})",
                   flush=True)
             try:

@@ -1,5 +1,5 @@
-"""Starting a server: the engine and the generation pipelines built from a ``ServerConfig``, the one store they
-share, the engine's host, the app, and uvicorn on a bound socket.
+"""Starting a server: the models it serves (built by a caller's ``build``, after the socket is bound), the one
+store they share, the engine's host, the generation services, the app, and uvicorn on that socket.
 
 ``start_server`` runs uvicorn in a background thread (tests, benchmarks, ``mmcache serve`` alike) and returns
 once the socket is bound and the server started; leaving the block stops accepting, stops the step loop and
@@ -18,51 +18,34 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .config import ServerConfig, ServerConfigError, source_name
 from .runner import EngineHost
 
 _START_TIMEOUT_S = 60
+IMAGES, VIDEOS, SPEECH = "images", "videos", "speech"
 
 
-def image_limits(config: ServerConfig):
-    """The VLM's image limits: sizes from the config, and paths never read."""
-    from encoders.media import ImageLimits
+@dataclass
+class Models:
+    """What a server serves, built: ``engine`` (an ``Engine``, a ``VLMEngine`` or None) and ``pipelines``, a list
+    of (task, source, pipeline) with task ``images`` (an SD3 pipeline), ``videos`` (Wan) or ``speech`` (an
+    ``encoders.voice.VoicePipeline``) and source the preset name or folder it came from."""
 
-    kw = {"max_bytes": config.max_image_bytes, "max_pixels": config.max_image_pixels, "allow_paths": False}
-    if "max_images" in {f.name for f in fields(ImageLimits)}:
-        kw["max_images"] = config.max_images
-    return ImageLimits(**kw)
-
-
-def build_engine(config: ServerConfig):
-    """An ``Engine`` (text preset or local folder) or a ``VLMEngine`` (VLM preset) as ``config`` names; None
-    when it names no chat model."""
-    from ..engine.config import EngineConfig
-    from ..engine.engine import Engine
-    from ..engine.vlm_presets import VLM_PRESETS
-
-    if not config.serves_chat:
-        return None
-    engine_config = config.engine_config or EngineConfig(page_size=16)
-    if config.preset in VLM_PRESETS:
-        from ..engine.vlm import VLMEngine
-
-        return VLMEngine.from_preset(config.preset, engine_config, config.dtype, config.store_bytes,
-                                     image_limits(config))
-    if config.preset is not None:
-        return Engine.from_preset(config.preset, config.dtype, engine_config)
-    return Engine.from_pretrained(config.model, config.dtype, engine_config)
+    engine: object = None
+    pipelines: list = field(default_factory=list)
 
 
-def shared_store(config: ServerConfig, engine):
+def shared_store(config: ServerConfig, models: Models):
     """The one encoder-output store of the server (module docstring)."""
     from ..store import EncoderOutputStore
 
+    engine = models.engine
     if engine is not None and hasattr(engine, "builder"):  # a VLMEngine: its vision tower's store
         return engine.store
-    if config.diffusion or config.tts:
+    if models.pipelines:
         return EncoderOutputStore(config.store_bytes)
     return None
 
@@ -100,27 +83,17 @@ class VideoService:
         self.jobs.close()
 
 
-def build_services(config: ServerConfig, store, tenants, metrics) -> tuple[dict, list]:
-    """The generation services ``config`` names (task -> service) and their routers; on failure, those built
+def build_services(config: ServerConfig, pipelines: list, store, tenants, metrics) -> tuple[dict, list]:
+    """The generation services of ``pipelines`` (task -> service) and their routers; on failure, those built
     are closed."""
     services: dict = {}
     routers: list = []
     try:
-        for source in config.diffusion:
-            from .pipelines import load_diffusion
-
-            task, pipe = load_diffusion(source, config.dtype)
+        for task, source, pipe in pipelines:
             if task in services:
-                raise ServerConfigError(f"two diffusion pipelines serve {task}; give at most one of each")
+                raise ServerConfigError(f"two pipelines serve {task}; give at most one of each")
             service, router = _SERVICE_BUILDERS[task](pipe, store, config, source, tenants, metrics)
             services[task] = service
-            routers.append(router)
-        if config.tts is not None:
-            from .pipelines import load_tts
-
-            service, router = _speech(load_tts(config.tts, config.dtype), store, config, source_name(config.tts),
-                                      tenants, metrics)
-            services["speech"] = service
             routers.append(router)
     except BaseException:
         for service in services.values():
@@ -139,10 +112,11 @@ def _images(pipe, store, config, source, tenants, metrics):
     return service, image_router(service, Intake(config, tenants), metrics)
 
 
-def _speech(voice, store, config, name, tenants, metrics):
+def _speech(voice, store, config, source, tenants, metrics):
     from .intake import Intake
     from .speech import SpeechService, speech_router
 
+    name = source_name(source)
     service = SpeechService(voice, store, config, name)
     metrics.watch_queue("speech", name, service.queue)
     return service, speech_router(service, Intake(config, tenants), metrics)
@@ -166,7 +140,7 @@ def _videos(pipe, store, config, source, tenants, metrics):
     return VideoService(source_name(source), jobs), router
 
 
-_SERVICE_BUILDERS = {"images": _images, "videos": _videos}
+_SERVICE_BUILDERS = {IMAGES: _images, VIDEOS: _videos, SPEECH: _speech}
 # what a video request leaving fields out gets from the tiny preset: a size and length it renders in a second
 TINY_WAN_DEFAULTS = {"default_width": 32, "default_height": 32, "default_frames": 5, "default_steps": 4}
 
@@ -189,8 +163,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 @contextmanager
-def start_server(config: ServerConfig, engine=None):
-    """Serve ``config`` (or the given ``engine``, built from ``config`` when None) until the block ends."""
+def start_server(config: ServerConfig, build: Callable[[ServerConfig], Models]):
+    """Serve what ``build(config)`` returns, under ``config``'s settings, until the block ends (the command line
+    and ``mmcache.presets.serve`` build from the names in ``config``; a test may hand over a built engine)."""
     import uvicorn
 
     from .app import build_app
@@ -200,14 +175,15 @@ def start_server(config: ServerConfig, engine=None):
     sock = _bind(config.host, config.port)  # first: a taken address fails before the model is built
     services: dict = {}
     try:
-        engine = engine if engine is not None else build_engine(config)
+        models = build(config)
+        engine = models.engine
         host = EngineHost(engine, config.max_waiting) if engine is not None else None
-        store = shared_store(config, engine)
+        store = shared_store(config, models)
         metrics = ServerMetrics(host, config.model_name, store)
         if host is not None:
             host.observe = metrics.observe
         tenants = Tenants(config.api_keys, config.tenant_secret)
-        services, routers = build_services(config, store, tenants, metrics)
+        services, routers = build_services(config, models.pipelines, store, tenants, metrics)
         app = build_app(host, config, tenants, metrics, routers, services.values())
         server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=5))

@@ -94,7 +94,7 @@ class PromptMaker:
     def chat(self, req: ChatCompletionRequest, rid: str, salt: bytes, arrival: float):
         sampling = sampling_of(req, self.config.default_max_tokens)
         if self.host.is_vlm:
-            from ..engine.vlm import VLMRequest
+            from ..hosts.vlm import VLMRequest
 
             messages = [self._vlm_message(i, m) for i, m in enumerate(req.messages)]
             self._count_images(messages)
@@ -185,7 +185,7 @@ class PromptMaker:
         if isinstance(prompt, list) and not prompt or prompt == "":
             raise bad_request("the prompt is empty", "prompt")
         if self.host.is_vlm:
-            from ..engine.vlm import VLMRequest
+            from ..hosts.vlm import VLMRequest
 
             ids = self.host.engine.builder.template.text(prompt) if isinstance(prompt, str) else prompt
             return VLMRequest(token_ids=ids, sampling=sampling, request_id=rid, salt=salt)

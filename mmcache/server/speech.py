@@ -65,7 +65,7 @@ class SpeechSpec:
 
 
 class SpeechService:
-    """One CSM pipeline (``tts_presets.VoicePipeline``) served through the store."""
+    """One CSM pipeline (``encoders.voice.VoicePipeline``) served through the store."""
 
     task = "speech"
 
@@ -85,7 +85,7 @@ class SpeechService:
 
     def check(self, req) -> SpeechSpec:
         """The request's fields as a ``SpeechSpec`` or an ``APIError`` (400) naming the field."""
-        from encoders.tts_presets import voice_prompt
+        from encoders.voice import voice_prompt
 
         limits = self.config
         if req.response_format not in FORMATS:
@@ -147,7 +147,7 @@ class SpeechService:
 
     def render(self, spec: SpeechSpec, clip, salt: bytes, job: Job | None = None) -> np.ndarray:
         """The generated waveform (float32, mono, at ``rate``), in the calling thread."""
-        from encoders.tts_presets import voice_prompt
+        from encoders.voice import voice_prompt
 
         if job is not None:
             job.check()

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from ..engine.engine import Engine
+from ..engine.models import resolve_dtype
+from ..engine.tokenizer import EOS, PAD, SPECIAL_TOKENS, hf_tokenizer
 from ..errors import MmcacheError
-from .tokenizer import EOS, PAD, SPECIAL_TOKENS
 
 
 class UnknownPreset(MmcacheError, KeyError):
@@ -88,3 +92,22 @@ def preset_config(preset: Preset):
     cfg = AutoConfig.for_model(preset.model_type, **preset.config, **_SPECIAL_IDS)
     cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
     return cfg
+
+
+def build_model(preset_name: str, dtype="float32"):
+    """``(model, tokenizer)`` of an embedded preset; weights drawn from the preset's seed in float32, then cast."""
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset(preset_name)
+    config = preset_config(preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(preset.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.to(resolve_dtype(dtype)).eval()
+    return model, hf_tokenizer(preset.tokenizer_vocab, model_type=preset.model_type)
+
+
+def engine_from_preset(name: str, dtype="float32", config=None) -> Engine:
+    """An ``Engine`` over preset ``name`` (``config``: an ``EngineConfig``, default one)."""
+    model, tokenizer = build_model(name, dtype)
+    return Engine(model, tokenizer, config)

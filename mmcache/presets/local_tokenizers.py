@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tokenizers import Regex, normalizers, pre_tokenizers
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "datasets" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "datasets" / "prompts"
 
 # CLIP's pre-tokenizer pattern (special tokens, English contractions, letter runs, single digits, punctuation).
 _CLIP_SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""

@@ -1,5 +1,5 @@
-"""The VLM front end of the reference engine: chat messages with images, or token ids plus images, served by an
-``Engine`` whose model is a transformers VLM (LLaVA, Qwen2-VL).
+"""The VLM front end, a host that composes the reference engine with the encoders: chat messages with images,
+or token ids plus images, served by an ``Engine`` whose model is a transformers VLM (LLaVA, Qwen2-VL).
 
 ``VLMEngine`` pairs the engine with a ``PromptBuilder`` (``encoders.chat``). For each request the builder
 encodes the images through the encoder-output store (the vision tower runs only on store misses), expands
@@ -10,8 +10,8 @@ placeholders in whichever prefill chunk covers them and runs the language model 
 next turn carries the previous answer's ``token_ids`` (``answer_message``), so it extends the previous prompt
 and reuses its pages, and its earlier images are store hits.
 
-``encoders`` is imported only when a ``VLMEngine`` is built, so the text engine never needs it; neither the
-core nor ``encoders`` imports this module.
+``mmcache.presets.vlm_from_preset`` builds one over an embedded preset. Neither the engine, the core nor
+``encoders`` imports this module.
 
 Invariants:
 
@@ -46,14 +46,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..engine.config import EngineConfigError
+from ..engine.engine import Engine, ForwardError
+from ..engine.request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 from ..errors import InvalidRequest, MmcacheError
-from .config import EngineConfig, EngineConfigError
-from .engine import Engine, ForwardError
-from .request import MultimodalInput, Request, RequestOutput, SamplingParams, StreamEvent
 
 if TYPE_CHECKING:
     from encoders.chat import MultimodalPrompt, PromptBuilder
-    from encoders.media import ImageLimits
     from mmcache.store import EncoderOutputStore
 
 DEFAULT_STORE_BYTES = 256 * 2**20
@@ -113,22 +112,6 @@ class VLMEngine:
         # collector may finalise an abandoned stream inside an allocation made under it, whose abort releases
         # that request's leases (``_Held.release``) on this same thread
         self._lock = threading.RLock()
-
-    @classmethod
-    def from_preset(cls, name: str, config: EngineConfig | None = None, dtype="float32",
-                    store_bytes: int = DEFAULT_STORE_BYTES, limits: "ImageLimits | None" = None) -> "VLMEngine":
-        """A preset of ``vlm_presets.VLM_PRESETS`` with a fresh store of ``store_bytes``. ``limits`` default to
-        ``ImageLimits()``, which read no local file: a caller that sends paths opts in (``allow_paths=True`` or
-        ``path_root=``)."""
-        from encoders.media import ImageLimits
-
-        from mmcache.store import EncoderOutputStore
-
-        from .vlm_presets import build_vlm
-
-        preset = build_vlm(name, dtype)
-        engine = Engine(preset.model, _hf_tokenizer(preset), config)
-        return cls(engine, preset.prompt_builder(EncoderOutputStore(store_bytes), limits or ImageLimits()))
 
     def max_prompt_tokens(self, sampling: SamplingParams) -> int:
         """The longest prompt (placeholder runs expanded) the engine's intake accepts with ``sampling``: room
@@ -293,12 +276,3 @@ class VLMEngine:
         for req in built:
             if not self.engine.holds(req):
                 req.mm.release()
-
-
-def _hf_tokenizer(preset):
-    """The preset's tokenizer wrapped for transformers, ending generation at the template's end-of-turn token."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = preset.tokenizer
-    eos = tok.id_to_token(preset.template.end_of_turn_id)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, model_max_length=1 << 20)

@@ -1,5 +1,4 @@
-"""Tiny VLM presets: real transformers architectures with seeded random weights, built locally in well under a
-second (no model hub is reachable).
+"""VLM presets: real transformers architectures with seeded random weights, built locally (no model hub).
 
 * ``tiny-llava``: ``LlavaForConditionalGeneration`` with a CLIP vision tower (32x32 input, 8x8 patches, CLS
   dropped, features from the second-to-last layer, the llava-1.5 recipe) and a Llama text model;
@@ -8,13 +7,21 @@ second (no model hub is reachable).
   ``SiglipImageProcessorPil``.
 * ``tiny-qwen2-vl``: ``Qwen2VLForConditionalGeneration`` (14-pixel patches, 2x2 merge, M-RoPE sections 2/3/3)
   with ``Qwen2VLImageProcessorPil`` bounded to 56x56 .. 112x112 pixels, so 4 to 16 placeholders per image.
+* ``bench-llava``: the benchmark's model. ``LlavaForConditionalGeneration`` with a CLIP ViT-B/16 tower at 224x224
+  pixels (ViT-B's shape: hidden 768, 12 layers, 12 heads, MLP 3072), llava-1.5's recipe (features of the
+  second-to-last layer, CLS dropped: 196 placeholders per image) and two-layer GELU projector (768 -> 896 ->
+  896), over the text preset ``small`` (Qwen2.5-0.5B's shape with 8 of its 24 layers) with its vocabulary sized
+  to the preset's tokenizer (516 entries, so every id the model can generate is one the chat template accepts
+  back). ``CLIPImageProcessorPil`` at CLIP's defaults; the Vicuna template and tokenizer of ``tiny-llava``.
+  About 208M parameters: tower 86M, projector 1.5M, language model 120M.
 
 Each preset has a byte-level BPE tokenizer trained with the ``tokenizers`` package on the LLaVA-Bench questions
 (``datasets/vlm/qa90_questions.jsonl``) plus the template's own words, with the template's special tokens
-appended; the model's vocabulary is sized to it.
+appended; the model's vocabulary is sized to it. ``vlm_from_preset`` builds a ready ``VLMEngine``.
 
-Invariants: building a preset is deterministic (the same name and seed give the same weights, the same
-vocabulary and so the same adapter fingerprint in every process) and leaves the caller's torch RNG untouched.
+Invariants: a preset name, seed and dtype always give the same config, weights and vocabulary (weights drawn in
+float32 inside a forked RNG, so the caller's random state is untouched, then cast), hence the same model digest
+and adapter fingerprint in every process.
 """
 
 from __future__ import annotations
@@ -27,16 +34,21 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
+from encoders.chat import PromptBuilder
+from encoders.chat_template import ChatMLTemplate, ChatTemplate, LlavaTemplate
+from encoders.media import ImageLimits
+from encoders.vision import LlavaVisionAdapter, Qwen2VLVisionAdapter, VisionAdapter
+from mmcache.engine import Engine, EngineConfig
+from mmcache.engine.models import resolve_dtype
 from mmcache.errors import InvalidRequest
+from mmcache.hosts.vlm import DEFAULT_STORE_BYTES, VLMEngine
 from mmcache.store import EncoderOutputStore
 
-from .chat import PromptBuilder
-from .chat_template import ChatMLTemplate, ChatTemplate, LlavaTemplate
-from .media import ImageLimits
-from .vision import LlavaVisionAdapter, Qwen2VLVisionAdapter, VisionAdapter
+from .text import PRESETS, UnknownPreset
 
-QUESTIONS = Path(__file__).resolve().parents[1] / "datasets" / "vlm" / "qa90_questions.jsonl"
-PRESET_NAMES = ("tiny-llava", "tiny-llava-siglip", "tiny-qwen2-vl")
+QUESTIONS = Path(__file__).resolve().parents[2] / "datasets" / "vlm" / "qa90_questions.jsonl"
+TINY_VLM_PRESETS = ("tiny-llava", "tiny-llava-siglip", "tiny-qwen2-vl")
+VLM_PRESETS = TINY_VLM_PRESETS + ("bench-llava",)
 
 LLAVA_SPECIAL = ("<pad>", "<s>", "</s>", "<image>")
 CHATML_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -97,9 +109,9 @@ def vlm_tokenizer(special_tokens: tuple[str, ...], vocab_size: int = 512, questi
 
 
 def build_preset(name: str, seed: int = 0, sizes: TinySizes = TinySizes()) -> VLMPreset:
-    """Build preset ``name`` (one of ``PRESET_NAMES``) with weights drawn from ``seed``."""
-    if name not in PRESET_NAMES:
-        raise InvalidRequest(f"unknown VLM preset {name!r}; known: {PRESET_NAMES}")
+    """Build tiny preset ``name`` (one of ``TINY_VLM_PRESETS``) with weights drawn from ``seed``, in float32."""
+    if name not in TINY_VLM_PRESETS:
+        raise InvalidRequest(f"unknown tiny VLM preset {name!r}; known: {TINY_VLM_PRESETS}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "tiny-qwen2-vl":
@@ -160,3 +172,59 @@ def _qwen2_vl(s: TinySizes) -> VLMPreset:
     processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
                                          temporal_patch_size=2)
     return VLMPreset("tiny-qwen2-vl", model, processor, tokenizer, ChatMLTemplate(tokenizer), Qwen2VLVisionAdapter)
+
+
+BENCH_TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   image_size=224, patch_size=16)
+BENCH_IMAGE_SIZE = 224
+
+
+def build_vlm(name: str, dtype="float32", seed: int = 0) -> VLMPreset:
+    """The VLM preset ``name`` (one of ``VLM_PRESETS``) with its model cast to ``dtype``, in eval mode."""
+    if name not in VLM_PRESETS:
+        raise UnknownPreset(name)
+    if name in TINY_VLM_PRESETS:
+        preset = build_preset(name, seed)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            preset = _bench_llava()
+    preset.model = preset.model.to(resolve_dtype(dtype)).eval()
+    return preset
+
+
+def vlm_from_preset(name: str, config: EngineConfig | None = None, dtype="float32",
+                    store_bytes: int = DEFAULT_STORE_BYTES, limits: ImageLimits | None = None) -> VLMEngine:
+    """A ``VLMEngine`` over preset ``name`` with a fresh store of ``store_bytes``. ``limits`` default to
+    ``ImageLimits()``, which read no local file: a caller that sends paths opts in (``allow_paths=True`` or
+    ``path_root=``)."""
+    preset = build_vlm(name, dtype)
+    engine = Engine(preset.model, hf_tokenizer(preset), config)
+    return VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(store_bytes), limits or ImageLimits()))
+
+
+def hf_tokenizer(preset: VLMPreset):
+    """The preset's tokenizer wrapped for transformers, ending generation at the template's end-of-turn token."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = preset.tokenizer
+    eos = tok.id_to_token(preset.template.end_of_turn_id)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, model_max_length=1 << 20)
+
+
+def _bench_llava() -> VLMPreset:
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              Qwen2Config)
+
+    tokenizer = vlm_tokenizer(LLAVA_SPECIAL)
+    ids = {t: tokenizer.token_to_id(t) for t in LLAVA_SPECIAL}
+    text = Qwen2Config(**{**PRESETS["small"].config, "vocab_size": tokenizer.get_vocab_size()},
+                       bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
+    patches = (BENCH_IMAGE_SIZE // BENCH_TOWER["patch_size"]) ** 2
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**BENCH_TOWER), text_config=text,
+                         image_token_index=ids["<image>"], image_seq_length=patches,
+                         vision_feature_select_strategy="default", vision_feature_layer=-2)
+    model = LlavaForConditionalGeneration(config).eval()
+    size = BENCH_IMAGE_SIZE
+    processor = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    return VLMPreset("bench-llava", model, processor, tokenizer, LlavaTemplate(tokenizer), LlavaVisionAdapter)

@@ -4,7 +4,8 @@
 a Llama backbone over text and audio frames, a depth decoder for the codebooks of each frame, and a Mimi codec
 that turns reference audio into 32 codebooks at 12.5 frames a second) with its ``CsmProcessor`` and a locally
 trained byte-level BPE carrying CSM's two audio tokens. Voice cloning with CSM: the reference clip and its
-transcript come first in the prompt, the text to speak after, and the model continues in the reference's voice.
+transcript come first in the prompt, the text to speak after (``encoders.voice.voice_prompt``), and the model
+continues in the reference's voice.
 
 * The codec is the part the cache serves. ``CODECS["mimi"]`` is the published Mimi configuration (transformers'
   ``MimiConfig()`` defaults, the codec of CSM-1B and Moshi: 79 M parameters), so its encode time is the real
@@ -26,11 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from encoders.voice import AUDIO_EOS_TOKEN, AUDIO_TOKEN, SAMPLING_RATE, VoicePipeline
+from mmcache.engine.tokenizer import hf_tokenizer
 from mmcache.errors import InvalidRequest
 
-AUDIO_TOKEN = "<|AUDIO|>"
-AUDIO_EOS_TOKEN = "<|audio_eos|>"
-SAMPLING_RATE = 24_000  # Mimi's rate
 TEXT_VOCAB = 1024
 
 CODECS = {
@@ -55,36 +55,9 @@ class Backbone:
 BACKBONES = {"tiny": Backbone(128, 2, 4, 2, 256, 64, 1)}
 
 
-@dataclass
-class VoicePipeline:
-    model: "torch.nn.Module"  # CsmForConditionalGeneration
-    processor: object  # CsmProcessor
-
-    @property
-    def codec(self) -> torch.nn.Module:
-        return self.model.codec_model
-
-
-def voice_prompt(reference_text: str, target_text: str, speaker: int = 0, bos: str = "<|endoftext|>") -> str:
-    """CSM's segment layout: the reference's transcript and audio (one ``<|AUDIO|>`` the processor expands to
-    the clip's frames), then the text to speak, both as ``speaker``."""
-    if not isinstance(reference_text, str) or not isinstance(target_text, str) or not target_text.strip():
-        raise InvalidRequest("a voice prompt needs the reference transcript and a non-empty text to speak")
-    if isinstance(speaker, bool) or not isinstance(speaker, int) or speaker < 0:
-        raise InvalidRequest(f"speaker must be an int >= 0, got {speaker!r}")
-    for text in (reference_text, target_text):
-        marker = next((m for m in (AUDIO_TOKEN, AUDIO_EOS_TOKEN, bos) if m in text), None)
-        if marker is not None:  # it would add an audio slot or start a segment the caller did not ask for
-            raise InvalidRequest(f"a voice prompt's text may not contain the special token {marker!r}")
-    return (f"{bos}[{speaker}]{reference_text}{bos}{AUDIO_TOKEN}{AUDIO_EOS_TOKEN}"
-            f"{bos}[{speaker}]{target_text}{bos}")
-
-
 def csm_pipeline(codec: str = "mimi", backbone: str = "tiny", seed: int = 0) -> VoicePipeline:
     """CSM with seeded random weights, its processor and tokenizer (see the module docstring)."""
     from transformers import CsmConfig, CsmForConditionalGeneration, CsmProcessor, EncodecFeatureExtractor, MimiConfig
-
-    from mmcache.engine.tokenizer import hf_tokenizer
 
     if codec not in CODECS:
         raise InvalidRequest(f"unknown codec preset {codec!r}; known: {', '.join(CODECS)}")
