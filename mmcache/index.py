@@ -249,44 +249,23 @@ class PrefixIndex:
         accepted: list[np.ndarray] = []
         expect_parent = root_parent if first_page == 0 else parent
         j = 0
-        p = self.page_size
         while j < k:
+            # Fast path: the nominees from page j up to the first page without one, verified at once.
             misses = np.flatnonzero(cand[j:] < 0)
             m = int(misses[0]) if len(misses) else k - j
             if m:
                 pages = cand[j : j + m]
-                lo = (first_page + j - ids_from) * p
-                ok = (self.pool.ids[pages] == ids[lo : lo + m * p].reshape(m, p)).all(axis=1)
-                parents = np.empty(m, dtype=np.int32)
-                parents[0] = expect_parent
-                parents[1:] = pages[:-1]
-                ok &= self.parent[pages] == parents
-                lo_page = first_page + j
-                rows = set(np.flatnonzero(self.has_extras[pages]).tolist())
-                rows.update(i - lo_page for i in extras if lo_page <= i < lo_page + m)
-                for r in rows:
-                    if self._extras.get(int(pages[r])) != extras.get(lo_page + r):
-                        ok[r] = False
-                bad = np.flatnonzero(~ok)
-                good = int(bad[0]) if len(bad) else m
+                good = self._verified_prefix(pages, first_page + j, ids, extras, expect_parent, ids_from)
                 if good:
                     accepted.append(pages[:good])
                     expect_parent = int(pages[good - 1])
                     j += good
-                if good < m:
-                    m = good  # fall through to the slow path at page j
-                else:
+                if good == m:
                     continue
-            if j >= k:
+            # Slow path at page j: no page carries its name (the run ends there), or its first nominee failed.
+            if cand[j] < 0:
                 break
-            # Slow path: the first nominee for page j failed (or there was none); try every page carrying
-            # the same name. Only reached on a true 64-bit collision or at the end of the cached run.
-            found = -1
-            if cand[j] >= 0:
-                for page in self._all_candidates(int(names[j])):
-                    if self._entry_matches(page, first_page + j, ids, extras, expect_parent, ids_from):
-                        found = page
-                        break
+            found = self._colliding_match(int(names[j]), first_page + j, ids, extras, expect_parent, ids_from)
             if found < 0:
                 break
             accepted.append(np.array([found], dtype=np.int32))
@@ -295,6 +274,40 @@ class PrefixIndex:
         if not accepted:
             return np.empty(0, dtype=np.int32)
         return np.concatenate(accepted).astype(np.int32, copy=False)
+
+    def _verified_prefix(self, pages: np.ndarray, page_no: int, ids: np.ndarray, extras: dict[int, Extras],
+                         parent: int, ids_from: int) -> int:
+        """How many of ``pages``, nominated for pages ``page_no ..`` of the sequence, verify from the first on.
+
+        Ids are checked by one vectorised compare over the run and parents along the chain from ``parent``;
+        extras only on the rows where the entry or the request has any, since most pages carry none.
+        """
+        m, p = len(pages), self.page_size
+        lo = (page_no - ids_from) * p
+        ok = (self.pool.ids[pages] == ids[lo : lo + m * p].reshape(m, p)).all(axis=1)
+        parents = np.empty(m, dtype=np.int32)
+        parents[0] = parent
+        parents[1:] = pages[:-1]
+        ok &= self.parent[pages] == parents
+        rows = set(np.flatnonzero(self.has_extras[pages]).tolist())
+        rows.update(i - page_no for i in extras if page_no <= i < page_no + m)
+        for r in rows:
+            if self._extras.get(int(pages[r])) != extras.get(page_no + r):
+                ok[r] = False
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if len(bad) else m
+
+    def _colliding_match(self, name: int, page_no: int, ids: np.ndarray, extras: dict[int, Extras], parent: int,
+                         ids_from: int) -> int:
+        """The first page carrying ``name`` whose entry matches page ``page_no`` of the sequence, or -1.
+
+        Tries every page under the name, one by one: only reached after the first nominee failed, on a true
+        64-bit collision or at the end of the cached run.
+        """
+        for page in self._all_candidates(name):
+            if self._entry_matches(page, page_no, ids, extras, parent, ids_from):
+                return page
+        return -1
 
     # ---- cold leaves -------------------------------------------------------------------------------
     def _evictable(self, pages: np.ndarray) -> np.ndarray:

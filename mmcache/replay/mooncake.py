@@ -40,6 +40,61 @@ def _int(value, name: str, minimum: int, where) -> int:
     return value
 
 
+def _read_text(path: str | Path, shown: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceFormatError(shown, 0, f"cannot read trace: {e}") from e
+
+
+def _record(line: str, where) -> dict:
+    """The line's JSON object, holding at least the four keys."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(*where, f"not JSON: {e.msg}") from e
+    except RecursionError:
+        raise TraceFormatError(*where, "not a trace record: JSON nested too deeply") from None
+    if not isinstance(rec, dict):
+        raise TraceFormatError(*where, f"expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in _KEYS if k not in rec]
+    if missing:
+        raise TraceFormatError(*where, f"missing key(s) {', '.join(missing)}")
+    return rec
+
+
+def _timestamp(ts, previous: float, where) -> float:
+    """``ts`` (ms), checked finite, non-negative and not earlier than the previous line's ``previous``."""
+    if not finite_number(ts) or ts < 0:
+        raise TraceFormatError(*where, f"timestamp must be a finite number >= 0, got {ts!r}")
+    if ts < previous:
+        raise TraceFormatError(*where, f"timestamp {ts} is earlier than the previous line's {previous}")
+    return ts
+
+
+def _lengths(rec: dict, where) -> tuple[int, int]:
+    """``(input_length, output_length)``, checked against ``MAX_SEQUENCE_TOKENS`` together."""
+    n_in = _int(rec["input_length"], "input_length", 1, where)
+    n_out = _int(rec["output_length"], "output_length", 0, where)
+    if n_in + n_out > MAX_SEQUENCE_TOKENS:
+        raise TraceFormatError(*where, f"input_length + output_length = {n_in + n_out} exceeds the "
+                                       f"{MAX_SEQUENCE_TOKENS} tokens a replayed request may hold")
+    return n_in, n_out
+
+
+def _hash_ids(hashes, n_in: int, block_tokens: int, where) -> list:
+    """``hashes``, checked to be one id in [0, 2**64) per ``block_tokens`` block of the ``n_in`` input tokens."""
+    if not isinstance(hashes, list):
+        raise TraceFormatError(*where, "hash_ids must be a list")
+    if not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
+        bad = next(h for h in hashes if not (type(h) is int and 0 <= h < 2**64))
+        raise TraceFormatError(*where, f"hash ids must be integers in [0, 2**64), got {bad!r}")
+    if len(hashes) != -(-n_in // block_tokens):
+        raise TraceFormatError(*where, f"{len(hashes)} hash ids for input_length {n_in} "
+                                       f"({block_tokens}-token blocks need {-(-n_in // block_tokens)})")
+    return hashes
+
+
 class MooncakeTrace:
     """A parsed Mooncake trace; a ``Workload`` whose requests arrive at the trace's timestamps."""
 
@@ -48,52 +103,7 @@ class MooncakeTrace:
         self.path = str(path)
         self.block_tokens = block_tokens
         self.vocab = vocab
-        times, inputs, outputs, ids, offsets = [], [], [], [], [0]
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TraceFormatError(self.path, 0, f"cannot read trace: {e}") from e
-        previous = 0.0
-        for number, line in enumerate(text.splitlines(), start=1):
-            where = (self.path, number)
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(*where, f"not JSON: {e.msg}") from e
-            except RecursionError:
-                raise TraceFormatError(*where, "not a trace record: JSON nested too deeply") from None
-            if not isinstance(rec, dict):
-                raise TraceFormatError(*where, f"expected a JSON object, got {type(rec).__name__}")
-            missing = [k for k in _KEYS if k not in rec]
-            if missing:
-                raise TraceFormatError(*where, f"missing key(s) {', '.join(missing)}")
-            ts = rec["timestamp"]
-            if not finite_number(ts) or ts < 0:
-                raise TraceFormatError(*where, f"timestamp must be a finite number >= 0, got {ts!r}")
-            if ts < previous:
-                raise TraceFormatError(*where, f"timestamp {ts} is earlier than the previous line's {previous}")
-            previous = ts
-            n_in = _int(rec["input_length"], "input_length", 1, where)
-            n_out = _int(rec["output_length"], "output_length", 0, where)
-            if n_in + n_out > MAX_SEQUENCE_TOKENS:
-                raise TraceFormatError(*where, f"input_length + output_length = {n_in + n_out} exceeds the "
-                                               f"{MAX_SEQUENCE_TOKENS} tokens a replayed request may hold")
-            hashes = rec["hash_ids"]
-            if not isinstance(hashes, list):
-                raise TraceFormatError(*where, "hash_ids must be a list")
-            if not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
-                bad = next(h for h in hashes if not (type(h) is int and 0 <= h < 2**64))
-                raise TraceFormatError(*where, f"hash ids must be integers in [0, 2**64), got {bad!r}")
-            if len(hashes) != -(-n_in // block_tokens):
-                raise TraceFormatError(*where, f"{len(hashes)} hash ids for input_length {n_in} "
-                                               f"({block_tokens}-token blocks need {-(-n_in // block_tokens)})")
-            times.append(ts / 1000.0)
-            inputs.append(n_in)
-            outputs.append(n_out)
-            ids.extend(hashes)
-            offsets.append(len(ids))
-        if not inputs:
-            raise TraceFormatError(self.path, 0, "the trace holds no request")
+        times, inputs, outputs, ids, offsets = self._parse(_read_text(path, self.path))
         count = len(inputs) if limit is None else min(limit, len(inputs))
         self.times = np.asarray(times[:count], dtype=np.float64)
         self.input_lengths = np.asarray(inputs[:count], dtype=np.int64)
@@ -103,6 +113,26 @@ class MooncakeTrace:
         # One stream key per block; splitmix64 is a bijection, so distinct ids keep distinct keys.
         self.block_keys = splitmix64(hash_ids + np.uint64(stream_key("mooncake-block")))
         self.description = f"mooncake:{Path(path).name}"
+
+    def _parse(self, text: str) -> tuple[list, list, list, list, list]:
+        """Every line checked, as columns: arrival seconds, input lengths, output lengths, the hash ids of all
+        requests end to end, and the offset of each request's first id (plus the total)."""
+        times, inputs, outputs, ids, offsets = [], [], [], [], [0]
+        previous = 0.0
+        for number, line in enumerate(text.splitlines(), start=1):
+            where = (self.path, number)
+            rec = _record(line, where)
+            previous = ts = _timestamp(rec["timestamp"], previous, where)
+            n_in, n_out = _lengths(rec, where)
+            hashes = _hash_ids(rec["hash_ids"], n_in, self.block_tokens, where)
+            times.append(ts / 1000.0)
+            inputs.append(n_in)
+            outputs.append(n_out)
+            ids.extend(hashes)
+            offsets.append(len(ids))
+        if not inputs:
+            raise TraceFormatError(self.path, 0, "the trace holds no request")
+        return times, inputs, outputs, ids, offsets
 
     def __len__(self) -> int:
         return len(self.input_lengths)

@@ -3,8 +3,9 @@
 This is the shadow mode's code path (the project's design notes, DESIGN.md in the team's shared folder,
 "Shadow mode"): each replica is an ``AllocationManager`` in mode ``on`` with ``kv_spec=None``, as the mirror
 a ``ShadowedManager`` holds (``mmcache.shadow``), driven by the same calls that mirror is given (``admit``
-with a ``PreparedPrompt``, ``reserve``, ``commit``, ``teardown``, ``abort``). Names, index, seeding, eviction and the would-have-matched accounting
-(``AdmitResult.matched_tokens`` and ``forfeit_tokens``) are the core's; nothing here keeps an index.
+with a ``PreparedPrompt``, ``reserve``, ``commit``, ``teardown``, ``abort``). Names, index, seeding, eviction
+and the would-have-matched accounting (``AdmitResult.matched_tokens`` and ``forfeit_tokens``) are the core's;
+nothing here keeps an index.
 
 A request's life, at simulated times:
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import AllocationFailed, InvalidRequest, MmcacheError
-from ..manager import STORE_AT, AllocationManager, CacheConfig
+from ..manager import STORE_AT, AdmitResult, AllocationManager, CacheConfig, PreparedPrompt
 from ..names import Fingerprint
 from ..pool import MAX_PAGES
 from ..router import FALLBACKS, ReplicaRouter, RouterConfig
@@ -158,53 +159,103 @@ class _Replica:
 
 def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
     """Replay ``workload`` under ``config`` and return the per-request log (see the module docstring)."""
-    fp = replay_fingerprint(config.page_size)
-    cache = CacheConfig(num_pages=config.num_pages, page_size=config.page_size, mode="on",
-                        store_at=config.store_at)
-    replicas = [_Replica(AllocationManager(cache, fp, None)) for _ in range(config.replicas)]
-    namer = replicas[0].manager  # every replica shares the fingerprint, so one prepare serves all
-    router = config.router()
-    draw = np.random.default_rng(config.seed)
-    log = RunLog(config, managers=[r.manager for r in replicas])
-    events: list = []
-    order = itertools.count()
-    for t, spec in workload.initial():
-        heapq.heappush(events, (t, _ARRIVE, next(order), spec))
+    return _Replay(workload, config).run()
 
-    def admit_head(r: int, now: float) -> None:
-        rep = replicas[r]
+
+class _Replay:
+    """One replay's state: the replicas, the event heap and the log."""
+
+    def __init__(self, workload: Workload, config: ReplayConfig):
+        fp = replay_fingerprint(config.page_size)
+        cache = CacheConfig(num_pages=config.num_pages, page_size=config.page_size, mode="on",
+                            store_at=config.store_at)
+        self.workload = workload
+        self.config = config
+        self.replicas = [_Replica(AllocationManager(cache, fp, None)) for _ in range(config.replicas)]
+        self.namer = self.replicas[0].manager  # every replica shares the fingerprint, so one prepare serves all
+        self.router = config.router()
+        self.draw = np.random.default_rng(config.seed)
+        self.log = RunLog(config, managers=[r.manager for r in self.replicas])
+        self.events: list = []  # (time, _END or _ARRIVE, creation order, item): a heap, earliest first
+        self.order = itertools.count()
+
+    def run(self) -> RunLog:
+        """Process every event in heap order; every request must have ended when none is left."""
+        for t, spec in self.workload.initial():
+            self.schedule(t, _ARRIVE, spec)
+        while self.events:
+            now, kind, _, item = heapq.heappop(self.events)
+            if kind == _END:
+                self.end(*item, now)
+            else:
+                self.arrive(item, now)
+            if self.config.check_invariants:
+                for rep in self.replicas:
+                    rep.manager.check_invariants()
+        if any(rep.queue or rep.running for rep in self.replicas):
+            raise RuntimeError("replay ended with requests still queued or running")  # a simulator bug
+        return self.log
+
+    def schedule(self, t: float, kind: int, item) -> None:
+        heapq.heappush(self.events, (t, kind, next(self.order), item))
+
+    # ---- events ------------------------------------------------------------------------------------
+    def arrive(self, spec: RequestSpec, now: float) -> None:
+        """Name the request's final sequence, route it, log it, and queue it (or reject it as too big)."""
+        final, prepared, output = self.prepare(spec)
+        r = self.route(prepared)
+        too_big = -(-(spec.prompt_len + spec.output_len) // self.config.page_size) > self.config.num_pages
+        i = self.log_arrival(spec, final, r, now, too_big)
+        if too_big:
+            for t, nxt in self.workload.follow_ups(spec, now, served=False):
+                self.schedule(t, _ARRIVE, nxt)
+            return
+        rep = self.replicas[r]
+        rep.queue.append((i, spec, prepared, output))
+        if len(rep.queue) == 1:  # behind a waiting head nothing can be admitted before a request ends
+            self.admit_head(r, now)
+
+    def admit_head(self, r: int, now: float) -> None:
+        """Admit replica ``r``'s queue from the head until it is empty or its head must wait for pages."""
+        rep = self.replicas[r]
         while rep.queue:
             i, spec, prepared, output = rep.queue[0]
-            m = rep.manager
-            res = m.admit(spec.request_id, prepared)
-            try:
-                m.reserve(spec.request_id, spec.prompt_len - res.matched_tokens + spec.output_len)
-            except AllocationFailed:
-                m.abort(spec.request_id, requeue=True)  # it is admitted again: its lookup counts once
-                log.waited[i] = True
-                if rep.running == 0:
-                    raise ReplayStalled(r, spec.request_id, m.metrics.alloc_failures_cache_held) from None
+            res = rep.manager.admit(spec.request_id, prepared)
+            if not self.reserve_or_wait(r, i, spec, res.matched_tokens):
                 return
-            m.commit(spec.request_id, prepared.ids[res.matched_tokens:])
+            rep.manager.commit(spec.request_id, prepared.ids[res.matched_tokens:])
             rep.queue.popleft()
             rep.running += 1
-            prefill = config.cost.prefill_s(spec.prompt_len - res.matched_tokens)
-            log.admit_s[i] = now
-            log.prefill_s[i] = prefill
-            log.matched[i] = res.matched_tokens
-            log.forfeit[i] = res.forfeit_tokens
-            end = now + prefill + config.cost.decode_s(spec.output_len)
-            heapq.heappush(events, (end, _END, next(order), (i, r, spec, output)))
+            self.start(i, r, spec, output, res, now)
 
-    def arrive(spec: RequestSpec, now: float) -> None:
+    def end(self, i: int, r: int, spec: RequestSpec, output: np.ndarray, now: float) -> None:
+        """Commit the output, tear the request down (its full pages are stored) and admit what now fits."""
+        rep = self.replicas[r]
+        rep.manager.commit(spec.request_id, output)
+        rep.manager.teardown(spec.request_id)
+        rep.running -= 1
+        self.log.end_s[i] = now
+        for t, nxt in self.workload.follow_ups(spec, now, served=True):
+            self.schedule(t, _ARRIVE, nxt)
+        self.admit_head(r, now)
+
+    # ---- steps -------------------------------------------------------------------------------------
+    def prepare(self, spec: RequestSpec) -> tuple[PreparedPrompt, PreparedPrompt, np.ndarray]:
+        """The named final sequence, the prompt's ``PreparedPrompt`` (its leading names) and the output ids."""
         prompt, output = spec.prompt_ids(), spec.output_ids()
-        final = namer.prepare(np.concatenate([prompt, output]), spec.media(), request_id=spec.request_id)
+        final = self.namer.prepare(np.concatenate([prompt, output]), spec.media(), request_id=spec.request_id)
         prepared = replace(final, ids=final.ids[: len(prompt)],
-                           names=final.names[: len(prompt) // config.page_size])
-        if config.routing == "random":
-            r = int(draw.integers(config.replicas))
-        else:
-            r = router.route(prepared.names, [rep.running + len(rep.queue) for rep in replicas])
+                           names=final.names[: len(prompt) // self.config.page_size])
+        return final, prepared, output
+
+    def route(self, prepared: PreparedPrompt) -> int:
+        if self.config.routing == "random":
+            return int(self.draw.integers(self.config.replicas))
+        return self.router.route(prepared.names, [rep.running + len(rep.queue) for rep in self.replicas])
+
+    def log_arrival(self, spec: RequestSpec, final: PreparedPrompt, r: int, now: float, rejected: bool) -> int:
+        """Append the request's entry to every log list, as not yet admitted; returns its index."""
+        log = self.log
         i = len(log.specs)
         log.specs.append(spec)
         log.final_names.append(final.names)
@@ -216,36 +267,30 @@ def simulate(workload: Workload, config: ReplayConfig) -> RunLog:
         log.matched.append(0)
         log.forfeit.append(0)
         log.waited.append(False)
-        too_big = -(-(spec.prompt_len + spec.output_len) // config.page_size) > config.num_pages
-        log.rejected.append(too_big)
-        if too_big:
-            for item in workload.follow_ups(spec, now, served=False):
-                heapq.heappush(events, (item[0], _ARRIVE, next(order), item[1]))
-            return
-        rep = replicas[r]
-        rep.queue.append((i, spec, prepared, output))
-        if len(rep.queue) == 1:  # behind a waiting head nothing can be admitted before a request ends
-            admit_head(r, now)
+        log.rejected.append(rejected)
+        return i
 
-    def end(i: int, r: int, spec: RequestSpec, output: np.ndarray, now: float) -> None:
-        rep = replicas[r]
-        rep.manager.commit(spec.request_id, output)
-        rep.manager.teardown(spec.request_id)
-        rep.running -= 1
-        log.end_s[i] = now
-        for t, nxt in workload.follow_ups(spec, now, served=True):
-            heapq.heappush(events, (t, _ARRIVE, next(order), nxt))
-        admit_head(r, now)
+    def reserve_or_wait(self, r: int, i: int, spec: RequestSpec, matched_tokens: int) -> bool:
+        """Reserve pages for the rest of the admitted head's final sequence. When the pool is full of live
+        requests, abort the admission (it stays at the head, to wait) and return False."""
+        rep = self.replicas[r]
+        try:
+            rep.manager.reserve(spec.request_id, spec.prompt_len - matched_tokens + spec.output_len)
+        except AllocationFailed:
+            rep.manager.abort(spec.request_id, requeue=True)  # it is admitted again: its lookup counts once
+            self.log.waited[i] = True
+            if rep.running == 0:
+                raise ReplayStalled(r, spec.request_id, rep.manager.metrics.alloc_failures_cache_held) from None
+            return False
+        return True
 
-    while events:
-        now, kind, _, item = heapq.heappop(events)
-        if kind == _END:
-            end(*item, now)
-        else:
-            arrive(item, now)
-        if config.check_invariants:
-            for rep in replicas:
-                rep.manager.check_invariants()
-    if any(rep.queue or rep.running for rep in replicas):
-        raise RuntimeError("replay ended with requests still queued or running")  # a simulator bug
-    return log
+    def start(self, i: int, r: int, spec: RequestSpec, output: np.ndarray, res: AdmitResult, now: float) -> None:
+        """Log the admission that ran and schedule the request's end after its prefill and decode."""
+        cost = self.config.cost
+        prefill = cost.prefill_s(spec.prompt_len - res.matched_tokens)
+        log = self.log
+        log.admit_s[i] = now
+        log.prefill_s[i] = prefill
+        log.matched[i] = res.matched_tokens
+        log.forfeit[i] = res.forfeit_tokens
+        self.schedule(now + prefill + cost.decode_s(spec.output_len), _END, (i, r, spec, output))
