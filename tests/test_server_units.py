@@ -139,3 +139,26 @@ def test_the_listening_socket_disables_nagle():
         assert sock.getsockname()[1] != 0
     finally:
         sock.close()
+
+
+def test_bodies_are_parsed_and_validated_in_one_pass():
+    """``parse_body`` reads the bytes with pydantic's own parser: the same request as ``json.loads`` then
+    ``model_validate``, a leading byte-order mark ignored; bad JSON and non-objects are ``invalid_json``, a bad
+    field names itself."""
+    import json
+
+    from mmcache.server.intake import parse_body
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "QUJD" * 5000}},
+        {"type": "text", "text": "caf\u00e9 \u2615"}]}], "max_tokens": 3, "stream": True, "cache_salt": "s"}
+    raw = json.dumps(body).encode()
+    assert parse_body(raw, ChatCompletionRequest) == ChatCompletionRequest.model_validate(body)
+    assert parse_body(b"\xef\xbb\xbf" + raw, ChatCompletionRequest) == ChatCompletionRequest.model_validate(body)
+    for bad in (b"{not json", b"", b'{"model": "tiny"} trailing', b"[1, 2]", b"null", b'"text"'):
+        with pytest.raises(APIError) as info:
+            parse_body(bad, CompletionRequest)
+        assert (info.value.status, info.value.code) == (400, "invalid_json"), bad
+    with pytest.raises(APIError) as info:
+        parse_body(b'{"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}', ChatCompletionRequest)
+    assert (info.value.status, info.value.param) == (400, "messages.0.role")

@@ -9,7 +9,6 @@ the client reads the answer), JSON (400, ``invalid_json``), fields (400, naming 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -38,25 +37,11 @@ class Intake:
             raise unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
         return tenant
 
-    async def json(self, request: Request) -> dict:
-        """The body as a JSON object, read within ``max_body_bytes``."""
-        body = await bounded_body(request, self.config.max_body_bytes)
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
-        if not isinstance(data, dict):
-            raise bad_request("the body must be a JSON object", None, "invalid_json")
-        return data
-
     async def body(self, request: Request, model, served: str, model_required: bool = True):
         """The body validated as the pydantic ``model``, for the model named ``served`` (a request naming no
         model is for it unless ``model_required``)."""
-        data = await self.json(request)
-        try:
-            req = model.model_validate(data)
-        except ValidationError as e:
-            raise from_validation(e.errors()) from None
+        raw = await bounded_body(request, self.config.max_body_bytes)
+        req = parse_body(raw, model)
         if (req.model is not None or model_required) and req.model != served:
             raise model_not_found(req.model, served)
         return req
@@ -65,6 +50,26 @@ class Intake:
         if cache_salt is not None and len(cache_salt) > self.config.max_cache_salt:
             raise bad_request(f"cache_salt is longer than {self.config.max_cache_salt} characters", "cache_salt")
         return self.tenants.salt(tenant, cache_salt)
+
+
+def parse_body(raw: bytes, model):
+    """``raw`` (a UTF-8 JSON object; a leading byte-order mark is ignored) validated as the pydantic ``model``.
+    Pydantic parses the bytes itself, in one pass and with no dict in between: on a body carrying images as
+    data URLs that is several times faster than ``json.loads`` then ``model_validate``. Bad JSON, or JSON that
+    is not an object, is 400 ``invalid_json``; a bad field is 400 naming it."""
+    try:
+        return model.model_validate_json(raw.removeprefix(_UTF8_BOM))
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        raise bad_request(f"the body is not valid JSON: {first['msg']}", None, "invalid_json") from None
+    if first.get("type") == "model_type" and not first.get("loc"):
+        raise bad_request("the body must be a JSON object", None, "invalid_json") from None
+    raise from_validation(errors) from None
+
+
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def from_validation(errors) -> APIError:
