@@ -146,7 +146,7 @@ class _Api:
     # ---- running a request --------------------------------------------------------------------------
     async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], chat: bool):
         try:
-            queue = await self.host.submit(engine_request)
+            queue = self.host.submit(engine_request)
         except QueueFull as e:
             raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
         gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from ..engine.request import RequestOutput, StreamEvent
+from .runner import AddFailed
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
@@ -96,9 +97,16 @@ class Generation:
         return None if self.output is None else self.output.error
 
     async def first(self) -> StreamEvent:
-        """Wait for the first event (a token, or the request's end: a refusal comes this way) and keep it."""
-        self._pending = await self.queue.get()
+        """Wait for the first event (a token, or the request's end: a refusal comes this way) and keep it; the
+        error of an ``add_request`` that raised is raised here."""
+        self._pending = await self._next()
         return self._pending
+
+    async def _next(self) -> StreamEvent:
+        item = await self.queue.get()
+        if isinstance(item, AddFailed):
+            raise item.error
+        return item
 
     async def deltas(self):
         """Text deltas until the request ends (``output`` is then set; ``error`` if it failed)."""
@@ -106,7 +114,7 @@ class Generation:
             if self._pending is not None:
                 ev, self._pending = self._pending, None
             else:
-                ev = await self.queue.get()
+                ev = await self._next()
             if ev.finished:
                 self.output = ev.output
                 if not self.assembler.stopped and ev.finish_reason != "error":

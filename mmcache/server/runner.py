@@ -1,36 +1,54 @@
-"""The engine host: one engine, one step loop in its own thread, and asyncio queues to the request handlers.
+"""The engine host: one engine, one step loop in its own thread, intake threads that add requests, and asyncio
+queues to the request handlers.
 
 Rules and invariants:
 
-* Only the step thread calls ``step``. Handlers submit from the event loop: the engine's ``add_request`` (which
-  for a VLM reads and encodes the images) runs in a worker thread, never on the event loop, and its events
-  come back to the handler's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+* Only the step thread calls ``step``. ``submit`` never waits: it registers the request and hands it to an
+  intake thread, which runs the engine's ``add_request`` (for a VLM it reads and encodes the images) and wakes
+  the step thread. Events come back to the handler's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``;
+  the only wake-up of the event loop between a submission and its first token is that token's own (an awaited
+  hand-off to a worker thread would add one more, and the loop then waits for the GIL that the step thread,
+  already prefilling, holds).
 * A handler registers its request id before the request is added, so no event can arrive unrouted; the
-  subscription is dropped with the request's finished event, which is always the last one.
+  subscription is dropped with the request's finished event, which is always the last one. An ``add_request``
+  that raises drops it too, and its queue gets one ``AddFailed`` carrying the error.
 * ``abort`` never waits for the engine: it queues the id and wakes the step thread, which aborts between steps
-  (the engine returns the request's pages and store leases at once). A handler cancelled while its request
-  is still being added aborts it as soon as the add returns.
-* ``waiting`` counts requests submitted that have had no event yet; a submission beyond ``max_waiting`` raises
-  ``QueueFull`` before anything is built. ``running`` counts those with a token and no finished event.
-* ``stop`` ends the thread and aborts every request still live, so nothing stays held.
+  (the engine returns the request's pages and store leases at once). An abort that arrives while its request
+  is still being added is applied again as soon as the add returns.
+* ``waiting`` counts requests submitted that have had no event yet; a submission beyond ``max_waiting``, or once
+  the host is stopping, raises ``QueueFull`` before anything is built. ``running`` counts those with a token and
+  no finished event.
+* ``stop`` ends the thread, lets the adds under way finish, and aborts every request still live, so nothing
+  stays held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import MmcacheError
 
 _log = logging.getLogger("mmcache.server")
+INTAKE_THREADS = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's size: adds of requests at once
 
 
 class QueueFull(MmcacheError, RuntimeError):
-    """The waiting queue is full; the client should retry later."""
+    """The waiting queue is full (or the host is stopping); the client should retry later."""
+
+
+@dataclass(frozen=True)
+class AddFailed:
+    """The one item on a request's queue when the engine's ``add_request`` raised ``error``."""
+
+    request_id: object
+    error: BaseException
 
 
 @dataclass
@@ -59,6 +77,7 @@ class EngineHost:
         self.waiting = 0
         self.running = 0
         self._thread = threading.Thread(target=self._loop, name="mmcache-step-loop", daemon=True)
+        self._intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="mmcache-intake")
 
     @property
     def core(self):
@@ -78,12 +97,13 @@ class EngineHost:
         return self
 
     def stop(self) -> None:
-        """End the step loop and abort every request still live (their handlers get the abort events). Called
-        again, it aborts those submitted since."""
+        """End the step loop, let the adds under way finish, and abort every request still live (their handlers
+        get the abort events). Called again, it aborts those submitted since."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
+        self._intake.shutdown(wait=True)
         with self._lock:
             live = list(self._subs)
         for rid in live:
@@ -91,11 +111,14 @@ class EngineHost:
         self._dispatch(self.engine.step())
 
     # ---- handlers' side (event loop) -------------------------------------------------------------------
-    async def submit(self, request) -> asyncio.Queue:
-        """Add ``request`` (its ``request_id`` set); returns the queue its ``StreamEvent``s arrive on."""
+    def submit(self, request) -> asyncio.Queue:
+        """Queue ``request`` (its ``request_id`` set) to be added, without waiting; returns the queue its
+        ``StreamEvent``s (or one ``AddFailed``) arrive on. Called on the handler's event loop."""
         rid = request.request_id
         sub = _Subscription(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._stopping:
+                raise QueueFull("the server is stopping")
             if self.waiting >= self.max_waiting:
                 raise QueueFull(f"{self.waiting} requests are waiting (the limit is {self.max_waiting})")
             if rid in self._subs:
@@ -103,21 +126,24 @@ class EngineHost:
             self._subs[rid] = sub
             self.waiting += 1
         try:
-            await asyncio.to_thread(self._add, request, sub)
-        except asyncio.CancelledError:
-            sub.cancelled = True
-            self.abort(rid)
-            raise
-        except BaseException:
+            self._intake.submit(self._add, request, sub)
+        except RuntimeError:  # stop() shut the intake down after the check above
             self._forget(rid)
-            raise
+            raise QueueFull("the server is stopping") from None
         return sub.queue
 
     def _add(self, request, sub: _Subscription) -> None:
-        self.engine.add_request(request)
+        """On an intake thread: add ``request``; an error goes to its queue as ``AddFailed``."""
+        rid = request.request_id
+        try:
+            self.engine.add_request(request)
+        except BaseException as e:
+            self._forget(rid)
+            self._post(sub, AddFailed(rid, e))
+            return
         self._wake.set()
-        if sub.cancelled:  # the handler went away while the request was being built
-            self.abort(request.request_id)
+        if sub.cancelled:  # aborted while it was being added: that abort may have found nothing to end
+            self.abort(rid)
 
     def _forget(self, rid) -> None:
         with self._lock:
@@ -136,8 +162,10 @@ class EngineHost:
         records for it instead of ``abort``. Never waits; harmless for a request that has ended."""
         with self._lock:
             sub = self._subs.get(rid)
-            if sub is not None and reason is not None:
-                sub.stop_reason = reason
+            if sub is not None:
+                sub.cancelled = True
+                if reason is not None:
+                    sub.stop_reason = reason
         self._aborts.append(rid)
         self._wake.set()
 
@@ -201,7 +229,11 @@ class EngineHost:
                                  ev.finish_reason)
                 except Exception:
                     _log.exception("recording the metrics of request %r raised", ev.request_id)
-            try:
-                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, ev)
-            except RuntimeError:  # the handler's loop has closed: nobody is left to read it
-                pass
+            self._post(sub, ev)
+
+    @staticmethod
+    def _post(sub: _Subscription, item) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
+        except RuntimeError:  # the handler's loop has closed: nobody is left to read it
+            pass
