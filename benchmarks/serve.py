@@ -3,8 +3,9 @@
     mmcache bench serve [--quick] [--peers] [--rates R1,R2] [--duration S] [--json PATH] [--plot PATH]
                         [--workloads W1,W2] [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
 
-Each part starts a server in this process (``mmcache.presets.serve``: loopback, a free port) and drives
-it with the async ``openai`` client, streaming.
+Each part starts a server (``mmcache.presets.serve``: loopback, a free port) and drives it with the async
+``openai`` client, streaming. The low-load part runs the server in its own process (``benchmarks.serve_process``),
+as ``mmcache serve`` runs, so the client shares no interpreter with it; the other parts run it in this process.
 
 * Low load (with ``vlm_chat``): the multi-turn VLM chats of ``benchmarks.vlm`` (its photos of
   ``datasets/images`` and LLaVA-Bench questions; each turn sends the whole history, the earlier answers as the
@@ -608,15 +609,16 @@ def run(args) -> dict:
 
 
 def low_load_part(args, plan) -> dict:
-    """HTTP beside the in-process engine on the chats, one request at a time (cache on)."""
-    from mmcache.presets import serve
+    """HTTP beside the in-process engine on the chats, one request at a time (cache on); the server in its own
+    process, as ``mmcache serve`` runs (``serve_process``), the in-process engine in this one."""
+    from .serve_process import ServerProcess
 
-    _progress(f"building {args.preset} ({args.dtype}): the server's engine and the in-process one")
+    _progress(f"building {args.preset} ({args.dtype}): the server's engine (its own process) and the in-process one")
     front = in_process(args)
-    with serve(server_config(args)) as srv:
+    with ServerProcess(server_config(args), args.threads) as srv:
         _progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
         pairs = asyncio.run(low_load(srv, front, plan, args))
-        _check_idle(srv)
+        srv.check_idle()
     front.check_invariants()
     return summarise_low_load(pairs, args.turns)
 
