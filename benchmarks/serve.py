@@ -620,7 +620,7 @@ def low_load_part(args, plan) -> dict:
         pairs = asyncio.run(low_load(srv, front, plan, args))
         srv.check_idle()
     front.check_invariants()
-    return summarise_low_load(pairs, args.turns)
+    return dict(summarise_low_load(pairs, args.turns), server="own process")
 
 
 def _check_idle(srv) -> dict:

@@ -38,6 +38,7 @@ def test_http_and_the_in_process_engine_saw_the_same_requests(result):
     ll = result["low_load"]
     assert result["config"]["preset"] == "tiny-llava" and result["config"]["quick"] is True
     assert ll["requests"] == 2 * 2 * 2 * 2 and ll["repeats"] == 2  # repeats x chats x turns
+    assert ll["server"] == "own process"  # the client shares no interpreter with the server
     # the same prompts, the same cache hits and the same greedy answers on both sides
     assert ll["prompt_tokens_equal"] and ll["cached_tokens_equal"] and ll["outputs_equal_share"] == 1.0
     assert ll["cached_tokens_share"] == ll["in_process_matched_share"]
