@@ -6,9 +6,9 @@ Rules and invariants:
 * Only the step thread calls ``step``. ``submit`` never waits: it registers the request and hands it to an
   intake thread, which runs the engine's ``add_request`` (for a VLM it reads and encodes the images) and wakes
   the step thread. Events come back to the handler's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``;
-  the only wake-up of the event loop between a submission and its first token is that token's own (an awaited
-  hand-off to a worker thread would add one more, and the loop then waits for the GIL that the step thread,
-  already prefilling, holds).
+  the only wake-up of the event loop between a submission and its first token is that token's own (awaiting
+  the add in a worker thread would add one more, which then competes for the GIL with the step thread, already
+  prefilling, and can hold the first token back).
 * A handler registers its request id before the request is added, so no event can arrive unrouted; the
   subscription is dropped with the request's finished event, which is always the last one. An ``add_request``
   that raises drops it too, and its queue gets one ``AddFailed`` carrying the error.
