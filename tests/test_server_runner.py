@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from mmcache.engine.config import EngineConfig
-from mmcache.engine.engine import Engine
 from mmcache.engine.request import Request, SamplingParams
+from mmcache.presets import engine_from_preset
 from mmcache.server.generation import Generation
 from mmcache.server.runner import AddFailed, EngineHost, QueueFull
 
@@ -51,7 +51,7 @@ class GatedEngine:
 
 @pytest.fixture()
 def gated():
-    engine = GatedEngine(Engine.from_preset("tiny", config=EngineConfig(page_size=16, num_pages=64)))
+    engine = GatedEngine(engine_from_preset("tiny", config=EngineConfig(page_size=16, num_pages=64)))
     yield engine
     engine.gate.set()  # never leave an intake thread waiting
     assert not engine.has_unfinished()

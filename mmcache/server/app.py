@@ -19,7 +19,6 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
