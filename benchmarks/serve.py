@@ -610,12 +610,13 @@ def run(args) -> dict:
 
 def low_load_part(args, plan) -> dict:
     """HTTP beside the in-process engine on the chats, one request at a time (cache on); the server in its own
-    process, as ``mmcache serve`` runs (``serve_process``), the in-process engine in this one."""
-    from .serve_process import ServerProcess
+    process, as ``mmcache serve`` runs (``serve_process``), the in-process engine in this one; neither process's
+    idle OpenMP threads spin while the other one works (``serve_process.quiet_openmp``)."""
+    from .serve_process import ServerProcess, quiet_openmp
 
     _progress(f"building {args.preset} ({args.dtype}): the server's engine (its own process) and the in-process one")
     front = in_process(args)
-    with ServerProcess(server_config(args), args.threads) as srv:
+    with quiet_openmp(), ServerProcess(server_config(args), args.threads) as srv:
         _progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
         pairs = asyncio.run(low_load(srv, front, plan, args))
         srv.check_idle()

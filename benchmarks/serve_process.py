@@ -8,13 +8,21 @@ longer shares the server's interpreter and GIL, as no real client does. The chil
 * ``check_idle()`` waits (at most ``timeout_s``) until the server's engine has nothing waiting or running, then
   returns what it still holds (``serve_soak.held_after``, which runs ``check_invariants``); ``LeftHeld`` is raised
   in the parent when anything is held, an invariant broke or it never went idle.
+* ``quiet_openmp()`` keeps Intel OpenMP's idle threads from spinning, in this process and in a server started
+  inside the block: that runtime (which ``mmcache.openmp`` starts the command line on) spins a process's threads
+  for 200 ms after each parallel region (``KMP_BLOCKTIME``), so with the engines of two processes taking turns
+  on two cores, each turn would share the cores with the other engine's spinning threads. Both sides get the
+  same setting: the pairs still compare like with like.
 * Leaving the block stops the server (nothing held, as ``start_server`` guarantees) and ends the child; a child
   that fails to start or dies raises ``ServerProcessError`` with its error.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mmcache.errors import MmcacheError
@@ -22,6 +30,28 @@ from mmcache.errors import MmcacheError
 IDLE_TIMEOUT_S = 30.0
 _POLL_S = 0.2
 _STOP_TIMEOUT_S = 60.0
+
+
+@contextmanager
+def quiet_openmp(runtime=None):
+    """Inside the block Intel OpenMP's threads sleep as soon as a parallel region ends, here and in processes
+    started in it (module docstring). ``runtime`` (default: this process's global symbols) is for tests; with
+    another OpenMP runtime (GNU's, which spins far shorter) only the environment is set."""
+    lib = runtime if runtime is not None else ctypes.CDLL(None)
+    get, set_ = getattr(lib, "kmp_get_blocktime", None), getattr(lib, "kmp_set_blocktime", None)
+    before_env, before = os.environ.get("KMP_BLOCKTIME"), get() if get is not None else None
+    os.environ["KMP_BLOCKTIME"] = "0"
+    if set_ is not None:
+        set_(ctypes.c_int(0))
+    try:
+        yield
+    finally:
+        if before_env is None:
+            os.environ.pop("KMP_BLOCKTIME", None)
+        else:
+            os.environ["KMP_BLOCKTIME"] = before_env
+        if set_ is not None and before is not None:
+            set_(ctypes.c_int(before))
 
 
 class ServerProcessError(MmcacheError, RuntimeError):

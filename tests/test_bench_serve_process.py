@@ -38,3 +38,33 @@ def test_a_server_that_cannot_start_raises_its_error():
                 pass
     finally:
         taken.close()
+
+
+class _FakeRuntime:
+    """Intel OpenMP's two blocktime entry points, recording what they were given."""
+
+    def __init__(self):
+        self.blocktime, self.calls = 200, []
+
+    def kmp_get_blocktime(self):
+        return self.blocktime
+
+    def kmp_set_blocktime(self, value):
+        self.calls.append(value.value)
+        self.blocktime = value.value
+
+
+def test_quiet_openmp_stops_the_spin_here_and_in_servers_started_inside_then_restores(monkeypatch):
+    import os
+
+    from benchmarks.serve_process import quiet_openmp
+
+    monkeypatch.setenv("KMP_BLOCKTIME", "50")
+    runtime = _FakeRuntime()
+    with quiet_openmp(runtime):
+        assert runtime.blocktime == 0 and os.environ["KMP_BLOCKTIME"] == "0"  # a spawned child reads it at start
+    assert runtime.blocktime == 200 and runtime.calls == [0, 200] and os.environ["KMP_BLOCKTIME"] == "50"
+    monkeypatch.delenv("KMP_BLOCKTIME")
+    with quiet_openmp(object()):  # GNU's runtime: no blocktime calls, the environment only
+        assert os.environ["KMP_BLOCKTIME"] == "0"
+    assert "KMP_BLOCKTIME" not in os.environ
