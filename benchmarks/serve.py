@@ -76,9 +76,12 @@ MAX_DURATION_S = 3600.0
 TEXT_PRESETS = ("tiny", "tiny-qwen2", "tiny-llama", "small", "qwen2.5-0.5b")
 MAX_WAITING = MAX_REQUESTS  # open loop: an arrival queues rather than being refused, as vLLM's server does
 
-FULL = dict(preset="bench-llava", images=4, users=2, turns=4, max_tokens=8, repeats=5, rates="0.5,1,2",
-            sessions=12, soak=0, time_limit=600.0, workloads=",".join(sweep.WORKLOADS), text_preset="small",
-            text_sessions=6, text_requests=12, text_turns=4, text_max_tokens=12)
+# The full sweep: a ladder of doublings low enough that the cache-off server meets the SLOs at its foot, and 16
+# sessions (64 requests of 4 turns) per rate, so that one request moves attainment by under 2 points.
+FULL = dict(preset="bench-llava", images=4, users=2, turns=4, max_tokens=8, repeats=5,
+            rates="0.0625,0.125,0.25,0.5,1,2", sessions=16, soak=0, time_limit=600.0,
+            workloads=",".join(sweep.WORKLOADS), text_preset="small", text_sessions=16, text_requests=16,
+            text_turns=4, text_max_tokens=12)
 QUICK = dict(preset="tiny-llava", images=2, users=2, turns=3, max_tokens=4, repeats=4, rates="4", sessions=4,
              soak=60, time_limit=120.0, workloads=",".join(sweep.WORKLOADS), text_preset="tiny",
              text_sessions=3, text_requests=4, text_turns=2, text_max_tokens=4)
@@ -133,7 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"KV pages per engine (pages times page size at most {MAX_POOL_TOKENS})")
     p.add_argument("--prefill-chunk-tokens", type=count(MAX_POOL_TOKENS), default=None, metavar="N",
                    help="tokens of a prompt prefilled in one step, a multiple of --page-size (default: the "
-                        "engine's, the largest multiple of the page size up to 2048)")
+                        "server's, the largest multiple of the page size up to 2048)")
+    p.add_argument("--mixed-prefill-tokens", type=count(MAX_POOL_TOKENS), default=None, metavar="N",
+                   help="prompt tokens of a step that also decodes, a multiple of --page-size (default: the "
+                        "server's, mmcache serve --mixed-prefill-tokens)")
     p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--peers", action="store_true",
@@ -249,10 +255,12 @@ def sessions(plan, options: dict) -> list[loadgen.Session]:
 
 # ---- engines ---------------------------------------------------------------------------------------------
 def engine_config(args, cache_mode: str = "on"):
-    from mmcache.engine import EngineConfig
+    """``mmcache serve``'s engine config (its schedule defaults) at this run's sizes."""
+    from mmcache.server.config import serve_engine_config
 
-    return EngineConfig(page_size=args.page_size, num_pages=args.num_pages, cache_mode=cache_mode,
-                        prefill_chunk_tokens=args.prefill_chunk_tokens)
+    return serve_engine_config(page_size=args.page_size, num_pages=args.num_pages, cache_mode=cache_mode,
+                               prefill_chunk_tokens=args.prefill_chunk_tokens,
+                               mixed_prefill_tokens=args.mixed_prefill_tokens)
 
 
 def server_config(args, cache_mode: str = "on", **changes):
@@ -429,13 +437,23 @@ def per_rate(args, rate: float, default: int) -> int:
 
 
 def vlm_workload(args, plan) -> sweep.Workload:
-    """The chats as open-loop sessions (more sessions than chats: the chats again, in order)."""
+    """The chats as open-loop sessions. More sessions than chats: the chats again, in order, each pass under its
+    own ``cache_salt`` (the rate's, suffixed), so a pass shares no page and no store entry with the passes before
+    it, as the rate shares none with other rates: repeating a chat word for word must not count as reuse."""
     def make(options: dict, n: int) -> list:
-        return [s for _ in range(-(-n // len(plan))) for s in sessions(plan, options)][:n]
+        return [s for k in range(-(-n // len(plan))) for s in sessions(plan, pass_options(options, k))][:n]
 
     return sweep.Workload("vlm_chat", "sessions/s", make, lambda rate: per_rate(args, rate, args.sessions),
                           sampling_fields(args), params={"chats": len(plan), "turns": args.turns,
                                                          "images": args.images, "max_tokens": args.max_tokens})
+
+
+def pass_options(options: dict, k: int) -> dict:
+    """``options`` for pass ``k`` over the chats: pass 0 as given, a later one with its salt suffixed."""
+    extra = options.get("extra_body") or {}
+    if k == 0 or "cache_salt" not in extra:
+        return options
+    return dict(options, extra_body=dict(extra, cache_salt=f"{extra['cache_salt']}-pass{k}"))
 
 
 def text_workloads(args, space) -> dict[str, sweep.Workload]:
@@ -600,7 +618,8 @@ def run(args) -> dict:
                                                       "soak_concurrency", "time_limit", "workloads", "duration",
                                                       "text_preset", "text_dtype", "text_sessions", "text_requests",
                                                       "text_turns",
-                                                      "text_max_tokens", "peers", "prefill_chunk_tokens")}
+                                                      "text_max_tokens", "peers", "prefill_chunk_tokens",
+                                                      "mixed_prefill_tokens")}
     result["config"].update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
                             text_shape=TEXT_SHAPES["quick" if args.quick else "full"])
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

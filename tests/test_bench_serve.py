@@ -178,7 +178,8 @@ def test_sizes_follow_quick_and_options_win():
     args = bench_parser("serve", serve).parse_args(["--soak"])
     serve.settle(args)
     assert (args.preset, args.dtype, args.soak, args.rates) == ("bench-llava", "bfloat16", serve.SOAK_DEFAULT,
-                                                                 [0.5, 1.0, 2.0])
+                                                                 [0.0625, 0.125, 0.25, 0.5, 1.0, 2.0])
+    assert (args.sessions, args.text_sessions, args.text_requests) == (16, 16, 16)
     assert (args.text_preset, args.text_dtype, args.workloads) == ("small", "bfloat16", list(serve.sweep.WORKLOADS))
     args = bench_parser("serve", serve).parse_args(["--quick", "--workloads", "mooncake,vlm_chat", "--duration", "2"])
     serve.settle(args)
@@ -186,6 +187,35 @@ def test_sizes_follow_quick_and_options_win():
     assert serve.per_rate(args, 4.0, 99) == 8 and serve.per_rate(args, 0.1, 99) == 1  # rate x duration, >= 1
     args.duration = None
     assert serve.per_rate(args, 4.0, 99) == 99
+
+
+def test_the_servers_run_with_mmcache_serves_schedule_unless_told():
+    from mmcache.server.config import SERVE_MIXED_PREFILL_TOKENS, serve_engine_config
+
+    args = bench_parser("serve", serve).parse_args(["--quick"])
+    serve.settle(args)
+    assert serve.engine_config(args, "off") == serve_engine_config(page_size=16, num_pages=args.num_pages,
+                                                                  cache_mode="off")
+    assert serve.engine_config(args).mixed_prefill_tokens == SERVE_MIXED_PREFILL_TOKENS
+    args = bench_parser("serve", serve).parse_args(["--quick", "--prefill-chunk-tokens", "256",
+                                                    "--mixed-prefill-tokens", "64"])
+    serve.settle(args)
+    config = serve.server_config(args, "off").engine_config
+    assert (config.prefill_chunk_tokens, config.mixed_prefill_tokens, config.cache_mode) == (256, 64, "off")
+
+
+def test_vlm_sessions_beyond_the_chats_repeat_them_under_their_own_salt():
+    args = bench_parser("serve", serve).parse_args(["--quick", "--images", "2", "--users", "2", "--turns", "2"])
+    serve.settle(args)
+    plan = serve.chat_plan(args)
+    work = serve.vlm_workload(args, plan)
+    options = {"model": "m", "extra_body": {"cache_salt": "rate-0", "ignore_eos": True}}
+    made = work.make(options, 2 * len(plan) + 1)
+    salts = [s.options["extra_body"]["cache_salt"] for s in made]
+    n = len(plan)
+    assert salts == ["rate-0"] * n + ["rate-0-pass1"] * n + ["rate-0-pass2"]
+    assert [s.turns for s in made[n:2 * n]] == [s.turns for s in made[:n]]  # the same chats, word for word
+    assert all(s.options["extra_body"]["ignore_eos"] for s in made) and options["extra_body"]["cache_salt"] == "rate-0"
 
 
 def test_peers_without_the_vllm_environment_are_refused(monkeypatch, capsys):

@@ -292,3 +292,52 @@ def test_a_negative_prompt_shared_by_a_batch_is_computed_once(tiny):
 def test_defer_setting_is_validated():
     with pytest.raises(EngineConfigError):
         EngineConfig(defer_shared_prefill="yes")
+
+
+# ---- mixed steps: a step that decodes prefills at most mixed_prefill_tokens ----------------------------
+def record_plans(eng) -> list:
+    """Wrap the scheduler so that each step's plan is kept as (decode rows, prompt rows) of its works."""
+    plans, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        decode = sum(w.end - w.start for w in plan.works if w.branch.remaining <= 1 and w.end - w.start == 1)
+        plans.append((decode, sum(w.end - w.start for w in plan.works) - decode))
+        return plan
+
+    eng.scheduler.schedule = recording
+    return plans
+
+
+def test_a_step_that_decodes_prefills_at_most_mixed_prefill_tokens_all_requests_together(tiny):
+    # a decodes 3 tokens; b and c arrive once it decodes and share one page a step beside it, then take whole
+    # chunks (b its last 3 pages, c all 3 of its pages) in the step after a ends.
+    reqs = [Request(tokens(P, 1), greedy(3), request_id="a"),
+            Request(tokens(5 * P, 2), greedy(2), request_id="b"), Request(tokens(3 * P, 3), greedy(2), request_id="c")]
+    want = alone(tiny, reqs)
+    eng = engine(tiny, cache_mode="off", prefill_chunk_tokens=4 * P, mixed_prefill_tokens=P)
+    plans = record_plans(eng)
+    eng.add_request(reqs[0])
+    eng.step()  # a's prompt alone: one chunk
+    outs = drive(eng, reqs[1:])
+    assert plans[:4] == [(0, P), (1, P), (1, P), (0, 6 * P)]
+    assert all(p <= P for d, p in plans if d)  # every later step beside a decode too
+    assert [outs["b"].output_ids, outs["c"].output_ids] == want[1:]
+
+
+def test_without_mixed_prefill_tokens_a_step_beside_a_decode_takes_whole_chunks(tiny):
+    reqs = [Request(tokens(P, 1), greedy(12), request_id="a"), Request(tokens(5 * P, 2), greedy(2), request_id="b")]
+    eng = engine(tiny, cache_mode="off", prefill_chunk_tokens=4 * P)
+    plans = record_plans(eng)
+    eng.add_request(reqs[0])
+    eng.step()
+    drive(eng, reqs[1:])
+    assert (1, 4 * P) in plans  # a's decode beside b's first chunk of four pages
+
+
+@pytest.mark.parametrize("mixed", [0, P // 2, 3 * P // 2, 8 * P, True])
+def test_mixed_prefill_tokens_must_be_whole_pages_within_the_chunk(mixed):
+    with pytest.raises(EngineConfigError, match="mixed_prefill_tokens"):
+        EngineConfig(page_size=P, prefill_chunk_tokens=4 * P, mixed_prefill_tokens=mixed)
+    assert EngineConfig(page_size=P, prefill_chunk_tokens=4 * P, mixed_prefill_tokens=2 * P).mixed_prefill_tokens == 2 * P
+    assert EngineConfig(page_size=P).mixed_prefill_tokens is None

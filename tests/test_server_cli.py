@@ -25,6 +25,43 @@ def test_serve_options_build_the_config():
         build_parser().parse_args(["serve", "--preset", "tiny", "--model", "x"])
 
 
+def test_serve_schedule_defaults_bound_a_mixed_steps_prompt_tokens():
+    from mmcache.server.config import SERVE_MAX_TOKENS_PER_STEP, SERVE_MIXED_PREFILL_TOKENS, serve_engine_config
+
+    config = config_from_args(build_parser().parse_args(["serve", "--preset", "tiny"])).engine_config
+    assert (config.page_size, config.max_tokens_per_step, config.prefill_chunk_tokens, config.mixed_prefill_tokens) \
+        == (16, SERVE_MAX_TOKENS_PER_STEP, 2048, SERVE_MIXED_PREFILL_TOKENS)
+    assert config == serve_engine_config()
+    given = ["--mixed-prefill-tokens", "64", "--prefill-chunk-tokens", "512", "--max-num-batched-tokens", "1024"]
+    config = config_from_args(build_parser().parse_args(["serve", "--preset", "tiny"] + given)).engine_config
+    assert (config.mixed_prefill_tokens, config.prefill_chunk_tokens, config.max_tokens_per_step) == (64, 512, 1024)
+    # the default follows the page size and the chunk: whole pages, at most the chunk
+    assert serve_engine_config(page_size=64).mixed_prefill_tokens == 64
+    assert serve_engine_config(prefill_chunk_tokens=16).mixed_prefill_tokens == 16
+
+
+@pytest.mark.parametrize("given, says", [(["--mixed-prefill-tokens", "24"], "mixed_prefill_tokens"),
+                                         (["--prefill-chunk-tokens", "20"], "prefill_chunk_tokens"),
+                                         (["--prefill-chunk-tokens", "64", "--mixed-prefill-tokens", "128"],
+                                          "mixed_prefill_tokens")])
+def test_serve_refuses_a_bad_schedule_with_exit_2(given, says, capsys):
+    from mmcache.server.cli import serve_main
+
+    assert serve_main(build_parser().parse_args(["serve", "--preset", "tiny"] + given)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmcache serve: ") and says in err, err
+
+
+def test_a_server_config_without_an_engine_config_gets_the_servers_schedule():
+    from mmcache.presets.serving import build_engine
+    from mmcache.server import ServerConfig
+    from mmcache.server.config import serve_engine_config
+
+    engine = build_engine(ServerConfig(preset="tiny"))
+    assert engine.config == serve_engine_config()
+    assert engine.scheduler.limits.mixed_prefill_tokens == serve_engine_config().mixed_prefill_tokens
+
+
 def test_serve_prints_its_url_and_stops_on_sigterm():
     env = {**os.environ, "MMCACHE_OPENMP": "system", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mmcache.cli", "serve", "--preset", "tiny", "--port", "0",

@@ -5,6 +5,9 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
 * ``prefill_chunk_tokens`` is a positive multiple of ``page_size`` (chunks end on page boundaries);
   ``None`` picks the largest multiple of ``page_size`` not above 2048.
 * ``max_tokens_per_step >= page_size``, so every prefill chunk fits some step.
+* ``mixed_prefill_tokens`` (None: no bound beyond the chunks) is a positive multiple of ``page_size`` not above
+  ``prefill_chunk_tokens``: the prompt tokens, all requests together, of a step that also decodes (see
+  ``scheduler``). A serial schedule never mixes, so the exact schedule does not depend on it.
 * ``num_pages`` (per label) is explicit or derived from ``kv_cache_bytes``, capped at four times what
   ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
 * ``schedule="serial"`` with ``prefill_chunk_tokens == page_size`` (``EngineConfig.exact``) is the schedule
@@ -46,6 +49,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_tokens_per_step: int = 4096  # token budget of one forward
     prefill_chunk_tokens: int | None = None
+    mixed_prefill_tokens: int | None = None  # prompt tokens of a step that decodes; None: no bound
     schedule: str = "continuous"  # "continuous" | "serial" (one request at a time)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
@@ -71,6 +75,11 @@ class EngineConfig:
             object.__setattr__(self, "prefill_chunk_tokens", max(1, 2048 // self.page_size) * self.page_size)
         check(positive_int(self.prefill_chunk_tokens) and self.prefill_chunk_tokens % self.page_size == 0,
               f"prefill_chunk_tokens must be a positive multiple of page_size, got {self.prefill_chunk_tokens!r}")
+        mixed = self.mixed_prefill_tokens
+        check(mixed is None or positive_int(mixed) and mixed % self.page_size == 0
+              and mixed <= self.prefill_chunk_tokens,
+              f"mixed_prefill_tokens must be a positive multiple of page_size not above prefill_chunk_tokens "
+              f"({self.prefill_chunk_tokens}), got {self.mixed_prefill_tokens!r}")
         check(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         check(self.max_model_len is None or positive_int(self.max_model_len),
               f"bad max_model_len {self.max_model_len!r}")

@@ -120,7 +120,8 @@ class Engine:
         self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
-                                                   config.defer_shared_prefill, self.whole_hits))
+                                                   config.defer_shared_prefill, self.whole_hits,
+                                                   config.mixed_prefill_tokens))
         self.runner = ModelRunner(a, config.page_size, self.compute.decode_kernel)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,

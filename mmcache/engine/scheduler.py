@@ -2,7 +2,9 @@
 
 Each step has a token budget (``max_tokens_per_step``). Running requests come first, decodes before prefill
 chunks, then waiting requests are admitted in arrival order while the budget, ``max_num_seqs`` and the pool
-allow. Invariants:
+allow. A step that decodes computes at most ``mixed_prefill_tokens`` prompt tokens besides (all requests
+together): a decoding request waits for the prefill work of every step it shares, so this bounds the time a
+prompt adds to each of its output tokens, while a step with nothing to decode prefills whole chunks. Invariants:
 
 * Admission seeds from the index: names are computed outside any lock (``Branch.prepare``), then
   ``AllocationManager.admit`` probes, verifies and takes the matched pages; prefill starts at the match.
@@ -87,6 +89,7 @@ class SchedulerLimits:
     serial: bool
     defer_shared_prefill: bool
     whole_hits: bool = False  # admission may match a prompt to its end (see the module docstring)
+    mixed_prefill_tokens: int | None = None  # prompt tokens of a step that decodes; None: no bound beyond chunks
 
 
 class Scheduler:
@@ -118,7 +121,16 @@ class Scheduler:
         scheduled: set[int] = set()
         decoding = [r for r in self.running if all(b.remaining <= 1 for b in r.branches.values())]
         prefilling = [r for r in self.running if r not in decoding]
-        for live in decoding + prefilling:
+        budget = self._schedule_running(decoding, budget, scheduled, plan)
+        if scheduled and self.limits.mixed_prefill_tokens is not None:
+            budget = min(budget, self.limits.mixed_prefill_tokens)  # a mixed step (see the module docstring)
+        budget = self._schedule_running(prefilling, budget, scheduled, plan)
+        self._admit(plan, budget, scheduled)
+        return plan
+
+    def _schedule_running(self, lives: list[LiveRequest], budget: int, scheduled: set, plan: StepPlan) -> int:
+        """Schedule the next work of each of ``lives`` within ``budget``; the budget left."""
+        for live in lives:
             if live not in self.running:
                 continue  # preempted earlier in this step
             chunks = self._chunks(live, budget)
@@ -129,8 +141,7 @@ class Scheduler:
                 plan.works.extend(works)
                 scheduled.add(id(live))
                 budget -= sum(w.end - w.start for w in works)
-        self._admit(plan, budget, scheduled)
-        return plan
+        return budget
 
     def _chunks(self, live: LiveRequest, budget: int) -> list[tuple[Branch, int, int]]:
         p = self.limits.page_size

@@ -21,10 +21,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.models import DTYPES
-from ..server.config import ServerConfig, ServerConfigError
+from ..server.config import ServerConfig, ServerConfigError, serve_engine_config
 from ..server.launch import IMAGES, SPEECH, VIDEOS, Models, start_server
 from .text import engine_from_preset
 from .vlm import VLM_PRESETS, vlm_from_preset
@@ -95,7 +94,7 @@ def build_engine(config: ServerConfig):
     when it names no chat model."""
     if not config.serves_chat:
         return None
-    engine_config = config.engine_config or EngineConfig(page_size=16)
+    engine_config = config.engine_config or serve_engine_config()
     if config.preset in VLM_PRESETS:
         return vlm_from_preset(config.preset, engine_config, config.dtype, config.store_bytes, image_limits(config))
     if config.preset is not None:

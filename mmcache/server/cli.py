@@ -3,10 +3,12 @@
     mmcache serve [--preset NAME | --model DIR] [--diffusion PRESET_OR_DIR ...] [--tts PRESET_OR_DIR]
                   [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] [--served-model-name NAME]
                   [--max-waiting N] [--page-size N] [--num-pages N] [--max-num-seqs N] [--store-bytes N]
+                  [--max-num-batched-tokens N] [--prefill-chunk-tokens N] [--mixed-prefill-tokens N]
                   [--dtype D] [--cache-mode on|off] [image, speech and video limits]
 
 At least one of ``--preset`` / ``--model`` (chat), ``--diffusion`` (images, videos) and ``--tts`` (speech) is
-given; every model shares one encoder-output store of ``--store-bytes``.
+given; every model shares one encoder-output store of ``--store-bytes``. The chat engine runs the server's
+schedule (``config.serve_engine_config``): a step that decodes prefills at most ``--mixed-prefill-tokens``.
 
 Binds the loopback address unless ``--host`` says otherwise, prints the URL it serves once it accepts
 connections (``/health`` answers from then on), and runs until interrupted (Ctrl-C or SIGTERM), when it stops
@@ -25,7 +27,8 @@ from ..engine.models import DTYPES
 from ..presets.serving import DIFFUSION_PRESETS, TTS_PRESETS
 from ..presets.text import PRESETS
 from ..presets.vlm import VLM_PRESETS
-from .config import DEFAULT_STORE_BYTES, ServerConfigError
+from .config import (DEFAULT_STORE_BYTES, SERVE_MAX_TOKENS_PER_STEP, SERVE_MIXED_PREFILL_TOKENS, SERVE_PAGE_SIZE,
+                     ServerConfigError)
 
 
 def register(sub) -> None:
@@ -52,14 +55,20 @@ def register(sub) -> None:
                                                                 "preset or folder name)")
     p.add_argument("--max-waiting", type=count(minimum=0), default=256,
                    help="requests waiting to start beyond which a request gets 503 (default 256)")
-    p.add_argument("--page-size", type=count(), default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--page-size", type=count(), default=SERVE_PAGE_SIZE,
+                   help=f"tokens per KV page (default {SERVE_PAGE_SIZE})")
     p.add_argument("--num-pages", type=count(), default=None, help="KV pages per pool (default: from 1 GiB)")
     p.add_argument("--max-num-seqs", type=count(), default=64, help="requests decoded together (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=count(), default=4096, metavar="N",
-                   help="tokens of one engine step, prefill and decode together (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=count(), default=SERVE_MAX_TOKENS_PER_STEP, metavar="N",
+                   help=f"tokens of one engine step, prefill and decode together "
+                        f"(default {SERVE_MAX_TOKENS_PER_STEP})")
     p.add_argument("--prefill-chunk-tokens", type=count(), default=None, metavar="N",
                    help="tokens of a prompt prefilled in one step, a multiple of --page-size (default: the largest "
-                        "multiple up to 2048); smaller chunks hold decoding requests up for less time")
+                        "multiple up to 2048)")
+    p.add_argument("--mixed-prefill-tokens", type=count(), default=None, metavar="N",
+                   help=f"prompt tokens, all requests together, of a step that also decodes, a multiple of "
+                        f"--page-size (default {SERVE_MIXED_PREFILL_TOKENS}, or the chunk when smaller): each adds "
+                        f"to the time of every decoding request's next token")
     p.add_argument("--store-bytes", type=count(), default=DEFAULT_STORE_BYTES,
                    help="the encoder-output store's budget in bytes, shared by every model (default 256 MiB)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
@@ -100,12 +109,18 @@ def _default_dtype(args: argparse.Namespace) -> str:
 
 
 def config_from_args(args: argparse.Namespace):
-    from ..engine.config import EngineConfig
-    from .config import ServerConfig
+    from ..engine.config import EngineConfigError
+    from .config import ServerConfig, serve_engine_config
 
-    engine_config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
-                                 max_num_seqs=args.max_num_seqs, max_tokens_per_step=args.max_num_batched_tokens,
-                                 prefill_chunk_tokens=args.prefill_chunk_tokens, cache_mode=args.cache_mode)
+    try:
+        engine_config = serve_engine_config(page_size=args.page_size, num_pages=args.num_pages,
+                                            max_num_seqs=args.max_num_seqs,
+                                            max_tokens_per_step=args.max_num_batched_tokens,
+                                            prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                            mixed_prefill_tokens=args.mixed_prefill_tokens,
+                                            cache_mode=args.cache_mode)
+    except EngineConfigError as e:
+        raise ServerConfigError(str(e)) from None
     return ServerConfig(preset=args.preset, model=args.model, diffusion=tuple(args.diffusion), tts=args.tts,
                         host=args.host, port=args.port, api_keys=tuple(args.api_key),
                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,

@@ -9,6 +9,7 @@ port. A bad value raises ``ServerConfigError`` before any model is built.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,29 @@ class ServerConfigError(MmcacheError, ValueError):
 
 
 DEFAULT_STORE_BYTES = 256 * 2**20
+# The server's schedule (``serve_engine_config``): page 16; steps of at most 4096 tokens and chunks of at most
+# 2048 (vLLM's OpenAI server on CPU: 2048 batched tokens per step); a step that decodes prefills at most
+# SERVE_MIXED_PREFILL_TOKENS prompt tokens besides, since on a CPU every prompt token of a step adds about as much
+# time to each decoding request's output token as a decode row costs over the whole batch (see the README).
+SERVE_PAGE_SIZE = 16
+SERVE_MAX_TOKENS_PER_STEP = 4096
+SERVE_MIXED_PREFILL_TOKENS = 32
+
+
+def serve_engine_config(**changes):
+    """The ``EngineConfig`` ``mmcache serve`` runs with, ``changes`` applied (None keeps the server's default).
+    Without ``mixed_prefill_tokens``: SERVE_MIXED_PREFILL_TOKENS rounded down to whole pages (at least one),
+    at most the chunk. A bad value raises ``EngineConfigError``."""
+    from ..engine.config import EngineConfig
+
+    given = {k: v for k, v in changes.items() if v is not None}
+    config = EngineConfig(**{"page_size": SERVE_PAGE_SIZE, "max_tokens_per_step": SERVE_MAX_TOKENS_PER_STEP,
+                             **given})
+    if config.mixed_prefill_tokens is not None:
+        return config
+    page = config.page_size
+    mixed = min(max(page, SERVE_MIXED_PREFILL_TOKENS // page * page), config.prefill_chunk_tokens)
+    return dataclasses.replace(config, mixed_prefill_tokens=mixed)
 
 
 def source_name(source: str) -> str:
@@ -50,7 +74,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # empty: no key asked; two or more: each key is its own tenant
     served_model_name: str | None = None  # the chat model's name; default: the preset name or the folder's name
     max_waiting: int = 256  # requests accepted but not yet started beyond which a request gets 503
-    engine_config: object = None  # an EngineConfig; None: EngineConfig(page_size=16)
+    engine_config: object = None  # an EngineConfig; None: serve_engine_config()
     store_bytes: int = DEFAULT_STORE_BYTES  # the one encoder-output store's budget, shared by every model
     dtype: str = "float32"
     max_body_bytes: int = 64 * 2**20  # a request body beyond this gets 413
