@@ -22,17 +22,20 @@ as ``mmcache serve`` runs, so the client shares no interpreter with it; the othe
 * Open loop (``benchmarks.serve_sweep``): every workload of ``--workloads`` on every engine at every rate of
   ``--rates``, through one load generator (Poisson arrivals from a seed, or the Mooncake trace's own times
   scaled to the rate; streaming, ``cache_salt`` per rate so each rate starts cold). Workloads: ``vlm_chat``
-  (the chats above, as sessions; rate in sessions/s), ``multi_turn`` (vLLM's multi-turn shape; sessions/s),
-  ``shared_prefix`` (SGLang's generated-shared-prefix shape; requests/s) and ``mooncake`` (a slice of the
-  Mooncake conversation trace, one token run per hash block; requests/s), the text ones as token ids over
-  ``/v1/completions`` (``benchmarks.serve_workloads``) to ``--text-preset`` written as a model folder
-  (``benchmarks.serve_model``). Engines: ``mmcache_nocache`` (no page reuse, every encoder output bypasses
-  the store; it runs first, and its unloaded latency sets each workload's SLOs), ``mmcache``, and with
-  ``--peers`` ``vllm_cpu`` (vLLM's own OpenAI server on the same folder, text workloads only:
-  ``benchmarks.peers.vllm_server``). After every rate an mmcache server must be idle with nothing held and
-  ``check_invariants`` clean. Goodput per engine and workload: the highest rate at which 90% of requests
-  meet both SLOs. The JSON has issue 44's shape (``slo``, ``engines.ENGINE.WORKLOAD``); ``--plot`` writes
-  SLO attainment and TTFT percentiles against rate (``benchmarks.serve_plot``).
+  (the chats above, as sessions, each pass over them under its own salt; rate in sessions/s), ``multi_turn``
+  (vLLM's multi-turn shape; sessions/s), ``shared_prefix`` (SGLang's generated-shared-prefix shape;
+  requests/s) and ``mooncake`` (a slice of the Mooncake conversation trace, one token run per hash block;
+  requests/s), the text ones as token ids over ``/v1/completions`` (``benchmarks.serve_workloads``) to
+  ``--text-preset`` written as a model folder (``benchmarks.serve_model``). Engines: ``mmcache_nocache`` (no
+  page reuse, every encoder output bypasses the store; it runs first, and its unloaded latency sets each
+  workload's SLOs), ``mmcache``, and with ``--peers`` ``vllm_cpu`` (vLLM's own OpenAI server on the same
+  folder, text workloads only: ``benchmarks.peers.vllm_server``); both mmcache servers run ``mmcache
+  serve``'s schedule (``mmcache.server.config.serve_engine_config``). After every rate an mmcache server must
+  be idle with nothing held and ``check_invariants`` clean. Goodput per engine and workload: the highest rate
+  at which 90% of requests meet both SLOs; the default ladder (0.0625 to 2, doubling, 16 sessions a rate)
+  reaches low enough for the cache-off server to meet them at its foot. The JSON has issue 44's shape
+  (``slo``, ``engines.ENGINE.WORKLOAD``); ``--plot`` writes SLO attainment and TTFT percentiles against rate
+  (``benchmarks.serve_plot``).
 * Soak (``--soak N``): ``benchmarks.serve_soak``.
 * Image, video and voice streams, store on against off (``--no-generation`` skips them):
   ``benchmarks.serve_generation``.

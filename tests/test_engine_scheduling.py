@@ -339,5 +339,6 @@ def test_without_mixed_prefill_tokens_a_step_beside_a_decode_takes_whole_chunks(
 def test_mixed_prefill_tokens_must_be_whole_pages_within_the_chunk(mixed):
     with pytest.raises(EngineConfigError, match="mixed_prefill_tokens"):
         EngineConfig(page_size=P, prefill_chunk_tokens=4 * P, mixed_prefill_tokens=mixed)
-    assert EngineConfig(page_size=P, prefill_chunk_tokens=4 * P, mixed_prefill_tokens=2 * P).mixed_prefill_tokens == 2 * P
+    ok = EngineConfig(page_size=P, prefill_chunk_tokens=4 * P, mixed_prefill_tokens=2 * P)
+    assert ok.mixed_prefill_tokens == 2 * P
     assert EngineConfig(page_size=P).mixed_prefill_tokens is None

@@ -22,10 +22,13 @@ class ServerConfigError(MmcacheError, ValueError):
 
 
 DEFAULT_STORE_BYTES = 256 * 2**20
-# The server's schedule (``serve_engine_config``): page 16; steps of at most 4096 tokens and chunks of at most
-# 2048 (vLLM's OpenAI server on CPU: 2048 batched tokens per step); a step that decodes prefills at most
-# SERVE_MIXED_PREFILL_TOKENS prompt tokens besides, since on a CPU every prompt token of a step adds about as much
-# time to each decoding request's output token as a decode row costs over the whole batch (see the README).
+# The server's schedule (``serve_engine_config``). Like vLLM's OpenAI server (decodes first, then prompt chunks
+# within a per-step token budget: 2048 tokens by default on CPU), but a budget of thousands of prompt tokens
+# beside a decode suits a GPU, where a decode step is bound by reading the weights and a few hundred prompt rows
+# ride along almost free. On a CPU every prompt row costs compute: on the small model (2 cores) a decode step
+# takes about 17 ms and each prompt row in the same step about 0.7 ms more, so a 2048-token chunk holds every
+# decoding request up for about 1.4 s. A step that decodes therefore prefills at most SERVE_MIXED_PREFILL_TOKENS
+# prompt tokens (about one decode step's time there); a step with nothing to decode still takes whole chunks.
 SERVE_PAGE_SIZE = 16
 SERVE_MAX_TOKENS_PER_STEP = 4096
 SERVE_MIXED_PREFILL_TOKENS = 32
