@@ -623,8 +623,12 @@ def run(args) -> dict:
                                                       "text_turns",
                                                       "text_max_tokens", "peers", "prefill_chunk_tokens",
                                                       "mixed_prefill_tokens")}
+    schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)
     result["config"].update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
-                            text_shape=TEXT_SHAPES["quick" if args.quick else "full"])
+                            text_shape=TEXT_SHAPES["quick" if args.quick else "full"],
+                            schedule={k: getattr(schedule, k) for k in ("page_size", "max_tokens_per_step",
+                                                                        "prefill_chunk_tokens", "mixed_prefill_tokens",
+                                                                        "max_num_seqs")})
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                          "seconds": time.perf_counter() - t0, "openmp": loaded_runtime()}
     return result

@@ -79,6 +79,13 @@ def test_the_open_loop_json_has_issue_44s_shape(result):
     assert on["vlm_chat"]["rates"][0]["matched_share"] > 0.3 and on["multi_turn"]["rates"][0]["matched_share"] > 0.3
     for figures in off.values():
         assert figures["rates"][0]["matched_share"] == 0.0
+    from mmcache.server.config import serve_engine_config
+
+    server = serve_engine_config()
+    assert result["config"]["schedule"] == {"page_size": 16, "max_tokens_per_step": server.max_tokens_per_step,
+                                            "prefill_chunk_tokens": server.prefill_chunk_tokens,
+                                            "mixed_prefill_tokens": server.mixed_prefill_tokens,
+                                            "max_num_seqs": server.max_num_seqs}
 
 
 def test_slos_come_from_the_cache_off_engine_unloaded(result):
