@@ -13,12 +13,12 @@ tokenizer is written unchanged.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
 def export_text_model(preset: str, out_dir, dtype: str) -> Path:
     """Write ``preset`` (vocabulary cut to its tokenizer) to ``out_dir`` (new or empty); returns the folder."""
+    from mmcache.presets.export import name_generic_tokenizer
     from mmcache.presets.text import build_model
 
     out = Path(out_dir)
@@ -32,9 +32,5 @@ def export_text_model(preset: str, out_dir, dtype: str) -> Path:
         model.config.vocab_size = rows
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    # transformers 5 records its own backend class; the generic fast class also loads in vLLM's transformers
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    name_generic_tokenizer(out)
     return out

@@ -62,12 +62,7 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-", dir=out.absolute().parent))
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        # transformers 5 records its own backend class; the generic fast class also loads in transformers 4
-        # (vLLM).
-        tok_cfg = tmp / "tokenizer_config.json"
-        cfg = json.loads(tok_cfg.read_text())
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        tok_cfg.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        name_generic_tokenizer(tmp)
         (tmp / EXPORT_MARK).write_text(json.dumps({"preset": preset_name, "dtype": str(dtype)}, indent=2) + "\n")
         # safetensors' save_file makes its file private (0600); give every file the mode the others have.
         mode = _new_file_mode(tmp)
@@ -95,3 +90,12 @@ def _new_file_mode(folder: Path) -> int:
         return probe.stat().st_mode & 0o777
     finally:
         probe.unlink()
+
+
+def name_generic_tokenizer(folder: Path) -> None:
+    """Make the saved tokenizer's class the generic fast one: transformers 5 records its own backend class,
+    which transformers 4 (vLLM's) does not know; the generic class loads in both."""
+    path = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
