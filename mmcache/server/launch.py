@@ -162,56 +162,89 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@contextmanager
-def start_server(config: ServerConfig, build: Callable[[ServerConfig], Models]):
-    """Serve what ``build(config)`` returns, under ``config``'s settings, until the block ends (the command line
-    and ``mmcache.presets.serve`` build from the names in ``config``; a test may hand over a built engine)."""
+@dataclass
+class _Assembled:
+    """Everything a server runs, built, before anything is started."""
+
+    host: EngineHost | None
+    app: object
+    metrics: object
+    store: object
+    services: dict
+    server: object  # a uvicorn.Server
+
+
+def _assemble(config: ServerConfig, build: Callable[[ServerConfig], Models]) -> _Assembled:
+    """Build the models, the host, the store, the services and the app; on failure, the services built are
+    closed again."""
     import uvicorn
 
     from .app import build_app
     from .metrics import ServerMetrics
     from .tenants import Tenants
 
-    sock = _bind(config.host, config.port)  # first: a taken address fails before the model is built
-    services: dict = {}
+    models = build(config)
+    host = EngineHost(models.engine, config.max_waiting) if models.engine is not None else None
+    store = shared_store(config, models)
+    metrics = ServerMetrics(host, config.model_name, store)
+    if host is not None:
+        host.observe = metrics.observe
+    tenants = Tenants(config.api_keys, config.tenant_secret)
+    services, routers = build_services(config, models.pipelines, store, tenants, metrics)
     try:
-        models = build(config)
-        engine = models.engine
-        host = EngineHost(engine, config.max_waiting) if engine is not None else None
-        store = shared_store(config, models)
-        metrics = ServerMetrics(host, config.model_name, store)
-        if host is not None:
-            host.observe = metrics.observe
-        tenants = Tenants(config.api_keys, config.tenant_secret)
-        services, routers = build_services(config, models.pipelines, store, tenants, metrics)
         app = build_app(host, config, tenants, metrics, routers, services.values())
         server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=5))
     except BaseException:
         for service in services.values():
             service.close()
+        raise
+    return _Assembled(host, app, metrics, store, services, server)
+
+
+def _wait_started(server, thread: threading.Thread, url: str) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {url}")
+        time.sleep(0.01)
+
+
+def _shut_down(parts: _Assembled, thread: threading.Thread, sock: socket.socket) -> None:
+    """Stop accepting, abort what is live (its handlers end now instead of holding uvicorn's shutdown), stop
+    the services (what waits fails, what runs stops at its next step), join uvicorn, then abort what was
+    submitted meanwhile."""
+    parts.server.should_exit = True
+    if parts.host is not None:
+        parts.host.stop()
+    for service in parts.services.values():
+        service.close()
+    thread.join()
+    if parts.host is not None:
+        parts.host.stop()
+    sock.close()
+
+
+@contextmanager
+def start_server(config: ServerConfig, build: Callable[[ServerConfig], Models]):
+    """Serve what ``build(config)`` returns, under ``config``'s settings, until the block ends (the command line
+    and ``mmcache.presets.serve`` build from the names in ``config``; a test may hand over a built engine)."""
+    sock = _bind(config.host, config.port)  # first: a taken address fails before the model is built
+    try:
+        parts = _assemble(config, build)
+    except BaseException:
         sock.close()
         raise
     shown = f"[{config.host}]" if ":" in config.host else config.host
     url = f"http://{shown}:{sock.getsockname()[1]}"
-    if host is not None:
-        host.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mmcache-uvicorn", daemon=True)
+    if parts.host is not None:
+        parts.host.start()
+    thread = threading.Thread(target=parts.server.run, kwargs={"sockets": [sock]}, name="mmcache-uvicorn",
+                              daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start on {url}")
-            time.sleep(0.01)
-        yield RunningServer(url, url + "/v1", host, app, metrics, config, store, services)
+        _wait_started(parts.server, thread, url)
+        yield RunningServer(url, url + "/v1", parts.host, parts.app, parts.metrics, config, parts.store,
+                            parts.services)
     finally:
-        server.should_exit = True  # stop accepting
-        if host is not None:
-            host.stop()  # abort what is live: its handlers end now instead of holding uvicorn's shutdown
-        for service in services.values():
-            service.close()  # what waits fails, what runs stops at its next step
-        thread.join()
-        if host is not None:
-            host.stop()  # and what was submitted meanwhile
-        sock.close()
+        _shut_down(parts, thread, sock)
