@@ -2,12 +2,11 @@
 
 PyPI's CPU torch ships GNU OpenMP (libgomp). Intel's runtime (libiomp5, the ``intel-openmp`` package) exports
 the same ``GOMP_*`` entry points, so preloading it (``LD_PRELOAD``) makes every parallel region of torch and
-oneDNN run on it; vLLM's CPU build and PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) do this.
-On this project's 2-core development machine the engine's bf16 2048-token prefill ran 1.27x faster on it
-(median of 10 alternating process pairs, ``benchmarks/RESULTS.md``). A preload takes effect only when a
+oneDNN run on it; vLLM's CPU build and PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) do this,
+and the engine's prefill runs faster on it (``benchmarks/RESULTS.md``). A preload takes effect only when a
 process starts, so the command line re-executes itself once with the preload set (``maybe_reexec``); code that
-imports mmcache as a library keeps the runtime its process was started with (README: the ``LD_PRELOAD`` line
-to start it with Intel's).
+imports mmcache as a library keeps the runtime its process was started with (start Python with ``LD_PRELOAD``
+naming ``libiomp5.so`` to run it on Intel's, as the README says).
 
 ``MMCACHE_OPENMP`` chooses: ``auto`` (default: Intel's when the ``intel-openmp`` package is installed beside
 this interpreter, on Linux), ``intel`` (the same, and an error when it is missing), ``system`` (never
