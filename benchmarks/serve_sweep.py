@@ -13,6 +13,10 @@ Rules:
 * Goodput is DistServe's: the highest swept rate at which at least ``THRESHOLD`` of the requests meet both SLOs
   (``loadgen.goodput``); a failed or timed-out request misses both. Attainment and goodput under TPOT SLOs of
   ``TPOT_TIMES_SEEN`` x the unloaded p50 are reported beside (same records, same TTFT SLO).
+* The ladder's foot moves down for an engine that meets the SLOs at none of its rates: half the lowest rate is
+  swept next, and so on while none is met and the rate stays at or above the floor, so that a goodput ratio is a
+  number where the floor allows. The k-th rate swept on any engine has the k-th salt and arrival seed, so two
+  engines that sweep the same rate in the same place get the same requests.
 """
 
 from __future__ import annotations
@@ -126,31 +130,42 @@ async def unloaded(target: Target, work: Workload, seed: int, time_limit_s: floa
             "unloaded_matched_share": s["matched_share"], "threshold": THRESHOLD}
 
 
-async def sweep(target: Target, work: Workload, rates: list[float], slo: dict, seed: int, drain_s: float) -> dict:
-    """Every rate on ``target``: per rate the figures and ``target.after_rate()``'s check; then the goodput."""
-    rows = []
-    for i, rate in enumerate(rates):
-        n = work.count(rate)
-        sessions = work.make(options(target, work, f"serve-{work.name}-{seed}-{i}"), n)
-        offsets = work.offsets(rate, n)
-        span = offsets[-1] if offsets else n / rate
-        tell = _teller(target.engine, work.name, rate, work.unit)
-        tell(0, n)
-        api = client(target.base_url)
-        try:
-            records = await loadgen.open_loop(lambda key: api, sessions, rate, seed + i, span + drain_s,
-                                              progress=tell, offsets=offsets)
-        finally:
-            await api.close()
-        row = rate_row(rate, loadgen.summarise(records, slo["ttft_s"], slo["tpot_s"]))
-        row["attainment_by_tpot_times"] = {f"{k:g}": attainment(records, slo, k) for k in TPOT_TIMES_SEEN}
-        row["sessions"] = n
-        row["check"] = target.after_rate()
-        rows.append(row)
+async def sweep(target: Target, work: Workload, rates: list[float], slo: dict, seed: int, drain_s: float,
+                floor: float | None = None) -> dict:
+    """Every rate on ``target``, then the foot moved down towards ``floor`` while none met the SLOs (module
+    docstring); per rate the figures and ``target.after_rate()``'s check, rows in rising rate; then the goodput."""
+    rows = [await _one_rate(target, work, rate, slo, seed, i, drain_s) for i, rate in enumerate(rates)]
+    while floor is not None and loadgen.goodput(rows, THRESHOLD) is None:
+        lower = min(r["rate"] for r in rows) / 2
+        if lower < floor:
+            break
+        rows.append(await _one_rate(target, work, lower, slo, seed, len(rows), drain_s))
+    rows.sort(key=lambda r: r["rate"])
     by_times = {k: loadgen.goodput([{"rate": r["rate"], "attainment": r["attainment_by_tpot_times"][k]}
                                     for r in rows], THRESHOLD) for k in rows[0]["attainment_by_tpot_times"]}
     return {"unit": work.unit, "goodput_rps": loadgen.goodput(rows, THRESHOLD), "rates": rows,
             "goodput_by_tpot_times": by_times, "failed_requests": sum(r["failed"] for r in rows)}
+
+
+async def _one_rate(target: Target, work: Workload, rate: float, slo: dict, seed: int, k: int, drain_s: float) -> dict:
+    """The ``k``-th rate swept: its sessions (salted by ``k``) at ``rate``, their figures and the check after."""
+    n = work.count(rate)
+    sessions = work.make(options(target, work, f"serve-{work.name}-{seed}-{k}"), n)
+    offsets = work.offsets(rate, n)
+    span = offsets[-1] if offsets else n / rate
+    tell = _teller(target.engine, work.name, rate, work.unit)
+    tell(0, n)
+    api = client(target.base_url)
+    try:
+        records = await loadgen.open_loop(lambda key: api, sessions, rate, seed + k, span + drain_s,
+                                          progress=tell, offsets=offsets)
+    finally:
+        await api.close()
+    row = rate_row(rate, loadgen.summarise(records, slo["ttft_s"], slo["tpot_s"]))
+    row["attainment_by_tpot_times"] = {f"{t:g}": attainment(records, slo, t) for t in TPOT_TIMES_SEEN}
+    row["sessions"] = n
+    row["check"] = target.after_rate()
+    return row
 
 
 def attainment(records, slo: dict, tpot_times: float) -> float | None:

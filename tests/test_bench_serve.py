@@ -404,6 +404,41 @@ def test_slos_come_from_the_unloaded_p50s():
     assert swept["goodput_by_tpot_times"]["2"] == swept["goodput_rps"]
 
 
+
+def test_the_ladders_foot_moves_down_until_an_engine_meets_the_slos_or_the_floor():
+    """An engine that meets the SLOs at none of the rates gets half the lowest rate next, with the next salt, down
+    to the floor; one that meets them somewhere gets no extra rate."""
+    import asyncio
+
+    import httpx2
+    import openai
+
+    from tests.test_loadgen import StubCompletions
+
+    app = StubCompletions(per_chunk=False)
+    plan = serve.sw.shared_prefix(SPACE, 0, 1, 3, 4, 2, 3)
+    work = serve.sweep.Workload("shared_prefix", "requests/s", plan.sessions, lambda rate: 2, {"max_tokens": 3})
+    target = serve.sweep.Target("stub", "http://stub/v1", "m")
+
+    async def go(monkeyed, slo, floor):
+        monkeyed.setattr(serve.sweep, "client", lambda url: openai.AsyncOpenAI(
+            base_url=url, api_key="k", max_retries=0,
+            http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))))
+        return await serve.sweep.sweep(target, work, [400.0, 800.0], slo, 0, 30.0, floor=floor)
+
+    never = {"ttft_s": 0.0, "tpot_s": 0.0}  # no request answers in no time
+    always = {"ttft_s": 60.0, "tpot_s": 60.0}
+    with pytest.MonkeyPatch.context() as mp:
+        missed = asyncio.run(go(mp, never, 100.0))
+        salts_missed = [b["cache_salt"] for b in app.bodies]
+        app.bodies.clear()
+        met = asyncio.run(go(mp, always, 100.0))
+    assert [r["rate"] for r in missed["rates"]] == [100.0, 200.0, 400.0, 800.0]  # 50 is below the floor
+    assert missed["goodput_rps"] is None and all(r["attainment"] == 0.0 for r in missed["rates"])
+    assert salts_missed == [f"serve-shared_prefix-0-{k}" for k in range(4) for _ in range(2)]
+    assert [r["rate"] for r in met["rates"]] == [400.0, 800.0] and met["goodput_rps"] == 800.0
+
+
 def loadgen_goodput(rows):
     from benchmarks import loadgen
 
