@@ -221,65 +221,102 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """The registered attention function. ``query``: (1, heads, T, d); ``key``/``value``: (1, kv_heads, T, d)."""
-    batch: PagedBatch | None = kwargs.get(BATCH_KWARG)
-    if batch is None:
-        raise UnsupportedModel(f"{ATTENTION_BACKEND} needs the engine's {BATCH_KWARG} keyword argument")
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise UnsupportedModel(f"{ATTENTION_BACKEND} does not implement soft-capping or attention sinks")
+    batch = _batch_of(kwargs)
     layer = module.layer_idx
     if batch.windows is not None:
         batch.windows[layer] = sliding_window
     q, k, v = query[0], key[0], value[0]
     heads, total, dim = q.shape
+    _write_new_rows(batch, layer, k, v, dim)
+    out = q.new_empty(total, heads, dim)
+    for i in range(len(batch.decodes)):
+        _attend_decode_group(batch, i, layer, q, k.shape[0], out, sliding_window, scaling)
+    for i in range(len(batch.segments)):
+        _attend_segment(batch, i, layer, q, k, v, out, sliding_window, scaling)
+    return out[None], None
+
+
+def _batch_of(kwargs: dict) -> PagedBatch:
+    """The step's ``PagedBatch`` from the forward's keyword arguments; raises ``UnsupportedModel`` for a call
+    this backend cannot serve (no batch, soft-capping or attention sinks)."""
+    batch: PagedBatch | None = kwargs.get(BATCH_KWARG)
+    if batch is None:
+        raise UnsupportedModel(f"{ATTENTION_BACKEND} needs the engine's {BATCH_KWARG} keyword argument")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedModel(f"{ATTENTION_BACKEND} does not implement soft-capping or attention sinks")
+    return batch
+
+
+def _write_new_rows(batch: PagedBatch, layer: int, k: torch.Tensor, v: torch.Tensor, dim: int) -> None:
+    """Writes every new key and value row into its pool slot, before any segment reads (the module invariant)."""
     kv_heads = k.shape[0]
     for w in batch.writes:
         cache = w.kv[layer]
         cache[0].view(kv_heads, -1, dim).index_copy_(1, w.slots, k[:, w.rows])
         cache[1].view(kv_heads, -1, dim).index_copy_(1, w.slots, v[:, w.rows])
-    out = q.new_empty(total, heads, dim)
-    for i, g in enumerate(batch.decodes):
-        cache = g.kv[layer]
-        n = g.size
-        # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
-        # per KV head, so no key is repeated.
-        qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
-        lib = batch.kernel if batch.kernel is not None and native.supports(qg, cache) else None
-        if lib is not None:
-            hi = g.ctx_lens
-            lo = (hi - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(hi)
-            o = native.decode_attention(lib, qg, cache[0], cache[1], g.table, lo, hi,
-                                        dim ** -0.5 if scaling is None else scaling)
-        elif q.device.type == "cpu":
-            o = _decodes_one_by_one(batch, i, cache, qg, sliding_window, scaling)
-        else:
-            table = g.table.reshape(-1)
-            length = g.table.shape[1] * batch.page_size
-            ks = batch.read(cache[0], ("decode", i), table).view(kv_heads, n, length, dim).transpose(0, 1)
-            vs = batch.read(cache[1], ("decode", i), table).view(kv_heads, n, length, dim).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=batch.decode_mask(i, sliding_window, q.dtype),
-                                               scale=scaling)
-        out[g.rows] = o.reshape(n, heads, dim)
-    gqa = heads != kv_heads
-    for i, seg in enumerate(batch.segments):
-        if _on_chunk_kernel(batch, i, sliding_window, layer, q, k, v, out, scaling):
-            continue
-        if seg.pages is None:
-            ks, vs = k[:, seg.rows], v[:, seg.rows]
-        else:
-            cache = seg.kv[layer]
-            if _splits(seg, sliding_window, q.device):
-                n = -(-seg.start // batch.page_size)
-                ks = batch.read(cache[0], ("prefix", i), seg.pages[:n])[:, :seg.start]
-                vs = batch.read(cache[1], ("prefix", i), seg.pages[:n])[:, :seg.start]
-                out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scaling)
-                continue
-            ks = batch.read(cache[0], ("segment", i), seg.pages)[:, :seg.ctx_len]
-            vs = batch.read(cache[1], ("segment", i), seg.pages)[:, :seg.ctx_len]
-        mask, causal = batch.mask(i, sliding_window, q.dtype, q.device)
-        o = F.scaled_dot_product_attention(q[None, :, seg.rows], ks[None], vs[None], attn_mask=mask,
-                                           is_causal=causal, scale=scaling, enable_gqa=gqa)
-        out[seg.rows] = o[0].transpose(0, 1)
-    return out[None], None
+
+
+def _attend_decode_group(batch: PagedBatch, index: int, layer: int, q: torch.Tensor, kv_heads: int,
+                         out: torch.Tensor, window: int | None, scale: float | None) -> None:
+    """Writes the rows of ``out`` of decode group ``index``: on the compiled kernel where it takes the shape,
+    else on ATen's path (one sequence at a time on CPU, padded page tables elsewhere)."""
+    g = batch.decodes[index]
+    cache = g.kv[layer]
+    heads, _, dim = q.shape
+    n = g.size
+    # Query heads grouped by their KV head (heads h*G .. h*G+G-1 read KV head h) become G query rows
+    # per KV head, so no key is repeated.
+    qg = q[:, g.rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, dim)
+    lib = batch.kernel if batch.kernel is not None and native.supports(qg, cache) else None
+    if lib is not None:
+        hi = g.ctx_lens
+        lo = (hi - window).clamp_(min=0) if window is not None else torch.zeros_like(hi)
+        o = native.decode_attention(lib, qg, cache[0], cache[1], g.table, lo, hi,
+                                    dim ** -0.5 if scale is None else scale)
+    elif q.device.type == "cpu":
+        o = _decodes_one_by_one(batch, index, cache, qg, window, scale)
+    else:
+        o = _decodes_padded(batch, index, cache, qg, window, scale)
+    out[g.rows] = o.reshape(n, heads, dim)
+
+
+def _decodes_padded(batch: PagedBatch, index: int, cache: torch.Tensor, qg: torch.Tensor, window: int | None,
+                    scale: float | None) -> torch.Tensor:
+    """Decode attention of group ``index`` off CPU, (n, kv_heads, G, d): every page table padded to a common
+    length, gathered once per layer, the padding hidden by an additive mask."""
+    g = batch.decodes[index]
+    n, kv_heads, _, dim = qg.shape
+    table = g.table.reshape(-1)
+    length = g.table.shape[1] * batch.page_size
+    ks = batch.read(cache[0], ("decode", index), table).view(kv_heads, n, length, dim).transpose(0, 1)
+    vs = batch.read(cache[1], ("decode", index), table).view(kv_heads, n, length, dim).transpose(0, 1)
+    return F.scaled_dot_product_attention(qg, ks, vs, attn_mask=batch.decode_mask(index, window, qg.dtype),
+                                          scale=scale)
+
+
+def _attend_segment(batch: PagedBatch, index: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, window: int | None, scale: float | None) -> None:
+    """Writes the rows of ``out`` of prefill segment ``index``: on the chunk kernel where it takes it, else as
+    two parts merged (``_splits``), else over all its keys under its mask."""
+    if _on_chunk_kernel(batch, index, window, layer, q, k, v, out, scale):
+        return
+    seg = batch.segments[index]
+    if seg.pages is None:
+        ks, vs = k[:, seg.rows], v[:, seg.rows]
+    else:
+        cache = seg.kv[layer]
+        if _splits(seg, window, q.device):
+            n = -(-seg.start // batch.page_size)
+            ks = batch.read(cache[0], ("prefix", index), seg.pages[:n])[:, :seg.start]
+            vs = batch.read(cache[1], ("prefix", index), seg.pages[:n])[:, :seg.start]
+            out[seg.rows] = _over_prefix(q[:, seg.rows], ks, vs, k[:, seg.rows], v[:, seg.rows], scale)
+            return
+        ks = batch.read(cache[0], ("segment", index), seg.pages)[:, :seg.ctx_len]
+        vs = batch.read(cache[1], ("segment", index), seg.pages)[:, :seg.ctx_len]
+    mask, causal = batch.mask(index, window, q.dtype, q.device)
+    o = F.scaled_dot_product_attention(q[None, :, seg.rows], ks[None], vs[None], attn_mask=mask,
+                                       is_causal=causal, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+    out[seg.rows] = o[0].transpose(0, 1)
 
 
 def _on_chunk_kernel(batch: PagedBatch, index: int, window: int | None, layer: int, q: torch.Tensor, k: torch.Tensor,
