@@ -180,34 +180,57 @@ def build(compiler: str | None = None, directory: Path | None = None,
         raise NativeKernelUnavailable(f"the decode kernel is built for Linux on x86-64, not {sys.platform} "
                                       f"on {platform.machine()}")
     settings = settings or ComputeSettings.from_env()
-    cc = compiler or settings.compiler or shutil.which("cc") or shutil.which("gcc")
+    cc, version = _compiler(compiler or settings.compiler)
+    name = f"decode_attention-{_build_digest(sources + headers, cc, version)}.so"
+    target, built = _library_target(directory or settings.library_dir, name)
+    if not built:
+        _compile(cc, sources, target)
+    return target
+
+
+def _compiler(chosen: str | None) -> tuple[str, str]:
+    """The C compiler to build with (``chosen``, else ``cc``, else ``gcc`` on the path) and its ``--version``
+    text; ``NativeKernelUnavailable`` where there is none or it does not run."""
+    cc = chosen or shutil.which("cc") or shutil.which("gcc")
     if not cc or not shutil.which(cc):
         raise NativeKernelUnavailable(f"no C compiler found ({cc or 'cc'}; set CC to one)")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelUnavailable(f"C compiler {cc} did not run: {exc}") from exc
+    return cc, version
+
+
+def _build_digest(files: tuple[Path, ...], cc: str, version: str) -> str:
+    """The library's name part: a digest of the sources and headers, the flags, the compiler and its version,
+    and the CPU (so any of them changing builds anew)."""
     digest = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in sources + headers), " ".join(FLAGS + LIBS).encode(), cc.encode(),
+    for part in (*(f.read_bytes() for f in files), " ".join(FLAGS + LIBS).encode(), cc.encode(),
                  version.encode(), _machine().encode()):
         digest.update(part)
         digest.update(b"\0")
-    name = f"decode_attention-{digest.hexdigest()[:20]}.so"
-    directory, why = _own_directory(directory or settings.library_dir)
+    return digest.hexdigest()[:20]
+
+
+def _library_target(directory: Path, name: str) -> tuple[Path, bool]:
+    """Where the library ``name`` lies or is to be built, and whether it is already built there: in
+    ``directory`` where it and the file are this user's alone, else in this process's private directory."""
+    directory, why = _own_directory(directory)
     if why is not None:
         directory = _refuse(directory, why)
     target = directory / name
     try:
         why = _not_ours(os.lstat(target), f"library {target}")
     except FileNotFoundError:
-        why = None
-    else:
-        if why is None:
-            return target
-        directory = _refuse(directory, why)
-        target = directory / name
-        if target.exists():
-            return target
+        return target, False
+    if why is None:
+        return target, True
+    target = _refuse(directory, why) / name
+    return target, target.exists()
+
+
+def _compile(cc: str, sources: tuple[Path, ...], target: Path) -> None:
+    """Builds ``sources`` into ``target`` with ``cc``; ``NativeKernelUnavailable`` with the compiler's message."""
     # one file per builder (processes, and threads of one process), moved into place whole
     partial = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
@@ -222,7 +245,6 @@ def build(compiler: str | None = None, directory: Path | None = None,
         raise NativeKernelUnavailable(f"{cc} could not build {names}: " + " | ".join(message[:6]))
     os.chmod(partial, 0o755)  # writable by no one else whatever the umask: ``load`` refuses such a file
     os.replace(partial, target)
-    return target
 
 
 def _open_own(path: Path) -> tuple[int, int]:
@@ -291,8 +313,26 @@ def load(path: Path, tile_unit: bool | None = None) -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL, use_tiles: bool) -> ctypes.CDLL:
     """``lib`` with the argument and result types of its functions declared and its capabilities read; the tile
     unit used only where ``use_tiles``."""
-    fn = lib.mmc_decode_attention
+    _declare_attention(lib)
+    _declare_layers(lib)
+    lib.mmc_init.argtypes = [ctypes.c_int]  # a library from before the argument ignores it
+    lib.mmc_init.restype = ctypes.c_int
+    lib.tiles = bool(lib.mmc_init(int(use_tiles)))  # scores on the tile unit (AMX) where the CPU and the OS allow it
+    _declare_tile_products(lib, use_tiles)
+    _declare_vector_products(lib)
+    if hasattr(lib, "mmc_silu_mul"):  # a library built from an earlier revision's sources has none
+        fn = lib.mmc_silu_mul
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
+    lib.lanes = int(lib.mmc_lanes()) if hasattr(lib, "mmc_lanes") else 16
+    return lib
+
+
+def _declare_attention(lib: ctypes.CDLL) -> None:
+    """Declares the attention kernels' types: paged decode, prefill chunk, and the chunk kernel's way."""
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = lib.mmc_decode_attention
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                    ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -302,6 +342,11 @@ def _declare(lib: ctypes.CDLL, use_tiles: bool) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     lib.mmc_chunk_way.argtypes = [i64, ctypes.c_int]
     lib.mmc_chunk_way.restype = ctypes.c_int
+
+
+def _declare_layers(lib: ctypes.CDLL) -> None:
+    """Declares the types of the layer kernels every library has: RMSNorm, rotary, float32 row products."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn = lib.mmc_rms_norm
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -316,35 +361,38 @@ def _declare(lib: ctypes.CDLL, use_tiles: bool) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.mmc_row_panel.restype = ctypes.c_int
-    lib.mmc_init.argtypes = [ctypes.c_int]  # a library from before the argument ignores it
-    lib.mmc_init.restype = ctypes.c_int
-    lib.tiles = bool(lib.mmc_init(int(use_tiles)))  # scores on the tile unit (AMX) where the CPU and the OS allow it
-    lib.tile_rows = 0  # rows per tile of the tile products (tile_linear.c), 0 where they cannot run
-    if hasattr(lib, "mmc_tile_linear"):  # a library built from an earlier revision's sources has none
-        lib.mmc_tile_elements.argtypes = [i64, i64]
-        lib.mmc_tile_elements.restype = i64
-        fn = lib.mmc_tile_pack
-        fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        fn = lib.mmc_tile_linear
-        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib.mmc_tile_rows.restype = ctypes.c_int
-        lib.tile_rows = int(lib.mmc_tile_rows()) if use_tiles else 0
-    lib.vector_rows = 0  # rows per group of the vector way of those products, 0 where it cannot run
-    if hasattr(lib, "mmc_vector_linear"):  # likewise
-        fn = lib.mmc_vector_linear
-        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib.mmc_vector_rows.restype = ctypes.c_int
-        lib.vector_rows = int(lib.mmc_vector_rows())
-    if hasattr(lib, "mmc_silu_mul"):  # likewise
-        fn = lib.mmc_silu_mul
-        fn.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
-    lib.lanes = int(lib.mmc_lanes()) if hasattr(lib, "mmc_lanes") else 16
-    return lib
+
+
+def _declare_tile_products(lib: ctypes.CDLL, use_tiles: bool) -> None:
+    """Declares the tile unit's bfloat16 products and sets ``lib.tile_rows``: rows per tile, 0 where they cannot
+    run (no such functions, or ``use_tiles`` false)."""
+    lib.tile_rows = 0
+    if not hasattr(lib, "mmc_tile_linear"):  # a library built from an earlier revision's sources has none
+        return
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.mmc_tile_elements.argtypes = [i64, i64]
+    lib.mmc_tile_elements.restype = i64
+    fn = lib.mmc_tile_pack
+    fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mmc_tile_linear
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    lib.mmc_tile_rows.restype = ctypes.c_int
+    lib.tile_rows = int(lib.mmc_tile_rows()) if use_tiles else 0
+
+
+def _declare_vector_products(lib: ctypes.CDLL) -> None:
+    """Declares the AVX-512 BF16 products and sets ``lib.vector_rows``: rows per group, 0 where they cannot run."""
+    lib.vector_rows = 0
+    if not hasattr(lib, "mmc_vector_linear"):  # a library built from an earlier revision's sources has none
+        return
+    fn = lib.mmc_vector_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    lib.mmc_vector_rows.restype = ctypes.c_int
+    lib.vector_rows = int(lib.mmc_vector_rows())
 
 
 def library(settings: ComputeSettings | None = None) -> ctypes.CDLL | None:
