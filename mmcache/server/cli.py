@@ -37,6 +37,15 @@ def register(sub) -> None:
                                    "pipeline (presets or local folders) over an OpenAI-compatible API "
                                    "(/v1/chat/completions, /v1/completions, /v1/images/generations, /v1/videos, "
                                    "/v1/audio/speech, /v1/models, /health, /metrics).")
+    _add_models(p)
+    _add_listener(p)
+    _add_engine_options(p)
+    _add_generation_limits(p.add_argument_group("image, speech and video requests"))
+    p.set_defaults(func=serve_main)
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    """Adds the options naming what is served: a chat model (preset or folder), diffusion pipelines, a voice."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=list(PRESETS) + list(VLM_PRESETS))
     src.add_argument("--model", metavar="DIR", help="a local Hugging Face folder of a text model")
@@ -46,6 +55,10 @@ def register(sub) -> None:
     p.add_argument("--tts", metavar="PRESET_OR_DIR",
                    help=f"a voice-cloning pipeline for /v1/audio/speech: {', '.join(TTS_PRESETS)} or a local CSM "
                         f"folder")
+
+
+def _add_listener(p: argparse.ArgumentParser) -> None:
+    """Adds the options of the HTTP side: address, keys (tenants), the served name, the waiting bound."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=count(65535, 0), default=8000, help="0: a free port")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -55,6 +68,10 @@ def register(sub) -> None:
                                                                 "preset or folder name)")
     p.add_argument("--max-waiting", type=count(minimum=0), default=256,
                    help="requests waiting to start beyond which a request gets 503 (default 256)")
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Adds the chat engine's options: KV pages, the step's schedule, the store's budget, dtype, cache mode."""
     p.add_argument("--page-size", type=count(), default=SERVE_PAGE_SIZE,
                    help=f"tokens per KV page (default {SERVE_PAGE_SIZE})")
     p.add_argument("--num-pages", type=count(), default=None, help="KV pages per pool (default: from 1 GiB)")
@@ -74,7 +91,10 @@ def register(sub) -> None:
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: float32 when every model is a preset, else bfloat16 (presets stay float32)")
     p.add_argument("--cache-mode", default="on", choices=["on", "off"])
-    g = p.add_argument_group("image, speech and video requests")
+
+
+def _add_generation_limits(g) -> None:
+    """Adds the bounds of image, speech and video requests to the argument group ``g``."""
     g.add_argument("--image-size", action="append", default=[], metavar="WxH",
                    help="a size image requests may ask for, the first the default (default: the pipeline's own)")
     g.add_argument("--negative-prompt", default="", metavar="TEXT",
@@ -87,7 +107,6 @@ def register(sub) -> None:
                    help="longest reference clip (default 30)")
     g.add_argument("--max-generation-waiting", type=count(), default=16,
                    help="image, speech or video requests queued per pipeline beyond which 503 (default 16)")
-    p.set_defaults(func=serve_main)
 
 
 def _seconds(text: str) -> float:
