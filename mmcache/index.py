@@ -222,17 +222,9 @@ class PrefixIndex:
             and self._extras.get(page) == extras.get(i)
         )
 
-    def match(
-        self,
-        names: np.ndarray,
-        ids: np.ndarray,
-        extras: dict[int, Extras],
-        root_parent: int,
-        limit: int | None = None,
-        first_page: int = 0,
-        parent: int | None = None,
-        ids_from: int = 0,
-    ) -> np.ndarray:
+    def match(self, names: np.ndarray, ids: np.ndarray, extras: dict[int, Extras], root_parent: int,
+              limit: int | None = None, first_page: int = 0, parent: int | None = None,
+              ids_from: int = 0) -> np.ndarray:
         """Longest verified run of index pages for pages ``first_page ..`` of a sequence, as page ids.
 
         ``names[j]`` names page ``first_page + j``; ``ids`` holds the sequence's ids from page ``ids_from``
@@ -245,9 +237,19 @@ class PrefixIndex:
         if k <= 0 or self.size == 0:
             return np.empty(0, dtype=np.int32)
         names = names[:k]
+        accepted = self._verified_runs(names, ids, extras, root_parent if first_page == 0 else parent, first_page,
+                                       ids_from)
+        if not accepted:
+            return np.empty(0, dtype=np.int32)
+        return np.concatenate(accepted).astype(np.int32, copy=False)
+
+    def _verified_runs(self, names: np.ndarray, ids: np.ndarray, extras: dict[int, Extras], expect_parent: int,
+                       first_page: int, ids_from: int) -> list[np.ndarray]:
+        """The longest verified run for ``names`` under ``expect_parent``, in pieces: runs of first nominees
+        verified at once, and single pages found among nominees sharing a name."""
+        k = len(names)
         cand = self._first_candidates(names)
         accepted: list[np.ndarray] = []
-        expect_parent = root_parent if first_page == 0 else parent
         j = 0
         while j < k:
             # Fast path: the nominees from page j up to the first page without one, verified at once.
@@ -271,9 +273,7 @@ class PrefixIndex:
             accepted.append(np.array([found], dtype=np.int32))
             expect_parent = found
             j += 1
-        if not accepted:
-            return np.empty(0, dtype=np.int32)
-        return np.concatenate(accepted).astype(np.int32, copy=False)
+        return accepted
 
     def _verified_prefix(self, pages: np.ndarray, page_no: int, ids: np.ndarray, extras: dict[int, Extras],
                          parent: int, ids_from: int) -> int:
