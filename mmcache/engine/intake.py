@@ -55,18 +55,7 @@ class Intake:
 
     def live(self, req: Request, rid, arrival: float) -> LiveRequest:
         """The request's live state, or ``InvalidRequest``."""
-        try:
-            hash(rid)
-        except TypeError:
-            raise InvalidRequest(f"request_id must be hashable, got {type(rid).__name__}") from None
-        if not isinstance(req.sampling, SamplingParams):
-            raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
-        req.sampling.validate(rid)
-        if req.arrival_time is not None:
-            if not finite_number(req.arrival_time) or req.arrival_time > arrival:
-                raise InvalidRequest(f"arrival_time must be a perf_counter stamp not after now, got "
-                                     f"{req.arrival_time!r}", rid)
-            arrival = float(req.arrival_time)
+        arrival = _checked_arrival(req, rid, arrival)
         # A prompt's pages, and the slot of its first output token's KV unless that token is also its last.
         written = 1 if req.sampling.max_tokens > 1 else 0
         ids = self._token_ids(req.prompt, rid, "prompt", self.num_pages, written)
@@ -75,26 +64,38 @@ class Intake:
         if mm is not None:
             media = self._check_mm(mm, len(ids), rid)
         branches = {MAIN: Branch(MAIN, self.manager(MAIN), ids.tolist(), len(ids), req.salt, media, mm)}
+        cfg = self._cfg_branch(req, rid, written)
+        if cfg is not None:
+            branches[CFG] = cfg
+        for b in branches.values():
+            b.prepare(rid)  # page names, computed before any lock is taken
+        return LiveRequest(rid, req, req.sampling, branches, self._generator(req.sampling), Timing(arrival), len(ids),
+                           self.max_model_len, frozenset() if req.sampling.ignore_eos else self.eos_ids)
+
+    def _cfg_branch(self, req: Request, rid, written: int) -> Branch | None:
+        """The branch of the request's negative prompt, or None without one; ``InvalidRequest`` for a guidance
+        scale that is not finite, or other than 1 without a negative prompt."""
         scale = req.guidance_scale
         if not finite_number(scale):
             raise InvalidRequest(f"guidance_scale must be a finite number, got {scale!r}", rid)
         if req.negative_prompt is None and scale != 1.0:
             raise InvalidRequest(f"guidance_scale {scale!r} needs a negative_prompt (the branch it guides away "
                                  f"from); without one the request would run unguided", rid)
-        if req.negative_prompt is not None:
-            neg = self._token_ids(req.negative_prompt, rid, "negative prompt", self.cfg_num_pages, written)
-            branches[CFG] = Branch(CFG, self.manager(CFG), neg.tolist(), len(neg), req.salt)
-        for b in branches.values():
-            b.prepare(rid)  # page names, computed before any lock is taken
-        seed = req.sampling.seed
-        generator = None
-        if not req.sampling.greedy:
-            if seed is None:
-                with self._seeds_lock:
-                    seed = int(self._seeds.integers(0, 2**63 - 1))
-            generator = torch.Generator().manual_seed(seed)
-        return LiveRequest(rid, req, req.sampling, branches, generator, Timing(arrival), len(ids), self.max_model_len,
-                           frozenset() if req.sampling.ignore_eos else self.eos_ids)
+        if req.negative_prompt is None:
+            return None
+        neg = self._token_ids(req.negative_prompt, rid, "negative prompt", self.cfg_num_pages, written)
+        return Branch(CFG, self.manager(CFG), neg.tolist(), len(neg), req.salt)
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+        """The request's random generator, None for greedy sampling; seeded from the intake's own generator
+        where the request gives no seed (so outputs are reproducible run to run)."""
+        if sampling.greedy:
+            return None
+        seed = sampling.seed
+        if seed is None:
+            with self._seeds_lock:
+                seed = int(self._seeds.integers(0, 2**63 - 1))
+        return torch.Generator().manual_seed(seed)
 
     def _token_ids(self, prompt, rid, what: str, pool_pages: int, written: int) -> np.ndarray:
         if isinstance(prompt, str):
@@ -120,6 +121,7 @@ class Intake:
         return ids
 
     def _check_mm(self, mm: MultimodalInput, prompt_len: int, rid) -> tuple[MediaItem, ...]:
+        """The request's media items, once every part of ``mm`` a forward will read is checked."""
         # Everything a forward will read is checked here: a bad value found in a step would fail the whole
         # forward (every request in it), not this request alone.
         if not isinstance(mm, MultimodalInput):
@@ -132,8 +134,16 @@ class Intake:
             if not isinstance(item, MediaItem) or item.position >= prompt_len:
                 raise InvalidRequest(f"media item {item!r} is not a MediaItem inside the prompt", rid)
         media_at = {int(item.position) for item in mm.media}
+        self._check_embeds(mm.embeds, media_at, prompt_len, rid)
+        if mm.mrope_positions is not None:
+            self._check_mrope(mm, media_at, prompt_len, rid)
+        return tuple(mm.media)
+
+    def _check_embeds(self, embeds, media_at: set[int], prompt_len: int, rid) -> None:
+        """``InvalidRequest`` unless every span is a (start, [n, hidden] float tensor) pair inside the prompt,
+        starting at a media item's position of its own."""
         spans_at: set[int] = set()
-        for pair in mm.embeds:
+        for pair in embeds:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise InvalidRequest("mm.embeds must hold (start position, tensor) pairs", rid)
             start, t = pair
@@ -151,24 +161,43 @@ class Intake:
                 raise InvalidRequest(f"two embeds spans start at {start}; each span needs a media item of its own",
                                      rid)
             spans_at.add(start)
-        if mm.mrope_positions is not None:
-            if self.adapter.position_dims != 3:
-                raise InvalidRequest("mrope_positions given for a model with 1-D positions", rid)
-            p = mm.mrope_positions
-            if (not isinstance(p, torch.Tensor) or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool
-                    or tuple(p.shape) != (3, prompt_len)):
-                raise InvalidRequest(f"mrope_positions must be an integer tensor of shape (3, {prompt_len})", rid)
-            d = mm.mrope_delta
-            if isinstance(d, bool) or not isinstance(d, int) or abs(d) >= 2**40:
-                raise InvalidRequest(f"mrope_delta must be an int (|delta| < 2**40), got {d!r}", rid)
-            # Positions are not in page names: before the first media item (whose digest enters the names) they
-            # must be a text request's, and without media the whole sequence, generated tokens included, must be.
-            first = min(media_at, default=prompt_len)
-            if not bool((p[:, :first] == torch.arange(first, device=p.device)).all()):
-                raise InvalidRequest(f"mrope_positions before the first media item (position {first}) must be the "
-                                     f"plain positions 0..{first - 1} on all three rows", rid)
-            if not media_at and d != 0:
-                raise InvalidRequest(f"mrope_delta {d} without a media item; positions past the prompt would differ "
-                                     f"from a text request's under the same page names", rid)
-        return tuple(mm.media)
 
+    def _check_mrope(self, mm: MultimodalInput, media_at: set[int], prompt_len: int, rid) -> None:
+        """``InvalidRequest`` unless ``mm``'s 3-D positions and delta are well formed and equal a text request's
+        wherever no media digest enters the page names (the module's invariant)."""
+        if self.adapter.position_dims != 3:
+            raise InvalidRequest("mrope_positions given for a model with 1-D positions", rid)
+        p = mm.mrope_positions
+        if (not isinstance(p, torch.Tensor) or p.is_floating_point() or p.is_complex() or p.dtype == torch.bool
+                or tuple(p.shape) != (3, prompt_len)):
+            raise InvalidRequest(f"mrope_positions must be an integer tensor of shape (3, {prompt_len})", rid)
+        d = mm.mrope_delta
+        if isinstance(d, bool) or not isinstance(d, int) or abs(d) >= 2**40:
+            raise InvalidRequest(f"mrope_delta must be an int (|delta| < 2**40), got {d!r}", rid)
+        # Positions are not in page names: before the first media item (whose digest enters the names) they
+        # must be a text request's, and without media the whole sequence, generated tokens included, must be.
+        first = min(media_at, default=prompt_len)
+        if not bool((p[:, :first] == torch.arange(first, device=p.device)).all()):
+            raise InvalidRequest(f"mrope_positions before the first media item (position {first}) must be the "
+                                 f"plain positions 0..{first - 1} on all three rows", rid)
+        if not media_at and d != 0:
+            raise InvalidRequest(f"mrope_delta {d} without a media item; positions past the prompt would differ "
+                                 f"from a text request's under the same page names", rid)
+
+
+def _checked_arrival(req: Request, rid, arrival: float) -> float:
+    """The request's arrival stamp (its own ``arrival_time`` where given, else ``arrival``), once its id and
+    sampling are checked; ``InvalidRequest`` otherwise."""
+    try:
+        hash(rid)
+    except TypeError:
+        raise InvalidRequest(f"request_id must be hashable, got {type(rid).__name__}") from None
+    if not isinstance(req.sampling, SamplingParams):
+        raise InvalidRequest(f"sampling must be SamplingParams, got {type(req.sampling).__name__}", rid)
+    req.sampling.validate(rid)
+    if req.arrival_time is not None:
+        if not finite_number(req.arrival_time) or req.arrival_time > arrival:
+            raise InvalidRequest(f"arrival_time must be a perf_counter stamp not after now, got "
+                                 f"{req.arrival_time!r}", rid)
+        arrival = float(req.arrival_time)
+    return arrival
