@@ -78,6 +78,54 @@ def build_record(log: RunLog, ceiling: np.ndarray, workload: str) -> dict:
     admit, arrival = log.array("admit_s", float), log.array("arrival_s", float)
     wait = (admit - arrival)[served]
     ttft = wait + log.array("prefill_s", float)[served]
+    per_replica = _per_replica(log, prompt, matched, forfeit, replica, waited)
+    shares = [r["realized_share"] for r in per_replica if r["requests"]]
+    return {
+        "workload": workload,
+        "pool_tokens": cfg.pool_tokens, "page_size": cfg.page_size, "num_replicas": cfg.replicas,
+        "routing": cfg.routing if cfg.replicas > 1 else "single", "store_at": cfg.store_at,
+        "requests": len(log.specs), "rejected": int(rejected.sum()), "prompt_tokens": total,
+        **_shares(ceiling, replica_ceiling, matched, forfeit, total),
+        **_pool_events(log, waited, wait),
+        "ttft_s": _stats(ttft),
+        "duplicate_media_rate": duplicate_media_rate(log),
+        "replicas": per_replica,
+        "spread": (max(shares) - min(shares)) if shares else 0.0,
+        "simulated_s": float(np.nanmax(log.array("end_s", float))) if served.any() else 0.0,
+        "cost_model": {"prefill_tps": cfg.cost.prefill_tps, "decode_tps": cfg.cost.decode_tps},
+        "router": {"depth_tokens": cfg.route_depth_tokens, "load_factor": cfg.route_load_factor,
+                   "min_load": cfg.route_min_load, "fallback": cfg.route_fallback},
+    }
+
+
+def _shares(ceiling: np.ndarray, replica_ceiling: np.ndarray, matched: np.ndarray, forfeit: np.ndarray,
+            total: int) -> dict:
+    """The record's shares of all prompt tokens, as the module's docstring defines them."""
+    ceiling_share, realized, forfeited = _share(ceiling, total), _share(matched, total), _share(forfeit, total)
+    return {
+        "ceiling_share": ceiling_share, "realized_share": realized, "forfeit_share": forfeited,
+        "residual_share": ceiling_share - realized - forfeited,
+        "replica_ceiling_share": _share(replica_ceiling, total),
+        "dilution_share": ceiling_share - _share(replica_ceiling, total),
+    }
+
+
+def _pool_events(log: RunLog, waited: np.ndarray, wait: np.ndarray) -> dict:
+    """The record's eviction, stall and queue counts, summed over the replicas' managers."""
+    managers = log.managers
+    return {
+        "evictions": sum(m.metrics.evicted_pages for m in managers),
+        "eviction_batches": sum(m.metrics.eviction_batches for m in managers),
+        "stalls": sum(m.metrics.alloc_failures_cache_held for m in managers),
+        "queue": {"waited_requests": int(waited.sum()),
+                  "failed_admissions": sum(m.metrics.alloc_failures_uncached for m in managers),
+                  "wait_s": _stats(wait)},
+    }
+
+
+def _per_replica(log: RunLog, prompt: np.ndarray, matched: np.ndarray, forfeit: np.ndarray, replica: np.ndarray,
+                 waited: np.ndarray) -> list[dict]:
+    """One entry per replica: its requests, prompt tokens, shares, evictions, stalls and waits."""
     per_replica = []
     for r, m in enumerate(log.managers):
         sel = replica == r
@@ -88,33 +136,7 @@ def build_record(log: RunLog, ceiling: np.ndarray, workload: str) -> dict:
             "evictions": m.metrics.evicted_pages, "stalls": m.metrics.alloc_failures_cache_held,
             "waited_requests": int((waited & sel).sum()),
         })
-    shares = [r["realized_share"] for r in per_replica if r["requests"]]
-    ceiling_share, realized, forfeited = _share(ceiling, total), _share(matched, total), _share(forfeit, total)
-    record = {
-        "workload": workload,
-        "pool_tokens": cfg.pool_tokens, "page_size": cfg.page_size, "num_replicas": cfg.replicas,
-        "routing": cfg.routing if cfg.replicas > 1 else "single", "store_at": cfg.store_at,
-        "requests": len(log.specs), "rejected": int(rejected.sum()), "prompt_tokens": total,
-        "ceiling_share": ceiling_share, "realized_share": realized, "forfeit_share": forfeited,
-        "residual_share": ceiling_share - realized - forfeited,
-        "replica_ceiling_share": _share(replica_ceiling, total),
-        "dilution_share": ceiling_share - _share(replica_ceiling, total),
-        "evictions": sum(m.metrics.evicted_pages for m in log.managers),
-        "eviction_batches": sum(m.metrics.eviction_batches for m in log.managers),
-        "stalls": sum(m.metrics.alloc_failures_cache_held for m in log.managers),
-        "queue": {"waited_requests": int(waited.sum()),
-                  "failed_admissions": sum(m.metrics.alloc_failures_uncached for m in log.managers),
-                  "wait_s": _stats(wait)},
-        "ttft_s": _stats(ttft),
-        "duplicate_media_rate": duplicate_media_rate(log),
-        "replicas": per_replica,
-        "spread": (max(shares) - min(shares)) if shares else 0.0,
-        "simulated_s": float(np.nanmax(log.array("end_s", float))) if served.any() else 0.0,
-        "cost_model": {"prefill_tps": cfg.cost.prefill_tps, "decode_tps": cfg.cost.decode_tps},
-        "router": {"depth_tokens": cfg.route_depth_tokens, "load_factor": cfg.route_load_factor,
-                   "min_load": cfg.route_min_load, "fallback": cfg.route_fallback},
-    }
-    return record
+    return per_replica
 
 
 class CeilingCache:
