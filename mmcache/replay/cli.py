@@ -55,12 +55,26 @@ def register(sub) -> None:
                        formatter_class=_Formatter)
     p.add_argument("trace", metavar="TRACE")
     p.add_argument("--format", choices=("mooncake", "sessions"), help="from TRACE's extension when not given")
+    _add_pool_options(p, d)
+    _add_output_options(p)
+    _add_cost_options(p, c)
+    _add_router_options(p, d)
+    p.add_argument("--limit", type=positive_int, help="Mooncake: replay only the first N requests")
+    p.set_defaults(func=main)
+
+
+def _add_pool_options(p: argparse.ArgumentParser, d: ReplayConfig) -> None:
+    """Adds the options of the replayed pools (defaults from ``d``): size, pages, replicas, routing, storing."""
     p.add_argument("--pool-tokens", type=positive_int, default=d.pool_tokens, help="pool per replica")
     p.add_argument("--page-size", type=positive_int, default=d.page_size, help="tokens per page")
     p.add_argument("--replicas", type=positive_int, default=d.replicas, help="data-parallel replicas")
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="replica choice when R > 1")
     p.add_argument("--store-at", choices=STORE_AT + ("both",), default="both",
                    help="when pages enter the index; both replays each setting")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Adds the options of what is run and written besides the named run: the sweep, the JSON, the plot."""
     p.add_argument("--sweep", action="store_true", help="also run every pool of --sweep-pools and policy")
     # The default is DEFAULT_POOLS itself, so that main can tell the option given (a new list) from not given.
     p.add_argument("--sweep-pools", type=_pools, default=DEFAULT_POOLS, metavar="N,N,...",
@@ -68,10 +82,18 @@ def register(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write the records as JSON")
     p.add_argument("--plot", metavar="PNG",
                    help="the sweep plot (with --sweep; without this option it goes beside --json)")
+
+
+def _add_cost_options(p: argparse.ArgumentParser, c: CostModel) -> None:
+    """Adds the cost model's rates (defaults from ``c``), which turn tokens into simulated seconds."""
     p.add_argument("--prefill-tps", type=float, default=c.prefill_tps,
                    help="uncached prompt tokens per second per request (the default is a nominal GPU figure)")
     p.add_argument("--decode-tps", type=float, default=c.decode_tps,
                    help="output tokens per second per request (the default is a nominal GPU figure)")
+
+
+def _add_router_options(p: argparse.ArgumentParser, d: ReplayConfig) -> None:
+    """Adds the affinity router's options and the seed of random routing (defaults from ``d``)."""
     p.add_argument("--route-depth-tokens", type=positive_int, default=d.route_depth_tokens,
                    help="affinity routes by the name of the page ending at this depth (a shorter prompt by its "
                         "first page)")
@@ -84,8 +106,6 @@ def register(sub) -> None:
                    help="where affinity sends a request past the threshold (or with no full page): random, "
                         "the runtime's own choice (the RFC's), or the least-loaded replica")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing and of the random fallback")
-    p.add_argument("--limit", type=positive_int, help="Mooncake: replay only the first N requests")
-    p.set_defaults(func=main)
 
 
 def _is_sessions(trace: str) -> bool:
@@ -139,29 +159,17 @@ def _plot_path(args) -> str | None | bool:
 
 
 def main(args) -> int:
-    for option, given in (("--plot", args.plot), ("--sweep-pools", args.sweep_pools is not DEFAULT_POOLS)):
-        if given and not args.sweep:  # refused, not ignored
-            print(f"mmcache replay: {option} needs --sweep", file=sys.stderr)
-            return 2
-    if args.plot and not can_plot():  # refused before the replay, not after it
-        print("mmcache replay: --plot needs matplotlib (pip install 'mmcache[bench]')", file=sys.stderr)
+    """Runs ``mmcache replay``: 0 when done, 2 for options refused before the replay, 1 for a replay error."""
+    if _options_refused(args):
         return 2
     plot = _plot_path(args)
-    if plot is False:
+    if plot is False or not (writable(args.json, "mmcache replay") and writable(plot, "mmcache replay")):
         return 2
-    if not (writable(args.json, "mmcache replay") and writable(plot, "mmcache replay")):
-        return 2
-    if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
-        print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
-              file=sys.stderr)
+    if _limit_refused(args):
         return 2
     try:
         workload = load_workload(args.trace, args.format, args.limit)
-        base = ReplayConfig(pool_tokens=args.pool_tokens, page_size=args.page_size, replicas=args.replicas,
-                            routing=args.routing, route_depth_tokens=args.route_depth_tokens,
-                            route_load_factor=args.route_load_factor, route_min_load=args.route_min_load,
-                            route_fallback=args.route_fallback, seed=args.seed,
-                            cost=CostModel(args.prefill_tps, args.decode_tps))
+        base = _base_config(args)
         store_ats = list(STORE_AT) if args.store_at == "both" else [args.store_at]
         mains = [replace(base, store_at=s) for s in store_ats]
         configs = list(mains)
@@ -172,18 +180,58 @@ def main(args) -> int:
     except MmcacheError as e:
         print(f"mmcache replay: {e}", file=sys.stderr)
         return 1
-    by_config = dict(zip(configs, records))
+    out = _output(args, dict(zip(configs, records)), mains, base, store_ats)
+    print(format_table(records))
+    write_json(args.json, out)  # replaced whole: a run stopped while writing leaves the previous file
+    _finish_plot(args, plot, out, workload.description)
+    return 0
+
+
+def _options_refused(args) -> bool:
+    """True, said on stderr, where a sweep option comes without ``--sweep`` or ``--plot`` without matplotlib."""
+    for option, given in (("--plot", args.plot), ("--sweep-pools", args.sweep_pools is not DEFAULT_POOLS)):
+        if given and not args.sweep:  # refused, not ignored
+            print(f"mmcache replay: {option} needs --sweep", file=sys.stderr)
+            return True
+    if args.plot and not can_plot():  # refused before the replay, not after it
+        print("mmcache replay: --plot needs matplotlib (pip install 'mmcache[bench]')", file=sys.stderr)
+        return True
+    return False
+
+
+def _limit_refused(args) -> bool:
+    """True, said on stderr, where ``--limit`` is given for a sessions trace (it applies to Mooncake's)."""
+    if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
+        print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
+              file=sys.stderr)
+        return True
+    return False
+
+
+def _base_config(args) -> ReplayConfig:
+    """The replay the options name, before ``--store-at`` and the sweep vary it."""
+    return ReplayConfig(pool_tokens=args.pool_tokens, page_size=args.page_size, replicas=args.replicas,
+                        routing=args.routing, route_depth_tokens=args.route_depth_tokens,
+                        route_load_factor=args.route_load_factor, route_min_load=args.route_min_load,
+                        route_fallback=args.route_fallback, seed=args.seed,
+                        cost=CostModel(args.prefill_tps, args.decode_tps))
+
+
+def _output(args, by_config: dict, mains: list[ReplayConfig], base: ReplayConfig, store_ats: list[str]) -> dict:
+    """The JSON: the first named run's record, every named run's ``by_store_at`` where several, the ``sweep``."""
     out = dict(by_config[mains[0]])
     if len(mains) > 1:
         out["by_store_at"] = {c.store_at: by_config[c] for c in mains}
     if args.sweep:
         out["sweep"] = [by_config[c] for c in sweep_configs(base, args.sweep_pools, store_ats)]
-    print(format_table(records))
-    write_json(args.json, out)  # replaced whole: a run stopped while writing leaves the previous file
+    return out
+
+
+def _finish_plot(args, plot: str | None, out: dict, description: str) -> None:
+    """Draws the sweep plot at ``plot``; or, where it would have gone beside ``--json``, says why it did not."""
     if plot is None and args.sweep and args.json:  # only the plot beside --json is left out this way
         print("mmcache replay: no plot beside the JSON: matplotlib is not installed", file=sys.stderr)
     elif plot:
-        plot_sweep(out["sweep"], plot, title=f"{workload.description}, page {args.page_size}, "
+        plot_sweep(out["sweep"], plot, title=f"{description}, page {args.page_size}, "
                                              f"prefill {args.prefill_tps:g} tok/s, decode {args.decode_tps:g} tok/s")
         print(f"wrote {plot}", file=sys.stderr)
-    return 0
