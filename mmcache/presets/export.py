@@ -41,6 +41,28 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
     into a temporary folder beside ``out_dir`` and moved in once all are written, so a failure (no space,
     an unwritable file) leaves ``out_dir`` as it was. Every file gets the mode an ordinary write gives (0666
     less the umask)."""
+    out = _export_folder(out_dir)
+    model, tokenizer = build_model(preset_name, dtype)
+    tmp = None
+    try:
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-", dir=out.absolute().parent))
+        _write_export(tmp, model, tokenizer, preset_name, dtype)
+        out.mkdir(exist_ok=True)
+        # the mark last, so a new folder is marked only once every file is in it
+        for name in sorted((p.name for p in tmp.iterdir()), key=lambda name: (name == EXPORT_MARK, name)):
+            os.replace(tmp / name, out / name)
+    except Exception as e:  # OSError, safetensors' and the tokenizers library's own errors for a failed write
+        raise ModelExportError(f"cannot write {out}: {type(e).__name__}: {e}") from e
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _export_folder(out_dir) -> Path:
+    """``out_dir`` as a path once it is known to be new, empty or an earlier export's folder;
+    ``ModelExportError`` otherwise."""
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
         raise ModelExportError(f"the output folder must be a non-empty path, got {out_dir!r}")
     out = Path(out_dir)
@@ -55,30 +77,20 @@ def export_model(preset_name: str, out_dir, dtype="bfloat16") -> Path:
             raise ModelExportError(f"{out} holds a model that mmcache did not export (no {EXPORT_MARK}); its files "
                                    f"would be replaced: export into a new or empty folder (an export written "
                                    f"before exports were marked has no mark either: delete it first)")
-    model, tokenizer = build_model(preset_name, dtype)
-    tmp = None
-    try:
-        out.absolute().parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-", dir=out.absolute().parent))
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        name_generic_tokenizer(tmp)
-        (tmp / EXPORT_MARK).write_text(json.dumps({"preset": preset_name, "dtype": str(dtype)}, indent=2) + "\n")
-        # safetensors' save_file makes its file private (0600); give every file the mode the others have.
-        mode = _new_file_mode(tmp)
-        for path in tmp.iterdir():
-            if path.is_file():
-                path.chmod(mode)
-        out.mkdir(exist_ok=True)
-        # the mark last, so a new folder is marked only once every file is in it
-        for name in sorted((p.name for p in tmp.iterdir()), key=lambda name: (name == EXPORT_MARK, name)):
-            os.replace(tmp / name, out / name)
-    except Exception as e:  # OSError, safetensors' and the tokenizers library's own errors for a failed write
-        raise ModelExportError(f"cannot write {out}: {type(e).__name__}: {e}") from e
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_export(tmp: Path, model, tokenizer, preset_name: str, dtype) -> None:
+    """Writes every file of ``EXPORT_FILES`` into ``tmp``, each with the mode an ordinary write gives."""
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    name_generic_tokenizer(tmp)
+    (tmp / EXPORT_MARK).write_text(json.dumps({"preset": preset_name, "dtype": str(dtype)}, indent=2) + "\n")
+    # safetensors' save_file makes its file private (0600); give every file the mode the others have.
+    mode = _new_file_mode(tmp)
+    for path in tmp.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _new_file_mode(folder: Path) -> int:
