@@ -139,6 +139,24 @@ def decode_clip(raw: RawAudio, sampling_rate: int, limits: AudioLimits = AudioLi
 def _decode(raw: RawAudio, sampling_rate: int, limits: AudioLimits) -> tuple[np.ndarray, int]:
     """The float32 mono waveform of ``raw`` at its own rate, and that rate; every check of the module docstring
     made."""
+    _check_arguments(raw, sampling_rate, limits)
+    _check_whole(raw)
+    try:
+        with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
+            rate, frames, channels = f.samplerate, f.frames, f.channels
+            _check_header(raw.ref, f.format, rate, frames, channels, limits)
+            samples = f.read(dtype="float32", always_2d=True)
+    except MediaDecodeError:
+        raise
+    except _DECODE_FAILURES as e:
+        raise MediaDecodeError(raw.ref, f"not a readable audio file: {e}") from None
+    if len(samples) != frames:
+        raise MediaDecodeError(raw.ref, f"truncated audio: {len(samples)} of {frames} frames")
+    return _mono(samples, raw.ref), rate
+
+
+def _check_arguments(raw: RawAudio, sampling_rate: int, limits: AudioLimits) -> None:
+    """``InvalidRequest`` for a caller's mistake: a bad rate, bad limits, or no ``RawAudio`` of bytes."""
     if not positive_int(sampling_rate):
         raise InvalidRequest(f"sampling_rate must be a positive int, got {sampling_rate!r}")
     _check_limits(limits)
@@ -146,6 +164,10 @@ def _decode(raw: RawAudio, sampling_rate: int, limits: AudioLimits) -> tuple[np.
         raise InvalidRequest(f"decode_audio takes a RawAudio (see read_audio), got {type(raw).__name__}")
     if not isinstance(raw.data, (bytes, bytearray)):
         raise InvalidRequest(f"RawAudio.data must be bytes, got {type(raw.data).__name__}")
+
+
+def _check_whole(raw: RawAudio) -> None:
+    """``MediaDecodeError`` for empty bytes, or a WAV or OGG file cut short (which libsndfile would shorten)."""
     if not raw.data:
         raise MediaDecodeError(raw.ref, "audio bytes are empty")
     shortfall = wav_data_shortfall(raw.data)
@@ -155,36 +177,35 @@ def _decode(raw: RawAudio, sampling_rate: int, limits: AudioLimits) -> tuple[np.
     unended = ogg_unended(raw.data)
     if unended:
         raise MediaDecodeError(raw.ref, f"truncated OGG: {unended}")
-    try:
-        with soundfile.SoundFile(io.BytesIO(raw.data)) as f:  # reads the header only
-            rate, frames, channels = f.samplerate, f.frames, f.channels
-            if _CONTAINERS.get(f.format, f.format) not in limits.formats:
-                raise MediaDecodeError(raw.ref, f"container {f.format} is not accepted "
-                                                f"(accepted: {', '.join(limits.formats)})")
-            if channels > limits.max_channels:
-                raise MediaDecodeError(raw.ref, f"{channels} channels exceed the limit of {limits.max_channels} "
-                                                f"(refused before decoding)")
-            if rate > limits.max_rate:
-                raise MediaDecodeError(raw.ref, f"sampled at {rate} Hz, above the limit of {limits.max_rate} Hz "
-                                                f"(max_rate; refused before decoding)")
-            if frames <= 0:
-                raise MediaDecodeError(raw.ref, "audio has no samples")
-            if frames > limits.max_seconds * rate:
-                raise MediaDecodeError(raw.ref, f"{frames / rate:.1f} s exceed the limit of {limits.max_seconds} s "
-                                                f"(refused before decoding)")
-            samples = f.read(dtype="float32", always_2d=True)
-    except MediaDecodeError:
-        raise
-    except _DECODE_FAILURES as e:
-        raise MediaDecodeError(raw.ref, f"not a readable audio file: {e}") from None
-    if len(samples) != frames:
-        raise MediaDecodeError(raw.ref, f"truncated audio: {len(samples)} of {frames} frames")
+
+
+def _check_header(ref: MediaRef, container: str, rate: int, frames: int, channels: int,
+                  limits: AudioLimits) -> None:
+    """``MediaDecodeError`` where the header's container, channels, rate or length is outside ``limits`` (or
+    there are no frames): refused before any sample is decoded."""
+    if _CONTAINERS.get(container, container) not in limits.formats:
+        raise MediaDecodeError(ref, f"container {container} is not accepted (accepted: {', '.join(limits.formats)})")
+    if channels > limits.max_channels:
+        raise MediaDecodeError(ref, f"{channels} channels exceed the limit of {limits.max_channels} "
+                                    f"(refused before decoding)")
+    if rate > limits.max_rate:
+        raise MediaDecodeError(ref, f"sampled at {rate} Hz, above the limit of {limits.max_rate} Hz "
+                                    f"(max_rate; refused before decoding)")
+    if frames <= 0:
+        raise MediaDecodeError(ref, "audio has no samples")
+    if frames > limits.max_seconds * rate:
+        raise MediaDecodeError(ref, f"{frames / rate:.1f} s exceed the limit of {limits.max_seconds} s "
+                                    f"(refused before decoding)")
+
+
+def _mono(samples: np.ndarray, ref: MediaRef) -> np.ndarray:
+    """The float32 mono mix of decoded ``samples`` (frames, channels); ``MediaDecodeError`` if not finite."""
     # Channels are summed in float64: a float32 sum of loud float samples (near 3.4e38) overflows to inf. For
     # two channels (the default limit) the result equals float32's mean wherever that one is finite.
     wave = samples[:, 0] if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float64).astype(np.float32)
     if not np.isfinite(wave).all():
-        raise MediaDecodeError(raw.ref, "audio holds non-finite samples")
-    return wave, rate
+        raise MediaDecodeError(ref, "audio holds non-finite samples")
+    return wave
 
 
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # what streaming writers put where the length is not known yet
