@@ -424,11 +424,7 @@ class Engine:
         arrival = time.perf_counter()
         rid, named = req.request_id, req.request_id is None
         if named:
-            with self._change():  # skips ids live or being added ("req-0" is an id like any other), and holds it
-                while (rid := f"req-{self._next_id}") in self._live or rid in self._naming:
-                    self._next_id += 1
-                self._next_id += 1
-                self._naming.add(rid)
+            rid = self._new_id()
         try:
             live = self.intake.live(req, rid, arrival)
         except MmcacheError as err:
@@ -458,6 +454,15 @@ class Engine:
             self.scheduler.add(live)
         return live, rid
 
+    def _new_id(self) -> str:
+        """A fresh ``req-N`` id for a request added without one, held in ``_naming`` until it is taken or refused."""
+        with self._change():  # skips ids live or being added ("req-0" is an id like any other), and holds it
+            while (rid := f"req-{self._next_id}") in self._live or rid in self._naming:
+                self._next_id += 1
+            self._next_id += 1
+            self._naming.add(rid)
+        return rid
+
     # ---- stepping ----------------------------------------------------------------------------------
     def _is_live(self, live: LiveRequest) -> bool:
         return self._live.get(live.request_id) is live
@@ -473,18 +478,34 @@ class Engine:
                 self._fail_stuck()
             return
         works = self.runner.order(plan.works)
-        self.counters["forwards"] += 1
-        self.counters["forward_tokens"] += sum(w.end - w.start for w in works)
-        self.counters["prompt_tokens"] += sum(max(0, min(w.end, w.branch.prompt_len) - w.start) for w in works)
+        self._count_forward(works)
         try:
             logits = self.runner.run(works)
         except Exception as cause:  # any failure inside the model: its requests fail, the engine goes on
-            self.counters["failed_forwards"] += 1
-            err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}", cause)
-            for live in _unique(w.live for w in works):
-                if self._is_live(live):
-                    self._finish(live, "error", err, store=False)
+            self._fail_forward(works, cause)
             return
+        greedy = self._greedy_picks(logits, self._commit(works, logits))
+        for live in _unique(w.live for w in works):
+            if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
+                self._emit_token(live, greedy.get(id(live)))
+
+    def _count_forward(self, works: list) -> None:
+        """Counts a forward over ``works``: its tokens, and those of them that are prompt tokens."""
+        self.counters["forwards"] += 1
+        self.counters["forward_tokens"] += sum(w.end - w.start for w in works)
+        self.counters["prompt_tokens"] += sum(max(0, min(w.end, w.branch.prompt_len) - w.start) for w in works)
+
+    def _fail_forward(self, works: list, cause: Exception) -> None:
+        """Ends every still-live request of a failed forward with a ``ForwardError`` carrying ``cause``."""
+        self.counters["failed_forwards"] += 1
+        err = ForwardError(f"forward failed: {type(cause).__name__}: {cause}", cause)
+        for live in _unique(w.live for w in works):
+            if self._is_live(live):
+                self._finish(live, "error", err, store=False)
+
+    def _commit(self, works: list, logits: torch.Tensor) -> dict:
+        """Commits each live work's written KV and gives its branch its row of ``logits``; returns the rows of
+        greedy requests without a CFG branch, by ``id`` of the request, for ``greedy_picks``."""
         # Aborts are deferred to the end of the step, so every work's request should still be live; one that
         # is not (ended by a path this engine does not foresee) is skipped rather than failing the others.
         row, greedy_rows = 0, {}
@@ -499,16 +520,18 @@ class Engine:
                     if w.live.sampling.greedy and CFG not in w.live.branches:
                         greedy_rows[id(w.live)] = row
                 row += 1
+        return greedy_rows
+
+    def _greedy_picks(self, logits: torch.Tensor, greedy_rows: dict) -> dict:
+        """``greedy_picks`` of the step's greedy rows, or none where that raises (each request then samples its
+        own row, so a failure there ends that request only)."""
         try:
-            greedy = greedy_picks(logits, greedy_rows)
-        except Exception:  # each request then samples its own row, and a failure there ends that request only
+            return greedy_picks(logits, greedy_rows)
+        except Exception:
             self.counters["greedy_pick_failures"] += 1
             _log.warning("picking a step's greedy tokens together raised; each request samples its own row",
                          exc_info=True)
-            greedy = {}
-        for live in _unique(w.live for w in works):
-            if self._is_live(live) and all(b.logits is not None for b in live.branches.values()):
-                self._emit_token(live, greedy.get(id(live)))
+            return {}
 
     def _fail_stuck(self) -> None:
         """Nothing could be scheduled although requests wait: the budget or pool can never fit them."""
