@@ -101,32 +101,39 @@ def _bpe_merges(words: Counter, n_merges: int) -> list[tuple[str, str]]:
         if pair_count.get(best, 0) != -neg or neg == 0:
             continue  # a stale heap entry; the live count was pushed again when it changed
         merges.append(best)
-        joined = best[0] + best[1]
-        changed: set = set()
-        for i in sorted(where.pop(best)):
-            s = seqs[i]
-            for pair in zip(s, s[1:]):
-                pair_count[pair] -= freq[i]
-                changed.add(pair)
-            out, k = [], 0
-            while k < len(s):
-                if k + 1 < len(s) and (s[k], s[k + 1]) == best:
-                    out.append(joined)
-                    k += 2
-                else:
-                    out.append(s[k])
-                    k += 1
-            seqs[i] = out
-            for pair in zip(out, out[1:]):
-                pair_count[pair] += freq[i]
-                where[pair].add(i)
-                changed.add(pair)
-        for pair in changed:
+        for pair in _merge_everywhere(best, seqs, freq, pair_count, where):
             if pair_count[pair] > 0:
                 heapq.heappush(heap, (-pair_count[pair], pair))
             else:
                 del pair_count[pair]
     return merges
+
+
+def _merge_everywhere(best: tuple[str, str], seqs: list[list[str]], freq: list[int], pair_count: Counter,
+                      where: defaultdict) -> set:
+    """Joins ``best`` in every word holding it, updating ``seqs``, ``pair_count`` and ``where`` in place; returns
+    the pairs whose counts changed."""
+    joined = best[0] + best[1]
+    changed: set = set()
+    for i in sorted(where.pop(best)):
+        s = seqs[i]
+        for pair in zip(s, s[1:]):
+            pair_count[pair] -= freq[i]
+            changed.add(pair)
+        out, k = [], 0
+        while k < len(s):
+            if k + 1 < len(s) and (s[k], s[k + 1]) == best:
+                out.append(joined)
+                k += 2
+            else:
+                out.append(s[k])
+                k += 1
+        seqs[i] = out
+        for pair in zip(out, out[1:]):
+            pair_count[pair] += freq[i]
+            where[pair].add(i)
+            changed.add(pair)
+    return changed
 
 
 def t5_tokenizer(vocab_size: int = 2000, model_max_length: int = 512, prompts_dir: Path = PROMPTS_DIR):
