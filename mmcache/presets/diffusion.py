@@ -91,43 +91,65 @@ def tiny_wan_pipeline(preset: WanPreset = WanPreset()):
 
 def tiny_sd3_pipeline(preset: SD3Preset = SD3Preset()):
     """A ``StableDiffusion3Pipeline`` with seeded random weights; 16x16 images take well under 1 s."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, \
-        StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     clip_tok = clip_tokenizer(vocab_size=preset.vocab_size, model_max_length=preset.clip_max_length)
     t5_tok = t5_tokenizer(vocab_size=preset.vocab_size)
-
-    def clip_config(width: int) -> CLIPTextConfig:
-        return CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=width, intermediate_size=2 * width,
-                              num_hidden_layers=preset.clip_layers, num_attention_heads=4, projection_dim=width,
-                              max_position_embeddings=preset.clip_max_length, hidden_act="gelu",
-                              bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
-                              pad_token_id=clip_tok.pad_token_id)
-
     width_l, width_g = preset.clip_hidden
-    t5 = preset.t5
-    t5_cfg = T5Config(vocab_size=len(t5_tok), d_model=t5.d_model, d_kv=t5.d_kv, d_ff=t5.d_ff,
-                      num_layers=t5.num_layers, num_heads=t5.num_heads, dropout_rate=0.0,
-                      feed_forward_proj="gated-gelu", pad_token_id=t5_tok.pad_token_id,
-                      eos_token_id=t5_tok.eos_token_id)
-    inner = preset.dit_heads * preset.dit_head_dim
+    t5_cfg = _t5_config(t5_tok, preset.t5)
     return StableDiffusion3Pipeline(
-        text_encoder=_seeded(preset.seed, lambda: CLIPTextModelWithProjection(clip_config(width_l))),
+        text_encoder=_seeded(preset.seed, lambda: CLIPTextModelWithProjection(_clip_config(clip_tok, width_l, preset))),
         tokenizer=clip_tok,
-        text_encoder_2=_seeded(preset.seed + 1, lambda: CLIPTextModelWithProjection(clip_config(width_g))),
+        text_encoder_2=_seeded(preset.seed + 1,
+                               lambda: CLIPTextModelWithProjection(_clip_config(clip_tok, width_g, preset))),
         tokenizer_2=clip_tok,
         text_encoder_3=_seeded(preset.seed + 2, lambda: T5EncoderModel(t5_cfg)),
         tokenizer_3=t5_tok,
-        transformer=_seeded(preset.seed + 3, lambda: SD3Transformer2DModel(
-            sample_size=16, patch_size=1, in_channels=preset.vae_channels, num_layers=preset.dit_layers,
-            attention_head_dim=preset.dit_head_dim, num_attention_heads=preset.dit_heads,
-            caption_projection_dim=inner, joint_attention_dim=t5.d_model, pooled_projection_dim=width_l + width_g,
-            out_channels=preset.vae_channels, pos_embed_max_size=32)),
-        vae=_seeded(preset.seed + 4, lambda: AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
-            up_block_types=("UpDecoderBlock2D",), block_out_channels=(preset.vae_channels,),
-            latent_channels=preset.vae_channels, norm_num_groups=1, sample_size=16, use_quant_conv=False,
-            use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)),
+        transformer=_seeded(preset.seed + 3, lambda: _sd3_transformer(preset)),
+        vae=_seeded(preset.seed + 4, lambda: _sd3_vae(preset)),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
+
+
+def _clip_config(tokenizer, width: int, preset: SD3Preset):
+    """The ``CLIPTextConfig`` of one of SD3's two CLIP towers, ``width`` wide."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+                          num_hidden_layers=preset.clip_layers, num_attention_heads=4, projection_dim=width,
+                          max_position_embeddings=preset.clip_max_length, hidden_act="gelu",
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+
+
+def _t5_config(tokenizer, t5: UMT5Shape):
+    """The ``T5Config`` of SD3's T5 encoder, shaped by ``t5``."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=len(tokenizer), d_model=t5.d_model, d_kv=t5.d_kv, d_ff=t5.d_ff,
+                    num_layers=t5.num_layers, num_heads=t5.num_heads, dropout_rate=0.0,
+                    feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id)
+
+
+def _sd3_transformer(preset: SD3Preset):
+    """SD3's denoiser, its joint attention as wide as the T5 encoder and its pooled input both CLIP widths."""
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=16, patch_size=1, in_channels=preset.vae_channels, num_layers=preset.dit_layers,
+        attention_head_dim=preset.dit_head_dim, num_attention_heads=preset.dit_heads,
+        caption_projection_dim=preset.dit_heads * preset.dit_head_dim, joint_attention_dim=preset.t5.d_model,
+        pooled_projection_dim=sum(preset.clip_hidden), out_channels=preset.vae_channels, pos_embed_max_size=32)
+
+
+def _sd3_vae(preset: SD3Preset):
+    """SD3's autoencoder: one block each way, ``vae_channels`` latent channels, SD3's shift and scale."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",), block_out_channels=(preset.vae_channels,),
+        latent_channels=preset.vae_channels, norm_num_groups=1, sample_size=16, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
