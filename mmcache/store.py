@@ -246,6 +246,33 @@ def _check_kind(kind) -> str:
     return kind
 
 
+def _check_outputs(key: bytes, outputs, spec: OutputSpec | None) -> None:
+    """``StoreEntryRejected`` unless ``outputs`` is a non-empty mapping of str to strided tensors that ``spec``
+    (an ``OutputSpec`` or None, else ``InvalidRequest``) accepts."""
+    if not isinstance(outputs, Mapping) or not outputs:
+        raise StoreEntryRejected(key.hex(), "outputs must be a non-empty mapping of name to tensor")
+    if not all(isinstance(name, str) for name in outputs):
+        raise StoreEntryRejected(key.hex(), f"output names must be str, got {list(outputs)!r}")
+    _check_spec(spec)
+    for name, t in outputs.items():
+        if not isinstance(t, torch.Tensor):
+            raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided or t.is_nested:  # no single storage to count (sparse, nested)
+            what = "nested" if t.is_nested else str(t.layout)
+            raise StoreEntryRejected(key.hex(), f"output {name!r} is a {what} tensor, not a strided one")
+    if spec is not None:
+        spec.check(key, outputs)
+
+
+def _check_meta(key: bytes, meta) -> None:
+    """``StoreEntryRejected`` unless ``meta`` is None or a str-keyed mapping of plain values (``_plain``)."""
+    if meta is not None and not isinstance(meta, Mapping):
+        raise StoreEntryRejected(key.hex(), f"meta must be a mapping, got {type(meta).__name__}")
+    if not all(isinstance(k, str) for k in (meta or {})) or not _plain(list((meta or {}).values())):
+        raise StoreEntryRejected(key.hex(), "meta holds plain values only (None, bool, int, float, str, bytes, "
+                                            "and lists, tuples and str-keyed dicts of them)")
+
+
 def _nbytes(outputs: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in outputs.values())
 
@@ -312,24 +339,8 @@ class EncoderOutputStore:
         """
         key = _check_key(key)
         _check_kind(kind)
-        if not isinstance(outputs, Mapping) or not outputs:
-            raise StoreEntryRejected(key.hex(), "outputs must be a non-empty mapping of name to tensor")
-        if not all(isinstance(name, str) for name in outputs):
-            raise StoreEntryRejected(key.hex(), f"output names must be str, got {list(outputs)!r}")
-        _check_spec(spec)
-        for name, t in outputs.items():
-            if not isinstance(t, torch.Tensor):
-                raise StoreEntryRejected(key.hex(), f"output {name!r} is {type(t).__name__}, not a tensor")
-            if t.layout != torch.strided or t.is_nested:  # no single storage to count (sparse, nested)
-                what = "nested" if t.is_nested else str(t.layout)
-                raise StoreEntryRejected(key.hex(), f"output {name!r} is a {what} tensor, not a strided one")
-        if spec is not None:
-            spec.check(key, outputs)
-        if meta is not None and not isinstance(meta, Mapping):
-            raise StoreEntryRejected(key.hex(), f"meta must be a mapping, got {type(meta).__name__}")
-        if not all(isinstance(k, str) for k in (meta or {})) or not _plain(list((meta or {}).values())):
-            raise StoreEntryRejected(key.hex(), "meta holds plain values only (None, bool, int, float, str, bytes, "
-                                                "and lists, tuples and str-keyed dicts of them)")
+        _check_outputs(key, outputs, spec)
+        _check_meta(key, meta)
         outs = MappingProxyType({k: _own(v) for k, v in outputs.items()})
         meta = _frozen(dict(meta or {}))
         size = _nbytes(outs)
@@ -372,22 +383,9 @@ class EncoderOutputStore:
         key = _check_key(key)
         _check_spec(spec)
         _check_kind(kind)
-        while True:
-            with self._lock:
-                self._count(kind, lookups=1)
-                lease = self._hold(key)
-                if lease is not None:
-                    return lease
-                waiting = self._computing.get(key)
-                if waiting is None:
-                    flight = self._computing[key] = _Flight()
-                    break
-            waiting.done.wait()
-            with self._lock:
-                if waiting.bypassed is not None:  # computed but not stored: the same outputs, not a second run
-                    self._count(kind, bypasses=1)
-                    return Lease(key, *waiting.bypassed, hit=False, bypassed=True)
-                self._count(kind, lookups=-1)  # the retry counts as one lookup, not two
+        lease, flight = self._found_or_leading(key, kind)
+        if lease is not None:
+            return lease
         try:
             result = compute()
             if not (isinstance(result, tuple) and len(result) == 2):
@@ -403,6 +401,26 @@ class EncoderOutputStore:
             with self._lock:
                 self._computing.pop(key, None)
             flight.done.set()
+
+    def _found_or_leading(self, key: bytes, kind: str) -> tuple[Lease | None, _Flight | None]:
+        """A lease on ``key``'s entry (after waiting for a computation of it already running), or the outputs
+        that computation could not store; else ``(None, flight)``: this caller computes ``key``, under ``flight``."""
+        while True:
+            with self._lock:
+                self._count(kind, lookups=1)
+                lease = self._hold(key)
+                if lease is not None:
+                    return lease, None
+                waiting = self._computing.get(key)
+                if waiting is None:
+                    flight = self._computing[key] = _Flight()
+                    return None, flight
+            waiting.done.wait()
+            with self._lock:
+                if waiting.bypassed is not None:  # computed but not stored: the same outputs, not a second run
+                    self._count(kind, bypasses=1)
+                    return Lease(key, *waiting.bypassed, hit=False, bypassed=True), None
+                self._count(kind, lookups=-1)  # the retry counts as one lookup, not two
 
     def _release(self, key: bytes, token: int) -> None:
         with self._lock:
