@@ -215,16 +215,7 @@ class Scheduler:
                 continue
             if budget < lim.page_size and any(budget < len(b.tokens) for b in live.branches.values()):
                 return  # the first chunk might not fit; the next step has a full budget
-            first_admission = [b.first_matched is None for b in live.branches.values()]
-            for b in live.branches.values():
-                res = b.manager.admit(live.request_id, b.prepared, whole=self.limits.whole_hits,
-                                      readmission=b.first_matched is not None)  # after a preemption
-                b.names = b.prepared.names
-                b.prepared = None
-                b.admitted = True
-                b.computed = b.matched = res.matched_tokens
-                if b.first_matched is None:
-                    b.first_matched = res.matched_tokens
+            first_admission = self._admit_branches(live)
             del self.waiting[i]
             self.running.append(live)
             works = self._reserve_admission(live, self._chunks(live, budget), plan, i)
@@ -238,6 +229,21 @@ class Scheduler:
             budget -= sum(w.end - w.start for w in works)
             if lim.defer_shared_prefill:
                 self._add_unwritten(live, unwritten)
+
+    def _admit_branches(self, live: LiveRequest) -> list[bool]:
+        """Admits each of ``live``'s prepared branches to its manager (its matched tokens counted as computed);
+        returns, per branch, whether this was its first admission (not one after a preemption)."""
+        first_admission = [b.first_matched is None for b in live.branches.values()]
+        for b in live.branches.values():
+            res = b.manager.admit(live.request_id, b.prepared, whole=self.limits.whole_hits,
+                                  readmission=b.first_matched is not None)  # after a preemption
+            b.names = b.prepared.names
+            b.prepared = None
+            b.admitted = True
+            b.computed = b.matched = res.matched_tokens
+            if b.first_matched is None:
+                b.first_matched = res.matched_tokens
+        return first_admission
 
     def _unwritten_pages(self) -> dict[str, set]:
         """Per label, the names of prompt pages running requests have yet to write (see the docstring)."""
