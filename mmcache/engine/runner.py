@@ -67,19 +67,34 @@ class ModelRunner:
                 row += n
                 if w.wants_logits:
                     logit_rows.append(row - 1)
-            if tables:
-                decodes.append(self._decode_group(kv, group_start, tables, ctx_lens, self.adapter.device))
-            if not unwritten:
-                writes.append(WriteGroup(kv, slice(group_start, row), self._tensor(np.concatenate(slots))))
-            elif slots:  # some rows write no KV (whole hits' last tokens): the others by index
-                rows = np.setdiff1d(np.arange(group_start, row, dtype=np.int64), unwritten)
-                writes.append(WriteGroup(kv, self._tensor(rows), self._tensor(np.concatenate(slots))))
+            decode, write = self._pool_groups(kv, group_start, row, slots, tables, ctx_lens, unwritten)
+            if decode is not None:
+                decodes.append(decode)
+            if write is not None:
+                writes.append(write)
+        return self._forward(works, ids, pos, logit_rows, PagedBatch(segments, decodes, writes, p, self.decode_kernel))
+
+    def _forward(self, works: list[Work], ids: list, pos: list, logit_rows: list, batch: PagedBatch) -> torch.Tensor:
+        """The model's float32 logits at ``logit_rows`` over the packed ``ids`` and positions ``pos`` of ``works``
+        (multimodal embeddings substituted), attending through ``batch``."""
         embeds = self.adapter.embed(self._tensor(np.concatenate(ids)))
         self._substitute(embeds, works)
         positions = self._positions(works, self._tensor(np.concatenate(pos)))
-        batch = PagedBatch(segments, decodes, writes, p, self.decode_kernel)
         logits = self.adapter.forward(embeds, positions, self._tensor(np.asarray(logit_rows, dtype=np.int64)), batch)
         return logits.float()
+
+    def _pool_groups(self, kv: torch.Tensor, start: int, end: int, slots: list, tables: list, ctx_lens: list,
+                     unwritten: list) -> tuple[DecodeGroup | None, WriteGroup | None]:
+        """The ``DecodeGroup`` of the pool's rows ``start .. end`` (None without decodes) and their ``WriteGroup``
+        (None where no row writes)."""
+        decode = self._decode_group(kv, start, tables, ctx_lens, self.adapter.device) if tables else None
+        write = None
+        if not unwritten:
+            write = WriteGroup(kv, slice(start, end), self._tensor(np.concatenate(slots)))
+        elif slots:  # some rows write no KV (whole hits' last tokens): the others by index
+            rows = np.setdiff1d(np.arange(start, end, dtype=np.int64), unwritten)
+            write = WriteGroup(kv, self._tensor(rows), self._tensor(np.concatenate(slots)))
+        return decode, write
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.adapter.device)
