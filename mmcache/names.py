@@ -257,16 +257,8 @@ class Namer:
         """The chain root named by ``root_material``'s bytes (``root`` without building them again)."""
         return self._hash(material, 0)
 
-    def names(
-        self,
-        token_ids: np.ndarray,
-        root: int,
-        extras: Mapping[int, Extras] | None = None,
-        *,
-        first_page: int = 0,
-        parent: int | None = None,
-        num_pages: int | None = None,
-    ) -> np.ndarray:
+    def names(self, token_ids: np.ndarray, root: int, extras: Mapping[int, Extras] | None = None, *,
+              first_page: int = 0, parent: int | None = None, num_pages: int | None = None) -> np.ndarray:
         """Names of the full pages of ``token_ids``, as uint64.
 
         ``token_ids`` must be the output of ``as_token_array``. Pages ``first_page .. first_page+num_pages-1``
