@@ -123,21 +123,7 @@ def parse_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message]
         raw_parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(raw_parts, Sequence) or isinstance(raw_parts, (bytes, str)):
             raise InvalidRequest(f"message {i}: content must be a string or a list of parts")
-        parts: list[TextPart | ImagePart] = []
-        for j, part in enumerate(raw_parts):
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            kind = kind if isinstance(kind, str) else None  # an array's == would raise, not compare
-            if kind == "text" and isinstance(part.get("text"), str):
-                if not unicode_text(part["text"]):
-                    raise InvalidRequest(f"message {i} part {j}: text is not valid Unicode (a lone surrogate)")
-                parts.append(TextPart(part["text"]))
-            elif kind in ("image_url", "image"):
-                if role != "user":
-                    raise InvalidRequest(f"message {i}: images are accepted in user messages only, not {role}")
-                parts.append(ImagePart(len(images)))
-                images.append(_image_source(part, kind, i, j))
-            else:
-                raise InvalidRequest(f"message {i} part {j}: expected a text, image_url or image part")
+        parts = _parse_parts(raw_parts, role, i, images)
         token_ids = message.get("token_ids")
         if token_ids is not None:
             if role != "assistant":
@@ -145,6 +131,27 @@ def parse_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Message]
             token_ids = tuple(int(t) for t in as_token_array(token_ids))
         parsed.append(Message(role, tuple(parts), token_ids))
     return parsed, images
+
+
+def _parse_parts(raw_parts: Sequence, role: str, i: int, images: list[object]) -> list[TextPart | ImagePart]:
+    """The parts of message ``i`` (of ``role``), each image's source appended to ``images`` in request order;
+    ``InvalidRequest`` for a malformed part."""
+    parts: list[TextPart | ImagePart] = []
+    for j, part in enumerate(raw_parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        kind = kind if isinstance(kind, str) else None  # an array's == would raise, not compare
+        if kind == "text" and isinstance(part.get("text"), str):
+            if not unicode_text(part["text"]):
+                raise InvalidRequest(f"message {i} part {j}: text is not valid Unicode (a lone surrogate)")
+            parts.append(TextPart(part["text"]))
+        elif kind in ("image_url", "image"):
+            if role != "user":
+                raise InvalidRequest(f"message {i}: images are accepted in user messages only, not {role}")
+            parts.append(ImagePart(len(images)))
+            images.append(_image_source(part, kind, i, j))
+        else:
+            raise InvalidRequest(f"message {i} part {j}: expected a text, image_url or image part")
+    return parts
 
 
 def _image_source(part: Mapping[str, Any], kind: str, i: int, j: int) -> object:
@@ -217,22 +224,27 @@ class PromptBuilder:
         _check_length(len(ids) + sum(n - 1 for (_, length), n in zip(spans, counts) if length == 1), max_tokens)
         encoded = self.adapter.encode_all(raws, salt=salt)
         try:
-            out: list[int] = []
-            runs: list[ImageRun] = []
-            cursor = 0
-            for index, ((start, length), image) in enumerate(zip(spans, encoded)):
-                n = image.num_placeholders
-                if length not in (1, n):
-                    raise InvalidRequest(f"image {index}: a run of {length} image tokens; expected 1 or {n}")
-                out += ids[cursor:start]
-                runs.append(ImageRun(index, len(out), n))
-                out += [self.template.image_token_id] * n
-                cursor = start + length
-            out += ids[cursor:]
-            return self._assemble(out, runs, encoded)
+            return self._assemble(*self._expand_runs(ids, spans, encoded), encoded)
         except BaseException:
             _release(encoded)
             raise
+
+    def _expand_runs(self, ids: list[int], spans: list, encoded: list) -> tuple[list[int], list[ImageRun]]:
+        """``ids`` with each image's run (``spans``: start and length) made as long as its encoded placeholders,
+        and the runs; ``InvalidRequest`` for a run neither 1 nor that long."""
+        out: list[int] = []
+        runs: list[ImageRun] = []
+        cursor = 0
+        for index, ((start, length), image) in enumerate(zip(spans, encoded)):
+            n = image.num_placeholders
+            if length not in (1, n):
+                raise InvalidRequest(f"image {index}: a run of {length} image tokens; expected 1 or {n}")
+            out += ids[cursor:start]
+            runs.append(ImageRun(index, len(out), n))
+            out += [self.template.image_token_id] * n
+            cursor = start + length
+        out += ids[cursor:]
+        return out, runs
 
     def _read_all(self, sources: Sequence[object]) -> list[RawImage]:
         """The bytes as sent of each image (nothing decoded), after the request's image count is checked."""
