@@ -152,7 +152,7 @@ def test_sessions_send_the_whole_history_and_record_every_turn():
     records = run_stub(app, [session("a b", "c"), session("d", cut_after=2, tokens=5), session("e", "fail", "f")])
     by = {(r.session, r.turn): r for r in records}
     assert sorted(by) == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]  # session 2 stops at its failed turn
-    first, second = by[0, 0], by[0, 1]
+    first = by[0, 0]
     assert first.outcome == "ok" and first.text == "w0 w1 w2 " and len(first.token_times) == 3
     assert (first.prompt_tokens, first.cached_tokens, first.output_tokens) == (4, 2, 3)
     assert first.send < first.first_token <= first.token_times[-1] <= first.end
