@@ -2,12 +2,14 @@
 
 Rules every such benchmark follows (this machine's speed moves by more than most differences measured):
 
-* The sides run in every repeat, in turns (``order``: each repeat starts one side later), so a slow minute
-  weighs on every side alike.
+* The sides run in every repeat, in turns (``order``: each repeat starts one side later; ``in_turns``
+  measures them so), so a slow minute weighs on every side alike.
 * A ratio is taken within its repeat and then the median over repeats (``ratio``), never as a ratio of
   medians; each side's own figure is its median (``paired``).
 * First calls (allocations, oneDNN's kernel choice) are not timed; ``timed`` gives the mean of ``calls``
   calls after them.
+* A decode step is timed only where it decoded alone (``decode_only_step``): a step that also took prompt
+  tokens is a prefill's figure, not a decode's.
 * The result names the machine it was measured on (``machine``; ``say_machine`` prints it to stderr) and is
   written whole (``write_json``).
 """
@@ -21,7 +23,8 @@ from collections.abc import Callable, Sequence
 
 from mmcache.cli import write_json
 
-__all__ = ["machine", "order", "paired", "ratio", "say_machine", "timed", "write_json"]
+__all__ = ["decode_only_step", "in_turns", "machine", "order", "paired", "ratio", "say_machine", "timed",
+           "write_json"]
 
 
 def order(sides: Sequence[str], repeat: int) -> list[str]:
@@ -36,6 +39,24 @@ def timed(fn: Callable, *args, calls: int = 1) -> float:
     for _ in range(calls):
         fn(*args)
     return (time.perf_counter() - t0) / calls
+
+
+def in_turns(sides: Sequence[str], repeats: int, measure: Callable[[str], float]) -> dict[str, list[float]]:
+    """``measure(side)`` of every side in each of ``repeats`` repeats, the sides in ``order``: side -> figures."""
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for r in range(repeats):
+        for side in order(sides, r):
+            times[side].append(measure(side))
+    return times
+
+
+def decode_only_step(engine) -> float | None:
+    """Seconds of one ``engine.step()``, or None where the step also took prompt tokens (not decode only)."""
+    before = engine.counters["prompt_tokens"]
+    t0 = time.perf_counter()
+    engine.step()
+    took = time.perf_counter() - t0
+    return took if engine.counters["prompt_tokens"] == before else None
 
 
 def ratio(over: Sequence[float], under: Sequence[float]) -> float:

@@ -10,6 +10,27 @@ def test_sides_take_turns_starting_one_later_each_repeat():
     assert [h.order(("a", "b", "c"), r)[0] for r in range(4)] == ["a", "b", "c", "a"]
 
 
+def test_in_turns_measures_every_side_in_every_repeat_in_the_rotated_order():
+    calls = []
+    times = h.in_turns(("a", "b"), 3, lambda side: calls.append(side) or float(len(calls)))
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert times == {"a": [1.0, 4.0, 5.0], "b": [2.0, 3.0, 6.0]}
+
+
+def test_a_step_that_took_prompt_tokens_is_no_decode_step():
+    class Engine:
+        def __init__(self):
+            self.counters, self.prefills = {"prompt_tokens": 0}, [True, False]
+
+        def step(self):
+            self.counters["prompt_tokens"] += 5 if self.prefills.pop(0) else 0
+
+    eng = Engine()
+    assert h.decode_only_step(eng) is None
+    took = h.decode_only_step(eng)
+    assert took is not None and took >= 0 and eng.prefills == []
+
+
 def test_the_ratio_is_the_median_of_per_repeat_ratios_not_a_ratio_of_medians():
     times = {"slow": [2.0, 30.0, 4.0], "fast": [1.0, 10.0, 4.0]}  # per repeat: 2, 3, 1
     got = h.paired(times, "slow", "fast")
