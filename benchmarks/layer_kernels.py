@@ -28,7 +28,7 @@ import time
 
 from mmcache.cli import positive_int, writable
 
-from .kernel_harness import order, paired, ratio, say_machine, write_json
+from .kernel_harness import decode_only_step, order, paired, ratio, say_machine, write_json
 
 SIDES = ("kernels", "torch")
 KINDS = ("cold", "hit", "decode_step")
@@ -64,101 +64,139 @@ class NormClock:
             h.remove()
 
 
+class PairedEngines:
+    """The two engines of one measurement and what times them: each side's ``NormClock``, and the rotary function
+    the modeling module ``home`` points at while that side runs (``use``). ``restore`` puts the module's function
+    back and removes the clocks."""
+
+    def __init__(self, engines: dict, home, seed: int):
+        import numpy as np
+
+        from mmcache.engine.compute import rotary
+
+        self.engines, self.home, self.attribute = engines, home, rotary.NAME
+        self.rng = np.random.default_rng(seed)
+        self.vocab = engines["kernels"].adapter.vocab_size
+        self.clocks = {side: NormClock(eng.adapter.decoder) for side, eng in engines.items()}
+        replacement, self.installed = rotary.replacement(home), getattr(home, rotary.NAME)  # it may hold a wrapper
+        self.functions = {"kernels": self.clocks["kernels"].timed(replacement),
+                          "torch": self.clocks["torch"].timed(replacement.original)}
+        self.norm_times = {side: {"warm-up": [], "cold": [], "hit": []} for side in SIDES}
+        self.rotary_times = {side: {"warm-up": [], "cold": [], "hit": []} for side in SIDES}
+
+    def use(self, side: str):
+        """``side``'s engine, with the modeling module's rotary function pointed at that side's."""
+        setattr(self.home, self.attribute, self.functions[side])
+        return self.engines[side]
+
+    def tokens(self, n: int) -> list[int]:
+        """``n`` fresh token ids."""
+        return [int(x) for x in self.rng.integers(0, self.vocab, n)]
+
+    def serve(self, side: str, prompt: list[int], kind: str) -> float:
+        """Seconds of one request of one output token on ``side``; its norm and rotary time go under ``kind``."""
+        from mmcache.engine import SamplingParams
+
+        eng = self.use(side)
+        clock = self.clocks[side]
+        clock.seconds = clock.rotary_seconds = 0.0
+        t0 = time.perf_counter()
+        eng.generate([prompt], SamplingParams(max_tokens=1))
+        took = time.perf_counter() - t0
+        self.norm_times[side][kind].append(clock.seconds)
+        self.rotary_times[side][kind].append(clock.rotary_seconds)
+        return took
+
+    def decode_steps(self, turn: list[str], batch: dict) -> dict:
+        """Both engines decode the same ``batch`` (``decode_batch`` of the result), stepping in turns (``turn``
+        first in each): every turn in which both steps only decoded gives a pair of adjacent steps."""
+        from mmcache.engine import Request, SamplingParams
+
+        sp = SamplingParams(max_tokens=batch["output_tokens"], temperature=0.0, ignore_eos=True)
+        prompts = [self.tokens(batch["prompt_tokens"]) for _ in range(batch["requests"])]
+        for eng in self.engines.values():
+            for p in prompts:
+                eng.add_request(Request(p, sp))
+        steps = {side: [] for side in SIDES}
+        while any(e.has_unfinished() for e in self.engines.values()):
+            took = {side: decode_only_step(self.use(side)) for side in turn}
+            if None not in took.values():
+                for side in SIDES:
+                    steps[side].append(took[side])
+        return steps
+
+    def restore(self) -> None:
+        """The modeling module's rotary function as it was, and no clock left installed."""
+        setattr(self.home, self.attribute, self.installed)
+        for clock in self.clocks.values():
+            clock.remove()
+
+
+def rotary_home(engine):
+    """The modeling module whose rotary function the compiled kernels replace in ``engine``'s decoder, and None;
+    or None and why the layer kernels do not run here."""
+    from mmcache.engine.compute import rotary
+
+    decoder = engine.adapter.decoder
+    homes = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "head_dim")}
+    home = next((h for h in homes if rotary.replacement(h) is not None), None)
+    if not engine.compute.num_native_norms:
+        return None, "the compiled layer kernels do not run here (see `mmcache.engine.compute.native.status()`)"
+    if home is None:
+        why = "; ".join(rotary.skipped(decoder).values()) or "not installed"
+        return None, f"the compiled rotary embedding does not run here: {why}"
+    return home, None
+
+
 def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_tokens: int, prompt_len: int = 2048,
             seed: int = 0) -> dict:
-    import numpy as np
-
-    from mmcache.engine import ComputeConfig, EngineConfig, Request, SamplingParams
+    from mmcache.engine import ComputeConfig, EngineConfig
     from mmcache.presets import engine_from_preset
-    from mmcache.engine.compute import rotary
 
     engines = {side: engine_from_preset(preset, dtype="bfloat16",
                                         config=EngineConfig(page_size=128,
                                                             compute=ComputeConfig(layer_kernels=side == "kernels")))
                for side in SIDES}
-    decoder = engines["kernels"].adapter.decoder
-    homes = {sys.modules[type(m).__module__] for m in decoder.modules() if hasattr(m, "head_dim")}
-    home = next((h for h in homes if rotary.replacement(h) is not None), None)
-    if not engines["kernels"].compute.num_native_norms:
-        return {"skipped": "the compiled layer kernels do not run here (see `mmcache.engine.compute.native.status()`)"}
-    if home is None:
-        why = "; ".join(rotary.skipped(decoder).values()) or "not installed"
-        return {"skipped": f"the compiled rotary embedding does not run here: {why}"}
-    rng = np.random.default_rng(seed)
-    vocab = engines["kernels"].adapter.vocab_size
-    clocks = {side: NormClock(eng.adapter.decoder) for side, eng in engines.items()}
-    replacement, name = rotary.replacement(home), getattr(home, rotary.NAME)  # the name may hold a wrapper of it
-    functions = {"kernels": clocks["kernels"].timed(replacement), "torch": clocks["torch"].timed(replacement.original)}
-
-    def use(side: str):
-        setattr(home, rotary.NAME, functions[side])
-        return engines[side]
-
-    def tokens(n: int) -> list[int]:
-        return [int(x) for x in rng.integers(0, vocab, n)]
-
-    def serve(side, prompt, kind) -> float:
-        eng = use(side)
-        clocks[side].seconds = clocks[side].rotary_seconds = 0.0
-        t0 = time.perf_counter()
-        eng.generate([prompt], SamplingParams(max_tokens=1))
-        took = time.perf_counter() - t0
-        norm_times[side][kind].append(clocks[side].seconds)
-        rotary_times[side][kind].append(clocks[side].rotary_seconds)
-        return took
-
-    def decode_steps(order) -> dict:
-        """Both engines decode a batch each, stepping in turns (``order`` first in each turn): every turn in
-        which both steps only decoded gives a pair of adjacent steps."""
-        sp = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-        prompts = [tokens(batch_prompt) for _ in range(batch)]
-        for eng in engines.values():
-            for p in prompts:
-                eng.add_request(Request(p, sp))
-        steps = {side: [] for side in SIDES}
-        while any(e.has_unfinished() for e in engines.values()):
-            took = {}
-            for side in order:
-                eng = use(side)
-                before = eng.counters["prompt_tokens"]
-                t0 = time.perf_counter()
-                eng.step()
-                if eng.counters["prompt_tokens"] == before:
-                    took[side] = time.perf_counter() - t0
-            if len(took) == len(SIDES):
-                for side in SIDES:
-                    steps[side].append(took[side])
-        return steps
-
-    norm_times = {side: {"warm-up": [], "cold": [], "hit": []} for side in SIDES}
-    rotary_times = {side: {"warm-up": [], "cold": [], "hit": []} for side in SIDES}
+    home, skipped = rotary_home(engines["kernels"])
+    if skipped is not None:
+        return {"skipped": skipped}
+    decode_batch = {"requests": batch, "prompt_tokens": batch_prompt, "output_tokens": decode_tokens}
+    sides = PairedEngines(engines, home, seed)
     times = {side: {kind: [] for kind in KINDS} for side in SIDES}
     step_ratios = []
     try:
         for side in SIDES:
-            serve(side, tokens(256), "warm-up")
+            sides.serve(side, sides.tokens(256), "warm-up")
         for r in range(pairs):
-            turn = order(SIDES, r)
-            for side in turn:
-                p = tokens(prompt_len)
-                times[side]["cold"].append(serve(side, p, "cold"))
-                times[side]["hit"].append(serve(side, p, "hit"))
-            steps = decode_steps(turn)
-            for side in SIDES:
-                times[side]["decode_step"].append(statistics.median(steps[side]))
-            step_ratios += [t / k for k, t in zip(steps["kernels"], steps["torch"])]
+            step_ratios += one_pair(sides, order(SIDES, r), prompt_len, decode_batch, times)
     finally:
-        setattr(home, rotary.NAME, name)
-        for clock in clocks.values():
-            clock.remove()
+        sides.restore()
     out = {"preset": preset, "pairs": pairs, "backends": {s: e.backend for s, e in engines.items()},
-           "decode_batch": {"requests": batch, "prompt_tokens": batch_prompt, "output_tokens": decode_tokens},
-           "per_pair_s": times}
+           "decode_batch": decode_batch, "per_pair_s": times}
+    return summarise(out, times, sides, step_ratios)
+
+
+def one_pair(sides: PairedEngines, turn: list[str], prompt_len: int, batch: dict, times: dict) -> list[float]:
+    """Each side in ``turn``'s order serves a fresh prompt cold, then again (a hit); then both decode ``batch``.
+    Appends to ``times``; returns the ratios of the adjacent decode-step pairs (torch over kernels)."""
+    for side in turn:
+        p = sides.tokens(prompt_len)
+        times[side]["cold"].append(sides.serve(side, p, "cold"))
+        times[side]["hit"].append(sides.serve(side, p, "hit"))
+    steps = sides.decode_steps(turn, batch)
+    for side in SIDES:
+        times[side]["decode_step"].append(statistics.median(steps[side]))
+    return [t / k for k, t in zip(steps["kernels"], steps["torch"])]
+
+
+def summarise(out: dict, times: dict, sides: PairedEngines, step_ratios: list[float]) -> dict:
+    """``out`` with the medians and paired ratios of every kind, the norm and rotary medians, the step pairs."""
     for kind in KINDS:
         out[kind] = paired({side: t[kind] for side, t in times.items()}, "torch", "kernels")
     for kind in ("cold", "hit"):
         out[kind].update({f"{part}_{side}_s": statistics.median(t[side][kind])
-                          for part, t in (("norms", norm_times), ("rotary", rotary_times)) for side in SIDES})
+                          for part, t in (("norms", sides.norm_times), ("rotary", sides.rotary_times))
+                          for side in SIDES})
     out["decode_step"]["torch_over_kernels_by_step"] = statistics.median(step_ratios)
     out["decode_step"]["step_pairs"] = len(step_ratios)
     out["same_vs_cold"] = {side: ratio(t["cold"], t["hit"]) for side, t in times.items()}

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from mmcache.cli import positive_int, writable
 
-from .kernel_harness import order, paired, say_machine, timed, write_json
+from .kernel_harness import decode_only_step, order, paired, say_machine, timed, write_json
 
 SIDES = ("grouped", "separate")
 
@@ -35,17 +34,13 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
             seed: int = 0) -> dict:
     import numpy as np
 
-    from mmcache.engine import EngineConfig, Request, SamplingParams
+    from mmcache.engine import EngineConfig
     from mmcache.presets import engine_from_preset
-    from mmcache.engine.compute import kernels
 
     eng = engine_from_preset(preset, dtype="bfloat16", config=EngineConfig(page_size=128))
-    attns = [m for m in eng.adapter.decoder.modules()
-             if isinstance(getattr(m, "q_proj", None), kernels.PackedProjection)]
+    attns, sides = projection_sides(eng)
     if not attns:
         return {"skipped": "the engine did not group this model's projections (see mmcache.engine.compute.kernels)"}
-    sides = {"grouped": [tuple(getattr(a, n) for n in kernels.PROJECTIONS) for a in attns]}
-    sides["separate"] = [tuple(kernels.PackedLinear(m) for m in group) for group in sides["grouped"]]
 
     def use(side: str) -> None:
         for a, group in zip(attns, sides[side]):
@@ -57,21 +52,53 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
     def fresh(n: int) -> list[int]:
         return rng.integers(2, vocab, size=n).tolist()
 
+    steps = decode_steps(eng, use, [fresh(batch_prompt) for _ in range(batch)], decode_tokens)
+    hit_times = hit_pairs(eng, use, fresh, hits, prompt_len)
+    use("grouped")
+    pairs = min(len(steps["grouped"]), len(steps["separate"]))
+    out = {"preset": preset, "backend": eng.backend, "attention_modules": len(attns),
+           "per_step_s": steps, "per_hit_s": hit_times}
+    for kind, times, n in (("decode_step", steps, pairs), ("hit", hit_times, hits)):
+        out[kind] = {**paired({side: t[:n] for side, t in times.items()}, "separate", "grouped"), "pairs": n}
+    return out
+
+
+def projection_sides(eng) -> tuple[list, dict]:
+    """The attention modules whose projections the engine grouped, and per side their projections in the
+    modules' order: ``grouped`` as the engine holds them, ``separate`` the three packed one by one."""
+    from mmcache.engine.compute import kernels
+
+    attns = [m for m in eng.adapter.decoder.modules()
+             if isinstance(getattr(m, "q_proj", None), kernels.PackedProjection)]
+    sides = {"grouped": [tuple(getattr(a, n) for n in kernels.PROJECTIONS) for a in attns]}
+    sides["separate"] = [tuple(kernels.PackedLinear(m) for m in group) for group in sides["grouped"]]
+    return attns, sides
+
+
+def decode_steps(eng, use, prompts: list[list[int]], decode_tokens: int) -> dict:
+    """The batch of ``prompts`` decoded to the end; every decode-only step on the other side than the one before
+    it (``use``): side -> its steps' seconds."""
+    from mmcache.engine import Request, SamplingParams
+
     steps = {side: [] for side in SIDES}
     sp = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        eng.add_request(Request(fresh(batch_prompt), sp))
+    for p in prompts:
+        eng.add_request(Request(p, sp))
     turn = 0
     while eng.has_unfinished():
         side = SIDES[turn % 2]
         use(side)
-        before = eng.counters["prompt_tokens"]
-        t0 = time.perf_counter()
-        eng.step()
-        elapsed = time.perf_counter() - t0
-        if eng.counters["prompt_tokens"] == before:  # a decode-only step
+        elapsed = decode_only_step(eng)
+        if elapsed is not None:
             steps[side].append(elapsed)
             turn += 1
+    return steps
+
+
+def hit_pairs(eng, use, fresh, hits: int, prompt_len: int) -> dict:
+    """``hits`` fresh prompts, each served cold once, then as a hit on each side in ``order``: side -> seconds."""
+    from mmcache.engine import Request, SamplingParams
+
     hit_times = {side: [] for side in SIDES}
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(hits):
@@ -81,13 +108,7 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
         for side in order(SIDES, i):
             use(side)
             hit_times[side].append(timed(eng.generate, [Request(prompt, one)]))
-    use("grouped")
-    pairs = min(len(steps["grouped"]), len(steps["separate"]))
-    out = {"preset": preset, "backend": eng.backend, "attention_modules": len(attns),
-           "per_step_s": steps, "per_hit_s": hit_times}
-    for kind, times, n in (("decode_step", steps, pairs), ("hit", hit_times, hits)):
-        out[kind] = {**paired({side: t[:n] for side, t in times.items()}, "separate", "grouped"), "pairs": n}
-    return out
+    return hit_times
 
 
 def main(argv=None) -> int:
