@@ -178,6 +178,24 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
         return [int(x) for x in rng.integers(0, eng.adapter.vocab_size, 2048)]
 
     serve(prompt())  # warm-up
+    other = "aten" if against is None else "against"
+    times = _engine_pairs(eng, pairs, against, serve, prompt)
+    out = {"preset": preset, "pairs": pairs, "way": native.chunk_way(native.library(), eng.adapter.head_dim),
+           "per_pair_s": times}
+    if against is not None:
+        out["against"] = against[0]
+    for kind in ("cold", "hit"):
+        out[kind] = paired({side: t[kind] for side, t in times.items()}, other, "kernel")
+    out["same_vs_cold"] = {side: ratio(t["cold"], t["hit"]) for side, t in times.items()}
+    return out
+
+
+def _engine_pairs(eng, pairs: int, against: tuple | None, serve, prompt) -> dict:
+    """``pairs`` pairs; in each, each side in turn (``order``) ``serve``s a fresh ``prompt()`` cold, then again (a
+    hit): side -> kind -> seconds. The other side is the same engine with ``native.supports_chunk`` answering no
+    (ATen's path), or with ``against``'s library as its attention kernels; both are restored afterwards."""
+    from mmcache.engine.compute import native
+
     real, mine = native.supports_chunk, eng.runner.decode_kernel
     other = "aten" if against is None else "against"
     times = {side: {"cold": [], "hit": []} for side in ("kernel", other)}
@@ -193,14 +211,7 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
                 times[side]["hit"].append(serve(p))
     finally:
         native.supports_chunk, eng.runner.decode_kernel = real, mine
-    out = {"preset": preset, "pairs": pairs, "way": native.chunk_way(native.library(), eng.adapter.head_dim),
-           "per_pair_s": times}
-    if against is not None:
-        out["against"] = against[0]
-    for kind in ("cold", "hit"):
-        out[kind] = paired({side: t[kind] for side, t in times.items()}, other, "kernel")
-    out["same_vs_cold"] = {side: ratio(t["cold"], t["hit"]) for side, t in times.items()}
-    return out
+    return times
 
 
 def main(argv=None) -> int:

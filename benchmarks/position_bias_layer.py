@@ -21,16 +21,31 @@ import sys
 
 from mmcache.cli import positive_int, writable
 
-from .kernel_harness import order, paired, say_machine, timed, write_json
+from .kernel_harness import in_turns, paired, say_machine, timed, write_json
 
 REAL_UMT5_XXL_LAYER = dict(d_model=4096, d_kv=64, d_ff=10240, num_heads=64)  # wan/modules/t5.py umt5_xxl
 DTYPES = ("bfloat16", "float32")
 
 
+def umt5_layers(layers: int, length: int, real: int, dtype: str, seed: int, shape: dict):
+    """A seeded ``UMT5EncoderModel`` of ``layers`` layers of ``shape`` in ``dtype``, and one prompt: ``length``
+    random ids and the mask of its ``real`` first tokens."""
+    import torch
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    cfg = UMT5Config(vocab_size=1000, num_layers=layers, dropout_rate=0.0, feed_forward_proj="gated-gelu", **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = UMT5EncoderModel(cfg).to(getattr(torch, dtype)).eval()
+        ids = torch.randint(3, cfg.vocab_size, (1, length))
+    mask = torch.zeros(1, length, dtype=torch.long)
+    mask[:, :real] = 1
+    return model, ids, mask
+
+
 def measure(layers: int, length: int, real: int, repeats: int, dtype: str, threads: int, seed: int = 0,
             shape: dict = REAL_UMT5_XXL_LAYER) -> dict:
     import torch
-    from transformers import UMT5Config, UMT5EncoderModel
 
     from encoders.position_bias import PositionBiases
     from mmcache.store import EncoderOutputStore
@@ -38,14 +53,7 @@ def measure(layers: int, length: int, real: int, repeats: int, dtype: str, threa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cfg = UMT5Config(vocab_size=1000, num_layers=layers, dropout_rate=0.0, feed_forward_proj="gated-gelu",
-                         **shape)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = UMT5EncoderModel(cfg).to(getattr(torch, dtype)).eval()
-            ids = torch.randint(3, cfg.vocab_size, (1, length))
-        mask = torch.zeros(1, length, dtype=torch.long)
-        mask[:, :real] = 1
+        model, ids, mask = umt5_layers(layers, length, real, dtype, seed, shape)
         biases = PositionBiases(model)
         store = EncoderOutputStore(2 * biases.forward_bytes(length) * 4)  # room for them (BUDGET_SHARE = 4)
 
@@ -59,10 +67,7 @@ def measure(layers: int, length: int, real: int, repeats: int, dtype: str, threa
 
         identical = torch.equal(own(), served())  # also the warm-up of both sides, and the store's fill
         sides = {"own": own, "served": served}
-        times = {side: [] for side in sides}
-        for i in range(repeats):
-            for side in order(tuple(sides), i):
-                times[side].append(timed(sides[side]))
+        times = in_turns(tuple(sides), repeats, lambda side: timed(sides[side]))
         return {"layers": layers, "length": length, "real_tokens": real, "dtype": dtype, "threads": threads,
                 "shape": dict(shape, num_layers=layers), "repeats": repeats,
                 "bias_bytes_per_forward": biases.forward_bytes(length), "bit_identical": identical,

@@ -37,7 +37,7 @@ import torch
 
 from mmcache.cli import positive_int, positive_ints, writable
 
-from .kernel_harness import order, paired, say_machine, timed, write_json
+from .kernel_harness import in_turns, order, paired, say_machine, timed, write_json
 
 SIDES = ("onednn", "kernel")
 
@@ -81,11 +81,7 @@ def measure_products(preset: str, dtype: torch.dtype, rows: list[int], rounds: i
             x = torch.randn(n, w.shape[1], generator=gen).to(dtype)
             for fn in sides.values():  # first calls (allocations, oneDNN's kernel choice) not timed
                 fn(x)
-            times = {side: [] for side in sides}
-            for r in range(rounds):
-                for side in order(SIDES, r):
-                    times[side].append(timed(sides[side], x, calls=calls))
-            per_shape[name] = times
+            per_shape[name] = in_turns(SIDES, rounds, lambda side: timed(sides[side], x, calls=calls))
         count = {"qkv": 1, "o": 1, "gate": 2, "down": 1}
         per_shape["layer"] = {side: [sum(c * per_shape[s][side][r] for s, c in count.items())
                                      for r in range(rounds)] for side in ("onednn", "kernel")}
@@ -104,9 +100,23 @@ def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int,
     Per row count: the median over ``rounds`` (alternating which side goes first) of each side's sweep and of
     oneDNN's over the kernel's."""
     from mmcache.engine.compute import kernels, native
-    from mmcache.presets.text import build_model
 
     lib = native.library()
+    weights = _forward_products(preset, dtype)
+    sides = {"onednn": [kernels.PackedWeight(w, b) for w, b in weights],
+             "kernel": [kernels.PackedWeight(w, b, rows=lib) for w, b in weights]}
+    kind = sides["kernel"][0].row_kernel
+    gen = torch.Generator().manual_seed(seed)
+    out = {str(n): _sweep_at(n, weights, sides, dtype, rounds, gen) for n in rows}
+    return {"kernel": kind, "weight_bytes": sum(w.numel() * w.element_size() for w, _ in weights),
+            "rounds": rounds, "rows": out}
+
+
+def _forward_products(preset: str, dtype: torch.dtype) -> list[tuple]:
+    """Every layer's (weight, bias) in a forward's order: the query, key and value projections as one, the
+    output projection, gate, up, down."""
+    from mmcache.presets.text import build_model
+
     model, _ = build_model(preset, str(dtype).removeprefix("torch."))
     weights = []
     for layer in model.model.layers:
@@ -116,28 +126,22 @@ def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int,
                         None if att.q_proj.bias is None else torch.cat([m.bias.detach() for m in qkv])))
         weights += [(m.weight.detach(), None if m.bias is None else m.bias.detach())
                     for m in (att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    sides = {"onednn": [kernels.PackedWeight(w, b) for w, b in weights],
-             "kernel": [kernels.PackedWeight(w, b, rows=lib) for w, b in weights]}
-    kind = sides["kernel"][0].row_kernel
-    del model
-    gen = torch.Generator().manual_seed(seed)
-    out: dict = {}
-    for n in rows:
-        xs = {k: torch.randn(n, k, generator=gen).to(dtype) for k in {w.shape[1] for w, _ in weights}}
+    return weights
 
-        def sweep(side, xs=xs):
-            for (w, _), fn in zip(weights, sides[side]):
-                fn(xs[w.shape[1]])
 
-        sweep("onednn"), sweep("kernel")  # first calls not timed
-        times = {"onednn": [], "kernel": []}
-        for r in range(rounds):
-            for side in order(SIDES, r):
-                times[side].append(timed(sweep, side))
-        on_kernel = sides["kernel"][0].on_rows(xs[weights[0][0].shape[1]])
-        out[str(n)] = {**paired(times, "onednn", "kernel"), "on_kernel": bool(on_kernel)}
-    return {"kernel": kind, "weight_bytes": sum(w.numel() * w.element_size() for w, _ in weights),
-            "rounds": rounds, "rows": out}
+def _sweep_at(n: int, weights: list[tuple], sides: dict, dtype: torch.dtype, rounds: int, gen) -> dict:
+    """One row count of the sweep: both sides' sweeps in turns over ``rounds``, and whether the kernel side's
+    products at ``n`` rows run on the kernel."""
+    xs = {k: torch.randn(n, k, generator=gen).to(dtype) for k in {w.shape[1] for w, _ in weights}}
+
+    def sweep(side):
+        for (w, _), fn in zip(weights, sides[side]):
+            fn(xs[w.shape[1]])
+
+    sweep("onednn"), sweep("kernel")  # first calls not timed
+    times = in_turns(SIDES, rounds, lambda side: timed(sweep, side))
+    on_kernel = sides["kernel"][0].on_rows(xs[weights[0][0].shape[1]])
+    return {**paired(times, "onednn", "kernel"), "on_kernel": bool(on_kernel)}
 
 
 def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, tokens: int, prompt_len: int,
@@ -198,6 +202,12 @@ def main(argv=None) -> int:
     if not args.no_decode:
         result["decode"] = measure_decode(args.preset, dtype, args.pairs, args.batch, args.tokens, args.prompt_len)
     write_json(args.json, result)
+    report(result)
+    return 0
+
+
+def report(result: dict) -> None:
+    """The figures of ``main``'s result on stdout: products per row count, the sweep's, the decode's."""
     prod = result["products"]
     print(f"products ({prod['preset']}, {prod['dtype']}, widened for oneDNN: {prod['widened']}; {prod['library']}), "
           f"median of {prod['rounds']} rounds:")
@@ -217,7 +227,6 @@ def main(argv=None) -> int:
         r = result["decode"]
         print(f"decode ({r['batch']} requests, {r['tokens']} tokens, {r['pairs']} pairs): ITL p50 off "
               f"{1e3 * r['off_s']:.1f} ms, on {1e3 * r['on_s']:.1f} ms, off / on {r['off_over_on']:.3f}")
-    return 0
 
 
 if __name__ == "__main__":
