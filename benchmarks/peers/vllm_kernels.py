@@ -128,87 +128,126 @@ def _compiled_decode(path: str):
 
 
 def decode_attention_cases(ops, repeats: int, compiled=None) -> list[dict]:
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    group, num_blocks = HEADS // KV_HEADS, 512
+    """Decode attention for 4 and for 12 sequences: every way of mmcache's against vLLM's kernel."""
+    return [case for n in (4, 12) for case in _decode_attention_case(ops, n, repeats, compiled)]
+
+
+DECODE_BLOCKS = 512  # the pages of the decode cases' pool
+
+
+def _decode_attention_case(ops, n: int, repeats: int, compiled) -> list[dict]:
+    """One query token for each of ``n`` sequences over the same pages on both sides; each way of mmcache's
+    checked against vLLM's output, then timed against it."""
+    g = torch.Generator().manual_seed(n)
+    lens = [600 + (347 * i) % 1400 for i in range(n)]
+    tables = _decode_tables(lens)
+    width = max(len(t) for t in tables)
+    # mmcache's pool (kv_heads, pages, page, d); vLLM's cache written by its own kernel, the same tokens in
+    # the same blocks
+    pool_k = torch.randn(KV_HEADS, DECODE_BLOCKS, BLOCK, DIM, generator=g).to(BF16)
+    pool_v = torch.randn(KV_HEADS, DECODE_BLOCKS, BLOCK, DIM, generator=g).to(BF16)
+    key_cache, value_cache = _vllm_cache(ops, pool_k, pool_v, tables, lens)
+    q = torch.randn(n, HEADS, DIM, generator=g).to(BF16)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    block_table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+    theirs, result = _vllm_attention(ops, q, key_cache, value_cache, starts, seq_lens, block_table)
+    qg = q.reshape(n, KV_HEADS, HEADS // KV_HEADS, DIM)
+    ways = _mmcache_decode_ways(qg, pool_k, pool_v, tables, lens, block_table, seq_lens, compiled)
+    theirs()
+    for _, ours in ways:  # the same attention: layouts and lengths agree
+        got = ours().reshape(n, HEADS, DIM).float()
+        assert torch.allclose(got, result.float(), atol=2e-2, rtol=0), float((got - result.float()).abs().max())
     out = []
-    for n in (4, 12):
-        g = torch.Generator().manual_seed(n)
-        lens = [600 + (347 * i) % 1400 for i in range(n)]
-        tables, free = [], iter(range(num_blocks))
-        for ctx in lens:  # the prompt's pages one run; the newest page taken later, after other sequences'
-            tables.append([next(free) for _ in range(-(-ctx // BLOCK) - 1)])
-        for t in tables:
-            t.append(next(free))
-        width = max(len(t) for t in tables)
-        # mmcache's pool (kv_heads, pages, page, d); vLLM's cache written by its own kernel, the same tokens in
-        # the same blocks
-        pool_k = torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(BF16)
-        pool_v = torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(BF16)
-        key_cache, value_cache = torch.zeros(num_blocks, KV_HEADS, 2 * BLOCK, DIM, dtype=BF16).chunk(2, dim=2)
-        for t, ctx in zip(tables, lens):
-            pos = torch.arange(ctx)
-            blocks_of = torch.tensor(t)[pos // BLOCK]
-            k = pool_k[:, blocks_of, pos % BLOCK].transpose(0, 1).contiguous()
-            v = pool_v[:, blocks_of, pos % BLOCK].transpose(0, 1).contiguous()
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, blocks_of * BLOCK + pos % BLOCK, "amx")
-        q = torch.randn(n, HEADS, DIM, generator=g).to(BF16)
-        starts = torch.arange(n + 1, dtype=torch.int32)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        block_table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
-        theirs, result = _vllm_attention(ops, q, key_cache, value_cache, starts, seq_lens, block_table)
-
-        qg = q.reshape(n, KV_HEADS, group, DIM)
-        # The same keys and values once more, each sequence's pages one run (as before its first decoded page)
-        runs, run_k, run_v, at = [], torch.zeros_like(pool_k), torch.zeros_like(pool_v), 0
-        for t in tables:
-            runs.append(torch.arange(at, at + len(t)))
-            run_k[:, runs[-1]], run_v[:, runs[-1]] = pool_k[:, t], pool_v[:, t]
-            at += len(t)
-
-        def per_sequence(pk, pv, tables_):
-            o = torch.empty_like(qg)
-            for j, ctx in enumerate(lens):
-                t = tables_[j]
-                first = int(t[0])
-                if int(t[-1]) - first == len(t) - 1:  # one run: a view, as PagedBatch.read gives
-                    ks, vs = pk[:, first:first + len(t)], pv[:, first:first + len(t)]
-                else:
-                    ks, vs = pk.index_select(1, t), pv.index_select(1, t)
-                ks, vs = ks.reshape(KV_HEADS, -1, DIM)[:, :ctx], vs.reshape(KV_HEADS, -1, DIM)[:, :ctx]
-                o[j] = flash(qg[j:j + 1], ks[None], vs[None], scale=DIM ** -0.5)[0][0]
-            return o
-
-        pages = [torch.tensor(t) for t in tables]
-        scattered = lambda: per_sequence(pool_k, pool_v, pages)  # noqa: E731
-        in_place = lambda: per_sequence(run_k, run_v, runs)  # noqa: E731
-
-        flat = block_table.to(torch.int64).reshape(-1)
-        kpos = torch.arange(width * BLOCK)[None]
-        mask = torch.zeros(n, width * BLOCK, dtype=BF16).masked_fill_(kpos >= seq_lens[:, None], float("-inf"))
-
-        def padded_batch():
-            ks = pool_k.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
-            vs = pool_v.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
-            return sdpa(qg, ks, vs, attn_mask=mask[:, None, None], scale=DIM ** -0.5)
-
-        ways = [("per sequence, pages one run", in_place), ("per sequence, newest page apart", scattered),
-                ("padded batch, newest page apart (before ec19f57)", padded_batch)]
-        if compiled is not None:
-            run, tiles = compiled
-            table64, hi = block_table.to(torch.int64), seq_lens.to(torch.int64)
-            lo = torch.zeros_like(hi)
-            ways.insert(0, (f"compiled kernel{' (AMX scores)' if tiles else ''}, newest page apart",
-                            lambda: run(qg, pool_k, pool_v, table64, lo, hi, DIM ** -0.5)))
-        theirs()
-        for _, ours in ways:  # the same attention: layouts and lengths agree
-            got = ours().reshape(n, HEADS, DIM).float()
-            assert torch.allclose(got, result.float(), atol=2e-2, rtol=0), float((got - result.float()).abs().max())
-        for how, ours in ways:
-            mine, vllm = _paired(ours, theirs, repeats, 50)
-            out.append({"case": f"decode attention, {n} sequences, mmcache {how}", "mmcache_ms": mine,
-                        "vllm_ms": vllm})
+    for how, ours in ways:
+        mine, vllm = _paired(ours, theirs, repeats, 50)
+        out.append({"case": f"decode attention, {n} sequences, mmcache {how}", "mmcache_ms": mine, "vllm_ms": vllm})
     return out
+
+
+def _decode_tables(lens: list[int]) -> list[list[int]]:
+    """Each sequence's pages: its prompt's pages one run; its newest page taken later, after other sequences'."""
+    tables, free = [], iter(range(DECODE_BLOCKS))
+    for ctx in lens:
+        tables.append([next(free) for _ in range(-(-ctx // BLOCK) - 1)])
+    for t in tables:
+        t.append(next(free))
+    return tables
+
+
+def _vllm_cache(ops, pool_k, pool_v, tables: list[list[int]], lens: list[int]) -> tuple:
+    """vLLM's key and value caches, written by its own kernel: the tokens of mmcache's pool in the same blocks."""
+    key_cache, value_cache = torch.zeros(DECODE_BLOCKS, KV_HEADS, 2 * BLOCK, DIM, dtype=BF16).chunk(2, dim=2)
+    for t, ctx in zip(tables, lens):
+        pos = torch.arange(ctx)
+        blocks_of = torch.tensor(t)[pos // BLOCK]
+        k = pool_k[:, blocks_of, pos % BLOCK].transpose(0, 1).contiguous()
+        v = pool_v[:, blocks_of, pos % BLOCK].transpose(0, 1).contiguous()
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, blocks_of * BLOCK + pos % BLOCK, "amx")
+    return key_cache, value_cache
+
+
+def _mmcache_decode_ways(qg, pool_k, pool_v, tables, lens, block_table, seq_lens, compiled) -> list[tuple]:
+    """mmcache's ways of the same decode attention, ``(how, call)``: per sequence over its pages laid out as one
+    run and as they lie, the padded batch of before ec19f57, and first, where given, the compiled kernel."""
+    # The same keys and values once more, each sequence's pages one run (as before its first decoded page)
+    runs, run_k, run_v, at = [], torch.zeros_like(pool_k), torch.zeros_like(pool_v), 0
+    for t in tables:
+        runs.append(torch.arange(at, at + len(t)))
+        run_k[:, runs[-1]], run_v[:, runs[-1]] = pool_k[:, t], pool_v[:, t]
+        at += len(t)
+    per_sequence = _per_sequence(qg, lens)
+    pages = [torch.tensor(t) for t in tables]
+    scattered = lambda: per_sequence(pool_k, pool_v, pages)  # noqa: E731
+    in_place = lambda: per_sequence(run_k, run_v, runs)  # noqa: E731
+    ways = [("per sequence, pages one run", in_place), ("per sequence, newest page apart", scattered),
+            ("padded batch, newest page apart (before ec19f57)", _padded_batch(qg, pool_k, pool_v, block_table,
+                                                                               seq_lens))]
+    if compiled is not None:
+        run, tiles = compiled
+        table64, hi = block_table.to(torch.int64), seq_lens.to(torch.int64)
+        lo = torch.zeros_like(hi)
+        ways.insert(0, (f"compiled kernel{' (AMX scores)' if tiles else ''}, newest page apart",
+                        lambda: run(qg, pool_k, pool_v, table64, lo, hi, DIM ** -0.5)))
+    return ways
+
+
+def _per_sequence(qg, lens: list[int]):
+    """mmcache's decode attention per sequence, ``attend(pk, pv, tables)``: one flash call over exactly each
+    sequence's own keys, a view where its pages are one run, gathered where they are not."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def attend(pk, pv, tables_):
+        o = torch.empty_like(qg)
+        for j, ctx in enumerate(lens):
+            t = tables_[j]
+            first = int(t[0])
+            if int(t[-1]) - first == len(t) - 1:  # one run: a view, as PagedBatch.read gives
+                ks, vs = pk[:, first:first + len(t)], pv[:, first:first + len(t)]
+            else:
+                ks, vs = pk.index_select(1, t), pv.index_select(1, t)
+            ks, vs = ks.reshape(KV_HEADS, -1, DIM)[:, :ctx], vs.reshape(KV_HEADS, -1, DIM)[:, :ctx]
+            o[j] = flash(qg[j:j + 1], ks[None], vs[None], scale=DIM ** -0.5)[0][0]
+        return o
+
+    return attend
+
+
+def _padded_batch(qg, pool_k, pool_v, block_table, seq_lens):
+    """mmcache's decode attention before ec19f57: every table padded to the longest, gathered into one tensor,
+    one masked call."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    n, width = block_table.shape
+    flat = block_table.to(torch.int64).reshape(-1)
+    kpos = torch.arange(width * BLOCK)[None]
+    mask = torch.zeros(n, width * BLOCK, dtype=BF16).masked_fill_(kpos >= seq_lens[:, None], float("-inf"))
+
+    def padded_batch():
+        ks = pool_k.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
+        vs = pool_v.index_select(1, flat).view(KV_HEADS, n, -1, DIM).transpose(0, 1)
+        return sdpa(qg, ks, vs, attn_mask=mask[:, None, None], scale=DIM ** -0.5)
+
+    return padded_batch
 
 
 def linear_cases(ops, repeats: int) -> list[dict]:
@@ -230,43 +269,66 @@ def linear_cases(ops, repeats: int) -> list[dict]:
 
 def decode_step_case(ops, repeats: int, rows: int = 8) -> dict:
     g = torch.Generator().manual_seed(0)
-    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)  # noqa: E731
     rand = lambda *shape: torch.randn(*shape, generator=g).to(BF16)  # noqa: E731
+    mine_layers, vllm_layers = _step_layers(ops, rand)
+    head = rand(VOCAB, HIDDEN)
+    head_mine, head_vllm = _pack(head), ops.create_onednn_mm(head.t(), 32)
+    x0 = rand(rows, HIDDEN)
+    mine, vllm = _paired(_mmcache_step(mine_layers, head_mine, x0), _vllm_step(ops, vllm_layers, head_vllm, x0),
+                         repeats, 1)
+    return {"case": f"decode step linears, {rows} rows, {LAYERS} layers + LM head", "mmcache_ms": mine,
+            "vllm_ms": vllm}
+
+
+def _pack(w):
+    """``w`` packed once for oneDNN, as ``mmcache.engine.compute.kernels`` packs a linear's weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+def _step_layers(ops, rand) -> tuple[list, list]:
+    """Every layer's weights drawn by ``rand``, packed each side's way: mmcache's seven products a layer (q, k,
+    v, o, gate, up, down), vLLM's four (q/k/v fused, o, gate/up fused, down)."""
     mine_layers, vllm_layers = [], []
     for _ in range(LAYERS):
-        q, k, v, o = rand(HIDDEN, HIDDEN), rand(KV_HEADS * DIM, HIDDEN), rand(KV_HEADS * DIM, HIDDEN), rand(HIDDEN, HIDDEN)
+        q, k, v = rand(HIDDEN, HIDDEN), rand(KV_HEADS * DIM, HIDDEN), rand(KV_HEADS * DIM, HIDDEN)
+        o = rand(HIDDEN, HIDDEN)
         gate, up, down = rand(MLP, HIDDEN), rand(MLP, HIDDEN), rand(HIDDEN, MLP)
-        mine_layers.append([pack(w) for w in (q, k, v, o, gate, up, down)])
+        mine_layers.append([_pack(w) for w in (q, k, v, o, gate, up, down)])
         vllm_layers.append([ops.create_onednn_mm(w.t(), 32)
                             for w in (torch.cat([q, k, v]), o, torch.cat([gate, up]), down)])
-    head = rand(VOCAB, HIDDEN)
-    head_mine, head_vllm = pack(head), ops.create_onednn_mm(head.t(), 32)
-    x0 = rand(rows, HIDDEN)
+    return mine_layers, vllm_layers
+
+
+def _mmcache_step(layers: list, head, x0):
+    """A decode step's linears as mmcache runs them: gate with SiLU fused, up with the product fused."""
     lin = torch.ops.mkldnn._linear_pointwise
 
     def ours():
         x = x0
-        for q, k, v, o, gate, up, down in mine_layers:
+        for q, k, v, o, gate, up, down in layers:
             a = lin(x, q, None, "none", [], "")
             lin(x, k, None, "none", [], "")  # k and v are computed, as a layer does, and not used further
             lin(x, v, None, "none", [], "")
             y = lin(a, o, None, "none", [], "")
             h = lin.binary(y, lin(y, gate, None, "swish", [], ""), up, None, "mul")
             x = lin(h, down, None, "none", [], "")
-        return lin(x, head_mine, None, "none", [], "")
+        return lin(x, head, None, "none", [], "")
 
+    return ours
+
+
+def _vllm_step(ops, layers: list, head, x0):
+    """A decode step's linears as vLLM runs them: the SiLU-and-multiply between its fused products."""
     def theirs():
         x = x0
-        for qkv, o, gate_up, down in vllm_layers:
+        for qkv, o, gate_up, down in layers:
             a = ops.onednn_mm(qkv, x, None)
             y = ops.onednn_mm(o, a[:, :HIDDEN].contiguous(), None)
             h = ops.onednn_mm(gate_up, y, None)
             x = ops.onednn_mm(down, torch.nn.functional.silu(h[:, :MLP]) * h[:, MLP:], None)
-        return ops.onednn_mm(head_vllm, x, None)
+        return ops.onednn_mm(head, x, None)
 
-    mine, vllm = _paired(ours, theirs, repeats, 1)
-    return {"case": f"decode step linears, {rows} rows, {LAYERS} layers + LM head", "mmcache_ms": mine,
-            "vllm_ms": vllm}
+    return theirs
 
 
 def main() -> None:
