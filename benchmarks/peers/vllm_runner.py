@@ -43,6 +43,8 @@ SERVE_MARK = "@@mmcache-vllm-runner "
 
 
 def make_round_runner(llm):
+    """``protocol.play``'s ``run_round`` on ``llm``: a round's requests added together (each stamped on arrival),
+    then the engine stepped until they finish."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -51,7 +53,7 @@ def make_round_runner(llm):
     counter = itertools.count()
 
     def run_round(ids, prompts, max_tokens):
-        keys, arrival, stamps, outputs, cached = [], {}, {}, {}, {}
+        keys, arrival = [], {}
         for rid, prompt, n in zip(ids, prompts, max_tokens):
             key = f"{next(counter)}:{rid}"
             params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
@@ -59,28 +61,36 @@ def make_round_runner(llm):
             arrival[key] = time.perf_counter()
             engine.add_request(key, TokensPrompt(prompt_token_ids=prompt), params)
             keys.append(key)
-            stamps[key] = []
-        finished = set()
-        while len(finished) < len(keys):
-            if not engine.has_unfinished_requests():
-                raise RuntimeError(f"vLLM stopped with {len(keys) - len(finished)} requests unfinished")
-            for out in engine.step():
-                now = time.perf_counter()
-                if out.request_id not in stamps:
-                    continue
-                toks = list(out.outputs[0].token_ids)
-                stamps[out.request_id] += [now] * (len(toks) - len(stamps[out.request_id]))
-                outputs[out.request_id] = toks
-                cached[out.request_id] = out.num_cached_tokens or 0
-                if out.finished:
-                    finished.add(out.request_id)
+        stamps, outputs, cached = _step_until_finished(engine, keys)
         return [Record(rid, len(p), outputs[k], arrival[k], stamps[k][0], stamps[k], cached[k])
                 for rid, p, k in zip(ids, prompts, keys)]
 
     return run_round
 
 
-def main() -> int:
+def _step_until_finished(engine, keys: list[str]) -> tuple[dict, dict, dict]:
+    """Steps ``engine`` until the requests ``keys`` finished; per request: when this process received each of
+    its tokens, the tokens, and vLLM's count of its prompt tokens served from the prefix cache."""
+    stamps, outputs, cached = {key: [] for key in keys}, {}, {}
+    finished = set()
+    while len(finished) < len(keys):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM stopped with {len(keys) - len(finished)} requests unfinished")
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id not in stamps:
+                continue
+            toks = list(out.outputs[0].token_ids)
+            stamps[out.request_id] += [now] * (len(toks) - len(stamps[out.request_id]))
+            outputs[out.request_id] = toks
+            cached[out.request_id] = out.num_cached_tokens or 0
+            if out.finished:
+                finished.add(out.request_id)
+    return stamps, outputs, cached
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of the module docstring's usage."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--workloads", required=True)
@@ -93,7 +103,11 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, required=True, help="tokens one engine step may hold")
     p.add_argument("--max-num-seqs", type=int, required=True, help="sequences one engine step may hold")
     p.add_argument("--eager", action="store_true", help="skip torch.compile: starts in seconds, prefills slower")
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = parser().parse_args()
 
     import vllm
     from vllm import LLM
@@ -109,21 +123,26 @@ def main() -> int:
     run_round = make_round_runner(llm)
     play(warmup, run_round)
     settings = {k: v for k, v in vars(a).items() if k not in ("workloads", "out", "model", "serve")}
+    started = {"version": vllm.__version__, "init_s": init_s, "settings": settings}
     if a.serve:
-        print(SERVE_MARK + json.dumps({"version": vllm.__version__, "init_s": init_s, "settings": settings}),
-              flush=True)
-        for line in sys.stdin:
-            if not line.strip():
-                break
-            rounds = play(workload_from_json(json.loads(line)), run_round)
-            print(SERVE_MARK + json.dumps(results_to_json(rounds)), flush=True)
-        return 0
+        return serve(run_round, started)
     results = []
     for w in workloads:
         print(f"vllm_runner: {w.name} ({w.num_requests} requests)", file=sys.stderr, flush=True)
         results.append(results_to_json(play(w, run_round)))
-    dump({"engine": "vllm_cpu", "version": vllm.__version__, "init_s": init_s, "settings": settings,
-          "results": results}, a.out)
+    dump({"engine": "vllm_cpu", **started, "results": results}, a.out)
+    return 0
+
+
+def serve(run_round, started: dict) -> int:
+    """``--serve``: ``started`` on one marked line, then each workload line read from stdin played and answered
+    by one marked line of its rounds, until an empty line or the end of stdin."""
+    print(SERVE_MARK + json.dumps(started), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        rounds = play(workload_from_json(json.loads(line)), run_round)
+        print(SERVE_MARK + json.dumps(results_to_json(rounds)), flush=True)
     return 0
 
 
