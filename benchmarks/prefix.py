@@ -737,63 +737,115 @@ def run(args) -> dict:
     engines = engines_from_args(args)
     if "vllm_cpu" in engines:
         vllm_cpu.interpreter()  # fail now, not after the other engines ran
-    chosen = ",".join(WORKLOADS) if args.workloads is None else args.workloads
+    names = workload_names(args.workloads)
+    preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
+    context = PRESETS[preset].config["max_position_embeddings"]
+    check_before_export(shape, names, args, context)
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mmcache-prefix-") as tmp:
+        inputs = prepare(preset, shape, names, context, args, args.workdir or tmp)
+        _progress("bit-exact check (exact schedule, cache on vs off)")
+        exact = bit_exact_check(inputs.model_dir, args.dtype, args.page_size, inputs.space, args.seed, args.store_at)
+        _progress(f"bit_exact: {exact['bit_exact']}")
+        results = play_engines(engines, inputs, args)
+    return run_result(exact, results, preset, inputs, args, load_start, t_start)
+
+
+def workload_names(chosen: str | None) -> list[str]:
+    """The workloads ``--workloads`` names (every one of ``WORKLOADS`` when it is not given), each known."""
+    chosen = ",".join(WORKLOADS) if chosen is None else chosen
     names = [w.strip() for w in chosen.split(",") if w.strip()]
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         raise tw.WorkloadShapeError(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
-    preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
-    # Every shape error now, before a model is exported or an engine loaded: sizes against their maxima and the
-    # preset's context, then the probe and the workloads built once on a stand-in token space (the real one
-    # needs the exported vocabulary); multi-turn conversations are measured on the real one, before loading.
-    context = PRESETS[preset].config["max_position_embeddings"]
+    return names
+
+
+def check_before_export(shape: Shape, names: list[str], args, context: int) -> None:
+    """Every shape error now, before a model is exported or an engine loaded: sizes against their maxima and the
+    preset's ``context``, then the probe and the workloads built once on a stand-in token space (the real one
+    needs the exported vocabulary); multi-turn conversations are measured on the real one, before loading."""
     shape.check_sizes(context)
     tw.probe(tw.TokenSpace(1, 2), 0, shape.probe_len, shape.probe_shared)
     check_context(build_workloads(shape, tw.TokenSpace(1, 2), args.seed, names), shape, args.page_size, context,
                   sessions=False)
-    load_start = os.getloadavg()
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="mmcache-prefix-") as tmp:
-        workdir = args.workdir or tmp
-        model_dir = os.path.join(workdir, f"model-{preset}-{args.dtype}")
-        if not os.path.exists(os.path.join(model_dir, "config.json")):
-            _progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
-            export_model(preset, args.dtype, model_dir)
-        space = token_space(model_dir)
-        repeats = workload_repeats(shape, space, args.seed, names)
-        every = [w for ws in repeats for w in ws]
-        check_context(every, shape, args.page_size, context)
-        num_pages = _pages_needed(every, shape, args.page_size)
-        budget = StepBudget.of_mmcache()
-        _progress("bit-exact check (exact schedule, cache on vs off)")
-        exact = bit_exact_check(model_dir, args.dtype, args.page_size, space, args.seed, args.store_at)
-        _progress(f"bit_exact: {exact['bit_exact']}")
-        players: list[Player] = []
-        try:
-            for name in engines:
-                _progress(f"{name}: loading")
-                if name == "vllm_cpu":
-                    players.append(vllm_player(model_dir, space, shape, every, args.seed, args, workdir, budget))
-                    continue
-                t0 = time.perf_counter()
-                method = ProbeMethod()
-                if name == "transformers_cb":
-                    from .peers.transformers_cb import TransformersCB
 
-                    runner = TransformersCB(model_dir, args.dtype, page_size=args.page_size, num_blocks=num_pages,
-                                            max_batch_tokens=budget.max_tokens_per_step,
-                                            max_requests_per_batch=budget.max_num_seqs)
-                    method = ProbeMethod(max_tokens=2)
-                else:
-                    runner = MmcacheRunner(model_dir, args.dtype, "on" if name == "mmcache" else "off",
-                                           args.page_size, num_pages, store_at=args.store_at, **asdict(budget))
-                players.append(in_process_player(name, runner, time.perf_counter() - t0, method))
-            results = play_interleaved(players, space, shape, repeats, args.seed)
-        finally:
-            for p in players:
-                p.close()
-            del players
-            gc.collect()
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What every engine of a run is given: the exported model and the work folder, the token space, the shape
+    and every repeat of the workloads drawn on it, the pages no engine evicts from, the step budget."""
+
+    model_dir: str
+    workdir: str
+    space: tw.TokenSpace
+    shape: Shape
+    repeats: list[list[Workload]]
+    num_pages: int
+    budget: StepBudget
+
+    def every(self) -> list[Workload]:
+        """Every repeat of every workload, in the order drawn."""
+        return [w for ws in self.repeats for w in ws]
+
+
+def prepare(preset: str, shape: Shape, names: list[str], context: int, args, workdir: str) -> RunInputs:
+    """The preset exported into ``workdir`` (unless it is there already) and the workload repeats drawn on its
+    token space, each checked against the model's ``context``."""
+    model_dir = os.path.join(workdir, f"model-{preset}-{args.dtype}")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        _progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
+        export_model(preset, args.dtype, model_dir)
+    space = token_space(model_dir)
+    repeats = workload_repeats(shape, space, args.seed, names)
+    every = [w for ws in repeats for w in ws]
+    check_context(every, shape, args.page_size, context)
+    num_pages = _pages_needed(every, shape, args.page_size)
+    return RunInputs(model_dir, workdir, space, shape, repeats, num_pages, StepBudget.of_mmcache())
+
+
+def play_engines(engines: list[str], inputs: RunInputs, args) -> dict[str, EngineResult]:
+    """Every engine loaded, in ``engines``' order, then ``play_interleaved``; each closed afterwards, also when
+    one failed to load or play."""
+    players: list[Player] = []
+    try:
+        for name in engines:
+            _progress(f"{name}: loading")
+            players.append(load_player(name, inputs, args))
+        return play_interleaved(players, inputs.space, inputs.shape, inputs.repeats, args.seed)
+    finally:
+        for p in players:
+            p.close()
+        del players
+        gc.collect()
+
+
+def load_player(name: str, inputs: RunInputs, args) -> Player:
+    """Engine ``name`` loaded on the exported model under the run's step budget, its load time on record."""
+    budget = inputs.budget
+    if name == "vllm_cpu":
+        return vllm_player(inputs.model_dir, inputs.space, inputs.shape, inputs.every(), args.seed, args,
+                           inputs.workdir, budget)
+    t0 = time.perf_counter()
+    method = ProbeMethod()
+    if name == "transformers_cb":
+        from .peers.transformers_cb import TransformersCB
+
+        runner = TransformersCB(inputs.model_dir, args.dtype, page_size=args.page_size, num_blocks=inputs.num_pages,
+                                max_batch_tokens=budget.max_tokens_per_step,
+                                max_requests_per_batch=budget.max_num_seqs)
+        method = ProbeMethod(max_tokens=2)
+    else:
+        runner = MmcacheRunner(inputs.model_dir, args.dtype, "on" if name == "mmcache" else "off",
+                               args.page_size, inputs.num_pages, store_at=args.store_at, **asdict(budget))
+    return in_process_player(name, runner, time.perf_counter() - t0, method)
+
+
+def run_result(exact: dict, results: dict, preset: str, inputs: RunInputs, args, load_start: tuple,
+               t_start: float) -> dict:
+    """The run's JSON: the bit-exact check, every engine's figures and their agreement with the cache-off
+    engine, the paired ratios, what was run and on what machine."""
     reference = results.get("mmcache_nocache")
     engines_out = {}
     for name, r in results.items():
@@ -805,10 +857,10 @@ def run(args) -> dict:
     return {"bit_exact": exact["bit_exact"], "bit_exact_check": exact, "engines": engines_out,
             "probe_paired": paired_probe(engines_out), "workloads_paired": paired_workloads(engines_out),
             "preset": preset, "dtype": args.dtype, "page_size": args.page_size, "store_at": args.store_at,
-            "step_budget": asdict(budget), "turn_settle_s": TURN_SETTLE_S, "turn_order": TURN_ORDER,
+            "step_budget": asdict(inputs.budget), "turn_settle_s": TURN_SETTLE_S, "turn_order": TURN_ORDER,
             "quick": bool(args.quick),
-            "shape": asdict(shape),
-            "workloads": _workload_params(repeats), "token_space": asdict(space),
+            "shape": asdict(inputs.shape),
+            "workloads": _workload_params(inputs.repeats), "token_space": asdict(inputs.space),
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                         "platform": platform.platform(), "python": platform.python_version(),
                         "openmp": loaded_runtime(), "decode_attention": native.status()},
@@ -879,7 +931,19 @@ def table_rows(result: dict) -> list[Row]:
                            target="1")]
     if mm is None:
         return rows
-    p = mm["probe"]
+    rows += probe_rows(result)
+    work_pairs = paired_workloads(e)
+    for w in WORKLOADS:
+        if w in mm:
+            rows += workload_rows(w, e, work_pairs)
+    return rows
+
+
+def probe_rows(result: dict) -> list[Row]:
+    """The probe's rows: mmcache's hit and shared prefix against its own cold prompt, then mmcache against the
+    cache off and each peer that ran."""
+    e = result["engines"]
+    p = e["mmcache"]["probe"]
     # "better by" on the probe rows is the median of per-repeat ratios (see paired_probe, better_by); the
     # figures shown are each engine's medians.
     ours = paired_probe(e)["mmcache"]
@@ -889,9 +953,9 @@ def table_rows(result: dict) -> list[Row]:
 
     pn = paired_note(len(p["repeats"]))
     on = target_shape_note(result)
-    rows.append(Row("prefix", f"probe: same 2048 prompt, TTFT{pn}", p["same_s"], "s", p["cold_s"], "cold",
-                    ">= 12x" + on, paired=ours["same_vs_cold"]["p50"]))
-    rows.append(Row("prefix", "probe: 1920 shared + 128 new, TTFT", p["shared1920_s"], "s", p["cold_s"], "cold"))
+    rows = [Row("prefix", f"probe: same 2048 prompt, TTFT{pn}", p["same_s"], "s", p["cold_s"], "cold",
+                ">= 12x" + on, paired=ours["same_vs_cold"]["p50"]),
+            Row("prefix", "probe: 1920 shared + 128 new, TTFT", p["shared1920_s"], "s", p["cold_s"], "cold")]
     off = e.get("mmcache_nocache")
     if off:
         rows.append(Row("prefix", f"probe: cold 2048, TTFT{pn}", p["cold_s"], "s", off["probe"]["cold_s"], "cache off",
@@ -906,36 +970,47 @@ def table_rows(result: dict) -> list[Row]:
                         ">= 0.77x" + on, paired=peer("vllm_cpu", "cold")))
         rows.append(Row("prefix", f"probe: hit TTFT{pn}", p["same_s"], "s", vl["probe"]["same_s"], "vLLM CPU",
                         ">= 0.77x" + on, paired=peer("vllm_cpu", "hit")))
-    work_pairs = paired_workloads(e)
-
-    def better(peer: str, w: str, label: str) -> float | None:
-        """The paired "better by" of a workload figure (None with a single repeat: the ratio shown is it)."""
-        ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
-        if ratio is None:
-            return None
-        return ratio["p50"] if label == "throughput" else better_by(ratio)
-
-    def note(peer: str, w: str, label: str) -> str:
-        """``paired_note`` of the pairs that figure rests on (a repeat missing a figure on either side is not one)."""
-        ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
-        return "" if ratio is None else paired_note(len(ratio["runs"]))
-
-    for w in WORKLOADS:
-        if w not in mm:
-            continue
-        for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
-                            ("vllm_cpu", "vLLM CPU")):
-            if peer in e and w in e[peer]:
-                rows.append(Row("prefix", f"{w}: TTFT p50{note(peer, w, 'ttft_p50')}", mm[w]["ttft_p50_s"], "s",
-                                e[peer][w]["ttft_p50_s"], label, paired=better(peer, w, "ttft_p50")))
-        for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
-            if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
-                rows.append(Row("prefix", f"{w}: ITL p50{note(peer, w, 'itl_p50')}", mm[w]["itl_p50_s"], "s",
-                                e[peer][w]["itl_p50_s"], label, paired=better(peer, w, "itl_p50")))
-        if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
-            rows.append(Row("prefix", f"{w}: output tokens/s{note('mmcache_nocache', w, 'throughput')}",
-                            mm[w]["throughput_tok_s"], "tok/s", e["mmcache_nocache"][w]["throughput_tok_s"],
-                            "cache off", higher_is_better=True,
-                            paired=better("mmcache_nocache", w, "throughput")))
-        rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))
     return rows
+
+
+def workload_rows(w: str, e: dict, work_pairs: dict) -> list[Row]:
+    """Workload ``w``'s rows: mmcache's TTFT against the cache off and each peer, its ITL (the decode step)
+    against the cache off and vLLM, its throughput against the cache off, its matched share."""
+    mm = e["mmcache"]
+
+    def better(peer: str, label: str) -> float | None:
+        return workload_better_by(work_pairs, peer, w, label)
+
+    def note(peer: str, label: str) -> str:
+        return workload_note(work_pairs, peer, w, label)
+
+    rows = []
+    for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
+                        ("vllm_cpu", "vLLM CPU")):
+        if peer in e and w in e[peer]:
+            rows.append(Row("prefix", f"{w}: TTFT p50{note(peer, 'ttft_p50')}", mm[w]["ttft_p50_s"], "s",
+                            e[peer][w]["ttft_p50_s"], label, paired=better(peer, "ttft_p50")))
+    for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
+        if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
+            rows.append(Row("prefix", f"{w}: ITL p50{note(peer, 'itl_p50')}", mm[w]["itl_p50_s"], "s",
+                            e[peer][w]["itl_p50_s"], label, paired=better(peer, "itl_p50")))
+    if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
+        rows.append(Row("prefix", f"{w}: output tokens/s{note('mmcache_nocache', 'throughput')}",
+                        mm[w]["throughput_tok_s"], "tok/s", e["mmcache_nocache"][w]["throughput_tok_s"],
+                        "cache off", higher_is_better=True, paired=better("mmcache_nocache", "throughput")))
+    rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))
+    return rows
+
+
+def workload_better_by(work_pairs: dict, peer: str, w: str, label: str) -> float | None:
+    """The paired "better by" of a workload figure (None with a single repeat: the ratio shown is it)."""
+    ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
+    if ratio is None:
+        return None
+    return ratio["p50"] if label == "throughput" else better_by(ratio)
+
+
+def workload_note(work_pairs: dict, peer: str, w: str, label: str) -> str:
+    """``paired_note`` of the pairs that figure rests on (a repeat missing a figure on either side is not one)."""
+    ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
+    return "" if ratio is None else paired_note(len(ratio["runs"]))
