@@ -284,10 +284,7 @@ async def open_loop(client_for: Callable[[str], object], sessions: Sequence[Sess
     ``client_for(api_key)`` gives the client of a session's tenant. ``max_in_flight`` bounds the sessions
     running at once (an arrival past it waits for a slot: the schedule slips, which its ``send`` shows). A
     session that had not sent its first turn by ``time_limit_s`` has no record."""
-    if offsets is None:
-        offsets = poisson_arrivals(rate, len(sessions), seed)
-    elif len(offsets) != len(sessions) or any(not 0 <= x < float("inf") for x in offsets):
-        raise ValueError("offsets must be one finite, non-negative offset per session")
+    offsets = start_offsets(len(sessions), rate, seed, offsets)
     records: list[Record] = []
     slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
     done = 0
@@ -308,6 +305,23 @@ async def open_loop(client_for: Callable[[str], object], sessions: Sequence[Sess
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(sessions))]
     _, pending = await asyncio.wait(tasks, timeout=time_limit_s)
+    await stop_at_limit(tasks, pending, records)
+    return records
+
+
+def start_offsets(count: int, rate: float, seed: int, offsets: Sequence[float] | None) -> Sequence[float]:
+    """Each of ``count`` sessions' start in seconds: ``offsets`` (one finite, non-negative offset per session,
+    else ``ValueError``), or without them the Poisson arrivals of ``rate`` from ``seed``."""
+    if offsets is None:
+        return poisson_arrivals(rate, count, seed)
+    if len(offsets) != count or any(not 0 <= x < float("inf") for x in offsets):
+        raise ValueError("offsets must be one finite, non-negative offset per session")
+    return offsets
+
+
+async def stop_at_limit(tasks: list, pending: set, records: list[Record]) -> None:
+    """At the time limit: the sessions still running (``pending``) cancelled, the first error a session raised
+    raised here, and every request the cancel cut short marked ``timeout``."""
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
@@ -317,7 +331,6 @@ async def open_loop(client_for: Callable[[str], object], sessions: Sequence[Sess
     for r in records:
         if r.end is None:  # cancelled mid-request
             r.outcome, r.end = "timeout", time.perf_counter()
-    return records
 
 
 # ---- statistics ------------------------------------------------------------------------------------------

@@ -152,38 +152,51 @@ def plan(n: int, model: str, seed: int) -> list[Planned]:
     for i in range(n):
         kind = kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))]
         if kind in ("malformed", "oversized"):
-            cases = bad if kind == "malformed" else big
-            case, status, key, body = cases[int(rng.integers(len(cases)))]
-            out.append(Planned(kind, case, frozenset({str(status), BUSY}), key, body=body))
-            continue
-        key = TENANTS[int(rng.integers(len(TENANTS)))]
-        salt = SALTS[int(rng.integers(len(SALTS)))]
-        extra = {} if salt is None else {"cache_salt": salt}
-        if kind == "completion":
-            body = {"model": model, "prompt": qs[int(rng.integers(len(qs)))], "max_tokens": int(rng.integers(1, 5)),
-                    "temperature": 0.0, **extra}
-            out.append(Planned(kind, "text", frozenset({"ok", BUSY}), key, "/completions", body, stream=False))
-            continue
-        messages = _chat_messages(rng, images, qs)
-        sampling = ({"temperature": 0.0} if rng.random() < 0.5 else
-                    {"temperature": 0.8, "seed": int(rng.integers(1 << 31))})
-        body = {"model": model, "messages": messages, **sampling, "extra_body": dict(extra)}  # vLLM's extensions
-        if kind == "cut":
-            k = int(rng.integers(0, 4))
-            body.update(max_tokens=8)
-            body["extra_body"]["ignore_eos"] = True  # k < 8: the client closes it before it ends
-            # "ok" too: tokens that make no text (special ones) send no chunk, so k chunks may never come
-            out.append(Planned(kind, f"after_{k}", frozenset({"cut", "ok", BUSY}), key, body=body, cut_after=k))
-        elif kind == "abandon":
-            body.update(max_tokens=8)
-            wait = float(rng.uniform(0.0, MAX_ABANDON_S))
-            out.append(Planned(kind, "streamed", frozenset({"abandoned", "ok", BUSY}), key, body=body,
-                               abandon_after=wait))
+            out.append(_planned_refusal(rng, kind, bad if kind == "malformed" else big))
         else:
-            body["max_tokens"] = int(rng.integers(1, 7))
-            out.append(Planned(kind, f"{sum(_n_images(m) for m in messages)}_images", frozenset({"ok", BUSY}), key,
-                               body=body, stream=kind == "chat"))
+            out.append(_planned_request(rng, kind, model, images, qs))
     return out
+
+
+def _planned_refusal(rng, kind: str, cases: list) -> Planned:
+    """One of ``cases`` (malformed or oversized), drawn: the server must refuse it with its status."""
+    case, status, key, body = cases[int(rng.integers(len(cases)))]
+    return Planned(kind, case, frozenset({str(status), BUSY}), key, body=body)
+
+
+def _planned_request(rng, kind: str, model: str, images: list[bytes], qs: list[str]) -> Planned:
+    """A well-formed request of ``kind`` from a drawn tenant under a drawn salt: a completion, or a chat
+    (``_planned_chat``)."""
+    key = TENANTS[int(rng.integers(len(TENANTS)))]
+    salt = SALTS[int(rng.integers(len(SALTS)))]
+    extra = {} if salt is None else {"cache_salt": salt}
+    if kind == "completion":
+        body = {"model": model, "prompt": qs[int(rng.integers(len(qs)))], "max_tokens": int(rng.integers(1, 5)),
+                "temperature": 0.0, **extra}
+        return Planned(kind, "text", frozenset({"ok", BUSY}), key, "/completions", body, stream=False)
+    messages = _chat_messages(rng, images, qs)
+    sampling = ({"temperature": 0.0} if rng.random() < 0.5 else
+                {"temperature": 0.8, "seed": int(rng.integers(1 << 31))})
+    body = {"model": model, "messages": messages, **sampling, "extra_body": dict(extra)}  # vLLM's extensions
+    return _planned_chat(rng, kind, key, body, messages)
+
+
+def _planned_chat(rng, kind: str, key: str, body: dict, messages: list[dict]) -> Planned:
+    """A chat request of ``kind``: cut by the client after a drawn number of chunks, abandoned after a drawn
+    wait, or one that runs to its end (streamed for ``chat``)."""
+    if kind == "cut":
+        k = int(rng.integers(0, 4))
+        body.update(max_tokens=8)
+        body["extra_body"]["ignore_eos"] = True  # k < 8: the client closes it before it ends
+        # "ok" too: tokens that make no text (special ones) send no chunk, so k chunks may never come
+        return Planned(kind, f"after_{k}", frozenset({"cut", "ok", BUSY}), key, body=body, cut_after=k)
+    if kind == "abandon":
+        body.update(max_tokens=8)
+        wait = float(rng.uniform(0.0, MAX_ABANDON_S))
+        return Planned(kind, "streamed", frozenset({"abandoned", "ok", BUSY}), key, body=body, abandon_after=wait)
+    body["max_tokens"] = int(rng.integers(1, 7))
+    return Planned(kind, f"{sum(_n_images(m) for m in messages)}_images", frozenset({"ok", BUSY}), key,
+                   body=body, stream=kind == "chat")
 
 
 def _n_images(message: dict) -> int:
