@@ -52,31 +52,40 @@ def _with_options_before_name(parser: argparse.ArgumentParser, opts, before, nam
 
 
 def main(args) -> int:
-    import torch  # noqa: F401  (loads torch's OpenMP library, so the line below can name it)
-
+    importlib.import_module("torch")  # loads torch's OpenMP library, so the line below can name it
     from mmcache.engine.compute import native
 
     print(f"[mmcache] OpenMP runtime: {loaded_runtime()} (MMCACHE_OPENMP, see README)", file=sys.stderr)
     print(f"[mmcache] decode attention: {native.status()} (MMCACHE_NATIVE, see README)", file=sys.stderr)
     rest = list(args.rest)
     if rest and rest[0] in REGISTRY:
-        name = rest.pop(0)
-        module = importlib.import_module(REGISTRY[name])
-        parser = bench_parser(name, module)
-        opts = _with_options_before_name(parser, parser.parse_args(rest), args, name)
-        if not writable(opts.json, "mmcache bench"):
-            return 2
-        try:
-            result = module.run(opts)
-        except MmcacheError as e:  # bad options or a peer that cannot run: a clear line, not a traceback
-            print(f"mmcache bench {name}: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
-        write_json(opts.json, result)
-        print(render(module.table_rows(result)))
-        return 0
+        return run_one(rest, args)
     if rest and not rest[0].startswith("-"):
         print(f"unknown benchmark {rest[0]!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
         return 2
+    return run_all(rest, args)
+
+
+def run_one(rest: list[str], args) -> int:
+    """``mmcache bench NAME [options]`` (``rest``): NAME with its options, the options given before NAME too."""
+    name = rest.pop(0)
+    module = importlib.import_module(REGISTRY[name])
+    parser = bench_parser(name, module)
+    opts = _with_options_before_name(parser, parser.parse_args(rest), args, name)
+    if not writable(opts.json, "mmcache bench"):
+        return 2
+    try:
+        result = module.run(opts)
+    except MmcacheError as e:  # bad options or a peer that cannot run: a clear line, not a traceback
+        print(f"mmcache bench {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    write_json(opts.json, result)
+    print(render(module.table_rows(result)))
+    return 0
+
+
+def run_all(rest: list[str], args) -> int:
+    """``mmcache bench [--json PATH]``: every registered benchmark in quick mode, the JSON rewritten after each."""
     allp = argparse.ArgumentParser(prog="mmcache bench")
     allp.add_argument("--json", metavar="PATH", help="write every result as one JSON object")
     opts = allp.parse_args(([] if args.json is None else ["--json", args.json]) + rest)
@@ -84,23 +93,10 @@ def main(args) -> int:
         return 2
     results, rows, failed = {}, [], []
     for name, modname in REGISTRY.items():
-        t0 = time.perf_counter()
-        print(f"[{name}] running (quick)...", file=sys.stderr, flush=True)
-        try:
-            module = importlib.import_module(modname)
-            result = module.run(bench_parser(name, module).parse_args(["--quick"]))
-            named = module.table_rows(result)
-        except Exception as e:  # one benchmark's failure must not lose the others' figures: say it, go on
-            if not isinstance(e, MmcacheError):
-                traceback.print_exc()
-            failed.append(f"{name} ({type(e).__name__}: {e})")
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"[{name}] FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}",
-                  file=sys.stderr, flush=True)
-        else:
-            results[name] = result
-            print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            rows += named
+        results[name], named, failure = run_quick(name, modname)
+        rows += named
+        if failure is not None:
+            failed.append(failure)
         write_json(opts.json, results, say=False)  # after each benchmark: a run cut short keeps what it measured
     write_json(opts.json, results)
     print(render(rows))
@@ -108,3 +104,22 @@ def main(args) -> int:
         print("mmcache bench: failed: " + "; ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+def run_quick(name: str, modname: str) -> tuple[dict, list, str | None]:
+    """Benchmark ``name`` in quick mode: its result, its table rows and None; where it failed, its error in
+    place of the result, no rows, and what failed (each said on stderr)."""
+    t0 = time.perf_counter()
+    print(f"[{name}] running (quick)...", file=sys.stderr, flush=True)
+    try:
+        module = importlib.import_module(modname)
+        result = module.run(bench_parser(name, module).parse_args(["--quick"]))
+        named = module.table_rows(result)
+    except Exception as e:  # one benchmark's failure must not lose the others' figures: say it, go on
+        if not isinstance(e, MmcacheError):
+            traceback.print_exc()
+        print(f"[{name}] FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        return {"error": f"{type(e).__name__}: {e}"}, [], f"{name} ({type(e).__name__}: {e})"
+    print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return result, named, None
