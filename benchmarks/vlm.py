@@ -304,32 +304,48 @@ def chat_run(preset, shape: Shape, args, flops: FlopModel, counter: TowerCounter
 
 
 def summarise_chat(runs: list[dict], shape: Shape) -> dict:
+    out = {mode: summarise_mode([r[mode]["records"] for r in runs], runs[-1][mode]["store"], shape)
+           for mode in MODES}
+    add_ratios_to_off(out, runs, shape)
+    same = [a["output"] == b["output"] for a, b in zip(runs[0]["off"]["records"], runs[0]["kv+encoder"]["records"])]
+    out["kv+encoder"]["outputs_equal_to_off_share"] = sum(same) / len(same)
+    return out
+
+
+def summarise_mode(per_run: list[list[dict]], store: dict, shape: Shape) -> dict:
+    """One mode's figures over its runs' records (``per_run``): medians over runs, and per turn (``per_turn``)."""
     med = statistics.median
-    out = {}
-    for mode in MODES:
-        per_run = [r[mode]["records"] for r in runs]
-        per_turn = []
-        for t in range(shape.turns):
-            rows = [[x for x in recs if x["turn"] == t] for recs in per_run]
-            per_turn.append(dict(
-                turn=t + 1,
-                ttft_p50_s=med(med(x["ttft"] for x in rs) for rs in rows),
-                matched_share=med(sum(x["matched"] for x in rs) / sum(x["prompt_len"] for x in rs) for rs in rows),
-                encoder_calls=med(sum(x["encoded"] for x in rs) for rs in rows),
-                prompt_tokens_p50=med(x["prompt_len"] for x in rows[0]),
-                noncached_flop_share_p50=med(med(x["share"] for x in rs) for rs in rows)))
-        later = [[x for x in recs if x["turn"] > 0] for recs in per_run]
-        out[mode] = dict(
-            ttft_p50_s=med(med(x["ttft"] for x in recs) for recs in per_run),
-            ttft_p50_later_turns_s=med(med(x["ttft"] for x in rs) for rs in later) if shape.turns > 1 else None,
-            encoder_calls=med(sum(x["encoded"] for x in recs) for recs in per_run),
-            encoder_calls_per_run=[sum(x["encoded"] for x in recs) for recs in per_run],
-            matched_share=med(sum(x["matched"] for x in recs) / sum(x["prompt_len"] for x in recs)
-                              for recs in per_run),
-            prompt_tokens=sum(x["prompt_len"] for x in per_run[0]),
-            computed_prompt_tokens=med(sum(x["prompt_len"] - x["matched"] for x in recs) for recs in per_run),
-            store=runs[-1][mode]["store"],
-            per_turn=per_turn)
+    per_turn = [summarise_turn(per_run, t) for t in range(shape.turns)]
+    later = [[x for x in recs if x["turn"] > 0] for recs in per_run]
+    return dict(
+        ttft_p50_s=med(med(x["ttft"] for x in recs) for recs in per_run),
+        ttft_p50_later_turns_s=med(med(x["ttft"] for x in rs) for rs in later) if shape.turns > 1 else None,
+        encoder_calls=med(sum(x["encoded"] for x in recs) for recs in per_run),
+        encoder_calls_per_run=[sum(x["encoded"] for x in recs) for recs in per_run],
+        matched_share=med(sum(x["matched"] for x in recs) / sum(x["prompt_len"] for x in recs)
+                          for recs in per_run),
+        prompt_tokens=sum(x["prompt_len"] for x in per_run[0]),
+        computed_prompt_tokens=med(sum(x["prompt_len"] - x["matched"] for x in recs) for recs in per_run),
+        store=store,
+        per_turn=per_turn)
+
+
+def summarise_turn(per_run: list[list[dict]], t: int) -> dict:
+    """Turn ``t``'s figures of one mode: medians over runs of each run's figure for that turn."""
+    med = statistics.median
+    rows = [[x for x in recs if x["turn"] == t] for recs in per_run]
+    return dict(
+        turn=t + 1,
+        ttft_p50_s=med(med(x["ttft"] for x in rs) for rs in rows),
+        matched_share=med(sum(x["matched"] for x in rs) / sum(x["prompt_len"] for x in rs) for rs in rows),
+        encoder_calls=med(sum(x["encoded"] for x in rs) for rs in rows),
+        prompt_tokens_p50=med(x["prompt_len"] for x in rows[0]),
+        noncached_flop_share_p50=med(med(x["share"] for x in rs) for rs in rows))
+
+
+def add_ratios_to_off(out: dict, runs: list[dict], shape: Shape) -> None:
+    """Per turn, each cached mode's TTFT against the cache off: the ratio of medians and the median of the
+    paired ratios; and the store's compute bound."""
     off, enc = out["off"]["per_turn"], out["kv+encoder"]["per_turn"]
     for t in range(shape.turns):
         for mode in ("kv", "kv+encoder"):
@@ -338,11 +354,8 @@ def summarise_chat(runs: list[dict], shape: Shape) -> dict:
             # The same chat's same turn in both modes, served back to back: the load they saw was alike.
             pairs = [a["ttft"] / b["ttft"] for r in runs for a, b in zip(r[mode]["records"], r["off"]["records"])
                      if a["turn"] == t]
-            row["ttft_paired_ratio_p50"] = med(pairs)
+            row["ttft_paired_ratio_p50"] = statistics.median(pairs)
         enc[t]["compute_bound_ratio"] = enc[t]["noncached_flop_share_p50"]
-    same = [a["output"] == b["output"] for a, b in zip(runs[0]["off"]["records"], runs[0]["kv+encoder"]["records"])]
-    out["kv+encoder"]["outputs_equal_to_off_share"] = sum(same) / len(same)
-    return out
 
 
 # ---- the overhead guard ----------------------------------------------------------------------------------
@@ -358,27 +371,9 @@ def guard(preset, shape: Shape, args, counter: TowerCounter) -> dict:
                                       sampling=sampling)
     runs, paired, paired_cpu, shape_of = [], [], [], None
     for r in range(shape.guard_runs):
-        fronts = {"on": make_front(preset, "kv+encoder", args), "off": make_front(preset, "off", args)}
         mine = images[r * (shape.guard_requests + 1):(r + 1) * (shape.guard_requests + 1)]
-        for front in fronts.values():  # warm-up on an image neither measured request uses
-            serve(front, ask(mine[0], 0), counter)
-        lat = {"on": [], "off": []}
-        cpu = {"on": [], "off": []}
-        matched = 0
-        for i, image in enumerate(mine[1:]):
-            for name in (("on", "off") if (i + r) % 2 == 0 else ("off", "on")):
-                out, _, seconds = serve(fronts[name], ask(image, i + 1), counter)
-                lat[name].append(out.token_times[-1] - out.arrival_time)
-                cpu[name].append(seconds)
-                matched += out.matched_tokens if name == "on" else 0
-                shape_of = (out.prompt_len, len(out.output_ids))
-            paired.append(lat["on"][-1] / lat["off"][-1])
-            paired_cpu.append(cpu["on"][-1] / cpu["off"][-1])
-        med = statistics.median
-        runs.append(dict(latency_on_p50_s=med(lat["on"]), latency_off_p50_s=med(lat["off"]),
-                         cpu_on_p50_s=med(cpu["on"]), cpu_off_p50_s=med(cpu["off"]), matched_tokens_on=matched))
-        runs[-1]["ratio"] = runs[-1]["latency_on_p50_s"] / runs[-1]["latency_off_p50_s"]
-        runs[-1]["cpu_ratio"] = runs[-1]["cpu_on_p50_s"] / runs[-1]["cpu_off_p50_s"]
+        run, shape_of = guard_run(preset, args, counter, ask, mine, r, paired, paired_cpu)
+        runs.append(run)
     work = bookkeeping(shape_of[0], shape_of[1], args.page_size, preset)
     latency_off = statistics.median(x["latency_off_p50_s"] for x in runs)
     return dict(ratio=statistics.median(paired), ratio_of_p50s=statistics.median(x["ratio"] for x in runs),
@@ -388,6 +383,35 @@ def guard(preset, shape: Shape, args, counter: TowerCounter) -> dict:
                 requests_per_run=shape.guard_requests,
                 prompt_tokens=shape_of[0], output_tokens=shape_of[1], bookkeeping=work,
                 bookkeeping_share_of_latency=(work["on_s"] - work["off_s"]) / latency_off, runs=runs)
+
+
+def guard_run(preset, args, counter: TowerCounter, ask, mine: list, r: int, paired: list,
+              paired_cpu: list) -> tuple[dict, tuple | None]:
+    """Guard run ``r``: fresh engines with the cache on and off, warmed up on ``mine[0]``, then each later image
+    of ``mine`` asked of both, alternating which goes first; each pair's on/off ratios of latency and of thread
+    CPU time appended to ``paired`` and ``paired_cpu``. The run's medians, and the last request's (prompt,
+    output) tokens."""
+    fronts = {"on": make_front(preset, "kv+encoder", args), "off": make_front(preset, "off", args)}
+    for front in fronts.values():  # warm-up on an image neither measured request uses
+        serve(front, ask(mine[0], 0), counter)
+    lat = {"on": [], "off": []}
+    cpu = {"on": [], "off": []}
+    matched, shape_of = 0, None
+    for i, image in enumerate(mine[1:]):
+        for name in (("on", "off") if (i + r) % 2 == 0 else ("off", "on")):
+            out, _, seconds = serve(fronts[name], ask(image, i + 1), counter)
+            lat[name].append(out.token_times[-1] - out.arrival_time)
+            cpu[name].append(seconds)
+            matched += out.matched_tokens if name == "on" else 0
+            shape_of = (out.prompt_len, len(out.output_ids))
+        paired.append(lat["on"][-1] / lat["off"][-1])
+        paired_cpu.append(cpu["on"][-1] / cpu["off"][-1])
+    med = statistics.median
+    run = dict(latency_on_p50_s=med(lat["on"]), latency_off_p50_s=med(lat["off"]),
+               cpu_on_p50_s=med(cpu["on"]), cpu_off_p50_s=med(cpu["off"]), matched_tokens_on=matched)
+    run["ratio"] = run["latency_on_p50_s"] / run["latency_off_p50_s"]
+    run["cpu_ratio"] = run["cpu_on_p50_s"] / run["cpu_off_p50_s"]
+    return run, shape_of
 
 
 def median_standard_error(xs: list[float]) -> float | None:
@@ -446,33 +470,15 @@ def run(args) -> dict:
         _progress(f"building {args.preset} ({args.dtype})")
         preset = build_vlm(args.preset, args.dtype, seed=args.seed)
         flops = flop_model(preset)
-        counter = TowerCounter(preset.model.model.vision_tower)
-        _, unique = chats(shape)
-        runs = []
-        for r in range(shape.runs):
-            _progress(f"chat run {r + 1}/{shape.runs}")
-            runs.append(chat_run(preset, shape, args, flops, counter, r))
-        modes = summarise_chat(runs, shape)
-        guard_result = None
-        if not args.no_guard and shape.guard_runs and shape.guard_requests:
-            _progress("overhead guard")
-            guard_result = guard(preset, shape, args, counter)
-        counter.close()
+        modes, unique, guard_result = chats_and_guard(preset, flops, shape, args)
     finally:
         torch.set_num_threads(threads)
-    enc, off = modes["kv+encoder"], modes["off"]
-    later = [row["ttft_ratio_to_off"] for row in enc["per_turn"][1:]]
     return {
         "modes": modes,
         "unique_images": unique,
         "overhead_guard_ratio": None if guard_result is None else guard_result["ratio"],
         "overhead_guard": guard_result,
-        "targets": {
-            "encoder_calls_equal_unique_images": all(c == unique for c in enc["encoder_calls_per_run"]),
-            "overhead_guard_at_most_1_02": None if guard_result is None else guard_result["ratio"] <= 1.02,
-            "later_turn_ttft_at_most_quarter_of_off": bool(later) and max(later) <= 0.25,
-            "later_turn_ttft_ratio_max": max(later) if later else None,
-        },
+        "targets": targets(modes, unique, guard_result),
         "model": model_shape(preset, flops),
         "shape": asdict(shape),
         "config": {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size,
@@ -480,7 +486,35 @@ def run(args) -> dict:
                    "store_bytes": STORE_BYTES, "quick": bool(args.quick)},
         "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "seconds": time.perf_counter() - t0, "openmp": loaded_runtime()},
-        "off_ttft_p50_s": off["ttft_p50_s"],
+        "off_ttft_p50_s": modes["off"]["ttft_p50_s"],
+    }
+
+
+def chats_and_guard(preset, flops: FlopModel, shape: Shape, args) -> tuple[dict, int, dict | None]:
+    """Every chat run, summarised per mode; the unique images; and the overhead guard (None where it is off)."""
+    counter = TowerCounter(preset.model.model.vision_tower)
+    _, unique = chats(shape)
+    runs = []
+    for r in range(shape.runs):
+        _progress(f"chat run {r + 1}/{shape.runs}")
+        runs.append(chat_run(preset, shape, args, flops, counter, r))
+    modes = summarise_chat(runs, shape)
+    guard_result = None
+    if not args.no_guard and shape.guard_runs and shape.guard_requests:
+        _progress("overhead guard")
+        guard_result = guard(preset, shape, args, counter)
+    counter.close()
+    return modes, unique, guard_result
+
+
+def targets(modes: dict, unique: int, guard_result: dict | None) -> dict:
+    """The issue's targets: one tower call per unique image, the guard's ratio, later turns' TTFT against off."""
+    later = [row["ttft_ratio_to_off"] for row in modes["kv+encoder"]["per_turn"][1:]]
+    return {
+        "encoder_calls_equal_unique_images": all(c == unique for c in modes["kv+encoder"]["encoder_calls_per_run"]),
+        "overhead_guard_at_most_1_02": None if guard_result is None else guard_result["ratio"] <= 1.02,
+        "later_turn_ttft_at_most_quarter_of_off": bool(later) and max(later) <= 0.25,
+        "later_turn_ttft_ratio_max": max(later) if later else None,
     }
 
 
