@@ -214,13 +214,7 @@ def _bench_mode(pipe, wrapper_cls, encoders, call: dict, args) -> dict:
     biases = not args.no_position_biases
     _warm_up(pipe, wrapper_cls, stream[0], negative, call, biases)
     for r in range(args.runs):
-        # fresh per run, both; store off computes every bias whatever the switch
-        wrappers = {"off": wrapper_cls(pipe, None), "on": wrapper_cls(pipe, _store(), position_biases=biases)}
-        tallies = {mode: _Tally(encoders) for mode in wrappers}
-        for i, prompt in enumerate(stream):
-            # Side by side per request, alternating which mode goes first, so both see the same machine load.
-            for mode in (("off", "on") if (i + r) % 2 == 0 else ("on", "off")):
-                tallies[mode].serve(wrappers[mode], prompt, negative, call, args.seed + i)
+        wrappers, tallies = _one_run(pipe, wrapper_cls, encoders, call, args, stream, negative, r)
         for mode, tally in tallies.items():
             runs[mode].append(tally.summary())
         runs.setdefault("forward_ratio", []).append(forward_cost_ratio(tallies["on"].forwards,
@@ -230,13 +224,7 @@ def _bench_mode(pipe, wrapper_cls, encoders, call: dict, args) -> dict:
     native = [torch.as_tensor(pipe(p, negative_prompt=negative, generator=torch.Generator().manual_seed(args.seed + i),
                                    **call)[0]) for i, p in enumerate(stream[:2])]
     result = {mode: dict(_median_runs(runs[mode]), bit_identical=identical) for mode in ("off", "on")}
-    result["on"]["store"] = wrappers["on"].store.metrics.as_dict()
-    memos = [adapter.memo for adapter in wrappers["on"].adapters]  # the last run's
-    result["on"]["tokenizations"] = sum(m.misses for m in memos)
-    result["on"]["tokenization_memo_hits"] = sum(m.hits for m in memos)
-    served = [a.position_biases for a in wrappers["on"].adapters if getattr(a, "position_biases", None)]
-    result["on"]["position_biases"] = {"on": biases, "served": sum(b.served for b in served),
-                                       "computed": sum(b.computed for b in served)}  # the last run's
+    result["on"].update(_last_run_store(wrappers["on"], biases))
     result["stream"] = {"requests": args.requests, "unique_prompts": unique,
                         "repeat_share": 1 - unique / args.requests, "zipf_s": args.zipf,
                         "prompt_pool": len(parti_prompts()), "seed": args.seed, "negative_prompt_chars": len(negative)}
@@ -246,6 +234,31 @@ def _bench_mode(pipe, wrapper_cls, encoders, call: dict, args) -> dict:
     result["shape"] = {"call": {k: v for k, v in call.items() if k != "output_type"},
                        "text_encoders": [_describe(m) for m in encoders]}
     return result
+
+
+def _one_run(pipe, wrapper_cls, encoders, call: dict, args, stream: list[str], negative: str, r: int):
+    """Run ``r``: a fresh wrapper and tally per side, every request of ``stream`` served by both; (wrappers,
+    tallies)."""
+    # fresh per run, both; store off computes every bias whatever the switch
+    wrappers = {"off": wrapper_cls(pipe, None),
+                "on": wrapper_cls(pipe, _store(), position_biases=not args.no_position_biases)}
+    tallies = {mode: _Tally(encoders) for mode in wrappers}
+    for i, prompt in enumerate(stream):
+        # Side by side per request, alternating which mode goes first, so both see the same machine load.
+        for mode in (("off", "on") if (i + r) % 2 == 0 else ("on", "off")):
+            tallies[mode].serve(wrappers[mode], prompt, negative, call, args.seed + i)
+    return wrappers, tallies
+
+
+def _last_run_store(wrapper, biases: bool) -> dict:
+    """What the store-on side's wrapper of the last run holds: its store's metrics, its tokenizations and memo
+    hits, and the position biases it served and computed."""
+    memos = [adapter.memo for adapter in wrapper.adapters]
+    served = [a.position_biases for a in wrapper.adapters if getattr(a, "position_biases", None)]
+    return {"store": wrapper.store.metrics.as_dict(), "tokenizations": sum(m.misses for m in memos),
+            "tokenization_memo_hits": sum(m.hits for m in memos),
+            "position_biases": {"on": biases, "served": sum(b.served for b in served),
+                                "computed": sum(b.computed for b in served)}}
 
 
 def _describe(module) -> dict:

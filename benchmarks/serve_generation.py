@@ -320,10 +320,6 @@ def check_sound(servers: dict) -> dict:
 
 def run(args) -> dict:
     """Every stream of ``args.gen_streams`` against a store-on and a store-off server; the figures as a dict."""
-    from contextlib import ExitStack
-
-    from mmcache.presets import serve
-
     _settle(args)
     streams = list(getattr(args, "gen_streams", STREAMS))
     seed, frames = int(getattr(args, "seed", 0)), int(getattr(args, "speech_frames", 1))
@@ -338,15 +334,7 @@ def run(args) -> dict:
     result: dict = {"streams": {}}
     try:
         _quiet_logs()
-        with ExitStack() as stack, httpx.Client() as http:
-            servers = {side: stack.enter_context(serve(server_config(streams, budget, args.gen_steps,
-                                                                            frames, voice)))
-                       for side, budget in (("on", STORE_BYTES), ("off", OFF_STORE_BYTES))}
-            urls = {side: srv.url for side, srv in servers.items()}
-            for stream in streams:
-                result["streams"][stream] = run_stream(http, urls, stream, lists[stream](), args.gen_steps, seed,
-                                                       args.gen_runs, _encoders(servers["on"], stream))
-            result["held_after"] = check_sound(servers)
+        result["held_after"] = serve_streams(args, streams, lists, seed, frames, voice, result["streams"])
     finally:
         torch.set_num_threads(threads)
     result["config"] = {"streams": streams, "store_bytes_on": STORE_BYTES, "store_bytes_off": OFF_STORE_BYTES,
@@ -358,6 +346,23 @@ def run(args) -> dict:
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                          "seconds": time.perf_counter() - t0}
     return result
+
+
+def serve_streams(args, streams: list[str], lists: dict, seed: int, frames: int, voice: str, out: dict) -> dict:
+    """The store-on and store-off servers started together; each stream's requests (``lists``) run on both, its
+    figures into ``out``; then ``check_sound``: what it returns."""
+    from contextlib import ExitStack
+
+    from mmcache.presets import serve
+
+    with ExitStack() as stack, httpx.Client() as http:
+        servers = {side: stack.enter_context(serve(server_config(streams, budget, args.gen_steps, frames, voice)))
+                   for side, budget in (("on", STORE_BYTES), ("off", OFF_STORE_BYTES))}
+        urls = {side: srv.url for side, srv in servers.items()}
+        for stream in streams:
+            out[stream] = run_stream(http, urls, stream, lists[stream](), args.gen_steps, seed, args.gen_runs,
+                                     _encoders(servers["on"], stream))
+        return check_sound(servers)
 
 
 # ---- the table ----------------------------------------------------------------------------------------------

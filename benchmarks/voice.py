@@ -184,22 +184,7 @@ def run(args) -> dict:
         for store_on in (False, True):  # warm-up of each side alike: first-call allocations, imports
             _request(pipe, _Mode(pipe, store_on), stream[0], args.frames)
         runs = [_run_once(pipe, stream, args.frames, r) for r in range(args.runs)]
-        unique = len({c.reference_wav for c in stream})
-        on, off = _median(runs, "on"), _median(runs, "off")
-        cuts = [1 - r["on"]["reference_encoder_s"] / r["off"]["reference_encoder_s"] for r in runs]
-        result = {
-            "config": {"codec": args.codec, "frames": args.frames, "rounds": args.rounds, "runs": args.runs,
-                       "threads": args.threads, "quick": args.quick},
-            "stream": {"requests": len(stream), "unique_references": unique},
-            "off": off, "on": on,
-            "targets": {
-                "calls_met": on["reference_encoder_calls"] == unique,
-                "encoder_time_cut": statistics.median(cuts), "encoder_time_cut_runs": cuts,
-                "encoder_time_cut_ideal": 1 - unique / len(stream),
-                "latency_ratio_per_request": statistics.median(r["latency_ratio_per_request"] for r in runs),
-                "latency_ratio_paired": statistics.median(r["latency_ratio"] for r in runs),
-            },
-        }
+        result = summarise_runs(runs, stream, args)
         if not args.no_estimate:
             result["estimate"] = paper_estimate(pipe, cases, args.frames)
         elif skipped:
@@ -207,6 +192,27 @@ def run(args) -> dict:
         return result
     finally:
         torch.set_num_threads(threads)
+
+
+def summarise_runs(runs: list[dict], stream: list[Case], args) -> dict:
+    """The runs' medians per side and the targets: encoder calls against the unique references, the encoder
+    time cut against the ideal one, the paired latency ratios."""
+    unique = len({c.reference_wav for c in stream})
+    on, off = _median(runs, "on"), _median(runs, "off")
+    cuts = [1 - r["on"]["reference_encoder_s"] / r["off"]["reference_encoder_s"] for r in runs]
+    return {
+        "config": {"codec": args.codec, "frames": args.frames, "rounds": args.rounds, "runs": args.runs,
+                   "threads": args.threads, "quick": args.quick},
+        "stream": {"requests": len(stream), "unique_references": unique},
+        "off": off, "on": on,
+        "targets": {
+            "calls_met": on["reference_encoder_calls"] == unique,
+            "encoder_time_cut": statistics.median(cuts), "encoder_time_cut_runs": cuts,
+            "encoder_time_cut_ideal": 1 - unique / len(stream),
+            "latency_ratio_per_request": statistics.median(r["latency_ratio_per_request"] for r in runs),
+            "latency_ratio_paired": statistics.median(r["latency_ratio"] for r in runs),
+        },
+    }
 
 
 def paper_estimate(pipe, cases: list[Case], frames: int) -> dict:
