@@ -25,7 +25,7 @@ import time
 
 from mmcache.cli import positive_int, writable
 
-from .kernel_harness import order, say_machine, write_json
+from .kernel_harness import decode_only_step, order, say_machine, write_json
 
 SHAPES = ("shared", "own")
 SIDES = ("kernel", "aten")
@@ -73,7 +73,7 @@ class AttentionClock:
 def measure(args) -> dict:
     import numpy as np
 
-    from mmcache.engine import EngineConfig, Request, SamplingParams
+    from mmcache.engine import EngineConfig
     from mmcache.presets import engine_from_preset
     from mmcache.engine.compute import native
 
@@ -88,26 +88,32 @@ def measure(args) -> dict:
         for shape in args.shapes:
             steps = {side: [] for side in SIDES}
             for r in range(args.rounds):
-                sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-                for p in prompts(shape, rng, eng.adapter.vocab_size, args.scale):
-                    eng.add_request(Request(p, sp))
-                k = 0
-                while eng.has_unfinished():
-                    side = order(SIDES, k + r)[0]  # steps alternate, each round starting on the other side
-                    eng.runner.decode_kernel = kernel if side == "kernel" else None
-                    prompt_tokens = eng.counters["prompt_tokens"]
-                    clock.seconds = 0.0
-                    t0 = time.perf_counter()
-                    eng.step()
-                    took = time.perf_counter() - t0
-                    if clock.seconds > 0 and eng.counters["prompt_tokens"] == prompt_tokens:  # decodes only
-                        steps[side].append({"step_s": took, "attention_s": clock.seconds})
-                    k += 1
-                eng.clear_cache()
+                one_round(eng, kernel, clock, prompts(shape, rng, eng.adapter.vocab_size, args.scale), r, args,
+                          steps)
             result[shape] = summarize(steps)
     finally:
         clock.remove()
     return result
+
+
+def one_round(eng, kernel, clock: AttentionClock, batch: list[list[int]], r: int, args, steps: dict) -> None:
+    """Round ``r``: ``batch`` decoded to the end, its steps alternating between the kernel and ATen (the round
+    starting on the other side than the one before); each decode-only step appended to ``steps``."""
+    from mmcache.engine import Request, SamplingParams
+
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for p in batch:
+        eng.add_request(Request(p, sp))
+    k = 0
+    while eng.has_unfinished():
+        side = order(SIDES, k + r)[0]  # steps alternate, each round starting on the other side
+        eng.runner.decode_kernel = kernel if side == "kernel" else None
+        clock.seconds = 0.0
+        took = decode_only_step(eng)
+        if clock.seconds > 0 and took is not None:  # decodes only
+            steps[side].append({"step_s": took, "attention_s": clock.seconds})
+        k += 1
+    eng.clear_cache()
 
 
 def summarize(steps: dict) -> dict:

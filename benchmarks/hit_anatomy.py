@@ -100,19 +100,21 @@ def measure(args) -> dict:
         return [int(x) for x in rng.integers(0, eng.adapter.vocab_size, args.prompt_len)]
 
     call(prompt())
-    repeats = []
     try:
-        for _ in range(args.repeats):
-            p = prompt()
-            cold, lin_cold, _ = call(p)
-            hit, lin_hit, again = call(p)
-            if again.matched_tokens != args.prompt_len - args.page_size:
-                raise RuntimeError(f"expected a hit of {args.prompt_len - args.page_size} tokens, "
-                                   f"got {again.matched_tokens}")
-            repeats.append({"cold_s": cold, "hit_s": hit, "linears_cold_s": lin_cold, "linears_hit_s": lin_hit})
+        repeats = [cold_and_hit(call, prompt(), args.prompt_len - args.page_size) for _ in range(args.repeats)]
     finally:
         clock.remove()
     return {"repeats": repeats, "linear_modules": len(modules)}
+
+
+def cold_and_hit(call, p: list[int], hit_tokens: int) -> dict:
+    """One repeat: ``p`` cold, then again (a hit of ``hit_tokens``, else ``RuntimeError``); each request's
+    seconds and its seconds inside the linears."""
+    cold, lin_cold, _ = call(p)
+    hit, lin_hit, again = call(p)
+    if again.matched_tokens != hit_tokens:
+        raise RuntimeError(f"expected a hit of {hit_tokens} tokens, got {again.matched_tokens}")
+    return {"cold_s": cold, "hit_s": hit, "linears_cold_s": lin_cold, "linears_hit_s": lin_hit}
 
 
 def summarize(repeats: list[dict]) -> dict:

@@ -24,32 +24,36 @@ def plot(result: dict, path: str) -> None:
         raise ValueError("nothing to plot: no engine measured a workload")
     fig, axes = plt.subplots(2, len(workloads), figsize=(4.2 * len(workloads), 7.0), squeeze=False)
     for col, w in enumerate(workloads):
-        top, bottom = axes[0][col], axes[1][col]
-        unit = ""
-        for engine in ENGINES:
-            figures = engines.get(engine, {}).get(w)
-            if not figures:
-                continue
-            unit = figures.get("unit", unit)
-            _line(top, figures["rates"], "attainment", engine, "-o", f"{engine} (goodput {figures['goodput_rps']})")
-            for key, style in STYLES.items():
-                _line(bottom, figures["rates"], key, engine, style + "o", f"{engine} {key[5:8]}")
-        slo = result.get("slo", {}).get(w)
-        top.axhline(THRESHOLD, color="grey", linewidth=0.8)
-        top.set_title(w if slo is None else f"{w}\nSLO TTFT {slo['ttft_s']:.3g} s, TPOT {slo['tpot_s']:.3g} s",
-                      fontsize=9)
-        top.set_ylim(-0.05, 1.05)
-        top.set_ylabel("SLO attainment")
-        top.legend(fontsize=7)
-        if slo is not None:
-            bottom.axhline(slo["ttft_s"], color="grey", linewidth=0.8)
-        bottom.set_yscale("log")
-        bottom.set_ylabel("TTFT (s)")
-        bottom.set_xlabel(f"rate ({unit})")
-        bottom.legend(fontsize=6)
+        _column(axes[0][col], axes[1][col], w, engines, result.get("slo", {}).get(w))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _column(top, bottom, w: str, engines: dict, slo: dict | None) -> None:
+    """Workload ``w``'s column: each engine's SLO attainment on ``top``, its TTFT percentiles on ``bottom``, and
+    the workload's SLOs (``slo``, where known) in the title and across the TTFT axes."""
+    unit = ""
+    for engine in ENGINES:
+        figures = engines.get(engine, {}).get(w)
+        if not figures:
+            continue
+        unit = figures.get("unit", unit)
+        _line(top, figures["rates"], "attainment", engine, "-o", f"{engine} (goodput {figures['goodput_rps']})")
+        for key, style in STYLES.items():
+            _line(bottom, figures["rates"], key, engine, style + "o", f"{engine} {key[5:8]}")
+    top.axhline(THRESHOLD, color="grey", linewidth=0.8)
+    top.set_title(w if slo is None else f"{w}\nSLO TTFT {slo['ttft_s']:.3g} s, TPOT {slo['tpot_s']:.3g} s",
+                  fontsize=9)
+    top.set_ylim(-0.05, 1.05)
+    top.set_ylabel("SLO attainment")
+    top.legend(fontsize=7)
+    if slo is not None:
+        bottom.axhline(slo["ttft_s"], color="grey", linewidth=0.8)
+    bottom.set_yscale("log")
+    bottom.set_ylabel("TTFT (s)")
+    bottom.set_xlabel(f"rate ({unit})")
+    bottom.legend(fontsize=6)
 
 
 def _line(ax, rates: list[dict], key: str, engine: str, style: str, label: str) -> None:

@@ -62,13 +62,23 @@ class TransformersCB:
         self.manager.start()
         # The generation thread builds the batch processor (and its cache) when it starts; no request is queued
         # yet, so wrapping it before the first add_request sees every lookup.
+        cache = self._started_cache()
+        self.settings["prefix_sharing_active"] = bool(cache.use_prefix_sharing)
+        self._record_matches(cache)
+
+    def _started_cache(self):
+        """The cache of the manager's batch processor once its generation thread has built it (``PeerFailed``
+        where the thread stops, or 120 s pass, first)."""
         deadline = time.perf_counter() + 120
         while self.manager.batch_processor is None:
             if not self.manager.is_running() or time.perf_counter() > deadline:
                 raise PeerFailed("transformers continuous batching did not start")
             time.sleep(0.01)
-        cache = self.manager.batch_processor.cache
-        self.settings["prefix_sharing_active"] = bool(cache.use_prefix_sharing)
+        return self.manager.batch_processor.cache
+
+    def _record_matches(self, cache) -> None:
+        """``cache.search_prefix_match`` wrapped so that each request's matched prefix length lands in
+        ``_matched``; the wrapper returns the value unchanged."""
         lookup = cache.search_prefix_match
 
         def recording_lookup(request_id: str, prompt_ids: list[int]) -> int:
