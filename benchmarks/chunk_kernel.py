@@ -191,9 +191,7 @@ def measure_engine(pairs: int, preset: str, seed: int = 0, against: tuple | None
 
 
 def _engine_pairs(eng, pairs: int, against: tuple | None, serve, prompt) -> dict:
-    """``pairs`` pairs; in each, each side in turn (``order``) ``serve``s a fresh ``prompt()`` cold, then again (a
-    hit): side -> kind -> seconds. The other side is the same engine with ``native.supports_chunk`` answering no
-    (ATen's path), or with ``against``'s library as its attention kernels; both are restored afterwards."""
+    """``pairs`` pairs, each side in turn serving a fresh prompt cold, then again: side -> kind -> seconds."""
     from mmcache.engine.compute import native
 
     real, mine = native.supports_chunk, eng.runner.decode_kernel

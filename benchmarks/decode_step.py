@@ -97,8 +97,7 @@ def measure(args) -> dict:
 
 
 def one_round(eng, kernel, clock: AttentionClock, batch: list[list[int]], r: int, args, steps: dict) -> None:
-    """Round ``r``: ``batch`` decoded to the end, its steps alternating between the kernel and ATen (the round
-    starting on the other side than the one before); each decode-only step appended to ``steps``."""
+    """Round ``r``: ``batch`` decoded to the end, steps alternating sides; each decode-only step into ``steps``."""
     from mmcache.engine import Request, SamplingParams
 
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

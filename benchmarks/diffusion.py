@@ -237,8 +237,7 @@ def _bench_mode(pipe, wrapper_cls, encoders, call: dict, args) -> dict:
 
 
 def _one_run(pipe, wrapper_cls, encoders, call: dict, args, stream: list[str], negative: str, r: int):
-    """Run ``r``: a fresh wrapper and tally per side, every request of ``stream`` served by both; (wrappers,
-    tallies)."""
+    """Run ``r``: a fresh wrapper and tally per side, each request of ``stream`` served by both."""
     # fresh per run, both; store off computes every bias whatever the switch
     wrappers = {"off": wrapper_cls(pipe, None),
                 "on": wrapper_cls(pipe, _store(), position_biases=not args.no_position_biases)}
@@ -251,8 +250,7 @@ def _one_run(pipe, wrapper_cls, encoders, call: dict, args, stream: list[str], n
 
 
 def _last_run_store(wrapper, biases: bool) -> dict:
-    """What the store-on side's wrapper of the last run holds: its store's metrics, its tokenizations and memo
-    hits, and the position biases it served and computed."""
+    """The store-on wrapper's store metrics, tokenizations, memo hits and position biases."""
     memos = [adapter.memo for adapter in wrapper.adapters]
     served = [a.position_biases for a in wrapper.adapters if getattr(a, "position_biases", None)]
     return {"store": wrapper.store.metrics.as_dict(), "tokenizations": sum(m.misses for m in memos),

@@ -108,8 +108,7 @@ def measure(args) -> dict:
 
 
 def cold_and_hit(call, p: list[int], hit_tokens: int) -> dict:
-    """One repeat: ``p`` cold, then again (a hit of ``hit_tokens``, else ``RuntimeError``); each request's
-    seconds and its seconds inside the linears."""
+    """One repeat: ``p`` cold, then again (a hit of ``hit_tokens``); each one's seconds, all and in linears."""
     cold, lin_cold, _ = call(p)
     hit, lin_hit, again = call(p)
     if again.matched_tokens != hit_tokens:

@@ -65,9 +65,7 @@ class NormClock:
 
 
 class PairedEngines:
-    """The two engines of one measurement and what times them: each side's ``NormClock``, and the rotary function
-    the modeling module ``home`` points at while that side runs (``use``). ``restore`` puts the module's function
-    back and removes the clocks."""
+    """The two engines, each side's norm clock, and the rotary function ``home`` points at for each."""
 
     def __init__(self, engines: dict, home, seed: int):
         import numpy as np
@@ -108,8 +106,7 @@ class PairedEngines:
         return took
 
     def decode_steps(self, turn: list[str], batch: dict) -> dict:
-        """Both engines decode the same ``batch`` (``decode_batch`` of the result), stepping in turns (``turn``
-        first in each): every turn in which both steps only decoded gives a pair of adjacent steps."""
+        """Both engines decode ``batch`` in turns; each turn whose two steps only decoded is a step pair."""
         from mmcache.engine import Request, SamplingParams
 
         sp = SamplingParams(max_tokens=batch["output_tokens"], temperature=0.0, ignore_eos=True)
@@ -133,8 +130,7 @@ class PairedEngines:
 
 
 def rotary_home(engine):
-    """The modeling module whose rotary function the compiled kernels replace in ``engine``'s decoder, and None;
-    or None and why the layer kernels do not run here."""
+    """The module whose rotary function the kernels replace, and None; or None and why they do not run."""
     from mmcache.engine.compute import rotary
 
     decoder = engine.adapter.decoder
@@ -177,8 +173,7 @@ def measure(pairs: int, preset: str, batch: int, batch_prompt: int, decode_token
 
 
 def one_pair(sides: PairedEngines, turn: list[str], prompt_len: int, batch: dict, times: dict) -> list[float]:
-    """Each side in ``turn``'s order serves a fresh prompt cold, then again (a hit); then both decode ``batch``.
-    Appends to ``times``; returns the ratios of the adjacent decode-step pairs (torch over kernels)."""
+    """Cold and hit per side into ``times``, then both decode ``batch``: the step pairs' ratios."""
     for side in turn:
         p = sides.tokens(prompt_len)
         times[side]["cold"].append(sides.serve(side, p, "cold"))

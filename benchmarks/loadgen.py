@@ -310,8 +310,7 @@ async def open_loop(client_for: Callable[[str], object], sessions: Sequence[Sess
 
 
 def start_offsets(count: int, rate: float, seed: int, offsets: Sequence[float] | None) -> Sequence[float]:
-    """Each of ``count`` sessions' start in seconds: ``offsets`` (one finite, non-negative offset per session,
-    else ``ValueError``), or without them the Poisson arrivals of ``rate`` from ``seed``."""
+    """Each session's start in seconds: ``offsets``, checked, or the Poisson arrivals of ``rate``."""
     if offsets is None:
         return poisson_arrivals(rate, count, seed)
     if len(offsets) != count or any(not 0 <= x < float("inf") for x in offsets):
@@ -320,8 +319,7 @@ def start_offsets(count: int, rate: float, seed: int, offsets: Sequence[float] |
 
 
 async def stop_at_limit(tasks: list, pending: set, records: list[Record]) -> None:
-    """At the time limit: the sessions still running (``pending``) cancelled, the first error a session raised
-    raised here, and every request the cancel cut short marked ``timeout``."""
+    """Cancels what still runs, raises the first session's error, marks cut-short requests ``timeout``."""
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

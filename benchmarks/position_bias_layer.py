@@ -28,8 +28,7 @@ DTYPES = ("bfloat16", "float32")
 
 
 def umt5_layers(layers: int, length: int, real: int, dtype: str, seed: int, shape: dict):
-    """A seeded ``UMT5EncoderModel`` of ``layers`` layers of ``shape`` in ``dtype``, and one prompt: ``length``
-    random ids and the mask of its ``real`` first tokens."""
+    """A seeded umT5 encoder of ``layers`` layers of ``shape`` in ``dtype``, one prompt's ids and mask."""
     import torch
     from transformers import UMT5Config, UMT5EncoderModel
 

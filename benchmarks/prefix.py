@@ -763,9 +763,10 @@ def workload_names(chosen: str | None) -> list[str]:
 
 
 def check_before_export(shape: Shape, names: list[str], args, context: int) -> None:
-    """Every shape error now, before a model is exported or an engine loaded: sizes against their maxima and the
-    preset's ``context``, then the probe and the workloads built once on a stand-in token space (the real one
-    needs the exported vocabulary); multi-turn conversations are measured on the real one, before loading."""
+    """Every shape error now, before a model is exported or an engine loaded."""
+    # Sizes against their maxima and the preset's context, then the probe and the workloads built once on a
+    # stand-in token space (the real one needs the exported vocabulary); multi-turn conversations are measured
+    # on the real one, before loading.
     shape.check_sizes(context)
     tw.probe(tw.TokenSpace(1, 2), 0, shape.probe_len, shape.probe_shared)
     check_context(build_workloads(shape, tw.TokenSpace(1, 2), args.seed, names), shape, args.page_size, context,
@@ -774,8 +775,7 @@ def check_before_export(shape: Shape, names: list[str], args, context: int) -> N
 
 @dataclass(frozen=True)
 class RunInputs:
-    """What every engine of a run is given: the exported model and the work folder, the token space, the shape
-    and every repeat of the workloads drawn on it, the pages no engine evicts from, the step budget."""
+    """What every engine of a run is given: model, folder, tokens, workloads, pages, step budget."""
 
     model_dir: str
     workdir: str
@@ -791,8 +791,7 @@ class RunInputs:
 
 
 def prepare(preset: str, shape: Shape, names: list[str], context: int, args, workdir: str) -> RunInputs:
-    """The preset exported into ``workdir`` (unless it is there already) and the workload repeats drawn on its
-    token space, each checked against the model's ``context``."""
+    """The preset exported into ``workdir`` (unless there) and the workloads drawn on its tokens, checked."""
     model_dir = os.path.join(workdir, f"model-{preset}-{args.dtype}")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         _progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
@@ -806,8 +805,7 @@ def prepare(preset: str, shape: Shape, names: list[str], context: int, args, wor
 
 
 def play_engines(engines: list[str], inputs: RunInputs, args) -> dict[str, EngineResult]:
-    """Every engine loaded, in ``engines``' order, then ``play_interleaved``; each closed afterwards, also when
-    one failed to load or play."""
+    """Every engine loaded in turn, then ``play_interleaved``; all closed after, also on a failure."""
     players: list[Player] = []
     try:
         for name in engines:
@@ -844,8 +842,7 @@ def load_player(name: str, inputs: RunInputs, args) -> Player:
 
 def run_result(exact: dict, results: dict, preset: str, inputs: RunInputs, args, load_start: tuple,
                t_start: float) -> dict:
-    """The run's JSON: the bit-exact check, every engine's figures and their agreement with the cache-off
-    engine, the paired ratios, what was run and on what machine."""
+    """The run's JSON: bit-exactness, each engine's figures and agreement, the pairs, run and machine."""
     reference = results.get("mmcache_nocache")
     engines_out = {}
     for name, r in results.items():
@@ -940,8 +937,7 @@ def table_rows(result: dict) -> list[Row]:
 
 
 def probe_rows(result: dict) -> list[Row]:
-    """The probe's rows: mmcache's hit and shared prefix against its own cold prompt, then mmcache against the
-    cache off and each peer that ran."""
+    """The probe's rows: hit and shared prefix against cold, then against cache off and each peer."""
     e = result["engines"]
     p = e["mmcache"]["probe"]
     # "better by" on the probe rows is the median of per-repeat ratios (see paired_probe, better_by); the
@@ -974,14 +970,15 @@ def probe_rows(result: dict) -> list[Row]:
 
 
 def workload_rows(w: str, e: dict, work_pairs: dict) -> list[Row]:
-    """Workload ``w``'s rows: mmcache's TTFT against the cache off and each peer, its ITL (the decode step)
-    against the cache off and vLLM, its throughput against the cache off, its matched share."""
+    """Workload ``w``'s rows: TTFT, ITL, throughput against cache off and peers; its matched share."""
     mm = e["mmcache"]
 
     def better(peer: str, label: str) -> float | None:
+        """``workload_better_by`` of this workload."""
         return workload_better_by(work_pairs, peer, w, label)
 
     def note(peer: str, label: str) -> str:
+        """``workload_note`` of this workload."""
         return workload_note(work_pairs, peer, w, label)
 
     rows = []

@@ -64,8 +64,7 @@ def measure(preset: str, batch: int, batch_prompt: int, decode_tokens: int, hits
 
 
 def projection_sides(eng) -> tuple[list, dict]:
-    """The attention modules whose projections the engine grouped, and per side their projections in the
-    modules' order: ``grouped`` as the engine holds them, ``separate`` the three packed one by one."""
+    """The attention modules the engine grouped, and per side their projections."""
     from mmcache.engine.compute import kernels
 
     attns = [m for m in eng.adapter.decoder.modules()
@@ -76,8 +75,7 @@ def projection_sides(eng) -> tuple[list, dict]:
 
 
 def decode_steps(eng, use, prompts: list[list[int]], decode_tokens: int) -> dict:
-    """The batch of ``prompts`` decoded to the end; every decode-only step on the other side than the one before
-    it (``use``): side -> its steps' seconds."""
+    """The batch of ``prompts`` decoded to the end, decode-only steps alternating sides: side -> seconds."""
     from mmcache.engine import Request, SamplingParams
 
     steps = {side: [] for side in SIDES}

@@ -113,8 +113,7 @@ def measure_sweep(preset: str, dtype: torch.dtype, rows: list[int], rounds: int,
 
 
 def _forward_products(preset: str, dtype: torch.dtype) -> list[tuple]:
-    """Every layer's (weight, bias) in a forward's order: the query, key and value projections as one, the
-    output projection, gate, up, down."""
+    """Every layer's (weight, bias) in a forward's order: qkv as one, o, gate, up, down."""
     from mmcache.presets.text import build_model
 
     model, _ = build_model(preset, str(dtype).removeprefix("torch."))
@@ -130,8 +129,7 @@ def _forward_products(preset: str, dtype: torch.dtype) -> list[tuple]:
 
 
 def _sweep_at(n: int, weights: list[tuple], sides: dict, dtype: torch.dtype, rounds: int, gen) -> dict:
-    """One row count of the sweep: both sides' sweeps in turns over ``rounds``, and whether the kernel side's
-    products at ``n`` rows run on the kernel."""
+    """At ``n`` rows: both sides' sweeps in turns over ``rounds``, and whether the kernel runs."""
     xs = {k: torch.randn(n, k, generator=gen).to(dtype) for k in {w.shape[1] for w, _ in weights}}
 
     def sweep(side):

@@ -107,8 +107,7 @@ def run_all(rest: list[str], args) -> int:
 
 
 def run_quick(name: str, modname: str) -> tuple[dict, list, str | None]:
-    """Benchmark ``name`` in quick mode: its result, its table rows and None; where it failed, its error in
-    place of the result, no rows, and what failed (each said on stderr)."""
+    """One benchmark quick: (result, rows, None); where it failed (its error, [], what failed)."""
     t0 = time.perf_counter()
     print(f"[{name}] running (quick)...", file=sys.stderr, flush=True)
     try:

@@ -561,8 +561,7 @@ def open_loop(args, plan) -> dict:
 
 
 def open_loop_workloads(args, plan, texts: list[str], tmp: str) -> tuple:
-    """The open loop's workloads by name, the text ones (``texts``) on ``--text-preset`` written as a model
-    folder under ``tmp``; and that folder (None without text workloads)."""
+    """The open loop's workloads by name, the text ones on a model folder under ``tmp``; that folder."""
     from pathlib import Path
 
     from .prefix import token_space
@@ -580,8 +579,7 @@ def open_loop_workloads(args, plan, texts: list[str], tmp: str) -> tuple:
 
 
 def sweep_mmcache(engine: str, works: dict, texts: list[str], folder, args, slo: dict, per: dict) -> None:
-    """One mmcache engine (``mmcache_nocache``: the cache off) on every workload, into ``per``: the chats on a
-    VLM server, then the text workloads on a server of the text model's ``folder``."""
+    """One mmcache engine (cache off for ``mmcache_nocache``) on every workload, into ``per``."""
     from mmcache.presets import serve
 
     mode = "off" if engine == "mmcache_nocache" else "on"
@@ -667,8 +665,7 @@ def measure_parts(args) -> dict:
 
 
 def run_config(args) -> dict:
-    """The options the run took (sizes filled), the store budget, the text shape and the schedule both mmcache
-    servers ran with."""
+    """The options the run took, the store budget, the text shape and the mmcache servers' schedule."""
     config = {k: getattr(args, k) for k in ("preset", "dtype", "page_size", "num_pages", "threads", "seed",
                                             "images", "users", "turns", "max_tokens", "repeats",
                                             "rates", "sessions", "soak", "soak_preset",

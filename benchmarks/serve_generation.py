@@ -349,8 +349,7 @@ def run(args) -> dict:
 
 
 def serve_streams(args, streams: list[str], lists: dict, seed: int, frames: int, voice: str, out: dict) -> dict:
-    """The store-on and store-off servers started together; each stream's requests (``lists``) run on both, its
-    figures into ``out``; then ``check_sound``: what it returns."""
+    """Both servers up, each stream run on them into ``out``; then ``check_sound``'s answer."""
     from contextlib import ExitStack
 
     from mmcache.presets import serve

@@ -31,8 +31,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def _column(top, bottom, w: str, engines: dict, slo: dict | None) -> None:
-    """Workload ``w``'s column: each engine's SLO attainment on ``top``, its TTFT percentiles on ``bottom``, and
-    the workload's SLOs (``slo``, where known) in the title and across the TTFT axes."""
+    """Workload ``w``'s column: attainment on ``top``, TTFT percentiles on ``bottom``, SLOs if known."""
     unit = ""
     for engine in ENGINES:
         figures = engines.get(engine, {}).get(w)

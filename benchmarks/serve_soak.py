@@ -165,8 +165,7 @@ def _planned_refusal(rng, kind: str, cases: list) -> Planned:
 
 
 def _planned_request(rng, kind: str, model: str, images: list[bytes], qs: list[str]) -> Planned:
-    """A well-formed request of ``kind`` from a drawn tenant under a drawn salt: a completion, or a chat
-    (``_planned_chat``)."""
+    """A well-formed request of ``kind``, a drawn tenant and salt: a completion or a chat."""
     key = TENANTS[int(rng.integers(len(TENANTS)))]
     salt = SALTS[int(rng.integers(len(SALTS)))]
     extra = {} if salt is None else {"cache_salt": salt}
@@ -182,8 +181,7 @@ def _planned_request(rng, kind: str, model: str, images: list[bytes], qs: list[s
 
 
 def _planned_chat(rng, kind: str, key: str, body: dict, messages: list[dict]) -> Planned:
-    """A chat request of ``kind``: cut by the client after a drawn number of chunks, abandoned after a drawn
-    wait, or one that runs to its end (streamed for ``chat``)."""
+    """A chat of ``kind``: cut after drawn chunks, abandoned after a drawn wait, or run to its end."""
     if kind == "cut":
         k = int(rng.integers(0, 4))
         body.update(max_tokens=8)

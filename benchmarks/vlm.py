@@ -344,8 +344,7 @@ def summarise_turn(per_run: list[list[dict]], t: int) -> dict:
 
 
 def add_ratios_to_off(out: dict, runs: list[dict], shape: Shape) -> None:
-    """Per turn, each cached mode's TTFT against the cache off: the ratio of medians and the median of the
-    paired ratios; and the store's compute bound."""
+    """Per turn, each cached mode's TTFT against off (ratio of medians, median of pairs)."""
     off, enc = out["off"]["per_turn"], out["kv+encoder"]["per_turn"]
     for t in range(shape.turns):
         for mode in ("kv", "kv+encoder"):
@@ -387,10 +386,7 @@ def guard(preset, shape: Shape, args, counter: TowerCounter) -> dict:
 
 def guard_run(preset, args, counter: TowerCounter, ask, mine: list, r: int, paired: list,
               paired_cpu: list) -> tuple[dict, tuple | None]:
-    """Guard run ``r``: fresh engines with the cache on and off, warmed up on ``mine[0]``, then each later image
-    of ``mine`` asked of both, alternating which goes first; each pair's on/off ratios of latency and of thread
-    CPU time appended to ``paired`` and ``paired_cpu``. The run's medians, and the last request's (prompt,
-    output) tokens."""
+    """Guard run ``r`` on fresh engines: its medians and last shape; each pair's ratios appended."""
     fronts = {"on": make_front(preset, "kv+encoder", args), "off": make_front(preset, "off", args)}
     for front in fronts.values():  # warm-up on an image neither measured request uses
         serve(front, ask(mine[0], 0), counter)

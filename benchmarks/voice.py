@@ -195,8 +195,7 @@ def run(args) -> dict:
 
 
 def summarise_runs(runs: list[dict], stream: list[Case], args) -> dict:
-    """The runs' medians per side and the targets: encoder calls against the unique references, the encoder
-    time cut against the ideal one, the paired latency ratios."""
+    """The runs' medians per side and the targets: encoder calls and time, paired latency."""
     unique = len({c.reference_wav for c in stream})
     on, off = _median(runs, "on"), _median(runs, "off")
     cuts = [1 - r["on"]["reference_encoder_s"] / r["off"]["reference_encoder_s"] for r in runs]

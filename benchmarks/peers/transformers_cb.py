@@ -67,8 +67,7 @@ class TransformersCB:
         self._record_matches(cache)
 
     def _started_cache(self):
-        """The cache of the manager's batch processor once its generation thread has built it (``PeerFailed``
-        where the thread stops, or 120 s pass, first)."""
+        """The batch processor's cache once built (``PeerFailed`` if the thread stops or 120 s pass)."""
         deadline = time.perf_counter() + 120
         while self.manager.batch_processor is None:
             if not self.manager.is_running() or time.perf_counter() > deadline:
@@ -77,8 +76,7 @@ class TransformersCB:
         return self.manager.batch_processor.cache
 
     def _record_matches(self, cache) -> None:
-        """``cache.search_prefix_match`` wrapped so that each request's matched prefix length lands in
-        ``_matched``; the wrapper returns the value unchanged."""
+        """Records each request's matched prefix length in ``_matched``, the lookup's value unchanged."""
         lookup = cache.search_prefix_match
 
         def recording_lookup(request_id: str, prompt_ids: list[int]) -> int:

@@ -136,8 +136,7 @@ DECODE_BLOCKS = 512  # the pages of the decode cases' pool
 
 
 def _decode_attention_case(ops, n: int, repeats: int, compiled) -> list[dict]:
-    """One query token for each of ``n`` sequences over the same pages on both sides; each way of mmcache's
-    checked against vLLM's output, then timed against it."""
+    """One query token for each of ``n`` sequences: each mmcache way checked against vLLM's, then timed."""
     g = torch.Generator().manual_seed(n)
     lens = [600 + (347 * i) % 1400 for i in range(n)]
     tables = _decode_tables(lens)
@@ -188,8 +187,7 @@ def _vllm_cache(ops, pool_k, pool_v, tables: list[list[int]], lens: list[int]) -
 
 
 def _mmcache_decode_ways(qg, pool_k, pool_v, tables, lens, block_table, seq_lens, compiled) -> list[tuple]:
-    """mmcache's ways of the same decode attention, ``(how, call)``: per sequence over its pages laid out as one
-    run and as they lie, the padded batch of before ec19f57, and first, where given, the compiled kernel."""
+    """mmcache's ways of that attention, (how, call): per sequence in runs or apart, padded, compiled."""
     # The same keys and values once more, each sequence's pages one run (as before its first decoded page)
     runs, run_k, run_v, at = [], torch.zeros_like(pool_k), torch.zeros_like(pool_v), 0
     for t in tables:
@@ -213,8 +211,7 @@ def _mmcache_decode_ways(qg, pool_k, pool_v, tables, lens, block_table, seq_lens
 
 
 def _per_sequence(qg, lens: list[int]):
-    """mmcache's decode attention per sequence, ``attend(pk, pv, tables)``: one flash call over exactly each
-    sequence's own keys, a view where its pages are one run, gathered where they are not."""
+    """``attend(pk, pv, tables)``: one flash call per sequence over exactly its own keys."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
     def attend(pk, pv, tables_):
@@ -234,8 +231,7 @@ def _per_sequence(qg, lens: list[int]):
 
 
 def _padded_batch(qg, pool_k, pool_v, block_table, seq_lens):
-    """mmcache's decode attention before ec19f57: every table padded to the longest, gathered into one tensor,
-    one masked call."""
+    """mmcache's way before ec19f57: every table padded to the longest, gathered, one masked call."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     n, width = block_table.shape
     flat = block_table.to(torch.int64).reshape(-1)
@@ -286,8 +282,7 @@ def _pack(w):
 
 
 def _step_layers(ops, rand) -> tuple[list, list]:
-    """Every layer's weights drawn by ``rand``, packed each side's way: mmcache's seven products a layer (q, k,
-    v, o, gate, up, down), vLLM's four (q/k/v fused, o, gate/up fused, down)."""
+    """Each layer's weights drawn by ``rand``, packed mmcache's way (seven products) and vLLM's (four)."""
     mine_layers, vllm_layers = [], []
     for _ in range(LAYERS):
         q, k, v = rand(HIDDEN, HIDDEN), rand(KV_HEADS * DIM, HIDDEN), rand(KV_HEADS * DIM, HIDDEN)

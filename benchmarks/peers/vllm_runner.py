@@ -69,8 +69,7 @@ def make_round_runner(llm):
 
 
 def _step_until_finished(engine, keys: list[str]) -> tuple[dict, dict, dict]:
-    """Steps ``engine`` until the requests ``keys`` finished; per request: when this process received each of
-    its tokens, the tokens, and vLLM's count of its prompt tokens served from the prefix cache."""
+    """Steps ``engine`` until ``keys`` finished: per request its token times, tokens, cached tokens."""
     stamps, outputs, cached = {key: [] for key in keys}, {}, {}
     finished = set()
     while len(finished) < len(keys):
@@ -135,8 +134,7 @@ def main() -> int:
 
 
 def serve(run_round, started: dict) -> int:
-    """``--serve``: ``started`` on one marked line, then each workload line read from stdin played and answered
-    by one marked line of its rounds, until an empty line or the end of stdin."""
+    """``--serve``: ``started`` on a marked line, then a marked answer to each workload line of stdin."""
     print(SERVE_MARK + json.dumps(started), flush=True)
     for line in sys.stdin:
         if not line.strip():
