@@ -197,6 +197,10 @@ def _open_loop_options(s) -> None:
     s.add_argument("--duration", type=duration_s, default=None, metavar="S",
                    help="seconds of arrivals per rate: each rate sends rate x S sessions (at least 1; default: "
                         "--sessions, --text-sessions or --text-requests)")
+    s.add_argument("--min-rate", type=real(1e-6), default=None, metavar="R",
+                   help="the lowest rate the ladder's foot may move down to, halving, for an engine that meets the "
+                        "SLOs at none of the rates (default: a quarter of the lowest rate; quick: the lowest rate, "
+                        "so no rate is added)")
     s.add_argument("--no-load", action="store_true", help="skip the open-loop part")
 
 
@@ -221,6 +225,8 @@ def settle(args) -> None:
     for d in (full, quick):
         d["rates"], d["workloads"] = rates_list(d["rates"]), workloads_list(d["workloads"])
     fill_sizes(args, full, quick)
+    if args.min_rate is None:
+        args.min_rate = min(args.rates) / (1 if args.quick else 4)
     if args.dtype is None:
         args.dtype = default_dtype(args.preset)
     if args.text_dtype is None:
@@ -531,7 +537,8 @@ def measure(target: sweep.Target, work: sweep.Workload, args, slo: dict) -> dict
         _progress(f"SLOs of {work.name}: TTFT {slo[work.name]['ttft_s']:.3g} s, TPOT {slo[work.name]['tpot_s']:.3g} s")
     else:
         asyncio.run(sweep.warm_up(target, work, args.seed))
-    return asyncio.run(sweep.sweep(target, work, args.rates, slo[work.name], args.seed, args.time_limit))
+    return asyncio.run(sweep.sweep(target, work, args.rates, slo[work.name], args.seed, args.time_limit,
+                                   floor=args.min_rate))
 
 
 def open_loop(args, plan) -> dict:
@@ -668,7 +675,7 @@ def run_config(args) -> dict:
     """The options the run took, the store budget, the text shape and the mmcache servers' schedule."""
     config = {k: getattr(args, k) for k in ("preset", "dtype", "page_size", "num_pages", "threads", "seed",
                                             "images", "users", "turns", "max_tokens", "repeats",
-                                            "rates", "sessions", "soak", "soak_preset",
+                                            "rates", "min_rate", "sessions", "soak", "soak_preset",
                                             "soak_concurrency", "time_limit", "workloads", "duration",
                                             "text_preset", "text_dtype", "text_sessions", "text_requests",
                                             "text_turns",
@@ -717,11 +724,11 @@ def open_loop_rows(engines: dict) -> list[Row]:
     for w, mine in on.items():
         base = off.get(w)
         unit = mine["unit"]
-        for i, r in enumerate(mine["rates"]):
+        base_at = {r["rate"]: r["attainment"] for r in base["rates"]} if base else {}
+        for r in mine["rates"]:
             if r["attainment"] is not None:
                 rows.append(Row("serve", f"{w} at {r['rate']:g} {unit}: SLO attainment", r["attainment"], "",
-                                base and base["rates"][i]["attainment"], higher_is_better=True,
-                                target=">= 0.9 counts for goodput"))
+                                base_at.get(r["rate"]), higher_is_better=True, target=">= 0.9 counts for goodput"))
         rows.append(Row("serve", f"goodput, {w} (90% within SLOs; 0: no rate)", mine["goodput_rps"] or 0.0, unit,
                         base and (base["goodput_rps"] or 0.0), higher_is_better=True,
                         target=">= 3x cache off" if w in ("vlm_chat", "multi_turn") else ""))

@@ -196,6 +196,34 @@ def test_sizes_follow_quick_and_options_win():
     assert serve.per_rate(args, 4.0, 99) == 99
 
 
+
+def test_the_ladders_floor_is_a_quarter_of_the_lowest_rate_and_none_below_it_in_quick():
+    args = bench_parser("serve", serve).parse_args([])
+    serve.settle(args)
+    assert args.min_rate == 0.0625 / 4
+    args = bench_parser("serve", serve).parse_args(["--quick"])
+    serve.settle(args)
+    assert args.min_rate == min(args.rates)  # quick mode adds no rate
+    args = bench_parser("serve", serve).parse_args(["--rates", "0.5,1", "--min-rate", "0.5"])
+    serve.settle(args)
+    assert args.min_rate == 0.5
+    with pytest.raises(SystemExit):
+        bench_parser("serve", serve).parse_args(["--min-rate", "0"])
+
+
+def test_attainment_rows_pair_the_engines_by_rate():
+    """Cache off's foot may hold rates cache on never swept: the table pairs each rate with the same rate."""
+    def swept(rates):
+        return {"unit": "sessions/s", "goodput_rps": None,
+                "rates": [{"rate": r, "attainment": a} for r, a in rates]}
+
+    engines = {"mmcache": {"w": swept([(0.5, 0.95), (1.0, 0.5)])},
+               "mmcache_nocache": {"w": swept([(0.125, 0.92), (0.25, 0.8), (0.5, 0.6), (1.0, 0.1)])}}
+    rows = serve.open_loop_rows(engines)
+    att = [(r.metric, r.value, r.baseline) for r in rows if "SLO attainment" in r.metric]
+    assert [(v, b) for _, v, b in att] == [(0.95, 0.6), (0.5, 0.1)]
+
+
 def test_the_servers_run_with_mmcache_serves_schedule_unless_told():
     from mmcache.server.config import SERVE_MIXED_PREFILL_TOKENS, serve_engine_config
 
