@@ -32,8 +32,9 @@ as ``mmcache serve`` runs, so the client shares no interpreter with it; the othe
   folder, text workloads only: ``benchmarks.peers.vllm_server``); both mmcache servers run ``mmcache
   serve``'s schedule (``mmcache.server.config.serve_engine_config``). After every rate an mmcache server must
   be idle with nothing held and ``check_invariants`` clean. Goodput per engine and workload: the highest rate
-  at which 90% of requests meet both SLOs; the default ladder (0.0625 to 2, doubling, 16 sessions a rate)
-  reaches low enough for the cache-off server to meet them at its foot. The JSON has issue 44's shape
+  at which 90% of requests meet both SLOs, over the ladder (default 0.0625 to 2, doubling, 16 sessions a rate)
+  and, for an engine that meets them at none of its rates, half the lowest rate and so on down to
+  ``--min-rate`` (default a quarter of the lowest; none in quick mode). The JSON has issue 44's shape
   (``slo``, ``engines.ENGINE.WORKLOAD``); ``--plot`` writes SLO attainment and TTFT percentiles against rate
   (``benchmarks.serve_plot``).
 * Soak (``--soak N``): ``benchmarks.serve_soak``.

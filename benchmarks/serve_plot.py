@@ -1,7 +1,7 @@
 """The plot of ``mmcache bench serve --plot PATH``: one column per workload; on top SLO attainment against
 request rate per engine (the goodput threshold drawn across), below TTFT p50 (solid), p90 (dashed) and p99
-(dotted) against rate per engine, on a log scale. Drawn with matplotlib's Agg backend (no display); rates or
-percentiles that are None are left out of a line."""
+(dotted) against rate per engine, on a log scale; rates on a log-2 axis, as the ladder doubles. Drawn with
+matplotlib's Agg backend (no display); rates or percentiles that are None are left out of a line."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def _column(top, bottom, w: str, engines: dict, slo: dict | None) -> None:
     top.legend(fontsize=7)
     if slo is not None:
         bottom.axhline(slo["ttft_s"], color="grey", linewidth=0.8)
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
     bottom.set_yscale("log")
     bottom.set_ylabel("TTFT (s)")
     bottom.set_xlabel(f"rate ({unit})")

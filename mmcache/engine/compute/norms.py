@@ -2,10 +2,9 @@
 
 The Llama family's RMSNorm module (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm`` and their copies)
 computes ``weight * dtype(h * rsqrt(mean(h * h) + eps))`` as seven tensor operations with two float32 copies of
-its input; a decoder runs two per layer. At a decode's few rows each call is tens of microseconds of
-dispatch, and at a 2048-token prefill the copies are memory traffic: the 49 norms of a cold 2048-token prompt
-on the Qwen2.5-0.5B shape took 157 ms as modules and 29 ms in one pass per row (``benchmarks/RESULTS.md``).
-``install`` replaces each such module with ``NativeRMSNorm``, which makes that one pass.
+its input; a decoder runs two per layer. At a decode's few rows each call is mostly dispatch, and at a long
+prefill the copies are memory traffic (``benchmarks/RESULTS.md``, CPU compute path). ``install`` replaces each
+such module with ``NativeRMSNorm``, which makes one pass per row.
 
 Invariants:
 
