@@ -45,6 +45,8 @@ def test_http_and_the_in_process_engine_saw_the_same_requests(result):
     assert ll["cached_tokens_share_later_turns"] > 0.5  # turn 2 sends turn 1's prompt and answer again
     first, second = ll["per_turn"]
     assert second["cached_tokens_share"] > first["cached_tokens_share"]
+    # the openai client, under its own salt, met the same cache state and gave the same answers
+    assert ll["openai_client"]["cached_tokens_equal"] and ll["openai_client"]["outputs_equal_share"] == 1.0
 
 
 def test_the_ttft_figures_are_paired_medians(result):
@@ -57,6 +59,8 @@ def test_the_ttft_figures_are_paired_medians(result):
     assert len(head["per_repeat"]) == 2
     assert ll["target_added_ttft_s"] == max(0.005, 0.05 * ll["in_process_ttft_p50_s"])
     assert ll["target_met"] == (ll["added_ttft_p50_s"] <= ll["target_added_ttft_s"])
+    official = ll["openai_client"]
+    assert official["http_ttft_p50_s"] > 0 and official["in_process_ttft_p50_s"] == ll["in_process_ttft_p50_s"]
 
 
 def test_the_open_loop_json_has_issue_44s_shape(result):
@@ -118,6 +122,7 @@ def test_table_rows(result):
     rows = serve.table_rows(result)
     metrics = {r.metric for r in rows}
     assert {"TTFT p50 over HTTP, one request at a time", "TTFT added by HTTP (median of paired differences)",
+            "TTFT added by HTTP through the openai client",
             "cached_tokens share, multi-turn VLM chat", "vlm_chat at 8 sessions/s: SLO attainment",
             "goodput, vlm_chat (90% within SLOs; 0: no rate)", "goodput, mooncake (90% within SLOs; 0: no rate)",
             "soak: requests, pages and leases held after"} <= metrics
