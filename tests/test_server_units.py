@@ -162,3 +162,29 @@ def test_bodies_are_parsed_and_validated_in_one_pass():
     with pytest.raises(APIError) as info:
         parse_body(b'{"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}', ChatCompletionRequest)
     assert (info.value.status, info.value.param) == (400, "messages.0.role")
+
+
+def test_prefix_cache_counters_count_new_requests_and_re_admissions_apart():
+    """vLLM's rule: a preempted request's lookup on re-admission (mostly its own pages) is not a new query."""
+    import numpy as np
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mmcache.engine import Engine, EngineConfig, SamplingParams
+    from mmcache.server.metrics import ServerMetrics
+    from mmcache.server.runner import EngineHost
+
+    torch.set_num_threads(1)
+    model, tok = build_model("tiny", "float32")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 512, size=int(rng.integers(40, 70))).tolist() for _ in range(2)]
+    engine = Engine(model, tok, EngineConfig(page_size=16, num_pages=10))  # too few pages: one is preempted
+    engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    main = engine.metrics()["main"]
+    assert engine.metrics()["engine"]["preemptions"] == 1 and main["readmission_hit_tokens"] > 0
+    text = ServerMetrics(EngineHost(engine), "tiny", None).render().decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["mmcache:prefix_cache_queries_total"] == sum(len(p) for p in prompts)  # both cold first lookups
+    assert got["mmcache:prefix_cache_hits_total"] == 0
+    assert got["mmcache:prefix_cache_preempted_queries_total"] == main["readmission_lookup_tokens"] > 0
+    assert got["mmcache:prefix_cache_preempted_hits_total"] == main["readmission_hit_tokens"]

@@ -4,8 +4,9 @@ Two sources, one registry per server (never the process-wide default, so servers
 
 * What the engine, the store and the generation queues already count is read at scrape time by collectors
   (``_EngineCollector``, ``_StoreCollector``, ``_QueueCollector``): prefix-cache queries and hits in prompt
-  tokens, KV pages free / cached / live and the live share, evictions, requests running and waiting; the one
-  encoder-output store's queries and hits per kind of entry, its bytes and entries; image and speech requests
+  tokens (of new requests, as vLLM counts them; a preempted request's lookups on re-admission apart), KV pages
+  free / cached / live and the live share, evictions, requests running and waiting; the one encoder-output
+  store's queries and hits per kind of entry, its bytes and entries; image and speech requests
   queued and running. No counter is mirrored, so a scrape always agrees with ``engine.metrics()`` and
   ``store.metrics``.
 * What only the server sees is recorded as requests end: chat outcomes by finish reason, errors by type (every
@@ -150,9 +151,7 @@ class _EngineCollector:
 
         pools = {label: d for label, d in stats.items() if label not in ENGINE_SECTIONS}
         total = lambda key: sum(d.get(key, 0) for d in pools.values())  # noqa: E731
-        yield counter("mmcache:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      total("lookup_tokens"))
-        yield counter("mmcache:prefix_cache_hits", "Prompt tokens seeded from the prefix cache.", total("hit_tokens"))
+        yield from _prefix_cache(counter, total)
         yield counter("mmcache:kv_cache_evictions", "KV pages evicted from the prefix cache.", total("evicted_pages"))
         num, free, cached = total("num_pages"), total("free_pages"), total("cached_pages")
         live = self._live_pages()
@@ -172,6 +171,20 @@ class _EngineCollector:
         for manager in list(self.host.core.managers.values()):
             live += int(np.count_nonzero(manager.pool.refcount > manager.index.in_index))
         return live
+
+
+def _prefix_cache(counter, total):
+    """The prefix cache's counters: new requests' lookups (as vLLM counts them: a preempted request looked up
+    again mostly finds its own pages), and the re-admissions' apart."""
+    again, again_hit = total("readmission_lookup_tokens"), total("readmission_hit_tokens")
+    yield counter("mmcache:prefix_cache_queries", "Prompt tokens of new requests looked up in the prefix cache.",
+                  total("lookup_tokens") - again)
+    yield counter("mmcache:prefix_cache_hits", "Prompt tokens of new requests seeded from the prefix cache.",
+                  total("hit_tokens") - again_hit)
+    yield counter("mmcache:prefix_cache_preempted_queries",
+                  "Prompt tokens looked up again by preempted requests on re-admission.", again)
+    yield counter("mmcache:prefix_cache_preempted_hits",
+                  "Prompt tokens seeded from the prefix cache on re-admission.", again_hit)
 
 
 class _Outcome:
