@@ -1,5 +1,5 @@
-"""``mmcache serve`` as a program: it binds loopback, prints its URL, answers /health and a chat, and exits 0 on
-SIGTERM."""
+"""``mmcache serve`` as a program: it binds loopback, prints its URL (and why its prefix cache is off, when it is),
+answers /health and a chat, and exits 0 on SIGTERM."""
 
 import os
 import re
@@ -78,6 +78,24 @@ def test_serve_prints_its_url_and_stops_on_sigterm():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_says_at_start_that_its_prefix_cache_is_off():
+    """float16 KV has not passed the bit-exact gate: the server runs without reuse, and says so."""
+    env = {**os.environ, "MMCACHE_OPENMP": "system", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mmcache.cli", "serve", "--preset", "tiny", "--port", "0",
+                             "--dtype", "float16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert "at http://127.0.0.1:" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert "mmcache serve: the prefix cache is off: main pool: KV dtype float16 has not passed" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()

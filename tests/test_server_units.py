@@ -188,3 +188,31 @@ def test_prefix_cache_counters_count_new_requests_and_re_admissions_apart():
     assert got["mmcache:prefix_cache_hits_total"] == 0
     assert got["mmcache:prefix_cache_preempted_queries_total"] == main["readmission_lookup_tokens"] > 0
     assert got["mmcache:prefix_cache_preempted_hits_total"] == main["readmission_hit_tokens"]
+
+
+@pytest.mark.parametrize("dtype,mode,says", [("float32", "on", None),
+                                             ("float16", "on", "KV dtype float16 has not passed the bit-exact gate"),
+                                             ("float32", "off", "cache mode 'off'")])
+def test_a_pool_with_reuse_off_is_said_at_start_and_in_the_metrics(dtype, mode, says):
+    """A cache that runs off (a gate, or the configuration) must not pass unseen: engine.metrics() carries the
+    mode and the gate's reason, /metrics a gauge, and ``mmcache serve`` prints why at start."""
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mmcache.engine import Engine, EngineConfig
+    from mmcache.server.cli import reuse_off_reasons
+    from mmcache.server.metrics import ServerMetrics
+    from mmcache.server.runner import EngineHost
+
+    torch.set_num_threads(1)
+    model, tok = build_model("tiny", dtype)
+    host = EngineHost(Engine(model, tok, EngineConfig(page_size=16, cache_mode=mode)))
+    main = host.engine.metrics()["main"]
+    assert main["mode"] == ("on" if says is None else "off")
+    assert (main["reuse_off"] is None) == (dtype == "float32")
+    reasons = reuse_off_reasons(host)
+    assert reasons == [] if says is None else (len(reasons) == 1 and reasons[0].startswith("main pool: " + says))
+    text = ServerMetrics(host, "tiny", None).render().decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["mmcache:prefix_cache_enabled"] == (1.0 if says is None else 0.0)
+    assert reuse_off_reasons(None) == []  # a server without a chat model

@@ -298,10 +298,12 @@ class Engine:
             return None
 
     def metrics(self) -> dict:
-        """Per label the core's ``CacheMetrics`` (plus ``shadow`` in shadow mode), and engine counters."""
+        """Per label the core's ``CacheMetrics`` (plus ``shadow`` in shadow mode), the mode the pool runs in and
+        why reuse is off where a gate turned it off (``reuse_off``, else None), and engine counters."""
         out: dict = {}
         for label, m in list(self.managers.items()):  # a copy: adding a first CFG request inserts a label
             d = m.metrics.as_dict()
+            d["mode"], d["reuse_off"] = m.mode, m.reuse_off
             d["num_pages"] = m.pool.num_pages
             d["free_pages"] = m.pool.num_free
             d["cached_pages"] = m.index.size

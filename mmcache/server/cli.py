@@ -165,6 +165,8 @@ def serve_main(args: argparse.Namespace) -> int:
         with serve(config) as srv:
             print(f"mmcache serve: {', '.join(config.model_names)} at {srv.url} (OpenAI API: {srv.base_url})",
                   flush=True)
+            for why in reuse_off_reasons(srv.host):
+                print(f"mmcache serve: the prefix cache is off: {why}", file=sys.stderr, flush=True)
             try:
                 while not stop.wait(0.5):
                     pass
@@ -180,3 +182,15 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def reuse_off_reasons(host) -> list[str]:
+    """Why the chat model's page pools do not reuse cached pages: each gate's reason, or the configured mode
+    (none for a server without a chat model, or whose pools all reuse)."""
+    if host is None:
+        return []
+    reasons = []
+    for label, d in host.engine.metrics().items():
+        if isinstance(d, dict) and "mode" in d and d["mode"] != "on":
+            reasons.append(f"{label} pool: {d['reuse_off'] or 'cache mode ' + repr(d['mode'])}")
+    return reasons

@@ -152,6 +152,9 @@ class _EngineCollector:
         pools = {label: d for label, d in stats.items() if label not in ENGINE_SECTIONS}
         total = lambda key: sum(d.get(key, 0) for d in pools.values())  # noqa: E731
         yield from _prefix_cache(counter, total)
+        yield gauge("mmcache:prefix_cache_enabled", "1 when every page pool reuses cached pages, 0 when one runs "
+                    "with reuse off (by configuration, or a gate: `mmcache serve` says why at start).",
+                    float(all(d.get("mode") == "on" for d in pools.values())))
         yield counter("mmcache:kv_cache_evictions", "KV pages evicted from the prefix cache.", total("evicted_pages"))
         num, free, cached = total("num_pages"), total("free_pages"), total("cached_pages")
         live = self._live_pages()
