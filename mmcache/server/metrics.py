@@ -4,10 +4,10 @@ Two sources, one registry per server (never the process-wide default, so servers
 
 * What the engine, the store and the generation queues already count is read at scrape time by collectors
   (``_EngineCollector``, ``_StoreCollector``, ``_QueueCollector``): prefix-cache queries and hits in prompt
-  tokens (of new requests, as vLLM counts them; a preempted request's lookups on re-admission apart), KV pages
-  free / cached / live and the live share, evictions, requests running and waiting; the one encoder-output
-  store's queries and hits per kind of entry, its bytes and entries; image and speech requests
-  queued and running. No counter is mirrored, so a scrape always agrees with ``engine.metrics()`` and
+  tokens (of new requests, as vLLM counts them; a preempted request's lookups on re-admission apart), whether
+  every pool reuses pages (a gauge), KV pages free / cached / live and the live share, evictions, requests
+  running and waiting; the one encoder-output store's queries and hits per kind of entry, its bytes and
+  entries; image and speech requests queued and running. No counter is mirrored, so a scrape always agrees with ``engine.metrics()`` and
   ``store.metrics``.
 * What only the server sees is recorded as requests end: chat outcomes by finish reason, errors by type (every
   error response, engine errors included), histograms of time to first token, inter-token latency, end-to-end
