@@ -61,7 +61,7 @@ def load_model(path, dtype="bfloat16"):
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True)
     except Exception as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
-    _check_weights_fit(path, model, info)
+    check_weights_fit(path, model, info)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         try:
@@ -76,7 +76,7 @@ def load_model(path, dtype="bfloat16"):
     return model.eval(), tokenizer
 
 
-def _check_weights_fit(path: Path, model: torch.nn.Module, info: dict) -> None:
+def check_weights_fit(path: Path, model: torch.nn.Module, info: dict) -> None:
     """Refuse a folder whose weights and config disagree. transformers only warns: it draws every weight the
     files lack at random (a dropped tensor, a config without ``num_hidden_layers`` that builds its default
     depth) and drops every weight the config has no place for (a config naming fewer layers), so the model

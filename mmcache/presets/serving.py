@@ -1,7 +1,8 @@
 """What ``mmcache serve`` serves, built from the names in a ``ServerConfig``, and ``serve`` to start it.
 
 * The chat model: ``preset`` (a text preset of ``mmcache.presets.text`` or a VLM preset of
-  ``mmcache.presets.vlm``) or ``model`` (a local Hugging Face folder, through ``Engine.from_pretrained``).
+  ``mmcache.presets.vlm``) or ``model`` (a local Hugging Face folder: a LLaVA or Qwen2-VL one through
+  ``mmcache.presets.vlm_folder``, any other through ``Engine.from_pretrained``).
 
 * ``--diffusion``: ``tiny-sd3`` (text-to-image) and ``tiny-wan`` (text-to-video), the tiny seeded pipelines of
   ``mmcache.presets.diffusion``, or a local diffusers folder loaded with ``DiffusionPipeline.from_pretrained``
@@ -26,7 +27,8 @@ from ..engine.models import DTYPES
 from ..server.config import ServerConfig, ServerConfigError, serve_engine_config
 from ..server.launch import IMAGES, SPEECH, VIDEOS, Models, start_server
 from .text import engine_from_preset
-from .vlm import VLM_PRESETS, vlm_from_preset
+from .vlm import VLM_PRESETS, vlm_engine, vlm_from_preset
+from .vlm_folder import is_vlm_folder, load_vlm
 
 DIFFUSION_PRESETS = {"tiny-sd3": IMAGES, "tiny-wan": VIDEOS}
 TTS_PRESETS = {"tiny-csm": "tiny", "csm-mimi": "mimi"}  # preset -> codec size
@@ -90,7 +92,7 @@ def image_limits(config: ServerConfig):
 
 
 def build_engine(config: ServerConfig):
-    """An ``Engine`` (text preset or local folder) or a ``VLMEngine`` (VLM preset) as ``config`` names; None
+    """An ``Engine`` (text preset or folder) or a ``VLMEngine`` (VLM preset or folder) as ``config`` names; None
     when it names no chat model."""
     if not config.serves_chat:
         return None
@@ -99,6 +101,9 @@ def build_engine(config: ServerConfig):
         return vlm_from_preset(config.preset, engine_config, config.dtype, config.store_bytes, image_limits(config))
     if config.preset is not None:
         return engine_from_preset(config.preset, config.dtype, engine_config)
+    if is_vlm_folder(config.model):
+        return vlm_engine(load_vlm(config.model, config.dtype), engine_config, config.store_bytes,
+                          image_limits(config))
     return Engine.from_pretrained(config.model, config.dtype, engine_config)
 
 

@@ -198,7 +198,12 @@ def vlm_from_preset(name: str, config: EngineConfig | None = None, dtype="float3
     """A ``VLMEngine`` over preset ``name`` with a fresh store of ``store_bytes``. ``limits`` default to
     ``ImageLimits()``, which read no local file: a caller that sends paths opts in (``allow_paths=True`` or
     ``path_root=``)."""
-    preset = build_vlm(name, dtype)
+    return vlm_engine(build_vlm(name, dtype), config, store_bytes, limits)
+
+
+def vlm_engine(preset: VLMPreset, config: EngineConfig | None = None, store_bytes: int = DEFAULT_STORE_BYTES,
+               limits: ImageLimits | None = None) -> VLMEngine:
+    """A ``VLMEngine`` over a built preset (or a loaded folder: ``vlm_folder.load_vlm``), as ``vlm_from_preset``."""
     engine = Engine(preset.model, hf_tokenizer(preset), config)
     return VLMEngine(engine, preset.prompt_builder(EncoderOutputStore(store_bytes), limits or ImageLimits()))
 

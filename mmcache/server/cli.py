@@ -48,7 +48,8 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     """Adds the options naming what is served: a chat model (preset or folder), diffusion pipelines, a voice."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=list(PRESETS) + list(VLM_PRESETS))
-    src.add_argument("--model", metavar="DIR", help="a local Hugging Face folder of a text model")
+    src.add_argument("--model", metavar="DIR",
+                     help="a local Hugging Face folder: a text model, or a LLaVA or Qwen2-VL model")
     p.add_argument("--diffusion", action="append", default=[], metavar="PRESET_OR_DIR",
                    help=f"a diffusion pipeline: {', '.join(DIFFUSION_PRESETS)} or a local diffusers folder "
                         f"(SD3 family: /v1/images/generations; Wan: /v1/videos); give it once per task")

@@ -69,7 +69,7 @@ def parse_size(size: str) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class ServerConfig:
     preset: str | None = None  # an engine preset (text) or a VLM preset
-    model: str | None = None  # a local Hugging Face folder (text model)
+    model: str | None = None  # a local Hugging Face folder (a text model, or a LLaVA or Qwen2-VL one)
     diffusion: tuple[str, ...] = ()  # diffusion presets or local diffusers folders (SD3 images, Wan videos)
     tts: str | None = None  # a voice-cloning preset or a local CSM folder
     host: str = "127.0.0.1"
