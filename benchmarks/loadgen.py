@@ -59,6 +59,13 @@ class Record:
     first_chunk: float | None = None  # the first chunk of any kind (a role-only opening chunk too)
     token_ids: list[int] = field(default_factory=list)  # the answer's ids, when the server returned them
 
+    def add_text(self, text: str, now: float) -> None:
+        """A chunk with non-empty ``text`` arrived at ``now``."""
+        self.token_times.append(now)
+        self.text += text
+        if self.first_token is None:
+            self.first_token = now
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.send
@@ -162,7 +169,7 @@ async def _read_stream(stream, record: Record, cut_after: int | None) -> None:
             # Non-empty content only: servers open with a role chunk whose content is "" (vLLM's
             # benchmark counts chunks the same way)
             if choice.delta is not None and choice.delta.content:
-                _text_arrived(record, choice.delta.content, now)
+                record.add_text(choice.delta.content, now)
         if cut_after is not None and len(record.token_times) >= cut_after:
             record.outcome = "cut"
             break
@@ -178,12 +185,6 @@ def _chunk_arrived(record: Record, chunk) -> float:
     return now
 
 
-def _text_arrived(record: Record, text: str, now: float) -> None:
-    record.token_times.append(now)
-    record.text += text
-    if record.first_token is None:
-        record.first_token = now
-
 
 async def stream_completion(client, body: Mapping, record: Record) -> Record:
     """``stream_chat`` for ``/v1/completions`` (``body`` without ``stream``): a choice's ``text`` is its content,
@@ -197,7 +198,7 @@ async def stream_completion(client, body: Mapping, record: Record) -> Record:
                 if ids:
                     record.token_ids.extend(int(t) for t in ids)
                 if choice.text:
-                    _text_arrived(record, choice.text, now)
+                    record.add_text(choice.text, now)
 
     return await _streamed(record, lambda: client.completions.create(
         **body, stream=True, stream_options={"include_usage": True}), read)

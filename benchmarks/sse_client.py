@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import orjson
 
-from .loadgen import Record, _text_arrived
+from .loadgen import Record
 
 DONE = "[DONE]"
 
@@ -85,7 +85,7 @@ def _take(record: Record, chunk: dict, now: float) -> None:
     for choice in chunk.get("choices") or ():
         text = (choice.get("delta") or {}).get("content")
         if text:  # non-empty only: the opening chunk carries the role and "" (as loadgen counts)
-            _text_arrived(record, text, now)
+            record.add_text(text, now)
 
 
 def _failed(record: Record, status: int, error: str) -> None:
