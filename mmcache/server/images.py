@@ -59,7 +59,7 @@ class ImageService:
 
     task = "images"
 
-    def __init__(self, pipe, store, config, name: str):
+    def __init__(self, pipe, store, config, name: str, owner_share: int | None = None):
         from encoders.diffusion import CachedSD3Pipeline
 
         self.name = name
@@ -70,7 +70,7 @@ class ImageService:
         self.sizes = _sizes(pipe, config.image_sizes)
         default_steps = inspect.signature(type(pipe).__call__).parameters["num_inference_steps"].default
         self.default_steps = min(int(default_steps), config.max_inference_steps)
-        self.queue = GenerationQueue("images", config.max_generation_waiting)
+        self.queue = GenerationQueue("images", config.max_generation_waiting, owner_share)
 
     def check(self, req) -> ImageSpec:
         """The request as an ``ImageSpec``, or an ``APIError`` (400) naming the field."""
@@ -96,9 +96,10 @@ class ImageService:
         seed = secrets.randbelow(2**63) if req.seed is None else req.seed
         return ImageSpec(req.prompt, negative, size[0], size[1], req.n, seed, req.guidance_scale, steps)
 
-    def submit(self, spec: ImageSpec, salt: bytes) -> Job:
-        """Queue ``spec`` (``QueueFull`` when the queue is full); the job's result is a list of PNG bytes."""
-        return self.queue.submit(lambda job: self.render(spec, salt, job))
+    def submit(self, spec: ImageSpec, salt: bytes, owner: str | None = None) -> Job:
+        """Queue ``spec`` for the tenant ``owner`` (``QueueFull`` when the queue or the tenant's share of it is
+        full); the job's result is a list of PNG bytes."""
+        return self.queue.submit(lambda job: self.render(spec, salt, job), owner)
 
     def render(self, spec: ImageSpec, salt: bytes, job: Job | None = None) -> list[bytes]:
         """The PNG bytes of each image of ``spec`` (in the calling thread); ``InvalidRequest`` for arguments the
@@ -167,7 +168,7 @@ def image_router(service: ImageService, intake, metrics) -> APIRouter:
             req = await intake.body(request, ImageGenerationRequest, service.name, model_required=False)
             salt = intake.salt(tenant, req.cache_salt)
             spec = service.check(req)
-            pngs = await run_job(request, lambda: service.submit(spec, salt), intake.config.retry_after_s)
+            pngs = await run_job(request, lambda: service.submit(spec, salt, tenant.name), intake.config.retry_after_s)
             if pngs is None:
                 outcome.status = 499
                 return Response(status_code=499)

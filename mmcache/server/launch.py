@@ -107,7 +107,7 @@ def _images(pipe, store, config, source, tenants, metrics):
     from .intake import Intake
 
     name = source_name(source)
-    service = ImageService(pipe, store, config, name)
+    service = ImageService(pipe, store, config, name, tenants.share(config.max_generation_waiting))
     metrics.watch_queue("images", name, service.queue)
     return service, image_router(service, Intake(config, tenants), metrics)
 
@@ -117,7 +117,7 @@ def _speech(voice, store, config, source, tenants, metrics):
     from .speech import SpeechService, speech_router
 
     name = source_name(source)
-    service = SpeechService(voice, store, config, name)
+    service = SpeechService(voice, store, config, name, tenants.share(config.max_generation_waiting))
     metrics.watch_queue("speech", name, service.queue)
     return service, speech_router(service, Intake(config, tenants), metrics)
 

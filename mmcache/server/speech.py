@@ -69,7 +69,7 @@ class SpeechService:
 
     task = "speech"
 
-    def __init__(self, voice, store, config, name: str):
+    def __init__(self, voice, store, config, name: str, owner_share: int | None = None):
         from encoders.audio import AudioLimits
         from encoders.codec import CachedCodecEncode
 
@@ -81,7 +81,7 @@ class SpeechService:
         self.limits = AudioLimits(max_seconds=float(config.max_ref_audio_seconds),
                                   max_bytes=config.max_ref_audio_bytes)
         self.codec = CachedCodecEncode(voice.codec, store, kind=CODEC_KIND).attach()
-        self.queue = GenerationQueue("speech", config.max_generation_waiting)
+        self.queue = GenerationQueue("speech", config.max_generation_waiting, owner_share)
 
     def check(self, req) -> SpeechSpec:
         """The request's fields as a ``SpeechSpec`` or an ``APIError`` (400) naming the field."""
@@ -141,9 +141,10 @@ class SpeechService:
             raise bad_request("ref_audio is empty", "ref_audio", "invalid_audio")
         return data
 
-    def submit(self, spec: SpeechSpec, clip, salt: bytes) -> Job:
-        """Queue the request (``QueueFull`` when the queue is full); the job's result is the float32 samples."""
-        return self.queue.submit(lambda job: self.render(spec, clip, salt, job))
+    def submit(self, spec: SpeechSpec, clip, salt: bytes, owner: str | None = None) -> Job:
+        """Queue the request for the tenant ``owner`` (``QueueFull`` when the queue or the tenant's share of it
+        is full); the job's result is the float32 samples."""
+        return self.queue.submit(lambda job: self.render(spec, clip, salt, job), owner)
 
     def render(self, spec: SpeechSpec, clip, salt: bytes, job: Job | None = None) -> np.ndarray:
         """The generated waveform (float32, mono, at ``rate``), in the calling thread."""
@@ -225,7 +226,7 @@ def speech_router(service: SpeechService, intake, metrics) -> APIRouter:
             salt = intake.salt(tenant, req.cache_salt)
             spec = service.check(req)
             clip = await asyncio.to_thread(service.reference, req.ref_audio)
-            samples = await run_job(request, lambda: service.submit(spec, clip, salt), intake.config.retry_after_s)
+            samples = await run_job(request, lambda: service.submit(spec, clip, salt, tenant.name), intake.config.retry_after_s)
             if samples is None:
                 outcome.status = 499
                 return Response(status_code=499)

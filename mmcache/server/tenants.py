@@ -12,6 +12,9 @@ Rules:
   pair can spell another's, and every engine salt has a fixed length within the core's bound
   (``names.MAX_SALT_BYTES``) whatever the caller sent. The anonymous tenant without a cache_salt uses the empty
   salt, the one the engine uses by default.
+* Queues are shared by share: ``share(limit)`` is a tenant's part of a server-wide ``limit`` (an equal part,
+  at least 1), so the parts of all tenants add up to at most the limit (when it is at least the tenant count)
+  and a tenant within its part is never refused because another filled the queue.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ class Tenants:
     @property
     def required(self) -> bool:
         return bool(self._keys)
+
+    @property
+    def count(self) -> int:
+        """How many tenants there are (1, the anonymous one, when no key is configured)."""
+        return max(1, len(self._tenants))
+
+    def share(self, limit: int) -> int:
+        """One tenant's part of a server-wide ``limit`` (module docstring)."""
+        return max(1, limit // self.count)
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header, or None when a key is required and this one is missing

@@ -6,7 +6,9 @@ calls on one pipeline never overlap: each pipeline gets its own queue and one wo
 Rules and invariants:
 
 * ``submit`` raises ``QueueFull`` (the server answers 503 with Retry-After) when ``max_waiting`` jobs wait
-  already; otherwise the job waits its turn. ``waiting`` counts jobs queued and not started, ``running`` is 0 or 1.
+  already, or when ``owner_share`` jobs of the same owner (a tenant's name) wait already; otherwise the job waits
+  its turn. With shares that add up to at most ``max_waiting`` (``Tenants.share``), an owner within its share is
+  never refused because of another's jobs. ``waiting`` counts jobs queued and not started, ``running`` is 0 or 1.
 * A job cancelled before it starts never runs (its future is cancelled). A running job sees ``job.cancelled``
   set: the work checks it between steps (``check``) and stops by raising ``JobCancelled``; whatever the work
   leased is released by the work's own ``finally`` blocks, in the worker thread.
@@ -33,8 +35,9 @@ class JobCancelled(MmcacheError):
 class Job:
     """One submitted piece of work: ``future`` holds its result; ``cancel`` asks it to stop."""
 
-    def __init__(self, work: Callable[["Job"], object]):
+    def __init__(self, work: Callable[["Job"], object], owner: str | None = None):
         self.work = work
+        self.owner = owner
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.cancelled = threading.Event()
         self.context = contextvars.copy_context()
@@ -50,11 +53,13 @@ class Job:
 
 
 class GenerationQueue:
-    """Jobs for one pipeline, run one at a time by one worker thread, at most ``max_waiting`` waiting."""
+    """Jobs for one pipeline, run one at a time by one worker thread, at most ``max_waiting`` waiting and at most
+    ``owner_share`` of one owner (None: no per-owner bound)."""
 
-    def __init__(self, name: str, max_waiting: int):
+    def __init__(self, name: str, max_waiting: int, owner_share: int | None = None):
         self.name = name
         self.max_waiting = max_waiting
+        self.owner_share = owner_share
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -75,9 +80,10 @@ class GenerationQueue:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closing
 
-    def submit(self, work: Callable[[Job], object]) -> Job:
-        """Queue ``work(job)``; ``QueueFull`` when ``max_waiting`` jobs wait already."""
-        job = Job(work)
+    def submit(self, work: Callable[[Job], object], owner: str | None = None) -> Job:
+        """Queue ``work(job)`` for ``owner``; ``QueueFull`` when ``max_waiting`` jobs wait already, or
+        ``owner_share`` of ``owner``'s."""
+        job = Job(work, owner)
         with self._cond:
             if self._closing:
                 raise QueueFull(f"the {self.name} queue is closing")
@@ -85,6 +91,10 @@ class GenerationQueue:
             if len(self._jobs) >= self.max_waiting:
                 raise QueueFull(f"{len(self._jobs)} {self.name} requests are waiting (the limit is "
                                 f"{self.max_waiting})")
+            mine = sum(1 for j in self._jobs if j.owner == owner)
+            if self.owner_share is not None and mine >= self.owner_share:
+                raise QueueFull(f"{mine} {self.name} requests of this tenant are waiting (its share is "
+                                f"{self.owner_share})")
             self._jobs.append(job)
             self._cond.notify()
         return job
