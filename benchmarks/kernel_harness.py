@@ -75,7 +75,7 @@ def machine(kernels: bool = True) -> dict:
     kernels run on (``native.status``: builds the library where it is not built yet)."""
     import torch
 
-    from mmcache.openmp import loaded_runtime
+    from mmcache.launcher.openmp import loaded_runtime
 
     out = {"threads": torch.get_num_threads(), "openmp": loaded_runtime()}
     if kernels:

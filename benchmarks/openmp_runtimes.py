@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 from mmcache.cli import positive_int, writable
-from mmcache.openmp import ENV_CHOICE, find_intel_openmp, loaded_runtime
+from mmcache.launcher.openmp import ENV_CHOICE, find_intel_openmp, loaded_runtime
 
 from .kernel_harness import order, timed, write_json
 

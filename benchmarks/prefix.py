@@ -69,7 +69,7 @@ from mmcache.engine.compute import native
 from mmcache.engine.models import DTYPES
 from mmcache.presets.text import PRESETS
 from mmcache.errors import MmcacheError
-from mmcache.openmp import loaded_runtime
+from mmcache.launcher.openmp import loaded_runtime
 
 from . import text_workloads as tw
 from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_TOKENS, count, folder, seed

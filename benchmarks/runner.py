@@ -14,7 +14,7 @@ import traceback
 
 from mmcache.cli import writable, write_json
 from mmcache.errors import MmcacheError
-from mmcache.openmp import loaded_runtime
+from mmcache.launcher.openmp import loaded_runtime
 
 from . import REGISTRY
 from .table import render

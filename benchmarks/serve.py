@@ -60,7 +60,7 @@ import torch
 
 from mmcache.engine.models import DTYPES
 from mmcache.errors import MmcacheError
-from mmcache.openmp import loaded_runtime
+from mmcache.launcher.openmp import loaded_runtime
 
 from . import loadgen, sse_client
 from . import serve_generation as generation

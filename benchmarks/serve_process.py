@@ -9,7 +9,7 @@ longer shares the server's interpreter and GIL, as no real client does. The chil
   returns what it still holds (``serve_soak.held_after``, which runs ``check_invariants``); ``LeftHeld`` is raised
   in the parent when anything is held, an invariant broke or it never went idle.
 * ``quiet_openmp()`` keeps Intel OpenMP's idle threads from spinning, in this process and in a server started
-  inside the block: that runtime (which ``mmcache.openmp`` starts the command line on) spins a process's threads
+  inside the block: that runtime (which ``mmcache.launcher.openmp`` starts the command line on) spins a process's threads
   for 200 ms after each parallel region (``KMP_BLOCKTIME``), so with the engines of two processes taking turns
   on two cores, each turn would share the cores with the other engine's spinning threads. Both sides get the
   same setting: the pairs still compare like with like.

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from mmcache.engine.models import DTYPES
-from mmcache.openmp import loaded_runtime
+from mmcache.launcher.openmp import loaded_runtime
 
 from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_THREADS, MAX_TOKENS, count, seed
 from .table import Row

@@ -19,7 +19,7 @@ from .errors import (AllocationFailed, DuplicateRequest, InvalidRequest, MediaDe
                      RequestStateError, StoreEntryRejected, TraceFormatError, UnknownRequest)
 
 # The rest is imported on first use (PEP 562), so that ``import mmcache.cli`` does not load torch before the
-# command line has chosen its OpenMP runtime (``mmcache.openmp``). Name -> the module that defines it.
+# command line has chosen its OpenMP runtime (``mmcache.launcher.openmp``). Name -> the module that defines it.
 _LAZY = {
     **dict.fromkeys(["AdmitResult", "AllocationManager", "CacheConfig", "PreparedPrompt", "RequestView",
                      "ResumeResult"], "manager"),

@@ -10,7 +10,7 @@ Subcommands live beside what they drive; each module listed in ``SUBCOMMANDS`` h
 which adds its parser and sets ``func``. A module that is not part of this install (a build without the
 ``benchmarks`` package) is skipped: its subcommands stay listed, and asking for one says on stderr that it is
 not available and why, with exit code 2. Started as a program, the command first re-executes
-itself on Intel's OpenMP runtime when that is installed (``mmcache.openmp``; ``MMCACHE_OPENMP=system`` keeps
+itself on Intel's OpenMP runtime when that is installed (``mmcache.launcher.openmp``; ``MMCACHE_OPENMP=system`` keeps
 the runtime torch ships with).
 """
 
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Callable
 
-from . import openmp
+from .launcher import openmp
 from .errors import MmcacheError
 
 
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # started as the program, not called: choose the OpenMP runtime first (mmcache.openmp)
+    if argv is None:  # started as the program, not called: choose the OpenMP runtime first (mmcache.launcher.openmp)
         try:
             openmp.maybe_reexec(sys.argv[1:])
         except openmp.OpenMPConfigError as e:

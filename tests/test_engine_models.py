@@ -15,7 +15,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.engine.models import load_model, model_digest
 from mmcache.presets.text import build_model
 from mmcache.presets.text import PRESETS, get_preset, preset_config
-from mmcache.engine.tokenizer import train_tokenizer
+from mmcache.presets.tokenizer import train_tokenizer
 from mmcache.names import MediaItem, media_digest
 from mmcache.presets import engine_from_preset
 

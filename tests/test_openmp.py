@@ -1,4 +1,4 @@
-"""The command line's choice of OpenMP runtime (mmcache.openmp): the plan, the re-execution, the CLI's errors."""
+"""The command line's choice of OpenMP runtime (mmcache.launcher.openmp): the plan, the re-execution, its errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from mmcache import openmp
-from mmcache.openmp import ENV_CHOICE, ENV_LIB, OpenMPConfigError, find_intel_openmp, loaded_runtime, plan
+from mmcache.launcher import openmp
+from mmcache.launcher.openmp import ENV_CHOICE, ENV_LIB, OpenMPConfigError, find_intel_openmp, loaded_runtime, plan
 
 LIB = "/opt/x/lib/libiomp5.so"
 
@@ -85,7 +85,7 @@ def test_reexec_starts_a_child_with_the_library_mapped():
         pytest.skip("this torch build ships no libgomp to stand in")
     probe = ("import os, sys; maps = open('/proc/self/maps').read(); "
              "print(os.path.basename(sys.argv[1]) in maps, os.environ['LD_PRELOAD'])")
-    code = ("import sys; from mmcache import openmp; "
+    code = ("import sys; from mmcache.launcher import openmp; "
             f"openmp.maybe_reexec([{gomp[0]!r}], entry=('-c', {probe!r})); print('not re-executed')")
     env = {**os.environ, ENV_CHOICE: "intel", ENV_LIB: gomp[0]}
     env.pop(openmp._MARKER, None)
@@ -168,4 +168,5 @@ def test_the_child_runs_the_parents_mmcache_ahead_of_another_copy_on_its_path(tm
     env = {**os.environ, "PYTHONPATH": str(other)}
     env.pop("PYTHONSAFEPATH", None)
     out = subprocess.run([sys.executable, flag, probe], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert out.returncode == 0 and out.stdout.strip() == openmp.__file__.replace("openmp.py", "__init__.py")
+    package_init = os.path.join(os.path.dirname(os.path.dirname(openmp.__file__)), "__init__.py")
+    assert out.returncode == 0 and out.stdout.strip() == package_init

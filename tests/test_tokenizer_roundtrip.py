@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from mmcache.presets.export import export_model
 from mmcache.presets.text import build_model
 from mmcache.presets.text import PRESETS, preset_config
-from mmcache.engine.tokenizer import EOS, PAD, corpus_lines, hf_tokenizer, train_tokenizer
+from mmcache.presets.tokenizer import EOS, PAD, corpus_lines, hf_tokenizer, train_tokenizer
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny"))
 # small and qwen2.5-0.5b share one tokenizer; exporting their weights would take minutes, so their tokenizer is

@@ -5,7 +5,7 @@ Modules, one concept each: ``request`` (what callers pass and get back), ``confi
 transformers), ``adapter`` (where a model's embeddings, decoder and head live), ``compute`` (the CPU compute
 path behind one seam: ``ComputeConfig``, ``ComputePath``, the kernels), ``runner`` (one packed forward),
 ``sequence`` (per-request state), ``scheduler`` (continuous batching, chunked prefill, preemption),
-``sampling``, ``models`` / ``tokenizer`` (loading a local folder, digests, the embedded presets' tokenizers),
+``sampling``, ``models`` (loading a local folder, digests),
 ``engine`` (the glue), ``cli``. The engine imports only the core: the VLM front end is a host
 (``mmcache.hosts.vlm``) and the embedded models are presets (``mmcache.presets``).
 """

@@ -5,8 +5,9 @@ the names in its config.
 A layer above the engine, the encoders and the hosts (it builds their objects) and below the command lines and
 the benchmarks. Modules: ``text`` (text presets, ``engine_from_preset``), ``export`` (a text preset as a Hugging
 Face folder), ``vlm`` (VLM presets, ``vlm_from_preset``), ``diffusion`` (tiny SD3 and Wan pipelines), ``tts``
-(CSM with a Mimi codec), ``local_tokenizers`` (T5- and CLIP-layout tokenizers trained on the repository's
-prompt files), ``serving`` (``serve``: a server over the models a ``ServerConfig`` names).
+(CSM with a Mimi codec), ``tokenizer`` (the text and speech presets' byte-level BPE), ``local_tokenizers`` (T5- and
+CLIP-layout tokenizers trained on the repository's prompt files), ``serving`` (``serve``: a server over the
+models a ``ServerConfig`` names).
 
 Invariant of every preset: its name (and seed and dtype) always give the same config, weights and vocabulary, in
 every process, and building leaves the caller's torch RNG as it was.

@@ -23,7 +23,7 @@ import torch
 
 from ..engine.engine import Engine
 from ..engine.models import resolve_dtype
-from ..engine.tokenizer import EOS, PAD, SPECIAL_TOKENS, hf_tokenizer
+from .tokenizer import EOS, PAD, SPECIAL_TOKENS, hf_tokenizer
 from ..errors import MmcacheError
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from encoders.voice import AUDIO_EOS_TOKEN, AUDIO_TOKEN, SAMPLING_RATE, VoicePipeline
-from mmcache.engine.tokenizer import hf_tokenizer
+from mmcache.presets.tokenizer import hf_tokenizer
 from mmcache.errors import InvalidRequest
 
 TEXT_VOCAB = 1024

@@ -22,7 +22,7 @@ import os
 import site
 import sys
 
-from .errors import MmcacheError
+from ..errors import MmcacheError
 
 ENV_CHOICE = "MMCACHE_OPENMP"
 ENV_LIB = "MMCACHE_OPENMP_LIB"
@@ -82,7 +82,7 @@ def _child_entry() -> tuple[str, str]:
     ``PYTHONSAFEPATH``) and, when the path lacks the folder holding this mmcache (a clone run as ``python -m
     mmcache.cli``, its folder known only as ``''``), puts it first, ahead of any installed copy, so the child
     runs the parent's mmcache."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds mmcache/launcher/
     return "-c", ("import sys\n"
                   "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
                   f"if {root!r} not in sys.path:\n    sys.path.insert(0, {root!r})\n"
