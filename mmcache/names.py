@@ -79,7 +79,6 @@ def _plain(value: Any) -> Any:
 
 
 DIGEST_BYTES = 32  # the size of every content digest and store key (BLAKE2b-256; see the module docstring)
-MEDIA_DIGEST_BYTES = 16  # the least a MediaItem accepts (a caller's own 128-bit digest); media_digest gives more
 MAX_SALT_BYTES = 256  # a salt's bound: a tenant or request name, not a payload to hash on every page
 
 
@@ -147,17 +146,18 @@ class Fingerprint:
 class MediaItem:
     """A media item in a prompt: its digest and the absolute position of its first placeholder token.
 
-    The digest is ``media_digest``'s 32 bytes or any other digest of at least 16: nothing checks a media item
-    against stored data the way token ids are checked, so a shorter one could make two images share pages (and
-    a caller's own digest must resist crafted collisions, as ``media_digest`` does)."""
+    The digest is ``DIGEST_BYTES`` (32) long, as ``media_digest`` gives it, and nothing else: nothing checks a
+    media item against stored data the way token ids are checked, so a shorter one could make two images share
+    pages (and a caller's own digest must resist crafted collisions, as ``media_digest`` does)."""
 
     digest: bytes
     position: int
 
     def __post_init__(self):
-        if not isinstance(self.digest, (bytes, bytearray)) or len(self.digest) < MEDIA_DIGEST_BYTES:
-            raise InvalidRequest(f"media digest must be at least {MEDIA_DIGEST_BYTES} bytes (128 bits), got "
-                                 f"{self.digest!r:.60}")
+        if not isinstance(self.digest, (bytes, bytearray)) or len(self.digest) != DIGEST_BYTES:
+            got = f"{len(self.digest)} bytes" if isinstance(self.digest, (bytes, bytearray)) else repr(self.digest)
+            raise InvalidRequest(f"media digest must be {DIGEST_BYTES} bytes (BLAKE2b-256, as media_digest gives), "
+                                 f"got {got:.60}")
         if isinstance(self.position, bool) or not isinstance(self.position, (int, np.integer)) or self.position < 0:
             raise InvalidRequest(f"media position must be a non-negative int, got {self.position!r}")
 

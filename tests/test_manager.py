@@ -318,9 +318,9 @@ def _same(a, b):
     (lambda m: m.reserve(["not", "hashable"], 1), UnknownRequest),
     (lambda m: m.resume(["not", "hashable"]), UnknownRequest),
     (lambda m: m.teardown(["not", "hashable"]), UnknownRequest),
-    (lambda m: m.admit("new", [1, 2], media=[MediaItem(b"d" * 16, 5)]), InvalidRequest),
+    (lambda m: m.admit("new", [1, 2], media=[MediaItem(b"d" * 32, 5)]), InvalidRequest),
     (lambda m: m.admit("new", [1, 2], media=None), InvalidRequest),  # these three raised TypeError
-    (lambda m: m.admit("new", [1, 2], media=MediaItem(b"d" * 16, 0)), InvalidRequest),
+    (lambda m: m.admit("new", [1, 2], media=MediaItem(b"d" * 32, 0)), InvalidRequest),
     (lambda m: m.suspend("live", offload=5), InvalidRequest),
     (lambda m: m.admit("new", [[1], [2, 3]]), InvalidRequest),  # a raw numpy ValueError
     (lambda m: m.admit("new", [np.True_, 3]), InvalidRequest),  # was accepted as [1, 3]
@@ -508,7 +508,7 @@ def _unchanged(a, b):
 def test_peek_predicts_admit_and_changes_nothing():
     mgr = make(store_at="prefill")
     shared = np.arange(1, 13)  # three pages
-    media = [MediaItem(b"m" * 16, 5)]
+    media = [MediaItem(b"m" * 32, 5)]
     cases = [np.concatenate([shared, [40, 41, 42]]), shared, shared[:5], np.arange(50, 60)]
     cold = mgr.prepare(cases[0])
     before = _frozen(mgr)

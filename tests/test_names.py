@@ -130,13 +130,20 @@ def test_fingerprint_validation():
         Fingerprint(model_digest="m", kv_dtype="x", attention_backend="y", page_size=4, tp_rank=2, tp_size=2)
 
 
-@pytest.mark.parametrize("digest,position", [(b"short", 0), (b"", 0), ("a" * 16, 0), (b"d" * 16, -1), (b"d" * 16, 1.5),
-                                             (b"d" * 16, True)])
-def test_media_items_refuse_digests_under_128_bits_and_bad_positions(digest, position):
-    # Nothing verifies a media item against stored data, so a short digest could let two images share pages.
-    with pytest.raises(InvalidRequest):
+@pytest.mark.parametrize("digest,position", [(b"short", 0), (b"", 0), ("a" * 32, 0), (b"d" * 16, 0), (b"d" * 31, 0),
+                                             (b"d" * 33, 0), (b"d" * 64, 0), (b"d" * 32, -1), (b"d" * 32, 1.5),
+                                             (b"d" * 32, True)])
+def test_media_items_take_full_length_digests_only_and_good_positions(digest, position):
+    # Nothing verifies a media item against stored data, so a short digest could let two images share pages;
+    # 16 bytes (a caller's own 128-bit digest) were accepted, a birthday search of 2**64.
+    with pytest.raises(InvalidRequest, match="digest must be 32 bytes" if position == 0 else "position"):
         MediaItem(digest, position)
-    assert MediaItem(media_digest(b"x"), 3).position == 3 and MediaItem(bytes(32), 0)  # 16 bytes or more
+    assert MediaItem(media_digest(b"x"), 3).position == 3 and MediaItem(bytearray(32), 0)
+
+
+def test_a_16_byte_digest_is_refused_with_its_length():
+    with pytest.raises(InvalidRequest, match=r"media digest must be 32 bytes \(BLAKE2b-256.*got 16 bytes"):
+        MediaItem(media_digest(b"x")[:16], 0)
 
 
 @pytest.mark.parametrize("page_size", [0, -4, True, 4.0])
