@@ -37,9 +37,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmcache.cli import positive_int, writable
+from mmcache.cli import positive_int
 
-from .kernel_harness import order, paired, ratio, say_machine, timed, write_json
+from .kernel_harness import order, paired, ratio, script_main, timed
 
 CASES = {"hit": (1920, 128), "cold": (0, 2048)}  # (cached tokens, chunk tokens)
 
@@ -213,7 +213,10 @@ def _engine_pairs(eng, pairs: int, against: tuple | None, serve, prompt) -> dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_kernel", description=__doc__.splitlines()[0])
+    return script_main("benchmarks.chunk_kernel", __doc__, argv, _arguments, _measure, _report)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES))
     p.add_argument("--kv-heads", type=positive_int, default=2)
     p.add_argument("--group", type=positive_int, default=7, help="query heads per KV head")
@@ -224,17 +227,20 @@ def main(argv=None) -> int:
     p.add_argument("--against", metavar="REV", help="time against the kernel at this git revision instead of ATen")
     p.add_argument("--engine", type=positive_int, metavar="PAIRS", help="time whole requests instead (see above)")
     p.add_argument("--preset", default="qwen2.5-0.5b", help="the model preset of --engine")
-    p.add_argument("--json", help="write the figures here")
-    args = p.parse_args(argv)
-    if not writable(args.json, p.prog):
-        return 2
-    say_machine(p.prog)
+
+
+def _measure(args: argparse.Namespace) -> dict:
     against = (args.against, library_at(args.against)) if args.against else None
     if args.engine:
-        return _report_engine(measure_engine(args.engine, args.preset, against=against), args.json)
-    result = {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls, against=against)
-              for case in args.cases}
-    write_json(args.json, result)
+        return measure_engine(args.engine, args.preset, against=against)
+    return {case: measure(case, args.kv_heads, args.group, args.dim, args.rounds, args.calls, against=against)
+            for case in args.cases}
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
+    if args.engine:
+        _report_engine(result)
+        return
     for case, r in result.items():
         if "skipped" in r:
             print(f"{case}: {r['skipped']}")
@@ -246,14 +252,9 @@ def main(argv=None) -> int:
               f"heads, d {s['head_dim']}: kernel {1e3 * r['kernel_s']:.3f} ms, {name} {1e3 * r[other + '_s']:.3f} "
               f"ms, {name} / kernel {r[other + '_over_kernel']:.2f} (median of {r['rounds']} alternating "
               f"rounds){bits}")
-    return 0
 
 
-def _report_engine(result: dict, path: str | None) -> int:
-    write_json(path, result)
-    if "skipped" in result:
-        print(result["skipped"])
-        return 0
+def _report_engine(result: dict) -> None:
     other, name = ("against", f"at {result['against']}") if "against" in result else ("aten", "ATen")
     for kind in ("cold", "hit"):
         r = result[kind]
@@ -261,7 +262,6 @@ def _report_engine(result: dict, path: str | None) -> int:
               f"{r[other + '_over_kernel']:.3f} (median of {result['pairs']} pairs)")
     s = result["same_vs_cold"]
     print(f"same vs cold: kernel {s['kernel']:.2f}x, {name} {s[other]:.2f}x")
-    return 0
 
 
 if __name__ == "__main__":

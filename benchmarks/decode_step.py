@@ -23,9 +23,9 @@ import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int, writable
+from mmcache.cli import positive_int
 
-from .kernel_harness import decode_only_step, order, say_machine, write_json
+from .kernel_harness import decode_only_step, order, script_main
 
 SHAPES = ("shared", "own")
 SIDES = ("kernel", "aten")
@@ -125,33 +125,41 @@ def summarize(steps: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_step", description=__doc__.split("\n")[0])
+    return script_main("benchmarks.decode_step", __doc__, argv, _arguments, _measure, _report)
+
+
+def shape_list(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated names of ``SHAPES``."""
+    names = [s for s in text.split(",") if s]
+    for name in names:
+        if name not in SHAPES:
+            raise argparse.ArgumentTypeError(f"unknown shape {name!r}; expected one of {', '.join(SHAPES)}")
+    return names
+
+
+def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--page-size", type=positive_int, default=128)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--shapes", type=shape_list, default=",".join(SHAPES),
+                    help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (tests: smaller)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the result here")
-    args = ap.parse_args(argv)
-    if not writable(args.json, ap.prog):
-        return 2
-    args.shapes = [s for s in args.shapes.split(",") if s]
-    for s in args.shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"unknown shape {s!r}; expected one of {', '.join(SHAPES)}")
-    say_machine(ap.prog)
-    result = measure(args)
-    for shape, r in result.items():
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    return {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size, "rounds": args.rounds,
+            "shapes": measure(args)}
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
+    for shape, r in result["shapes"].items():
         m = r["medians"]
         print(f"{shape}: decode step kernel {m['kernel']['step_s'] * 1e3:.1f} ms (attention "
               f"{m['kernel']['attention_s'] * 1e3:.1f}), ATen {m['aten']['step_s'] * 1e3:.1f} ms (attention "
               f"{m['aten']['attention_s'] * 1e3:.1f}); steps {r['steps']}", flush=True)
-    write_json(args.json, {"preset": args.preset, "dtype": args.dtype, "page_size": args.page_size,
-                           "rounds": args.rounds, "shapes": result})
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,19 +12,22 @@ Rules every such benchmark follows (this machine's speed moves by more than most
   tokens is a prefill's figure, not a decode's.
 * The result names the machine it was measured on (``machine``; ``say_machine`` prints it to stderr) and is
   written whole (``write_json``).
+* Each script's ``main`` is ``script_main``: a ``--json`` path that cannot be written is refused (exit code 2)
+  before anything is built or measured, and a result that says ``skipped`` prints why instead of figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 
-from mmcache.cli import write_json
+from mmcache.cli import writable, write_json
 
-__all__ = ["decode_only_step", "in_turns", "machine", "order", "paired", "ratio", "say_machine", "timed",
-           "write_json"]
+__all__ = ["decode_only_step", "in_turns", "machine", "order", "paired", "ratio", "say_machine", "script_main",
+           "timed", "write_json"]
 
 
 def order(sides: Sequence[str], repeat: int) -> list[str]:
@@ -90,3 +93,28 @@ def say_machine(name: str, kernels: bool = True) -> None:
     m = machine(kernels)
     line = f"[{name}] {m['threads']} threads, OpenMP runtime {m['openmp']}"
     print(line + (f", compiled kernels: {m['kernels']}" if kernels else ""), file=sys.stderr)
+
+
+def script_main(module: str, doc: str, argv: list[str] | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+                measure: Callable[[argparse.Namespace], dict], report: Callable[[argparse.Namespace, dict], None],
+                check: Callable[[argparse.Namespace], str | None] = lambda args: None) -> int:
+    """``python -m MODULE``: its parser (``add_arguments`` adds the script's own options, this ``--json``), the
+    ``--json`` path and ``check(args)`` (a message refuses the options with argparse's error, exit code 2) before
+    anything runs, the machine on stderr, ``measure(args)`` written whole to ``--json``, then
+    ``report(args, result)`` on stdout, or the reason of a result that says ``skipped``."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--json", metavar="PATH", help="write the figures here")
+    args = parser.parse_args(argv)
+    if not writable(args.json, parser.prog):
+        return 2
+    if (refused := check(args)) is not None:
+        parser.error(refused)
+    say_machine(parser.prog)
+    result = measure(args)
+    write_json(args.json, result)
+    if "skipped" in result:
+        print(result["skipped"])
+    else:
+        report(args, result)
+    return 0

@@ -26,9 +26,9 @@ import statistics
 import sys
 import time
 
-from mmcache.cli import positive_int, writable
+from mmcache.cli import positive_int
 
-from .kernel_harness import decode_only_step, order, paired, ratio, say_machine, write_json
+from .kernel_harness import decode_only_step, order, paired, ratio, script_main
 
 SIDES = ("kernels", "torch")
 KINDS = ("cold", "hit", "decode_step")
@@ -199,25 +199,29 @@ def summarise(out: dict, times: dict, sides: PairedEngines, step_ratios: list[fl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_kernels", description=__doc__.splitlines()[0])
+    return script_main("benchmarks.layer_kernels", __doc__, argv, _arguments, _measure, _report, check=_check)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=positive_int, default=10)
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--prompt-len", type=positive_int, default=2048, help="the cold and hit prompt's tokens")
     p.add_argument("--batch", type=positive_int, default=8, help="requests of the decode batch")
     p.add_argument("--batch-prompt", type=positive_int, default=256, help="prompt tokens of each of them")
     p.add_argument("--decode-tokens", type=positive_int, default=16, help="output tokens of each of them")
-    p.add_argument("--json", help="write the figures here")
-    args = p.parse_args(argv)
-    if not writable(args.json, p.prog):
-        return 2
+
+
+def _check(args: argparse.Namespace) -> str | None:
     if args.decode_tokens < 2:
-        p.error("--decode-tokens must be at least 2 (the first token comes from the prompt's forward)")
-    say_machine(p.prog)
-    result = measure(args.pairs, args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.prompt_len)
-    write_json(args.json, result)
-    if "skipped" in result:
-        print(result["skipped"])
-        return 0
+        return "--decode-tokens must be at least 2 (the first token comes from the prompt's forward)"
+    return None
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    return measure(args.pairs, args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.prompt_len)
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
     for kind in KINDS:
         r = result[kind]
         unit, scale = ("ms", 1e3) if kind == "decode_step" else ("s", 1)
@@ -231,7 +235,6 @@ def main(argv=None) -> int:
           f"{d['step_pairs']} adjacent pairs)")
     s = result["same_vs_cold"]
     print(f"same vs cold: kernels {s['kernels']:.2f}x, torch {s['torch']:.2f}x")
-    return 0
 
 
 if __name__ == "__main__":

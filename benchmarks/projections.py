@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmcache.cli import positive_int, writable
+from mmcache.cli import positive_int
 
-from .kernel_harness import decode_only_step, order, paired, say_machine, timed, write_json
+from .kernel_harness import decode_only_step, order, paired, script_main, timed
 
 SIDES = ("grouped", "separate")
 
@@ -110,30 +110,33 @@ def hit_pairs(eng, use, fresh, hits: int, prompt_len: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.projections", description=__doc__.splitlines()[0])
+    return script_main("benchmarks.projections", __doc__, argv, _arguments, _measure, _report, check=_check)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--batch", type=positive_int, default=8, help="requests of the decode batch")
     p.add_argument("--batch-prompt", type=positive_int, default=600, help="prompt tokens of each of them")
     p.add_argument("--decode-tokens", type=positive_int, default=61, help="output tokens of each of them")
     p.add_argument("--hits", type=positive_int, default=8, help="prompts served cold, then as hits on each side")
     p.add_argument("--prompt-len", type=positive_int, default=2048, help="tokens of each of those prompts")
-    p.add_argument("--json", help="write the figures here")
-    args = p.parse_args(argv)
-    if not writable(args.json, p.prog):
-        return 2
+
+
+def _check(args: argparse.Namespace) -> str | None:
     if args.decode_tokens < 3:
-        p.error("--decode-tokens must be at least 3 (two decode steps make one pair)")
-    say_machine(p.prog)
-    result = measure(args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.hits, args.prompt_len)
-    write_json(args.json, result)
-    if "skipped" in result:
-        print(result["skipped"])
-        return 0
+        return "--decode-tokens must be at least 3 (two decode steps make one pair)"
+    return None
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    return measure(args.preset, args.batch, args.batch_prompt, args.decode_tokens, args.hits, args.prompt_len)
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
     for kind in ("decode_step", "hit"):
         r = result[kind]
         print(f"{kind}: grouped {1e3 * r['grouped_s']:.1f} ms, separate {1e3 * r['separate_s']:.1f} ms, "
               f"separate / grouped {r['separate_over_grouped']:.3f} (median of {r['pairs']} pairs)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ import sys
 
 import torch
 
-from mmcache.cli import positive_int, positive_ints, writable
+from mmcache.cli import positive_int, positive_ints
 
-from .kernel_harness import in_turns, order, paired, say_machine, timed, write_json
+from .kernel_harness import in_turns, order, paired, script_main, timed
 
 SIDES = ("onednn", "kernel")
 
@@ -175,7 +175,10 @@ def measure_decode(preset: str, dtype: torch.dtype, pairs: int, batch: int, toke
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.row_products", description=__doc__.splitlines()[0])
+    return script_main("benchmarks.row_products", __doc__, argv, _arguments, _measure, _report)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--rows", type=positive_ints, default="1,4,8,16", help="comma-separated row counts of the products")
@@ -187,24 +190,19 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--no-decode", action="store_true", help="products only")
     p.add_argument("--no-sweep", action="store_true", help="leave out the sweep over every layer's weights")
-    p.add_argument("--json", help="write the figures here")
-    args = p.parse_args(argv)
-    if not writable(args.json, p.prog):
-        return 2
-    say_machine(p.prog)
-    rows = args.rows
+
+
+def _measure(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
-    result = {"products": measure_products(args.preset, dtype, rows, args.rounds, args.calls)}
+    result = {"products": measure_products(args.preset, dtype, args.rows, args.rounds, args.calls)}
     if not args.no_sweep:
-        result["sweep"] = measure_sweep(args.preset, dtype, rows, args.rounds)
+        result["sweep"] = measure_sweep(args.preset, dtype, args.rows, args.rounds)
     if not args.no_decode:
         result["decode"] = measure_decode(args.preset, dtype, args.pairs, args.batch, args.tokens, args.prompt_len)
-    write_json(args.json, result)
-    report(result)
-    return 0
+    return result
 
 
-def report(result: dict) -> None:
+def _report(args: argparse.Namespace, result: dict) -> None:
     """The figures of ``main``'s result on stdout: products per row count, the sweep's, the decode's."""
     prod = result["products"]
     print(f"products ({prod['preset']}, {prod['dtype']}, widened for oneDNN: {prod['widened']}; {prod['library']}), "

@@ -27,9 +27,9 @@ import sys
 
 import torch
 
-from mmcache.cli import positive_int, positive_ints, writable
+from mmcache.cli import positive_int, positive_ints
 
-from .kernel_harness import order, paired, ratio, say_machine, timed, write_json
+from .kernel_harness import order, paired, ratio, script_main, timed
 
 
 def _layer_products(preset: str) -> dict:
@@ -115,7 +115,10 @@ def measure_requests(preset: str, pairs: int, prompt_len: int, seed: int = 0) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.widened_linears", description=__doc__.splitlines()[0])
+    return script_main("benchmarks.widened_linears", __doc__, argv, _arguments, _measure, _report)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--rows", type=positive_ints, default="8,128,2048",
                    help="comma-separated row counts of the products")
@@ -124,16 +127,16 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=positive_int, default=3, help="whole-request pairs")
     p.add_argument("--prompt-len", type=positive_int, default=2048)
     p.add_argument("--no-requests", action="store_true", help="products only")
-    p.add_argument("--json", help="write the figures here")
-    args = p.parse_args(argv)
-    if not writable(args.json, p.prog):
-        return 2
-    say_machine(p.prog)
-    rows = args.rows
-    result = {"products": measure_products(args.preset, rows, args.rounds, args.calls)}
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    result = {"products": measure_products(args.preset, args.rows, args.rounds, args.calls)}
     if not args.no_requests:
         result["requests"] = measure_requests(args.preset, args.pairs, args.prompt_len)
-    write_json(args.json, result)
+    return result
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
     prod = result["products"]
     print(f"products ({prod['preset']}, bfloat16; oneDNN packs bfloat16 here: {prod['oneDNN_packs_bfloat16']}), "
           f"median of {prod['rounds']} rounds:")
@@ -146,7 +149,6 @@ def main(argv=None) -> int:
         r = result["requests"]
         print(f"requests ({r['prompt_len']} tokens cold, {r['pairs']} pairs, widened: {r['widened']}): plain "
               f"{r['plain_s']:.2f} s, packed {r['packed_s']:.2f} s, plain / packed {r['plain_over_packed']:.3f}")
-    return 0
 
 
 if __name__ == "__main__":

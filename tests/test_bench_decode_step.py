@@ -30,9 +30,11 @@ def test_both_sides_time_decode_only_steps_and_the_clock_comes_off(tmp_path):
     assert attention._decodes_one_by_one.__name__ == "_decodes_one_by_one"
 
 
-def test_an_unknown_shape_is_refused():
-    with pytest.raises(SystemExit, match="unknown shape"):
+def test_an_unknown_shape_is_refused_before_anything_is_built(monkeypatch, capsys):
+    monkeypatch.setattr(decode_step, "measure", lambda args: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as exc:
         decode_step.main(["--preset", "tiny", "--shapes", "shared,long"])
+    assert exc.value.code == 2 and "argument --shapes: unknown shape 'long'" in capsys.readouterr().err
 
 
 def test_each_side_is_summarized_apart_and_the_ratio_is_of_their_medians():

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from benchmarks import (REGISTRY, chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes,
-                        projections, row_products, runner, widened_linears)
+from benchmarks import (REGISTRY, chunk_kernel, decode_step, layer_kernels, openmp_runtimes, projections,
+                        row_products, runner, widened_linears)
 from benchmarks.runner import bench_parser
 from mmcache.cli import main as cli
 from mmcache.cli import positive_int, writable
@@ -81,7 +81,7 @@ def test_a_value_out_of_range_is_refused_by_the_parser(name, option, value, says
 
 
 def test_bounds_keep_every_default_and_the_edges_of_the_range():
-    """A bound refuses only what was meaningless: each default parses as before, and so do the range's edges."""
+    """A bound refuses only what was meaningless: each default parses, and so do the range's edges."""
     defaults = {"core": {"tokens": None, "repeats": None}, "sampling": {"batch": 8, "tokens": None},
                 "diffusion": {"zipf": 1.1, "seed": 0, "requests": None, "runs": None, "steps": 4, "threads": 1},
                 "cfg": {"scale": 3.0, "seed": 0, "page_size": 128, "negative_repeat": None, "max_tokens": None,
@@ -110,7 +110,8 @@ def stand_in_benchmark(monkeypatch) -> list:
 
 
 def test_an_empty_json_path_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
-    """`--json ''` (an unset variable) used to run and write nothing; a path under a file said "File exists"."""
+    """`--json ''` (an unset variable) is refused before a run, not run and written nowhere; a path under a file is
+    refused as one that cannot be written."""
     ran = stand_in_benchmark(monkeypatch)
     for argv in (["bench", "fake", "--json", ""], ["bench", "--json", "", "fake"], ["bench", "--json", ""]):
         assert cli(argv) == 2
@@ -124,7 +125,7 @@ def test_an_empty_json_path_is_refused_before_anything_runs(tmp_path, monkeypatc
 @pytest.mark.parametrize("name, option", [("prefix", "--preset"), ("prefix", "--dtype"), ("cfg", "--preset"),
                                           ("cfg", "--dtype"), ("vlm", "--preset"), ("vlm", "--dtype")])
 def test_an_unknown_preset_or_dtype_is_refused_by_the_benchmarks_own_parser(name, option, capsys):
-    # bench prefix used to take any name and fail later inside export-model, printing export-model's usage.
+    # Each benchmark's own parser names the option, before anything is built (not export-model's usage, later).
     with pytest.raises(SystemExit) as exc:
         cli(["bench", name, "--quick", option, "nosuch"])
     err = capsys.readouterr().err
@@ -132,7 +133,7 @@ def test_an_unknown_preset_or_dtype_is_refused_by_the_benchmarks_own_parser(name
 
 
 @pytest.mark.parametrize("main, option", [(decode_step.main, "--rounds"), (decode_step.main, "--max-tokens"),
-                                          (hit_anatomy.main, "--repeats"), (openmp_runtimes.main, "--pairs"),
+                                          (openmp_runtimes.main, "--pairs"),
                                           (chunk_kernel.main, "--rounds"), (chunk_kernel.main, "--calls"),
                                           (chunk_kernel.main, "--group"), (chunk_kernel.main, "--kv-heads"),
                                           (layer_kernels.main, "--pairs"), (layer_kernels.main, "--batch"),
@@ -231,8 +232,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_anything_runs(name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "earlier.json"]
 
 
-SCRIPTS = (chunk_kernel, decode_step, hit_anatomy, layer_kernels, openmp_runtimes, projections, row_products,
-           widened_linears)
+SCRIPTS = (chunk_kernel, decode_step, layer_kernels, openmp_runtimes, projections, row_products, widened_linears)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__.rsplit(".", 1)[1])
