@@ -25,7 +25,7 @@ def _chat(messages, **kw) -> ChatCompletionRequest:
 
 
 def _maker(tokenizer) -> PromptMaker:
-    host = SimpleNamespace(core=SimpleNamespace(tokenizer=tokenizer), is_vlm=False)
+    host = SimpleNamespace(core=SimpleNamespace(tokenizer=tokenizer, max_model_len=512), is_vlm=False)
     return PromptMaker(host, ServerConfig(preset="tiny"))
 
 
@@ -71,7 +71,7 @@ def test_images_go_to_vlms_only_and_as_data_urls(tokenizer):
     with pytest.raises(APIError) as info:
         _maker(tokenizer).chat(_chat([image]), "r", b"", 0.0)
     assert info.value.status == 400 and info.value.code == "invalid_image"
-    vlm = PromptMaker(SimpleNamespace(core=SimpleNamespace(tokenizer=tokenizer), is_vlm=True),
+    vlm = PromptMaker(SimpleNamespace(core=SimpleNamespace(tokenizer=tokenizer, max_model_len=512), is_vlm=True),
                       ServerConfig(preset="tiny-llava", max_image_bytes=10, max_images=1))
     for url, status in (("https://a/b.png", 400), ("HTTP://a/b.png", 400), ("b.png", 400),
                         ("data:image/png;base64," + "A" * 40, 413)):
@@ -216,3 +216,38 @@ def test_a_pool_with_reuse_off_is_said_at_start_and_in_the_metrics(dtype, mode, 
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["mmcache:prefix_cache_enabled"] == (1.0 if says is None else 0.0)
     assert reuse_off_reasons(None) == []  # a server without a chat model
+
+
+class _WatchedText(str):
+    """A str that records the widest slice and search range taken of it."""
+
+    widest = 0
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(len(self))
+            _WatchedText.widest = max(_WatchedText.widest, stop - start)
+        return str.__getitem__(self, key)
+
+    def find(self, sub, start=0, end=None):
+        end = len(self) if end is None else end
+        _WatchedText.widest = max(_WatchedText.widest, end - max(start, 0))
+        return str.find(self, sub, start, end)
+
+
+class _WatchedChars(_Chars):
+    def decode(self, ids, skip_special_tokens=True):
+        return _WatchedText(super().decode(ids, skip_special_tokens))
+
+
+def test_the_stop_check_looks_at_a_window_bounded_by_the_stop_strings():
+    stops = ["ab" * 100 + "c", "b" * 150 + "c", "ba" * 64 + "x"]
+    asm = TextAssembler(_WatchedChars(), stops)
+    text = "ab" * 1500  # every tail begins some stop string, none completes
+    sent = "".join(asm.add(ord(c)) for c in text)
+    longest = max(len(s) for s in stops)
+    assert _WatchedText.widest <= 2 * longest  # never the whole text (3000 characters)
+    assert sent + asm.flush() == text and not asm.stopped
+    asm = TextAssembler(_WatchedChars(), stops)
+    out = "".join(asm.add(ord(c)) for c in "xy" + "b" * 150 + "cz")
+    assert asm.stopped and out == "xy" == asm.text

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (with a chat model), the routers of the image,
 speech and video services (``images.image_router``, ``speech.speech_router``, ``videos``), ``GET /v1/models``
 (these need an API key when keys are configured), ``GET /health`` (200 while the step loop and every generation
-queue run), ``GET /metrics`` (Prometheus text).
+queue run), ``GET /metrics`` (Prometheus text; open, as vLLM's is, unless ``metrics_key`` is set: it shows every
+tenant's volume together, never a key, a prompt or an output).
 
 Rules:
 
@@ -30,14 +31,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .errors import APIError, from_engine_error, internal, overloaded, route_not_found
+from .errors import APIError, from_engine_error, internal, overloaded, route_not_found, unauthorized
 from .generation import Generation
 from .intake import ClientGone, Intake, from_validation, unless_disconnected
 from .metrics import ServerMetrics
 from .prompts import PromptMaker, check_supported, stop_strings
 from .protocol import ChatCompletionRequest, CompletionRequest, model_card, now, usage
 from .runner import EngineHost, QueueFull
-from .tenants import Tenants
+from .tenants import Tenants, metrics_key_matches
 
 
 def build_app(host: EngineHost | None, config, tenants: Tenants, metrics: ServerMetrics, routers=(),
@@ -95,29 +96,29 @@ class _Api:
 
     # ---- checks -------------------------------------------------------------------------------------
     async def _body(self, request: Request, model):
-        """The tenant's salt and the checked request body."""
+        """The tenant, its salt and the checked request body."""
         tenant = self.intake.tenant(request)
         req = await self.intake.body(request, model, self.config.chat_model_name)
         salt = self.intake.salt(tenant, req.cache_salt)
         check_supported(req)
-        return salt, req
+        return tenant, salt, req
 
     # ---- routes -------------------------------------------------------------------------------------
     async def chat(self, request: Request):
         arrival = time.perf_counter()
-        salt, req = await self._body(request, ChatCompletionRequest)
-        stops = stop_strings(req)
+        tenant, salt, req = await self._body(request, ChatCompletionRequest)
+        stops = stop_strings(req, self.config.max_stop_chars)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_request = self.prompts.chat(req, rid, salt, arrival)
-        return await self._run(request, req, rid, engine_request, stops, chat=True)
+        engine_request = await self.prompts.build(self.prompts.chat, req, rid, salt, arrival)
+        return await self._run(request, req, rid, engine_request, stops, tenant.name, chat=True)
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
-        salt, req = await self._body(request, CompletionRequest)
-        stops = stop_strings(req)
+        tenant, salt, req = await self._body(request, CompletionRequest)
+        stops = stop_strings(req, self.config.max_stop_chars)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        engine_request = self.prompts.completion(req, rid, salt, arrival)
-        return await self._run(request, req, rid, engine_request, stops, chat=False)
+        engine_request = await self.prompts.build(self.prompts.completion, req, rid, salt, arrival)
+        return await self._run(request, req, rid, engine_request, stops, tenant.name, chat=False)
 
     async def models(self, request: Request):
         self.intake.tenant(request)
@@ -139,13 +140,20 @@ class _Api:
                                                     "service_unavailable", None, "not_ready"))
         return JSONResponse({"status": "ok"})
 
-    async def metrics_text(self):
+    async def metrics_text(self, request: Request):
+        if self.config.metrics_key is not None and not metrics_key_matches(request, self.config.metrics_key):
+            raise unauthorized("/metrics needs the metrics key: send Authorization: Bearer KEY")
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def close(self) -> None:
+        if self.prompts is not None:
+            self.prompts.close()
+
     # ---- running a request --------------------------------------------------------------------------
-    async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], chat: bool):
+    async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], owner: str,
+                   chat: bool):
         try:
-            queue = self.host.submit(engine_request)
+            queue = self.host.submit(engine_request, owner)
         except QueueFull as e:
             raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
         gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)

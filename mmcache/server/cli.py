@@ -69,6 +69,21 @@ def _add_listener(p: argparse.ArgumentParser) -> None:
                                                                 "preset or folder name)")
     p.add_argument("--max-waiting", type=count(minimum=0), default=256,
                    help="requests waiting to start beyond which a request gets 503 (default 256)")
+    p.add_argument("--max-waiting-per-tenant", type=count(), default=None, metavar="N",
+                   help="a tenant's part of --max-waiting (default: an equal part for each --api-key)")
+    p.add_argument("--max-prompt-chars", type=count(), default=None, metavar="N",
+                   help="characters of a prompt's text, refused before tokenizing (default: what the model's "
+                        "context could hold under its tokenizer)")
+    p.add_argument("--max-stop-chars", type=count(), default=256, metavar="N",
+                   help="characters of one stop string (default 256)")
+    p.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a request's headers may take to arrive (default 10)")
+    p.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds a request body may pause between chunks (default 30)")
+    p.add_argument("--max-connections", type=count(), default=4096, metavar="N",
+                   help="open connections; one more is answered 503 and closed (default 4096)")
+    p.add_argument("--metrics-key", default=None, metavar="KEY",
+                   help="put /metrics behind this key (Authorization: Bearer KEY; default: open, as vLLM's)")
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -144,6 +159,10 @@ def config_from_args(args: argparse.Namespace):
     return ServerConfig(preset=args.preset, model=args.model, diffusion=tuple(args.diffusion), tts=args.tts,
                         host=args.host, port=args.port, api_keys=tuple(args.api_key),
                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                        max_waiting_per_tenant=args.max_waiting_per_tenant, max_prompt_chars=args.max_prompt_chars,
+                        max_stop_chars=args.max_stop_chars, header_timeout_s=args.header_timeout,
+                        body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+                        metrics_key=args.metrics_key,
                         engine_config=engine_config, store_bytes=args.store_bytes,
                         dtype=args.dtype or _default_dtype(args), image_sizes=tuple(args.image_size),
                         negative_prompt=args.negative_prompt, max_inference_steps=args.max_inference_steps,

@@ -87,6 +87,13 @@ class ServerConfig:
     max_cache_salt: int = 256  # characters of a request's cache_salt
     default_max_tokens: int = 256  # when a request gives neither max_tokens nor max_completion_tokens
     retry_after_s: int = 1  # the Retry-After of a 503
+    max_waiting_per_tenant: int | None = None  # a tenant's part of max_waiting; None: an equal split (Tenants.share)
+    max_prompt_chars: int | None = None  # characters of a prompt's text; None: from max_model_len (prompts.py)
+    max_stop_chars: int = 256  # characters of one stop string
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (connections.py)
+    body_timeout_s: float = 30.0  # a request body may pause this long between chunks
+    max_connections: int = 4096  # open connections; one more is answered 503 and closed
+    metrics_key: str | None = None  # a key /metrics asks for (Authorization: Bearer KEY); None: /metrics is open
     tenant_secret: bytes | None = None  # keys a tenant's salt; None: drawn at random when the server starts
     log_level: str = "warning"
     # ---- image and speech generation ----
@@ -126,12 +133,19 @@ class ServerConfig:
         for name in ("store_bytes", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images",
                      "max_cache_salt", "default_max_tokens", "retry_after_s", "max_images_per_request",
                      "max_inference_steps", "max_speech_chars", "max_speech_frames", "max_ref_audio_bytes",
-                     "max_generation_waiting", "max_video_jobs", "max_video_bytes"):
+                     "max_generation_waiting", "max_video_jobs", "max_video_bytes", "max_stop_chars"):
             if not positive_int(getattr(self, name)):
                 raise ServerConfigError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         seconds = self.max_ref_audio_seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise ServerConfigError(f"max_ref_audio_seconds must be a positive number, got {seconds!r}")
+        for name in ("max_waiting_per_tenant", "max_prompt_chars"):
+            if getattr(self, name) is not None and not positive_int(getattr(self, name)):
+                raise ServerConfigError(f"{name} must be a positive int or None, got {getattr(self, name)!r}")
+        key = self.metrics_key
+        if key is not None and (not isinstance(key, str) or not key or not key.isprintable()):
+            raise ServerConfigError("metrics_key must be a non-empty printable string")
+        self.connection_limits  # checks the timeouts and the connection cap
         self._check_generation()
         secret = self.tenant_secret
         if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
@@ -153,6 +167,13 @@ class ServerConfig:
         if len(set(names)) != len(names):
             raise ServerConfigError(f"two served models share a name: {names}; serve them from different folders "
                                     f"or rename the chat model (served_model_name)")
+
+    @property
+    def connection_limits(self):
+        """The ``connections.ConnectionLimits`` of these settings (``ServerConfigError`` when out of range)."""
+        from .connections import ConnectionLimits
+
+        return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections, self.retry_after_s)
 
     @property
     def serves_chat(self) -> bool:

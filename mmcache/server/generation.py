@@ -5,6 +5,9 @@ Rules:
 * Text is the decode of every output token so far (special tokens skipped); a delta is what was not sent yet.
   A trailing U+FFFD (an incomplete UTF-8 sequence) and a tail that could begin a stop string are held back
   until the next token settles them, so no sent text is ever taken back.
+* The stop check looks only at the text not yet sent and the longest stop string's length before it (a stop
+  string found later would have been found then), so its work per token depends on the stop strings' lengths
+  (bounded by the server) and never on the length of the text so far.
 * A stop string ends the text before its first occurrence: the request is aborted at once (its pages return),
   the finish reason is ``stop``, and tokens the engine produced after it are not sent.
 * ``close`` aborts the request unless it has finished: a handler calls it however it leaves (client gone,
@@ -54,20 +57,36 @@ class TextAssembler:
         return delta
 
     def _first_stop(self) -> int | None:
-        longest = max((len(s) for s in self.stops), default=0)
-        start = max(0, self.sent - longest)
+        start = max(0, self.sent - self._longest)
         hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
     def _safe_end(self) -> int:
+        """The end of what may be sent: before a trailing U+FFFD run, and before the longest tail that begins a
+        stop string (never before ``sent``: that text is out already)."""
         text = self.text
-        end = len(text.rstrip("\ufffd"))
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if text[:end].endswith(s[:k]):
-                    end -= k
-                    break
-        return end
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        held = max((_open_prefix(text, end, s, self.sent) for s in self.stops), default=0)
+        return end - held
+
+    @property
+    def _longest(self) -> int:
+        return max((len(s) for s in self.stops), default=0)
+
+
+def _open_prefix(text: str, end: int, stop: str, floor: int) -> int:
+    """The length k of the longest ``text[end - k:end]`` (k < len(stop), ``end - k >= floor``) that is a
+    proper prefix of ``stop``; 0 when none. Candidates are the places of ``stop``'s first character within the
+    last ``len(stop) - 1`` characters, so the work is bounded by the stop string, not the text."""
+    start = max(floor, end - len(stop) + 1)
+    i = text.find(stop[0], start, end)
+    while i >= 0:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
 
 
 class Generation:

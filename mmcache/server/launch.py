@@ -14,6 +14,7 @@ a diffusion or voice pipeline is served (a text-only chat server has none).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import ServerConfig, ServerConfigError, source_name
+from .connections import guarded_protocol, raise_fd_limit
 from .runner import EngineHost
 
 _START_TIMEOUT_S = 60
@@ -184,18 +186,23 @@ def _assemble(config: ServerConfig, build: Callable[[ServerConfig], Models]) -> 
     from .tenants import Tenants
 
     models = build(config)
-    host = EngineHost(models.engine, config.max_waiting) if models.engine is not None else None
+    tenants = Tenants(config.api_keys, config.tenant_secret)
+    share = config.max_waiting_per_tenant or tenants.share(config.max_waiting)
+    host = EngineHost(models.engine, config.max_waiting, owner_share=share) if models.engine is not None else None
     store = shared_store(config, models)
     metrics = ServerMetrics(host, config.model_name, store)
     if host is not None:
         host.observe = metrics.observe
-    tenants = Tenants(config.api_keys, config.tenant_secret)
     services, routers = build_services(config, models.pipelines, store, tenants, metrics)
     try:
         app = build_app(host, config, tenants, metrics, routers, services.values())
         # httptools (C) parses HTTP where uvicorn's default would be h11 (pure Python): a 1 MB request body of
-        # data URLs reaches its handler about 1 ms sooner (benchmarks/RESULTS.md, Serving)
-        server = uvicorn.Server(uvicorn.Config(app, http="httptools", log_level=config.log_level, access_log=False,
+        # data URLs reaches its handler about 1 ms sooner (benchmarks/RESULTS.md, Serving); the guarded protocol
+        # adds read deadlines and the connection cap (connections.py)
+        limits = dataclasses.replace(config.connection_limits,
+                                     max_connections=raise_fd_limit(config.max_connections))
+        protocol = guarded_protocol(limits, lambda: metrics.error("too_many_connections"), metrics.timed_out)
+        server = uvicorn.Server(uvicorn.Config(app, http=protocol, log_level=config.log_level, access_log=False,
                                                lifespan="off", timeout_graceful_shutdown=5))
     except BaseException:
         for service in services.values():
@@ -224,6 +231,7 @@ def _shut_down(parts: _Assembled, thread: threading.Thread, sock: socket.socket)
     thread.join()
     if parts.host is not None:
         parts.host.stop()
+    parts.app.state.api.close()
     sock.close()
 
 

@@ -69,6 +69,8 @@ class ServerMetrics:
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.ttfa = Histogram("mmcache:time_to_first_audio_seconds", "Arrival to the first byte of audio of a "
                               "speech request.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.timeouts = Counter("mmcache:connection_timeouts", "Connections closed because a request's headers "
+                                "or body did not arrive in time, by phase.", labels + ["phase"], registry=r)
         if host is not None:
             r.register(_EngineCollector(host, model_name))
         r.register(_StoreCollector(store, model_name))
@@ -116,6 +118,9 @@ class ServerMetrics:
         times = out.token_times
         for a, b in zip(times, times[1:]):
             self.itl.labels(name).observe(b - a)
+
+    def timed_out(self, phase: str) -> None:
+        self.timeouts.labels(self.model_name, phase).inc()
 
     def error(self, error_type: str) -> None:
         self.errors.labels(self.model_name, error_type).inc()

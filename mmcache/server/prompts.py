@@ -12,17 +12,28 @@ Rules:
   message carrying ``token_ids`` (the answer as generated) keeps them verbatim, so a chat's next turn begins with
   the previous prompt plus its answer and reuses its pages.
 * A VLM renders them with the preset's chat template (``encoders.chat``); ``developer`` is read as ``system``.
+* Work is bounded before it is done: a prompt's text (every message's text, or a completion's prompt) longer
+  than ``max_chars`` characters is refused (400 ``context_length_exceeded``) before any tokenizer sees it. The
+  default bound is ``max_model_len`` times (the longest vocabulary entry's characters + 1): a text that long
+  needs more than ``max_model_len`` tokens under any tokenizer whose tokens each cover at most one entry and one
+  separator, so only prompts the engine would refuse anyway are refused (a pre-tokenizer that drops runs of
+  whitespace is the exception: ``max_prompt_chars`` sets the bound by hand). Each stop string is at most
+  ``max_stop_chars`` characters.
 * Threads: a Hugging Face fast tokenizer refuses to encode on one thread while another uses it ("Already
-  borrowed"). The server therefore works on its own copy of the engine's tokenizer (``PromptMaker.tokenizer``),
-  on the event loop's thread only: it renders chats, tokenizes text prompts (as the engine's intake would:
-  no special tokens added) and decodes outputs there, and the engine's own tokenizer is left to the step thread.
-  A VLM's chat template tokenizes in the worker threads that build its prompts, on the template's own
-  ``tokenizers.Tokenizer`` whose settings never change after it is made, so those encodes only read it.
+  borrowed"), and encoding a long text would hold the event loop. Requests are therefore built on the
+  server's one prompt thread (``build``), on its own copy of the engine's tokenizer: it renders chats and
+  tokenizes text prompts there (as the engine's intake would: no special tokens added). Outputs are decoded
+  on the event loop's thread with a second copy (``PromptMaker.tokenizer``); the engine's own tokenizer is
+  left to the step thread. A VLM's chat template tokenizes in the worker threads that build its prompts, on
+  the template's own ``tokenizers.Tokenizer`` whose settings never change after it is made, so those encodes
+  only read it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from concurrent.futures import ThreadPoolExecutor
 
 from ..engine.request import Request, SamplingParams
 from .errors import bad_request, too_large
@@ -36,14 +47,40 @@ def sampling_of(req, default_max_tokens: int) -> SamplingParams:
                           top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
 
 
-def stop_strings(req) -> list[str]:
+def stop_strings(req, max_chars: int) -> list[str]:
+    """The request's stop strings: at most 8, each non-empty and at most ``max_chars`` characters."""
     stop = req.stop
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
     if len(stops) > 8 or any(not s for s in stops):
         raise bad_request("stop must be at most 8 non-empty strings", "stop")
+    if any(len(s) > max_chars for s in stops):
+        raise bad_request(f"each stop string must be at most {max_chars} characters", "stop")
     return stops
+
+
+def prompt_char_bound(tokenizer, max_model_len: int) -> int:
+    """The default bound on a prompt's characters (module docstring)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    longest = max((len(entry) for entry in vocab), default=1)
+    return max_model_len * (longest + 1)
+
+
+def prompt_chars(req) -> int:
+    """Characters of text in a chat's messages or a completion's prompt (token ids and images not counted)."""
+    if isinstance(req, ChatCompletionRequest):
+        total = 0
+        for m in req.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(p.text) for p in m.content if isinstance(p, TextContent))
+        return total
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
 
 
 def check_supported(req) -> None:
@@ -85,10 +122,28 @@ class PromptMaker:
     def __init__(self, host, config):
         self.host = host
         self.config = config
-        #: the server's own copy of the engine's tokenizer, for the event loop's thread only (module docstring)
-        self.tokenizer = tokenizer = copy.deepcopy(host.core.tokenizer)
-        self.hf_template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-        self.plain = PlainChatTemplate(tokenizer) if tokenizer is not None else None
+        #: the server's copy of the engine's tokenizer for decoding, on the event loop's thread only
+        self.tokenizer = copy.deepcopy(host.core.tokenizer)
+        #: the copy that encodes, on the prompt thread only (module docstring)
+        self.encoder = encoder = copy.deepcopy(host.core.tokenizer)
+        self.hf_template = getattr(encoder, "chat_template", None) if encoder is not None else None
+        self.plain = PlainChatTemplate(encoder) if encoder is not None else None
+        self.max_chars = config.max_prompt_chars or prompt_char_bound(encoder, host.core.max_model_len)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmcache-prompts")
+
+    async def build(self, make, req, *args):
+        """``make(req, *args)`` (``chat`` or ``completion``) on the prompt thread, once ``req``'s text is within
+        ``max_chars``."""
+        chars = prompt_chars(req)
+        if chars > self.max_chars:
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise bad_request(f"the prompt's text is {chars} characters, beyond the {self.max_chars} that "
+                              f"{self.host.core.max_model_len} tokens of this model can hold",
+                              param, "context_length_exceeded")
+        return await asyncio.get_running_loop().run_in_executor(self._thread, make, req, *args)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- chat --------------------------------------------------------------------------------------
     def chat(self, req: ChatCompletionRequest, rid: str, salt: bytes, arrival: float):
@@ -164,7 +219,7 @@ class PromptMaker:
         return self.plain.render(flat)
 
     def _hf_render(self, flat) -> list[int]:
-        tok = self.tokenizer
+        tok = self.encoder
         messages = [{"role": role, "content": text} for role, text, _ in flat]
         try:
             out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -190,7 +245,7 @@ class PromptMaker:
             ids = self.host.engine.builder.template.text(prompt) if isinstance(prompt, str) else prompt
             return VLMRequest(token_ids=ids, sampling=sampling, request_id=rid, salt=salt)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.encoder is None:
                 raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
-            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            prompt = self.encoder(prompt, add_special_tokens=False)["input_ids"]
         return Request(prompt, sampling, rid, salt, arrival_time=arrival)

@@ -15,8 +15,9 @@ Rules and invariants:
 * ``abort`` never waits for the engine: it queues the id and wakes the step thread, which aborts between steps
   (the engine returns the request's pages and store leases at once). An abort that arrives while its request
   is still being added is applied again as soon as the add returns.
-* ``waiting`` counts requests submitted that have had no event yet; a submission beyond ``max_waiting``, or once
-  the host is stopping, raises ``QueueFull`` before anything is built. ``running`` counts those with a token and
+* ``waiting`` counts requests submitted that have had no event yet; a submission beyond ``max_waiting``, beyond
+  ``owner_share`` waiting requests of the same owner (a tenant's name), or once the host is stopping, raises
+  ``QueueFull`` before anything is built. ``running`` counts those with a token and
   no finished event.
 * ``stop`` ends the thread, lets the adds under way finish, and aborts every request still live, so nothing
   stays held.
@@ -58,15 +59,18 @@ class _Subscription:
     started: bool = False
     cancelled: bool = False
     stop_reason: str | None = None  # set when the server ends the request itself (a stop string)
+    owner: str | None = None  # the tenant's name, for its share of the waiting queue
 
 
 class EngineHost:
     """Serves ``engine`` (an ``Engine`` or a ``VLMEngine``) to asyncio handlers; ``observe`` (optional) is
     called on the step thread with each finished event and the reason the server records for it."""
 
-    def __init__(self, engine, max_waiting: int = 256, observe=None):
+    def __init__(self, engine, max_waiting: int = 256, observe=None, owner_share: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.owner_share = owner_share
+        self._waiting_by_owner: dict[str | None, int] = {}
         self.observe = observe
         self._subs: dict[object, _Subscription] = {}
         self._lock = threading.Lock()  # guards _subs, the counts and _holds
@@ -111,20 +115,23 @@ class EngineHost:
         self._dispatch(self.engine.step())
 
     # ---- handlers' side (event loop) -------------------------------------------------------------------
-    def submit(self, request) -> asyncio.Queue:
-        """Queue ``request`` (its ``request_id`` set) to be added, without waiting; returns the queue its
-        ``StreamEvent``s (or one ``AddFailed``) arrive on. Called on the handler's event loop."""
+    def submit(self, request, owner: str | None = None) -> asyncio.Queue:
+        """Queue ``request`` (its ``request_id`` set) of the tenant ``owner`` to be added, without waiting; returns
+        the queue its ``StreamEvent``s (or one ``AddFailed``) arrive on. Called on the handler's event loop."""
         rid = request.request_id
-        sub = _Subscription(asyncio.get_running_loop(), asyncio.Queue())
+        sub = _Subscription(asyncio.get_running_loop(), asyncio.Queue(), owner=owner)
         with self._lock:
             if self._stopping:
                 raise QueueFull("the server is stopping")
             if self.waiting >= self.max_waiting:
                 raise QueueFull(f"{self.waiting} requests are waiting (the limit is {self.max_waiting})")
+            mine = self._waiting_by_owner.get(owner, 0)
+            if self.owner_share is not None and mine >= self.owner_share:
+                raise QueueFull(f"{mine} requests of this tenant are waiting (its share is {self.owner_share})")
             if rid in self._subs:
                 raise MmcacheError(f"request id {rid!r} is in use")
             self._subs[rid] = sub
-            self.waiting += 1
+            self._count_waiting(owner, +1)
         try:
             self._intake.submit(self._add, request, sub)
         except RuntimeError:  # stop() shut the intake down after the check above
@@ -155,7 +162,16 @@ class EngineHost:
         if sub.started:
             self.running -= 1
         else:
-            self.waiting -= 1
+            self._count_waiting(sub.owner, -1)
+
+    def _count_waiting(self, owner, change: int) -> None:
+        """Under the lock: ``waiting`` and ``owner``'s part of it moved by ``change``."""
+        self.waiting += change
+        left = self._waiting_by_owner.get(owner, 0) + change
+        if left:
+            self._waiting_by_owner[owner] = left
+        else:
+            self._waiting_by_owner.pop(owner, None)
 
     def abort(self, rid, reason: str | None = None) -> None:
         """Ask the step thread to end ``rid``; ``reason`` ("stop": a stop string matched) is what the server
@@ -218,7 +234,7 @@ class EngineHost:
                     continue
                 if not sub.started:
                     sub.started = True
-                    self.waiting -= 1
+                    self._count_waiting(sub.owner, -1)
                     self.running += 1
                 if ev.finished:
                     del self._subs[ev.request_id]

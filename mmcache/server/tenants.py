@@ -77,3 +77,11 @@ class Tenants:
         if not cache_salt:
             return tenant.salt
         return tenant.salt + b"\x00" + hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def metrics_key_matches(request, key: str) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer KEY`` with the metrics ``key`` (compared in constant
+    time)."""
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogatepass")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode("utf-8"))
