@@ -9,46 +9,13 @@ with block sharing, and, with ``--peers`` and ``VLLM_PEER_PYTHON`` set, vLLM's C
 small workloads and no peers (``--peers`` adds them). Workloads are in ``text_workloads``; every engine plays
 them through ``peers.protocol.play``, so prompts, order and timing are the same for all.
 
-Figures: the probe (cold / same / 1920 shared + 128 new / another cold; one request at a time; the median of
-``--probe-repeats`` repeats, each on fresh tokens). Every engine's probe figure is the same span,
-``probe_figure``: the wall time of ``protocol.play``'s round (building the request, generating, tearing down,
-building the record) less the time between the request's first and last token stamps. The request asks for one
-token, so that is the round's wall time and the time to first token; transformers' asks for two (see
-``ProbeMethod``), and the decode step of its second token is what is left out. Per workload the time to first
-token (p50, p90; first token stamp minus arrival stamp), inter-token latency p50, output tokens per second over
-the workload's wall time, and the share of prompt tokens served from a prefix cache. ``bit_exact`` comes from
-mmcache's exact schedule (one request at a time, one page per prefill forward), cache on against cache off, on
-prompts that hit the cache: every logits row and output id equal.
+What it measures, each beside its own code: bit-exactness, cache on against cache off under the exact schedule
+(``prefix_exact``); the probe and the workloads' figures and their pairs (``prefix_figures``), from rounds the
+engines play in turns under one step budget (``prefix_turns``); the table's rows (``prefix_table``). This module
+holds the run: its options and workload sizes (``Shape``), the workloads, the checks made before a model is
+exported, and the JSON.
 
-Engines are interleaved: all are loaded and warmed up on unrelated tokens first; then each probe repeat, and then
-each repeat of each workload (``workload_repeats``, each on fresh tokens), is played by every engine in turn, so
-that what one engine is compared with was measured minutes, not a quarter of an hour, apart. The order changes
-from one play to the next (``turn_order``, a Williams design): each engine plays in every position and right after
-every other engine equally often, because the first request of a turn can pay for what the turn before left behind
-(on the Intel AMX development machine a cold prefill that opened a turn right after vLLM's took 2.5-3% longer than
-the same engine's second cold prefill of the turn, medians of 8 paired repeats; under the plain rotation used
-before, mmcache's turn always came right after vLLM's). A shared machine's speed can drift by up to 2x within
-minutes (the first Intel development machine's did); run one engine after another and a peer's figures can differ
-from mmcache's by that drift alone. A workload's figures pool its repeats; the table's "better by" for a workload
-is the median of the per-repeat ratios (``paired_workloads``), as it is for the probe (``paired_probe``): for a
-time, the median of peer over mmcache (``better_by``). The median of two values is their mean, and the JSON and
-the table say so (``middle_of``).
-
-Every engine schedules under the same limits, ``StepBudget``: mmcache's ``EngineConfig`` defaults for the
-tokens one forward may hold and the sequences it may hold, given to transformers (``max_batch_tokens``,
-``max_requests_per_batch``) and vLLM (``max_num_batched_tokens``, ``max_num_seqs``) and recorded in the JSON
-(``step_budget``).
-
-Before each engine's turn the driver idles ``TURN_SETTLE_S`` (0.3 s): Intel's OpenMP runtime, which vLLM
-preloads and the ``bench`` extra installs for mmcache and transformers, keeps a process's threads spinning for
-200 ms after its last parallel region (``KMP_BLOCKTIME``), so without the pause the engine whose turn has just
-ended shares the two cores with the first request of the next one, a cold prefill in the probe (on the Intel
-development machine, vLLM's cold prefill time over mmcache's: 0.95 and 0.95 without the pause, 1.03 and 1.00
-with it, medians of 6 repeats in four alternating three-engine probe runs; over full runs the difference is
-within their spread; ``benchmarks/RESULTS.md``).
-
-Invariants: engines run one at a time, never together (vLLM's process waits on its input while the others
-run); every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
+Invariant: every workload draws its own tokens, so the only cache hits are the ones the workload's shape intends.
 """
 
 from __future__ import annotations
@@ -58,8 +25,6 @@ import gc
 import json
 import os
 import platform
-import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -67,22 +32,25 @@ from pathlib import Path
 
 from mmcache.engine.compute import native
 from mmcache.engine.models import DTYPES
-from mmcache.presets.text import PRESETS
 from mmcache.errors import MmcacheError
 from mmcache.launcher.openmp import loaded_runtime
+from mmcache.presets.text import PRESETS
 
 from . import text_workloads as tw
 from .options import MAX_PAGE_SIZE, MAX_REPEATS, MAX_TOKENS, count, folder, seed
-from .peers import protocol, vllm_cpu
-from .peers.protocol import Record, RoundResult, Workload
-from .table import Row
+from .peers import vllm_cpu
+from .peers.protocol import Workload
+from .prefix_exact import bit_exact_check, bit_exact_len
+from .prefix_figures import WORKLOADS, ProbeMethod, paired_probe, paired_workloads
+from .prefix_table import table_rows  # noqa: F401 (the benchmark's table, as benchmarks/__init__ asks of each)
+from .prefix_turns import (TURN_ORDER, TURN_SETTLE_S, WARMUP_NEW_TOKENS, WARMUP_SHORT_LENS, EngineResult,
+                           MmcacheRunner, Player, StepBudget, in_process_player, play_interleaved, progress,
+                           session_len, vllm_player)
 
 DESCRIPTION = ("prefix caching: probe, vLLM prefix-caching, SGLang shared-prefix and multi-turn shapes, against "
                "cache off and peer engines")
 
 ENGINES = ("mmcache", "mmcache_nocache", "transformers_cb", "vllm_cpu")
-WORKLOADS = ("vllm_prefix_caching", "generated_shared_prefix", "multi_turn")
-PROBE_KEYS = ("cold_s", "same_s", "shared1920_s", "cold2_s")
 MAX_COUNT = 1024  # prompts, repeats of a prompt, groups, prompts per group, conversations, user turns (FULL: 2-9)
 
 
@@ -140,7 +108,6 @@ class Shape:
         for name, tokens in sent.items():
             if tokens > MAX_TOKENS:
                 raise tw.WorkloadShapeError(f"{name} would send {tokens} prompt tokens, above {MAX_TOKENS}")
-
 
 
 def size_cap(name: str) -> int | None:
@@ -256,8 +223,7 @@ def engines_from_args(args) -> list[str]:
 
 def workload_repeats(shape: Shape, space: tw.TokenSpace, seed: int, names: list[str]) -> list[list[Workload]]:
     """``shape.workload_repeats`` sets of the named workloads; repeat ``r`` draws its tokens from seed
-    ``seed * 1000 + r`` (repeat 0 of seed 0 is the single play of earlier runs), so no repeat hits another's
-    cache."""
+    ``seed * 1000 + r``, so no repeat hits another's cache."""
     return [build_workloads(shape, space, seed * 1000 + r, names) for r in range(shape.workload_repeats)]
 
 
@@ -276,18 +242,6 @@ def build_workloads(shape: Shape, space: tw.TokenSpace, seed: int, names: list[s
     return out
 
 
-WARMUP_SHORT_LENS, WARMUP_NEW_TOKENS = (300, 364), 4
-
-
-def warmup_workload(space: tw.TokenSpace, seed: int, prompt_len: int) -> Workload:
-    """A probe-sized prompt alone, then two short prompts together, on tokens no workload uses, so kernels,
-    allocators and compiled graphs are warm for both shapes before anything is timed."""
-    rng = tw.random.Random(f"warmup:{seed}")
-    reqs = [protocol.Request(f"warmup{seed}-{i}", space.draw(rng, n), WARMUP_NEW_TOKENS)
-            for i, n in enumerate((prompt_len,) + WARMUP_SHORT_LENS)]
-    return Workload("warmup", ((reqs[0],), (reqs[1], reqs[2])))
-
-
 def token_space(model_dir: str) -> tw.TokenSpace:
     """Ids every engine accepts: below the model's and the tokenizer's vocabulary, clear of special tokens."""
     config = json.loads(Path(model_dir, "config.json").read_text())
@@ -300,339 +254,6 @@ def token_space(model_dir: str) -> tw.TokenSpace:
     return tw.TokenSpace(low, high)
 
 
-# ---- measuring -------------------------------------------------------------------------------------
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summarize_repeats(repeats: list[list[RoundResult]]) -> dict:
-    """One workload's figures over all its repeats pooled (every request's TTFT, every ITL, the summed wall
-    time), and, with more than one repeat, each repeat's own figures under ``by_repeat`` for pairing."""
-    if len(repeats) == 1:
-        return summarize(repeats[0])
-    out = summarize([rnd for rounds in repeats for rnd in rounds])
-    out.pop("ttft_p50_s_by_round", None)  # rounds of different repeats; each repeat keeps its own
-    out["by_repeat"] = [summarize(rounds) for rounds in repeats]
-    return out
-
-
-def summarize(rounds: list[RoundResult]) -> dict:
-    recs = [r for rnd in rounds for r in rnd.records]
-    ttft = [r.ttft_s for r in recs]
-    itl = [x for r in recs for x in r.itls_s]
-    wall = sum(rnd.wall_s for rnd in rounds)
-    prompt_tokens = sum(r.prompt_len for r in recs)
-    output_tokens = sum(len(r.output_ids) for r in recs)
-    matched = sum(r.matched_tokens for r in recs)
-    out = {"ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "itl_p50_s": percentile(itl, 50),
-           "throughput_tok_s": output_tokens / wall, "matched_share": matched / prompt_tokens,
-           "requests": len(recs), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "wall_s": wall}
-    if len(rounds) > 1:
-        out["ttft_p50_s_by_round"] = [percentile([r.ttft_s for r in rnd.records], 50) for rnd in rounds]
-    return out
-
-
-def middle_of(n: int) -> str:
-    """What ``statistics.median`` of ``n`` values is, in words: of two values it is their mean, and says so."""
-    return "the single value" if n == 1 else "mean of 2" if n == 2 else f"median of {n}"
-
-
-@dataclass(frozen=True)
-class ProbeMethod:
-    """How many tokens an engine's probe request asks for: one, so the round ends at the first token.
-    transformers publishes a request's blocks only while it is still running, so a one-token request never
-    leaves a prefix to hit: it gets two. The figure is the same span for every engine (``probe_figure``)."""
-
-    max_tokens: int = 1
-
-    def describe(self, repeats: int) -> str:
-        return (f"wall time of a round of one {self.max_tokens}-token request run alone, less the time from its "
-                f"first to its last token stamp (= time to first token), {middle_of(repeats)}")
-
-
-def probe_figure(rnd: RoundResult) -> float:
-    """The probe figure of every engine: the round's wall time (``protocol.play``'s span, from building the
-    request to its record) less the time between its one request's first and last token stamps. For a one-token
-    request that is the wall time itself; for transformers' two-token request it leaves out the second token's
-    decode step. Whatever else the engine does between those two stamps is left out with it, so the figure can
-    only flatter that engine, never the one it is compared with."""
-    rec = rnd.records[0]
-    return rnd.wall_s - (rec.token_times[-1] - rec.token_times[0])
-
-
-def summarize_probe(repeats: list[list[RoundResult]], method: ProbeMethod = ProbeMethod()) -> dict:
-    """Per repeat, every engine's figure (``probe_figure``) and, beside it, the round's wall time, the engine's
-    own first-token stamp minus its arrival stamp, and the prompt tokens it matched; the median of the figures."""
-    rows = []
-    for rounds in repeats:
-        row = {}
-        for key, rnd in zip(PROBE_KEYS, rounds):
-            rec = rnd.records[0]
-            row[key] = probe_figure(rnd)
-            row[key.replace("_s", "_wall_s")] = rnd.wall_s
-            row[key.replace("_s", "_ttft_s")] = rec.ttft_s
-            row[key.replace("_s", "_matched")] = rec.matched_tokens
-        rows.append(row)
-    out = {k: statistics.median(r[k] for r in rows) for k in PROBE_KEYS}
-    out["repeats"] = rows
-    out["figure"] = method.describe(len(rows))
-    return out
-
-
-def ratio_stat(xs: list[float]) -> dict:
-    """Per-repeat ratios, their median (``p50``; of two, their mean, which ``statistic`` says) and range."""
-    return {"p50": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs, "statistic": middle_of(len(xs))}
-
-
-def better_by(ratio: dict) -> float:
-    """How many times faster mmcache is on a time, from its per-repeat ratios of mmcache over the peer
-    (``ratio_stat``): the median of peer over mmcache, repeat by repeat. Not the inverse of the median of
-    mmcache over peer, which differs from it wherever the median is a mean (an even count of repeats)."""
-    return statistics.median(1.0 / r for r in ratio["runs"])
-
-
-def paired_probe(engines: dict) -> dict:
-    """Probe ratios taken repeat by repeat, then the median: each repeat's figures of all engines were measured
-    within a minute of each other (``play_interleaved``), while this machine's speed drifts between minutes, so a
-    ratio of two engines' medians mixes minutes and a median of per-repeat ratios does not.
-
-    ``engines`` maps an engine name to its JSON entry (with ``probe.repeats``). Returns, per engine,
-    ``same_vs_cold`` (cold over same, per repeat) and, for every other engine, ``over_<peer>``: mmcache's cold
-    and hit (same) figures over the peer's, per repeat, with their median and range (``ratio_stat``)."""
-    out = {}
-    for name, e in engines.items():
-        reps = e["probe"]["repeats"]
-        out[name] = {"same_vs_cold": ratio_stat([r["cold_s"] / r["same_s"] for r in reps])}
-    mm = engines.get("mmcache")
-    if mm is not None:
-        for name, e in engines.items():
-            if name == "mmcache":
-                continue
-            pairs = list(zip(mm["probe"]["repeats"], e["probe"]["repeats"]))
-            out["mmcache"][f"over_{name}"] = {
-                "cold": ratio_stat([a["cold_s"] / b["cold_s"] for a, b in pairs]),
-                "hit": ratio_stat([a["same_s"] / b["same_s"] for a, b in pairs])}
-    return out
-
-
-WORKLOAD_RATIOS = (("ttft_p50", "ttft_p50_s"), ("itl_p50", "itl_p50_s"), ("throughput", "throughput_tok_s"))
-
-
-def paired_workloads(engines: dict) -> dict:
-    """mmcache's workload figures over every other engine's, repeat by repeat (each repeat's engines played one
-    after the other, minutes apart at most), then the median, as ``paired_probe`` does for the probe.
-
-    Returns ``{"over_<peer>": {workload: {"ttft_p50" | "itl_p50" | "throughput": {"p50", "min", "max",
-    "runs", "statistic"}}}}`` for the workloads both engines played with at least two repeats; a figure missing
-    or zero in either engine's repeat (no ITL where every request asked for one token) is left out of that
-    repeat. Times: below 1 means mmcache is faster (the table's "better by" is ``better_by``); throughput: above
-    1 means mmcache is faster."""
-    out: dict = {}
-    mm = engines.get("mmcache")
-    if mm is None:
-        return out
-    for name, e in engines.items():
-        if name == "mmcache":
-            continue
-        per = {}
-        for w in WORKLOADS:
-            a, b = mm.get(w, {}).get("by_repeat"), e.get(w, {}).get("by_repeat")
-            if not a or not b:
-                continue
-            figures = {}
-            for label, key in WORKLOAD_RATIOS:
-                runs = [x[key] / y[key] for x, y in zip(a, b) if x.get(key) and y.get(key)]
-                if runs:
-                    figures[label] = ratio_stat(runs)
-            if figures:
-                per[w] = figures
-        out[f"over_{name}"] = per
-    return out
-
-
-@dataclass(frozen=True)
-class StepBudget:
-    """What one forward of every engine may hold: ``max_tokens_per_step`` tokens (transformers'
-    ``max_batch_tokens``, vLLM's ``max_num_batched_tokens``) of at most ``max_num_seqs`` sequences (transformers'
-    ``max_requests_per_batch``). ``of_mmcache`` is the one source: mmcache's ``EngineConfig`` defaults."""
-
-    max_tokens_per_step: int
-    max_num_seqs: int
-
-    @classmethod
-    def of_mmcache(cls) -> "StepBudget":
-        from mmcache.engine import EngineConfig
-
-        c = EngineConfig()
-        return cls(c.max_tokens_per_step, c.max_num_seqs)
-
-
-@dataclass
-class EngineResult:
-    probe: dict
-    workloads: dict
-    outputs: dict  # request id -> output ids, for agreement between engines
-    meta: dict
-
-
-def probe_workloads(space: tw.TokenSpace, shape: Shape, seed: int, method: ProbeMethod) -> list[Workload]:
-    return [tw.probe(space, seed * 1000 + rep, shape.probe_len, shape.probe_shared, method.max_tokens)
-            for rep in range(shape.probe_repeats)]
-
-
-def engine_result(probes, results: dict, meta, method: ProbeMethod = ProbeMethod()) -> EngineResult:
-    """``results`` maps a workload's name to its repeats, each a list of rounds."""
-    played = [rounds for repeats in results.values() for rounds in repeats]
-    outputs = {rec.id: rec.output_ids for rounds in probes + played for rnd in rounds for rec in rnd.records}
-    return EngineResult(summarize_probe(probes, method), {w: summarize_repeats(r) for w, r in results.items()},
-                        outputs, meta)
-
-
-class MmcacheRunner:
-    """mmcache's engine as a round runner: one ``generate`` call per round, per-request sampling."""
-
-    def __init__(self, model_dir: str, dtype: str, cache_mode: str, page_size: int, num_pages: int, **kw):
-        from mmcache.engine import Engine, EngineConfig
-
-        self.config = EngineConfig(page_size=page_size, cache_mode=cache_mode, num_pages=num_pages, **kw)
-        self.engine = Engine.from_pretrained(model_dir, dtype=dtype, config=self.config)
-
-    def run_round(self, ids, prompts, max_tokens) -> list[Record]:
-        from mmcache.engine import Request, SamplingParams
-
-        reqs = [Request(list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=rid)
-                for rid, p, n in zip(ids, prompts, max_tokens)]
-        outs = self.engine.generate(reqs)
-        records = []
-        for o in outs:
-            if o.error is not None:
-                raise o.error
-            records.append(Record(o.request_id, o.prompt_len, list(o.output_ids), o.arrival_time,
-                                  o.first_token_time, list(o.token_times), o.matched_tokens))
-        return records
-
-    def close(self) -> None:
-        self.engine.check_invariants()  # a run that leaked or double-owned a page is not a result
-
-
-#: Seconds the driver idles before each engine's turn: longer than Intel OpenMP's 200 ms of spinning threads.
-TURN_SETTLE_S = 0.3
-
-
-def _settle(seconds: float) -> None:
-    time.sleep(seconds)
-
-
-#: How ``play_interleaved`` orders the engines' turns, as the JSON records it (runs before commit 4f8d1ed rotated).
-TURN_ORDER = "williams"
-
-
-def turn_order(names: list[str], k: int) -> list[str]:
-    """The order of play ``k``: row ``k`` of a Williams design over ``names`` (a Latin square whose rows, for an
-    odd count followed by their reverses, put every engine right after every other engine equally often and in
-    every position equally often; period ``n`` for an even count ``n``, ``2 n`` for an odd one; no names, no
-    order). A plain rotation keeps each engine's predecessor fixed, so whatever a turn leaves behind for the next
-    one (the module docstring) would land on the same engine every time."""
-    n = len(names)
-    if n == 0:
-        return []
-    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
-    while len(base) < n:
-        base.append(low)
-        low += 1
-        if len(base) < n:
-            base.append(high)
-            high -= 1
-    row = [names[(i + k) % n] for i in base]
-    return row[::-1] if n % 2 and (k // n) % 2 else row
-
-
-@dataclass
-class Player:
-    """One engine of the run: ``play(workload)`` returns its rounds; ``close`` ends it (checking what it checks)."""
-
-    name: str
-    play: object
-    close: object
-    meta: dict
-    method: ProbeMethod = ProbeMethod()
-    final_meta: object = None  # called before close: figures known only at the end (engine metrics)
-
-
-def in_process_player(name: str, runner, load_s: float, method: ProbeMethod = ProbeMethod()) -> Player:
-    meta = {"load_s": load_s, "settings": getattr(runner, "settings", None) or _config_dict(runner)}
-    engine = getattr(runner, "engine", None)
-    if hasattr(engine, "backend"):  # mmcache's engines: the compute path, and why the linears were not packed
-        meta.update(backend=engine.backend, packing_skipped=engine.packing_skipped,
-                    row_products_skipped=engine.row_products_skipped)
-
-    def final() -> dict:
-        if hasattr(runner, "engine") and hasattr(runner.engine, "metrics"):
-            return {"engine_metrics": _jsonable(runner.engine.metrics())}
-        return {}
-
-    return Player(name, lambda w: protocol.play(w, runner.run_round), runner.close, meta, method, final)
-
-
-def vllm_player(model_dir, space, shape, workloads: list[Workload], seed, args, workdir,
-                budget: StepBudget) -> Player:
-    """vLLM's server, with a context long enough for every request and session, under ``budget`` (vLLM V1 chunks
-    a prefill longer than its step budget, so a budget below the context is accepted)."""
-    probes = probe_workloads(space, shape, seed, ProbeMethod())
-    longest = max(len(r.tokens) + r.max_tokens for w in workloads + probes for rnd in w.rounds for r in rnd)
-    history = max([_session_len(w) for w in workloads] + [0])
-    max_len = 1024 * -(-max(longest, history, 8192) // 1024)
-    server = vllm_cpu.VllmServer(model_dir, warmup_workload(space, seed, shape.probe_len), workdir,
-                                 dtype=args.dtype, block_size=args.page_size, max_model_len=max_len,
-                                 max_num_batched_tokens=budget.max_tokens_per_step,
-                                 max_num_seqs=budget.max_num_seqs, eager=args.vllm_eager)
-    meta = {"version": server.version, "init_s": server.init_s, "settings": server.settings}
-    return Player("vllm_cpu", server.play, server.close, meta)
-
-
-def play_interleaved(players: list[Player], space: tw.TokenSpace, shape: Shape, repeats: list[list[Workload]],
-                     seed: int, settle_s: float = TURN_SETTLE_S) -> dict[str, EngineResult]:
-    """Every probe repeat, then every repeat of every workload (``workload_repeats``: repeat 1 of each, then
-    repeat 2, ...), played by each engine in turn, in ``turn_order`` (its next row for every play), each turn
-    after ``settle_s`` of idling (see the module docstring)."""
-    names = [p.name for p in players]
-    by_name = {p.name: p for p in players}
-    for p in players:
-        if p.name != "vllm_cpu":  # vLLM's server warmed up before it answered
-            p.play(warmup_workload(space, seed, shape.probe_len))
-    probe_sets = {p.name: probe_workloads(space, shape, seed, p.method) for p in players}
-    probes: dict[str, list] = {n: [] for n in names}
-    for rep in range(shape.probe_repeats):
-        for name in turn_order(names, rep):
-            _settle(settle_s)
-            probes[name].append(by_name[name].play(probe_sets[name][rep]))
-            _progress(f"{name}: probe repeat {rep + 1}/{shape.probe_repeats}: "
-                      + ", ".join(f"{k} {r.wall_s:.3f}" for k, r in zip(PROBE_KEYS, probes[name][-1])))
-    results: dict[str, dict] = {n: {} for n in names}
-    turn = 0
-    for rep, workloads in enumerate(repeats):
-        for w in workloads:
-            for name in turn_order(names, turn):
-                _settle(settle_s)
-                rounds = by_name[name].play(w)
-                results[name].setdefault(w.name, []).append(rounds)
-                _progress(f"{name}: {w.name} repeat {rep + 1}/{len(repeats)}: {sum(r.wall_s for r in rounds):.2f} s")
-            turn += 1
-    out = {}
-    for p in players:
-        meta = dict(p.meta, **(p.final_meta() if p.final_meta else {}))
-        out[p.name] = engine_result(probes[p.name], results[p.name], meta, p.method)
-    return out
-
-
 def _workload_params(repeats: list[list[Workload]]) -> dict:
     """Each workload's generation parameters: the first repeat's, and, where repeats drew different lengths
     (multi-turn draws them from distributions), every repeat's under ``by_repeat``."""
@@ -641,15 +262,6 @@ def _workload_params(repeats: list[list[Workload]]) -> dict:
         each = [ws[i].params for ws in repeats]
         out[w.name] = dict(w.params, by_repeat=each) if any(p != w.params for p in each) else w.params
     return out
-
-
-def _session_len(w: Workload) -> int:
-    total: dict[str, int] = {}
-    for rnd in w.rounds:
-        for r in rnd:
-            if r.session:
-                total[r.session] = total.get(r.session, 0) + len(r.tokens) + r.max_tokens
-    return max(total.values(), default=0)
 
 
 def check_context(workloads: list[Workload], shape: Shape, page_size: int, context: int,
@@ -662,66 +274,10 @@ def check_context(workloads: list[Workload], shape: Shape, page_size: int, conte
             "the bit-exact check": bit_exact_len(page_size)}
     for w in workloads:
         single = [len(r.tokens) + r.max_tokens for rnd in w.rounds for r in rnd if not r.session]
-        need[w.name] = max(single + [_session_len(w) if sessions else 0])
+        need[w.name] = max(single + [session_len(w) if sessions else 0])
     over = [f"{name} needs {n}" for name, n in need.items() if n > context]
     if over:
         raise tw.WorkloadShapeError(f"longer than the model's context of {context} tokens: {'; '.join(over)}")
-
-
-# ---- the bit-exactness check -----------------------------------------------------------------------
-
-
-# bit_exact_check's first prompt is 3 pages and EXACT_EXTRA tokens; its follow-up adds the answer and EXACT_TAIL
-EXACT_EXTRA, EXACT_TAIL, EXACT_NEW_TOKENS = 37, 20, 8
-
-
-def bit_exact_len(page_size: int) -> int:
-    """The longest context of ``bit_exact_check``: its follow-up prompt (the first prompt, its answer and the
-    new tail) and that prompt's own answer."""
-    return 3 * page_size + EXACT_EXTRA + EXACT_NEW_TOKENS + EXACT_TAIL + EXACT_NEW_TOKENS
-
-
-def bit_exact_check(model_dir: str, dtype: str, page_size: int, space: tw.TokenSpace, seed: int,
-                    store_at: str = "teardown") -> dict:
-    """Cache on against cache off under the exact schedule (``EngineConfig.exact``: one request at a time, one
-    page per prefill forward), on prompts that hit: a full repeat, a shared prefix with a new tail, a prompt
-    ending on a page boundary, and a continuation of an earlier answer. Every logits row the engine samples
-    from, and every output id, must be equal bit for bit, and the cache-on run must have hit."""
-    from mmcache.engine import Engine, EngineConfig, Request, SamplingParams
-    from mmcache.engine.inspect import record_logits, rows_equal
-
-    rng = tw.random.Random(f"bit_exact:{seed}")
-    a = space.draw(rng, 3 * page_size + EXACT_EXTRA)
-    b = a[: 2 * page_size] + space.draw(rng, page_size // 2 + 5)
-    c = a[: 3 * page_size]
-    tail = space.draw(rng, EXACT_TAIL)
-    params = SamplingParams(max_tokens=EXACT_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    runs = {}
-    for mode in ("on", "off"):
-        config = EngineConfig.exact(page_size=page_size, cache_mode=mode, store_at=store_at)
-        eng = Engine.from_pretrained(model_dir, dtype=dtype, config=config)
-        logits = record_logits(eng)
-        outs = [eng.generate([Request(list(p), params, request_id=f"x{i}")])[0] for i, p in enumerate([a, a, b, c])]
-        follow = list(a) + list(outs[0].output_ids) + list(tail)
-        outs.append(eng.generate([Request(follow, params, request_id="x-follow")])[0])
-        for o in outs:
-            if o.error is not None:
-                raise o.error
-        eng.check_invariants()
-        runs[mode] = (outs, logits)
-        del eng
-        gc.collect()
-    (on, on_logits), (off, off_logits) = runs["on"], runs["off"]
-    tokens_equal = [x.output_ids == y.output_ids for x, y in zip(on, off)]
-    logits_equal = [rows_equal(on_logits, off_logits, o.request_id, len(o.output_ids)) for o in on]
-    matched = [o.matched_tokens for o in on]
-    return {"bit_exact": all(tokens_equal) and all(logits_equal) and sum(matched) > 0,
-            "tokens_equal": tokens_equal, "logits_equal": logits_equal, "matched_tokens_on": matched,
-            "schedule": "EngineConfig.exact: serial, one page per prefill forward", "store_at": store_at,
-            "compared": "every sampled logits row (bitwise) and every output id"}
-
-
-# ---- the run -----------------------------------------------------------------------------------------
 
 
 def export_model(preset: str, dtype: str, out_dir: str) -> None:
@@ -745,9 +301,9 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mmcache-prefix-") as tmp:
         inputs = prepare(preset, shape, names, context, args, args.workdir or tmp)
-        _progress("bit-exact check (exact schedule, cache on vs off)")
+        progress("bit-exact check (exact schedule, cache on vs off)")
         exact = bit_exact_check(inputs.model_dir, args.dtype, args.page_size, inputs.space, args.seed, args.store_at)
-        _progress(f"bit_exact: {exact['bit_exact']}")
+        progress(f"bit_exact: {exact['bit_exact']}")
         results = play_engines(engines, inputs, args)
     return run_result(exact, results, preset, inputs, args, load_start, t_start)
 
@@ -794,7 +350,7 @@ def prepare(preset: str, shape: Shape, names: list[str], context: int, args, wor
     """The preset exported into ``workdir`` (unless there) and the workloads drawn on its tokens, checked."""
     model_dir = os.path.join(workdir, f"model-{preset}-{args.dtype}")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        _progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
+        progress(f"exporting {preset} ({args.dtype}) to {model_dir}")
         export_model(preset, args.dtype, model_dir)
     space = token_space(model_dir)
     repeats = workload_repeats(shape, space, args.seed, names)
@@ -809,7 +365,7 @@ def play_engines(engines: list[str], inputs: RunInputs, args) -> dict[str, Engin
     players: list[Player] = []
     try:
         for name in engines:
-            _progress(f"{name}: loading")
+            progress(f"{name}: loading")
             players.append(load_player(name, inputs, args))
         return play_interleaved(players, inputs.space, inputs.shape, inputs.repeats, args.seed)
     finally:
@@ -868,7 +424,7 @@ def _pages_needed(workloads: list[Workload], shape: Shape, page_size: int) -> in
     """Pages for every token the run writes, so no engine evicts: each engine gets the same, ample pool."""
     tokens = shape.probe_repeats * (3 * shape.probe_len + (shape.probe_len - shape.probe_shared) + 4) + 4096
     for w in workloads:
-        tokens += sum(len(r.tokens) + r.max_tokens for rnd in w.rounds for r in rnd) + _session_len(w)
+        tokens += sum(len(r.tokens) + r.max_tokens for rnd in w.rounds for r in rnd) + session_len(w)
     return -(-tokens // page_size) + 64
 
 
@@ -879,135 +435,3 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def _config_dict(runner) -> dict | None:
-    config = getattr(runner, "config", None)
-    return asdict(config) if config is not None else None
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    if hasattr(x, "as_dict"):
-        return _jsonable(x.as_dict())
-    return repr(x)
-
-
-def _progress(msg: str) -> None:
-    print(f"[prefix] {msg}", file=sys.stderr, flush=True)
-
-
-# ---- the table ---------------------------------------------------------------------------------------
-
-
-def paired_note(repeats: int) -> str:
-    """What a paired row's metric adds when its "median" of per-repeat ratios is one ratio or the mean of two."""
-    return f" (paired: {middle_of(repeats)})" if repeats in (1, 2) else ""
-
-
-#: The preset and dtype the issue states the probe's targets for (the Qwen2.5-0.5B shape in bfloat16).
-TARGET_SHAPE = ("qwen2.5-0.5b", "bfloat16")
-
-
-def target_shape_note(result: dict) -> str:
-    """What the table adds to a probe target when this run measured another preset or dtype: the targets are
-    stated for ``TARGET_SHAPE``, and a smaller model's fixed costs weigh more (the quick preset's repeated
-    prompt reaches a lower ratio than the full one), so its figure is shown beside the target, not
-    against it."""
-    shape = (result.get("preset"), result.get("dtype"))
-    return "" if shape == TARGET_SHAPE else f" (on {TARGET_SHAPE[0]} {TARGET_SHAPE[1]})"
-
-
-def table_rows(result: dict) -> list[Row]:
-    e = result["engines"]
-    mm = e.get("mmcache")
-    rows: list[Row] = [Row("prefix", "bit-exact (exact schedule, on vs off)", float(result["bit_exact"]),
-                           target="1")]
-    if mm is None:
-        return rows
-    rows += probe_rows(result)
-    work_pairs = paired_workloads(e)
-    for w in WORKLOADS:
-        if w in mm:
-            rows += workload_rows(w, e, work_pairs)
-    return rows
-
-
-def probe_rows(result: dict) -> list[Row]:
-    """The probe's rows: hit and shared prefix against cold, then against cache off and each peer."""
-    e = result["engines"]
-    p = e["mmcache"]["probe"]
-    # "better by" on the probe rows is the median of per-repeat ratios (see paired_probe, better_by); the
-    # figures shown are each engine's medians.
-    ours = paired_probe(e)["mmcache"]
-
-    def peer(name: str, key: str) -> float:
-        return better_by(ours[f"over_{name}"][key])
-
-    pn = paired_note(len(p["repeats"]))
-    on = target_shape_note(result)
-    rows = [Row("prefix", f"probe: same 2048 prompt, TTFT{pn}", p["same_s"], "s", p["cold_s"], "cold",
-                ">= 12x" + on, paired=ours["same_vs_cold"]["p50"]),
-            Row("prefix", "probe: 1920 shared + 128 new, TTFT", p["shared1920_s"], "s", p["cold_s"], "cold")]
-    off = e.get("mmcache_nocache")
-    if off:
-        rows.append(Row("prefix", f"probe: cold 2048, TTFT{pn}", p["cold_s"], "s", off["probe"]["cold_s"], "cache off",
-                        "~1x (overhead)", paired=peer("mmcache_nocache", "cold")))
-    tcb = e.get("transformers_cb")
-    if tcb:
-        rows.append(Row("prefix", f"probe: hit TTFT{pn}", p["same_s"], "s", tcb["probe"]["same_s"], "transformers CB",
-                        ">= 3x" + on, paired=peer("transformers_cb", "hit")))
-    vl = e.get("vllm_cpu")
-    if vl:
-        rows.append(Row("prefix", f"probe: cold TTFT{pn}", p["cold_s"], "s", vl["probe"]["cold_s"], "vLLM CPU",
-                        ">= 0.77x" + on, paired=peer("vllm_cpu", "cold")))
-        rows.append(Row("prefix", f"probe: hit TTFT{pn}", p["same_s"], "s", vl["probe"]["same_s"], "vLLM CPU",
-                        ">= 0.77x" + on, paired=peer("vllm_cpu", "hit")))
-    return rows
-
-
-def workload_rows(w: str, e: dict, work_pairs: dict) -> list[Row]:
-    """Workload ``w``'s rows: TTFT, ITL, throughput against cache off and peers; its matched share."""
-    mm = e["mmcache"]
-
-    def better(peer: str, label: str) -> float | None:
-        """``workload_better_by`` of this workload."""
-        return workload_better_by(work_pairs, peer, w, label)
-
-    def note(peer: str, label: str) -> str:
-        """``workload_note`` of this workload."""
-        return workload_note(work_pairs, peer, w, label)
-
-    rows = []
-    for peer, label in (("mmcache_nocache", "cache off"), ("transformers_cb", "transformers CB"),
-                        ("vllm_cpu", "vLLM CPU")):
-        if peer in e and w in e[peer]:
-            rows.append(Row("prefix", f"{w}: TTFT p50{note(peer, 'ttft_p50')}", mm[w]["ttft_p50_s"], "s",
-                            e[peer][w]["ttft_p50_s"], label, paired=better(peer, "ttft_p50")))
-    for peer, label in (("mmcache_nocache", "cache off"), ("vllm_cpu", "vLLM CPU")):  # the decode step
-        if peer in e and w in e[peer] and None not in (mm[w].get("itl_p50_s"), e[peer][w].get("itl_p50_s")):
-            rows.append(Row("prefix", f"{w}: ITL p50{note(peer, 'itl_p50')}", mm[w]["itl_p50_s"], "s",
-                            e[peer][w]["itl_p50_s"], label, paired=better(peer, "itl_p50")))
-    if "mmcache_nocache" in e and w in e["mmcache_nocache"]:
-        rows.append(Row("prefix", f"{w}: output tokens/s{note('mmcache_nocache', 'throughput')}",
-                        mm[w]["throughput_tok_s"], "tok/s", e["mmcache_nocache"][w]["throughput_tok_s"],
-                        "cache off", higher_is_better=True, paired=better("mmcache_nocache", "throughput")))
-    rows.append(Row("prefix", f"{w}: matched share", mm[w]["matched_share"]))
-    return rows
-
-
-def workload_better_by(work_pairs: dict, peer: str, w: str, label: str) -> float | None:
-    """The paired "better by" of a workload figure (None with a single repeat: the ratio shown is it)."""
-    ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
-    if ratio is None:
-        return None
-    return ratio["p50"] if label == "throughput" else better_by(ratio)
-
-
-def workload_note(work_pairs: dict, peer: str, w: str, label: str) -> str:
-    """``paired_note`` of the pairs that figure rests on (a repeat missing a figure on either side is not one)."""
-    ratio = work_pairs.get(f"over_{peer}", {}).get(w, {}).get(label)
-    return "" if ratio is None else paired_note(len(ratio["runs"]))

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks import prefix
+from benchmarks import prefix, prefix_exact, prefix_figures, prefix_table, prefix_turns
 from benchmarks import runner as bench_runner
 from benchmarks import text_workloads as tw
 from benchmarks.peers import protocol, vllm_cpu
@@ -40,25 +40,25 @@ def tiny_dir(workdir):
 
 
 def probe_rows(rounds):
-    return {key: rnd.records[0] for key, rnd in zip(prefix.PROBE_KEYS, rounds)}
+    return {key: rnd.records[0] for key, rnd in zip(prefix_figures.PROBE_KEYS, rounds)}
 
 
-def play_probes(run_round, space, method=prefix.ProbeMethod()):
+def play_probes(run_round, space, method=prefix_figures.ProbeMethod()):
     """The warm-up, then every probe repeat, as the benchmark plays them for one engine."""
-    protocol.play(prefix.warmup_workload(space, 0, SHAPE.probe_len), run_round)
-    return [protocol.play(w, run_round) for w in prefix.probe_workloads(space, SHAPE, 0, method)]
+    protocol.play(prefix_turns.warmup_workload(space, 0, SHAPE.probe_len), run_round)
+    return [protocol.play(w, run_round) for w in prefix_turns.probe_workloads(space, SHAPE, 0, method)]
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_mmcache_probe_matches_exactly(tiny_dir, mode):
     space = prefix.token_space(tiny_dir)
-    runner = prefix.MmcacheRunner(tiny_dir, "float32", mode, PAGE, 64, store_at="teardown")
+    runner = prefix_turns.MmcacheRunner(tiny_dir, "float32", mode, PAGE, 64, store_at="teardown")
     probes = play_probes(runner.run_round, space)
     rows = probe_rows(probes[0])
-    figures = prefix.summarize_probe(probes)["repeats"][0]
-    assert all(figures[k] == rnd.wall_s >= rows[k].ttft_s for k, rnd in zip(prefix.PROBE_KEYS, probes[0]))
+    figures = prefix_figures.summarize_probe(probes)["repeats"][0]
+    assert all(figures[k] == rnd.wall_s >= rows[k].ttft_s for k, rnd in zip(prefix_figures.PROBE_KEYS, probes[0]))
     hit = 3 * PAGE if mode == "on" else 0  # the repeat keeps its last page to compute the first token's logits
-    assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, hit, hit, 0]
+    assert [rows[k].matched_tokens for k in prefix_figures.PROBE_KEYS] == [0, hit, hit, 0]
     assert all(len(r.output_ids) == 1 and r.first_token >= r.arrival for r in rows.values())
     runner.close()
 
@@ -71,7 +71,7 @@ def test_multi_turn_prompts_extend_the_models_answers(tiny_dir):
                               tw.Distribution("uniform", low=20, high=24))
     space = prefix.token_space(tiny_dir)
     w = tw.multi_turn(shape, space, seed=5)
-    runner = prefix.MmcacheRunner(tiny_dir, "float32", "on", PAGE, 64, store_at="teardown")
+    runner = prefix_turns.MmcacheRunner(tiny_dir, "float32", "on", PAGE, 64, store_at="teardown")
     rounds = protocol.play(w, runner.run_round)
     for first, second, asked in zip(rounds[0].records, rounds[1].records, w.rounds[1]):
         written = first.prompt_len + len(first.output_ids) - 1  # the last sampled token is never written
@@ -87,23 +87,23 @@ def test_transformers_cb_reuses_blocks_across_rounds(tiny_dir):
     space = prefix.token_space(tiny_dir)
     peer = TransformersCB(tiny_dir, "float32", page_size=PAGE, num_blocks=64, max_batch_tokens=256)
     try:
-        probes = play_probes(peer.run_round, space, prefix.ProbeMethod(2))
+        probes = play_probes(peer.run_round, space, prefix_figures.ProbeMethod(2))
     finally:
         peer.close()
     rows = probe_rows(probes[0])
-    assert [rows[k].matched_tokens for k in prefix.PROBE_KEYS] == [0, 3 * PAGE, 3 * PAGE, 0]
+    assert [rows[k].matched_tokens for k in prefix_figures.PROBE_KEYS] == [0, 3 * PAGE, 3 * PAGE, 0]
     for r in rows.values():
         assert len(r.output_ids) == 2 and r.arrival <= r.token_times[0] <= r.token_times[1]
     # Its probe figure is the round's wall time, as mmcache's and vLLM's, less its second token's step; that
     # span holds the engine's own first-token stamp minus arrival, and more (handing the request over).
-    figures = prefix.summarize_probe(probes, prefix.ProbeMethod(2))["repeats"][0]
-    for key, rnd in zip(prefix.PROBE_KEYS, probes[0]):
+    figures = prefix_figures.summarize_probe(probes, prefix_figures.ProbeMethod(2))["repeats"][0]
+    for key, rnd in zip(prefix_figures.PROBE_KEYS, probes[0]):
         step = rows[key].token_times[1] - rows[key].token_times[0]
         assert figures[key] == pytest.approx(rnd.wall_s - step) and figures[key] >= rows[key].ttft_s
 
 
 def test_bit_exact_check_hits_and_agrees(tiny_dir):
-    result = prefix.bit_exact_check(tiny_dir, "float32", PAGE, prefix.token_space(tiny_dir), 0, "prefill")
+    result = prefix_exact.bit_exact_check(tiny_dir, "float32", PAGE, prefix.token_space(tiny_dir), 0, "prefill")
     assert result["bit_exact"] is True
     assert result["matched_tokens_on"][0] == 0 and min(result["matched_tokens_on"][1:]) > 0
 
@@ -125,14 +125,14 @@ def test_whole_run_writes_every_figure(tiny_dir, workdir, tmp_path, capsys):
     defaults = EngineConfig()  # every engine schedules under mmcache's step budget, and the JSON says which
     budget = {"max_tokens_per_step": defaults.max_tokens_per_step, "max_num_seqs": defaults.max_num_seqs}
     assert result["step_budget"] == budget
-    assert (result["turn_settle_s"], result["turn_order"]) == (prefix.TURN_SETTLE_S, "williams")
+    assert (result["turn_settle_s"], result["turn_order"]) == (prefix_turns.TURN_SETTLE_S, "williams")
     for name in ("mmcache", "mmcache_nocache"):
         settings = result["engines"][name]["meta"]["settings"]
         assert {k: settings[k] for k in budget} == budget
     cb = result["engines"]["transformers_cb"]["meta"]["settings"]
     assert (cb["max_batch_tokens"], cb["max_requests_per_batch"]) == tuple(budget.values())
     for name, e in result["engines"].items():
-        assert set(prefix.PROBE_KEYS) <= set(e["probe"]) and len(e["probe"]["repeats"]) == 1
+        assert set(prefix_figures.PROBE_KEYS) <= set(e["probe"]) and len(e["probe"]["repeats"]) == 1
         for w in ("vllm_prefix_caching", "generated_shared_prefix"):
             assert {"ttft_p50_s", "ttft_p90_s", "itl_p50_s", "throughput_tok_s", "matched_share"} <= set(e[w])
             assert e[w]["requests"] == 8 and [r["requests"] for r in e[w]["by_repeat"]] == [4, 4]
@@ -217,7 +217,7 @@ def test_conversations_longer_than_the_context_are_refused():
     tokens), after the export and before any engine loads."""
     space = tw.TokenSpace(2, 100)
     workloads = prefix.build_workloads(prefix.QUICK, space, 0, ["multi_turn"])
-    longest = prefix._session_len(workloads[0])
+    longest = prefix_turns.session_len(workloads[0])
     prefix.check_context(workloads, prefix.QUICK, 16, longest)
     prefix.check_context(workloads, prefix.QUICK, 16, longest - 1, sessions=False)
     with pytest.raises(tw.WorkloadShapeError, match=f"multi_turn needs {longest}"):
@@ -245,9 +245,9 @@ def test_engines_take_turns_in_the_rows_of_the_balanced_order(tmp_path, monkeypa
     shape = prefix.Shape(**{**SHAPE.__dict__, "probe_repeats": 3, "workload_repeats": 2})
     repeats = prefix.workload_repeats(shape, space, 0, ["vllm_prefix_caching", "generated_shared_prefix"])
     log = []
-    monkeypatch.setattr(prefix, "_settle", lambda s: log.append(("driver", "idle", s)))
+    monkeypatch.setattr(prefix_turns, "_settle", lambda s: log.append(("driver", "idle", s)))
 
-    def fake(name, method=prefix.ProbeMethod()):
+    def fake(name, method=prefix_figures.ProbeMethod()):
         def run_round(ids, prompts, max_tokens):
             return [protocol.Record(i, len(p), [7] * n, 0.0, 0.5, [0.5 + k for k in range(n)], 0)
                     for i, p, n in zip(ids, prompts, max_tokens)]
@@ -256,13 +256,13 @@ def test_engines_take_turns_in_the_rows_of_the_balanced_order(tmp_path, monkeypa
             log.append((name, w.name, w.rounds[0][0].id))
             return protocol.play(w, run_round)
 
-        return prefix.Player(name, play, lambda: log.append((name, "closed", "")), {"who": name}, method)
+        return prefix_turns.Player(name, play, lambda: log.append((name, "closed", "")), {"who": name}, method)
 
-    players = [fake("a"), fake("b", prefix.ProbeMethod(2)), fake("c")]
-    out = prefix.play_interleaved(players, space, shape, repeats, 0)
+    players = [fake("a"), fake("b", prefix_figures.ProbeMethod(2)), fake("c")]
+    out = prefix_turns.play_interleaved(players, space, shape, repeats, 0)
     # Every measured turn starts after the default idle (no engine's spinning threads in the next one's time).
     turns = [e for e in log if not e[1].startswith("warmup")]
-    assert turns[0::2] == [("driver", "idle", prefix.TURN_SETTLE_S)] * (len(turns) // 2) and len(turns) == 2 * 21
+    assert turns[0::2] == [("driver", "idle", prefix_turns.TURN_SETTLE_S)] * (len(turns) // 2) and len(turns) == 2 * 21
     assert all(n != "driver" for n, _, _ in turns[1::2])
     played = [(n, w, i) for n, w, i in log if not w.startswith(("warmup", "idle"))]
     probe_order = [n for n, w, _ in played if w.startswith("probe")]
@@ -289,7 +289,7 @@ def test_engines_take_turns_in_the_rows_of_the_balanced_order(tmp_path, monkeypa
 def test_turn_order_puts_every_engine_after_every_other_and_in_every_place_equally_often(n):
     names = [f"e{i}" for i in range(n)]
     period = n if n % 2 == 0 else 2 * n
-    rows = [prefix.turn_order(names, k) for k in range(3 * period)]
+    rows = [prefix_turns.turn_order(names, k) for k in range(3 * period)]
     assert all(sorted(r) == names for r in rows)  # every engine once per play
     assert rows[period:2 * period] == rows[:period]  # the design repeats
     rows = rows[:period]
@@ -300,12 +300,12 @@ def test_turn_order_puts_every_engine_after_every_other_and_in_every_place_equal
         assert len(after) == n * (n - 1) and len(set(after.values())) == 1
     if n == 2:
         assert rows == [names, names[::-1]]
-    assert prefix.turn_order([], n) == []
+    assert prefix_turns.turn_order([], n) == []
 
 
 def test_workload_repeats_draw_fresh_tokens_and_the_first_is_the_single_play():
     space = tw.TokenSpace(2, 100)
-    names = list(prefix.WORKLOADS)
+    names = list(prefix_figures.WORKLOADS)
     one = prefix.build_workloads(SHAPE, space, 0, names)
     reps = prefix.workload_repeats(prefix.Shape(**{**SHAPE.__dict__, "workload_repeats": 3}), space, 0, names)
     assert [len(ws) for ws in reps] == [3, 3, 3] and reps[0] == one
@@ -400,12 +400,12 @@ def test_vllm_runs_under_mmcaches_step_budget(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("FAKE_VLLM_KW", str(kw_file))
     defaults = EngineConfig()
-    budget = prefix.StepBudget.of_mmcache()
+    budget = prefix_turns.StepBudget.of_mmcache()
     assert (budget.max_tokens_per_step, budget.max_num_seqs) == (defaults.max_tokens_per_step, defaults.max_num_seqs)
     args = bench_runner.bench_parser("prefix", prefix).parse_args(["--dtype", "float32", "--page-size", str(PAGE)])
     space = tw.TokenSpace(2, 100)
-    player = prefix.vllm_player(str(tmp_path), space, SHAPE, prefix.build_workloads(SHAPE, space, 0, ["multi_turn"]),
-                                0, args, str(tmp_path), budget)
+    workloads = prefix.build_workloads(SHAPE, space, 0, ["multi_turn"])
+    player = prefix_turns.vllm_player(str(tmp_path), space, SHAPE, workloads, 0, args, str(tmp_path), budget)
     player.close()
     kw = json.loads(kw_file.read_text())
     assert (kw["max_num_batched_tokens"], kw["max_num_seqs"]) == (defaults.max_tokens_per_step, defaults.max_num_seqs)
@@ -426,13 +426,13 @@ def test_probe_ratios_are_taken_repeat_by_repeat():
 
     engines = {"mmcache": engine([2.0, 4.0, 2.2], [0.2, 0.4, 0.2]),
                "vllm_cpu": engine([1.0, 2.0, 4.4], [0.1, 0.2, 0.4])}
-    pp = prefix.paired_probe(engines)
+    pp = prefix_figures.paired_probe(engines)
     assert pp["mmcache"]["same_vs_cold"]["runs"] == pytest.approx([10.0, 10.0, 11.0])
     assert pp["vllm_cpu"]["same_vs_cold"]["p50"] == pytest.approx(10.0)
     over = pp["mmcache"]["over_vllm_cpu"]
     assert over["cold"]["runs"] == pytest.approx([2.0, 2.0, 0.5]) and over["cold"]["p50"] == pytest.approx(2.0)
     assert over["hit"]["p50"] == pytest.approx(2.0) and over["hit"]["min"] == pytest.approx(0.5)
-    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    rows = {(r.metric, r.versus): r for r in prefix_table.table_rows({"bit_exact": True, "engines": engines})}
     cold = rows[("probe: cold TTFT", "vLLM CPU")]
     assert cold.ratio == pytest.approx(0.5)  # paired: vLLM twice as fast in two repeats of three
     assert cold.baseline / cold.value == pytest.approx(2.0 / 2.2)  # the medians alone would say 0.91
@@ -442,7 +442,7 @@ def test_probe_ratios_are_taken_repeat_by_repeat():
     # The probe's targets are the issue's, stated for the Qwen2.5-0.5B shape in bfloat16: another preset or
     # dtype (the quick run's small model) shows them as that shape's, not as this run's to meet.
     def targets(**shape):
-        return {r.versus + " " + r.metric: r.target for r in prefix.table_rows(
+        return {r.versus + " " + r.metric: r.target for r in prefix_table.table_rows(
             {"bit_exact": True, "engines": engines, **shape}) if r.target and r.metric.startswith("probe")}
 
     assert targets(preset="qwen2.5-0.5b", dtype="bfloat16") == {
@@ -464,7 +464,7 @@ def test_workload_rows_compare_the_decode_step_with_cache_off_and_vllm():
                "mmcache_nocache": {**probe, "multi_turn": workload(4.0, 0.10)},
                "vllm_cpu": {**probe, "multi_turn": workload(1.1, 0.12)},
                "transformers_cb": {**probe, "multi_turn": workload(3.0, None)}}  # no ITL recorded: no row
-    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    rows = {(r.metric, r.versus): r for r in prefix_table.table_rows({"bit_exact": True, "engines": engines})}
     assert rows[("multi_turn: ITL p50", "vLLM CPU")].ratio == pytest.approx(1.5)  # 0.12 / 0.08: mmcache faster
     assert rows[("multi_turn: ITL p50", "cache off")].ratio == pytest.approx(1.25)
     assert not any(m == "multi_turn: ITL p50" and v == "transformers CB" for m, v in rows)
@@ -485,12 +485,12 @@ def test_workload_ratios_are_taken_repeat_by_repeat():
                "mmcache_nocache": {**probe, "multi_turn": workload([2.0, 2.0, 2.2], [0.1, 0.1, 0.1], [5, 5, 5])},
                "vllm_cpu": {**probe, "multi_turn": workload([0.5, 6.0, 0.55], [0.05, 0.6, 0.055], [20, 2, 18]),
                             "generated_shared_prefix": workload([1, 1, 1], [1, 1, 1], [1, 1, 1])}}
-    pw = prefix.paired_workloads(engines)
+    pw = prefix_figures.paired_workloads(engines)
     over = pw["over_vllm_cpu"]["multi_turn"]
     assert over["ttft_p50"]["runs"] == pytest.approx([2.0, 0.5, 2.0]) and over["ttft_p50"]["p50"] == pytest.approx(2.0)
     assert over["itl_p50"]["p50"] == pytest.approx(2.0) and over["throughput"]["p50"] == pytest.approx(0.5)
     assert set(pw["over_vllm_cpu"]) == {"multi_turn"}  # mmcache did not play the other workload
-    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    rows = {(r.metric, r.versus): r for r in prefix_table.table_rows({"bit_exact": True, "engines": engines})}
     ttft = rows[("multi_turn: TTFT p50", "vLLM CPU")]
     assert ttft.ratio == pytest.approx(0.5)  # paired: vLLM twice as fast in two repeats of three
     assert ttft.baseline / ttft.value == pytest.approx(0.55 / 1.1)

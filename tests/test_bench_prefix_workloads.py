@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks import prefix
+from benchmarks import prefix, prefix_figures, prefix_table
 from benchmarks import text_workloads as tw
 from benchmarks.peers import protocol
 from benchmarks.peers.protocol import Record, Request, RoundResult, Workload, WorkloadFormatError
@@ -184,14 +184,14 @@ def test_json_round_trip():
 def test_summaries():
     recs = [Record("a", 100, [1, 2, 3], 0.0, 0.5, [0.5, 0.6, 0.8], 50),
             Record("b", 300, [1, 2], 0.0, 1.5, [1.5, 1.6], 0)]
-    s = prefix.summarize([RoundResult(recs, 2.5)])
+    s = prefix_figures.summarize([RoundResult(recs, 2.5)])
     assert s["ttft_p50_s"] == pytest.approx(1.0) and s["ttft_p90_s"] == pytest.approx(1.4)
     assert s["itl_p50_s"] == pytest.approx(0.1)
     assert s["throughput_tok_s"] == pytest.approx(5 / 2.5)
     assert s["matched_share"] == pytest.approx(50 / 400)
-    assert prefix.percentile([], 50) is None and prefix.percentile([3.0], 90) == 3.0
+    assert prefix_figures.percentile([], 50) is None and prefix_figures.percentile([3.0], 90) == 3.0
     one = lambda wall, ttft, m: RoundResult([Record("p", 8, [1], 0.0, ttft, [ttft], m)], wall)
-    probe = prefix.summarize_probe([[one(4, 3.9, 0), one(1, 0.9, 6), one(1, 0.8, 6), one(4, 4, 0)],
+    probe = prefix_figures.summarize_probe([[one(4, 3.9, 0), one(1, 0.9, 6), one(1, 0.8, 6), one(4, 4, 0)],
                                     [one(6, 5.9, 0), one(2, 1.9, 6), one(1, 0.7, 6), one(5, 5, 0)],
                                     [one(5, 4.9, 0), one(3, 2.9, 6), one(1, 0.6, 6), one(3, 3, 0)]])
     assert (probe["cold_s"], probe["same_s"], probe["shared1920_s"], probe["cold2_s"]) == (5, 2, 1, 4)
@@ -210,10 +210,10 @@ def test_the_probe_figure_is_the_same_span_for_every_engine():
     one = [rnd(4.0, 10.0, 13.5), rnd(0.5, 20.0, 20.3), rnd(0.5, 30.0, 30.3), rnd(4.0, 40.0, 43.5)]
     two = [rnd(4.2, 10.0, 13.5, 13.7), rnd(0.7, 20.0, 20.3, 20.5), rnd(0.6, 30.0, 30.3, 30.4),
            rnd(4.0, 40.0, 43.5, 43.5)]
-    a = prefix.summarize_probe([one])
-    b = prefix.summarize_probe([two], prefix.ProbeMethod(2))
-    assert [a[k] for k in prefix.PROBE_KEYS] == pytest.approx([4.0, 0.5, 0.5, 4.0])
-    assert [b[k] for k in prefix.PROBE_KEYS] == pytest.approx([4.0, 0.5, 0.5, 4.0])
+    a = prefix_figures.summarize_probe([one])
+    b = prefix_figures.summarize_probe([two], prefix_figures.ProbeMethod(2))
+    assert [a[k] for k in prefix_figures.PROBE_KEYS] == pytest.approx([4.0, 0.5, 0.5, 4.0])
+    assert [b[k] for k in prefix_figures.PROBE_KEYS] == pytest.approx([4.0, 0.5, 0.5, 4.0])
     rep = b["repeats"][0]  # the round's wall time and the engine's own stamps stay on record beside the figure
     assert rep["same_wall_s"] == 0.7 and rep["same_ttft_s"] == pytest.approx(0.3)
     assert rep["same_s"] == pytest.approx(0.5)
@@ -236,17 +236,18 @@ def test_better_by_is_the_median_of_peer_over_mmcache():
 
     engines = {"mmcache": {"probe": probe([1.0, 4.0]), "multi_turn": workload([1.0, 4.0])},
                "vllm_cpu": {"probe": probe([2.0, 2.0]), "multi_turn": workload([2.0, 2.0])}}
-    over = prefix.paired_probe(engines)["mmcache"]["over_vllm_cpu"]["cold"]
+    over = prefix_figures.paired_probe(engines)["mmcache"]["over_vllm_cpu"]["cold"]
     assert over["runs"] == [0.5, 2.0] and over["statistic"] == "mean of 2"
-    assert prefix.better_by(over) == pytest.approx(1.25)
-    rows = {(r.metric, r.versus): r for r in prefix.table_rows({"bit_exact": True, "engines": engines})}
+    assert prefix_figures.better_by(over) == pytest.approx(1.25)
+    rows = {(r.metric, r.versus): r for r in prefix_table.table_rows({"bit_exact": True, "engines": engines})}
     assert rows[("probe: cold TTFT (paired: mean of 2)", "vLLM CPU")].ratio == pytest.approx(1.25)
     assert rows[("multi_turn: TTFT p50 (paired: mean of 2)", "vLLM CPU")].ratio == pytest.approx(1.25)
-    assert prefix.paired_workloads(engines)["over_vllm_cpu"]["multi_turn"]["ttft_p50"]["statistic"] == "mean of 2"
+    paired = prefix_figures.paired_workloads(engines)
+    assert paired["over_vllm_cpu"]["multi_turn"]["ttft_p50"]["statistic"] == "mean of 2"
     # A repeat missing a figure on one side is no pair: the row says what its figure rests on, not how many
     # repeats mmcache played (it said "mean of 2" for one pair).
     engines["mmcache"]["multi_turn"]["by_repeat"][1]["itl_p50_s"] = None
-    names = [r.metric for r in prefix.table_rows({"bit_exact": True, "engines": engines})]
+    names = [r.metric for r in prefix_table.table_rows({"bit_exact": True, "engines": engines})]
     assert "multi_turn: ITL p50 (paired: the single value)" in names
     assert "multi_turn: TTFT p50 (paired: mean of 2)" in names
 
@@ -254,7 +255,7 @@ def test_better_by_is_the_median_of_peer_over_mmcache():
 def test_quick_mode_takes_a_true_median_of_its_probe_repeats():
     """statistics.median of two repeats is their mean; quick mode's probe has an odd count."""
     assert prefix.QUICK.probe_repeats % 2 == 1 and prefix.FULL.probe_repeats % 2 == 1
-    assert [prefix.middle_of(n) for n in (1, 2, 3, 4)] == ["the single value", "mean of 2", "median of 3",
+    assert [prefix_figures.middle_of(n) for n in (1, 2, 3, 4)] == ["the single value", "mean of 2", "median of 3",
                                                           "median of 4"]
 
 
