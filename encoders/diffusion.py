@@ -40,6 +40,9 @@ Invariants:
   (``.to``, sequential offload), or an offload hook added to or removed from the component or the module owning
   its first parameter (accelerate's model and sequential offload, diffusers' block- and leaf-level group
   offloading). Hooks attached by hand to other submodules are not seen: build a new wrapper after that.
+* ``max_prompt_chars`` bounds what is worth reading of a prompt: every tokenizer truncates at its max length, so
+  text past ``PROMPT_CHARS_PER_TOKEN`` characters per kept token only costs tokenizing time. The wrapper encodes
+  what it is given; a server refuses longer prompts before anything is encoded.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ from mmcache.store import EncoderOutputStore, Lease
 from .text_encoders import T5_MAX_LENGTH, CLIPEncoderAdapter, T5EncoderAdapter, T5Recipe
 
 SD3_MAX_SEQUENCE_LENGTH = 512  # StableDiffusion3Pipeline.check_inputs refuses longer T5 sequences
+# Characters a prompt may carry per token its tokenizers keep: a generous multiple, since an English word-piece
+# averages about 4 characters; with SD3's 256 T5 tokens it allows 4096 characters (DALL-E 3 takes 4000).
+PROMPT_CHARS_PER_TOKEN = 16
 _EMBEDDING_ARGS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
                    "negative_pooled_prompt_embeds")
 
@@ -192,6 +198,14 @@ class _CachedPipeline(abc.ABC):
             device = self.pipe._execution_device
             self._placement = (state, device)
         return device
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt worth reading at the pipeline's default ``max_sequence_length`` (module
+        docstring): ``PROMPT_CHARS_PER_TOKEN`` times the most tokens any of its tokenizers keeps (SD3's CLIP
+        keeps ``tokenizer_max_length``, its T5 and Wan's umT5 ``max_sequence_length``)."""
+        kept = max(self._defaults["max_sequence_length"], getattr(self.pipe, "tokenizer_max_length", 0))
+        return PROMPT_CHARS_PER_TOKEN * kept
 
     @abc.abstractmethod
     def _text_encoders(self) -> list[torch.nn.Module]:

@@ -17,7 +17,7 @@ from PIL import Image
 from mmcache.presets.diffusion import tiny_sd3_pipeline
 from mmcache.presets import serve
 from mmcache.server import ServerConfig, ServerConfigError
-from mmcache.server.images import ImageSpec
+from mmcache.server.images import ImageSpec, NonFiniteOutput
 from mmcache.server.workers import JobCancelled
 from server_helpers import Blocked, cancelled_from_a_hook, data_url, error_of, metric, scrape, store_holds
 
@@ -149,9 +149,15 @@ def test_keys_and_salts_share_nothing(server):
     ({"prompt": ""}, 400, "prompt", None),
     ({"cache_salt": "s" * 300}, 400, "cache_salt", None),
     ({"prompt": "x" * 40_000}, 413, None, "request_too_large"),
+    # tiny-sd3's tokenizers keep at most 256 tokens: 16 characters a token is the most worth reading
+    ({"prompt": "x" * 4097}, 400, "prompt", None),
+    ({"negative_prompt": "x" * 4097}, 400, "negative_prompt", None),
+    ({"guidance_scale": 1e308}, 400, "guidance_scale", None),  # a flat PNG with a 200 before
+    ({"guidance_scale": 100.5}, 400, "guidance_scale", None),
+    ({"guidance_scale": -0.5}, 400, "guidance_scale", None),
 ])
 def test_bad_requests_get_their_error_and_hold_nothing(server, change, status, param, code):
-    entries = len(server.store)
+    entries, encoded = len(server.store), _store_counts(server, "text_encoder")[0]
     body = {"prompt": "a boat", "size": "16x16", "num_inference_steps": STEPS, **change}
     r = _post(server, body)
     assert r.status_code == status, r.text
@@ -159,8 +165,58 @@ def test_bad_requests_get_their_error_and_hold_nothing(server, change, status, p
     assert err["param"] == param
     if code is not None:
         assert err["code"] == code
-    assert len(server.store) == entries
+    assert len(server.store) == entries and _store_counts(server, "text_encoder")[0] == encoded
+    assert server.services["images"].queue.waiting == 0
     _sound(server)
+
+
+def test_the_longest_prompts_read_are_served(server):
+    r = _post(server, {"prompt": "x" * 4096, "negative_prompt": "y" * 4096, "size": "16x16",
+                       "num_inference_steps": 1, "guidance_scale": 100})
+    assert r.status_code == 200, r.text
+    _sound(server)
+
+
+def test_pixels_that_are_not_finite_are_a_failure_never_an_image(server):
+    service = server.services["images"]
+    spec = ImageSpec("an overflowing render", NEGATIVE, 16, 16, 1, 0, 1e308, 1)  # past check()'s bound
+    with pytest.raises(NonFiniteOutput, match="NaN"):
+        service.render(spec, b"")
+    _sound(server)
+
+
+def test_each_tenant_has_its_share_of_the_queue(server):
+    import threading
+
+    queue = server.services["images"].queue  # max_generation_waiting=2 over two keys: one waiting each
+    body = {"prompt": "a boat", "size": "16x16", "num_inference_steps": 1}
+    answers = {}
+
+    def post(key):
+        answers[key] = _post(server, body, key=key)
+
+    with Blocked(queue):
+        first = threading.Thread(target=post, args=(KEYS[0],))
+        first.start()
+        _until(lambda: queue.waiting == 1)
+        r = _post(server, body)
+        assert r.status_code == 503 and error_of(r)["code"] == "queue_full"  # its share is taken
+        other = threading.Thread(target=post, args=(KEYS[1],))
+        other.start()
+        _until(lambda: queue.waiting == 2)  # the other key waits its turn, not refused
+    for thread in (first, other):
+        thread.join(60)
+    assert [answers[k].status_code for k in KEYS] == [200, 200]
+    _sound(server)
+
+
+def _until(predicate, timeout_s: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
 
 
 def test_refusals_before_and_after_the_queue(server):
@@ -185,10 +241,12 @@ def test_refusals_before_and_after_the_queue(server):
 
 def test_a_full_queue_is_503_with_retry_after(server):
     queue = server.services["images"].queue
-    with Blocked(queue, waiting=queue.max_waiting):
+    with Blocked(queue):  # the queue filled by others than this key (each within its share of one)
+        for owner in ("key-1", "a tenant of no key"):
+            queue.submit(lambda job: None, owner)
         r = _post(server, {"prompt": "a boat", "size": "16x16", "num_inference_steps": STEPS})
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-        assert error_of(r)["code"] == "queue_full"
+        assert error_of(r)["code"] == "queue_full" and "the limit is 2" in error_of(r)["message"]
     assert metric(scrape(server.url), "mmcache:endpoint_requests_total", endpoint="images", status="503") >= 1
     _sound(server)
 
@@ -227,6 +285,9 @@ def test_sizes_the_pipeline_cannot_take_are_refused_at_start():
             pass
     with pytest.raises(ServerConfigError, match="WxH"):
         ServerConfig(diffusion=(MODEL,), image_sizes=("16 by 16",))
+    with pytest.raises(ServerConfigError, match="negative_prompt is longer than the 4096 characters"):
+        with serve(ServerConfig(diffusion=(MODEL,), negative_prompt="n" * 4097)):
+            pass
 
 
 def test_chat_images_videos_and_speech_share_one_store_and_one_registry(one_thread, datasets_dir):

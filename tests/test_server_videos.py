@@ -24,7 +24,8 @@ from mmcache.server.errors import APIError
 from mmcache.server.tenants import Tenants
 from mmcache.server.video_jobs import COMPLETED, FAILED, JobsFull, VideoJobs
 from mmcache.server.video_mp4 import Mp4Error, Mp4Settings, default_codec, encode_mp4, to_uint8
-from mmcache.server.video_render import VideoSpec, WanRenderer
+from mmcache.server.images import NonFiniteOutput
+from mmcache.server.video_render import JOB_OBJECT_BYTES, VideoSpec, WanRenderer
 from mmcache.server.videos import VideoLimits, video_router
 from server_helpers import error_of, metric, scrape
 
@@ -237,8 +238,9 @@ def test_another_tenant_gets_404_and_delete_frees_the_bytes(served):
     assert before >= job["bytes"] and metric(scrape(served.url), "mmcache:video_stored_bytes") == before
     r = httpx.delete(f"{served.url}/v1/videos/{vid}", headers=A)
     assert r.json() == {"id": vid, "object": "video.deleted", "deleted": True}
-    assert served.jobs.stored_bytes == before - job["bytes"]
-    assert metric(scrape(served.url), "mmcache:video_stored_bytes") == before - job["bytes"]
+    held = job["bytes"] + JOB_OBJECT_BYTES + len(BODY["prompt"]) + len(BODY["negative_prompt"])  # video, prompts
+    assert served.jobs.stored_bytes == before - held
+    assert metric(scrape(served.url), "mmcache:video_stored_bytes") == before - held
     assert httpx.get(f"{served.url}/v1/videos/{vid}", headers=A).status_code == 404
     assert httpx.delete(f"{served.url}/v1/videos/{vid}", headers=A).status_code == 404
     served.jobs.check_invariants()
@@ -290,6 +292,13 @@ def _errors():
         (j(fps=31), 400, "invalid_request", "fps"),
         (j(num_inference_steps=True), 400, "invalid_request", "num_inference_steps"),
         (j(guidance_scale=-1), 400, "invalid_request", "guidance_scale"),
+        (j(guidance_scale=1e308), 400, "invalid_request", "guidance_scale"),  # a "completed" video of NaN before
+        (j(guidance_scale=100.5), 400, "invalid_request", "guidance_scale"),
+        ({"content": json.dumps(BODY).replace('"guidance_scale": 4.0', '"guidance_scale": 1e400').encode(),
+          "headers": {**A, "content-type": "application/json"}}, 400, "invalid_request", "guidance_scale"),
+        (j(prompt="p" * 8193), 400, "invalid_request", "prompt"),  # tiny-wan reads 16 x 512 characters
+        (j(negative_prompt="n" * 8193), 400, "invalid_request", "negative_prompt"),
+        ({"files": {"prompt": (None, "p" * 8193)}, "headers": A}, 400, "invalid_request", "prompt"),
         (j(size="16x16"), 400, "invalid_request", "height"),
         (j(size="big"), 400, "invalid_request", "size"),
         (j(cache_salt="s" * 300), 400, "invalid_request", "cache_salt"),
@@ -334,11 +343,15 @@ def test_served_by_mmcache_serve_a_shared_negative_prompt_is_a_store_hit_in_metr
 
     body = {"prompt": "a cat on a wall", "negative_prompt": "blurry, static", "guidance_scale": 5.0, "seed": 1,
             "width": 16, "height": 16, "num_frames": 5, "num_inference_steps": 1}
-    with serve(ServerConfig(diffusion=("tiny-wan",))) as srv:
+    config = ServerConfig(diffusion=("tiny-wan",), api_keys=KEYS)
+    with serve(config) as srv:
         jobs = srv.services["videos"].jobs
         assert jobs.alive
+        # each of the two keys has half of each bound (Tenants.share)
+        assert (jobs.owner_pending, jobs.owner_jobs, jobs.owner_bytes) == (
+            config.max_generation_waiting // 2, config.max_video_jobs // 2, config.max_video_bytes // 2)
         for prompt in ("a cat on a wall", "a dog in the snow"):
-            job = _wait(srv.url, _create(srv.url, dict(body, prompt=prompt), headers={})["id"], headers={})
+            job = _wait(srv.url, _create(srv.url, dict(body, prompt=prompt))["id"])
             assert job["status"] == COMPLETED
         samples = scrape(srv.url)
         assert metric(samples, "mmcache:encoder_cache_hits_total", kind="negative_prompt") == 1
@@ -351,6 +364,7 @@ class _Gated:
     """A renderer that waits for ``gate`` between steps and returns ``size`` bytes; failures on demand."""
 
     size_multiple = 16
+    max_prompt_chars = 8192
 
     def __init__(self, size: int = 100, steps: int = 3):
         self.gate = threading.Semaphore(0)
@@ -473,6 +487,96 @@ def test_a_failed_render_is_a_failed_job_and_sync_maps_it_to_500():
     finally:
         srv.stop()
         jobs.close()
+
+
+def test_deeply_nested_json_is_invalid_json_and_holds_nothing():
+    render = _Gated(steps=1)
+    with VideoJobs(render, max_jobs=2, max_pending=2, max_bytes=10_000) as jobs:
+        srv = _Served(_app(jobs)[0])  # the default body limit of 64 MiB: the depth is what is refused
+        try:
+            depth = 100_000
+            for body in (b"[" * depth + b"]" * depth, b'{"prompt": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}",
+                         b"\xef\xbb\xbf" + b"[" * depth):
+                for route in ("/v1/videos", "/v1/videos/sync"):
+                    r = httpx.post(srv.url + route, content=body, headers={**A, "content-type": "application/json"})
+                    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json", r.text[:200]
+            ok = httpx.post(srv.url + "/v1/videos", content=b"\xef\xbb\xbf" + json.dumps(BODY).encode(),
+                            headers={**A, "content-type": "application/json"})  # the same reading as the chat routes
+            assert ok.status_code == 200, ok.text
+            assert jobs.stats()["jobs"]["queued"] + jobs.stats()["jobs"]["in_progress"] == 1
+        finally:
+            _release(render, 1)
+            srv.stop()
+
+
+def test_each_tenant_has_its_share_of_the_queue_and_of_the_kept_jobs():
+    render = _Gated(steps=1)
+    jobs = VideoJobs(render, max_jobs=4, max_pending=2, max_bytes=10**6, share=Tenants(KEYS).share)
+    srv = _Served(_app(jobs)[0])  # shares: 2 kept jobs, 1 pending
+    try:
+        first = _create(srv.url, BODY)
+        r = httpx.post(srv.url + "/v1/videos", json=BODY, headers=A)
+        assert r.status_code == 503 and error_of(r)["code"] == "queue_full" and "share" in error_of(r)["message"]
+        r = httpx.post(srv.url + "/v1/videos/sync", json=BODY, headers=A)
+        assert r.status_code == 503  # the share counts /sync jobs too
+        other = _create(srv.url, BODY, B)  # the other tenant is not refused
+        _release(render, 2)
+        assert _wait(srv.url, other["id"], B)["status"] == COMPLETED
+        made = [_wait(srv.url, first["id"])["id"]]
+        for _ in range(3):  # A makes three more; its share of kept jobs is 2: its own oldest go, never B's
+            job = _create(srv.url, BODY)
+            _release(render, 1)
+            made.append(_wait(srv.url, job["id"])["id"])
+        listed = [j["id"] for j in httpx.get(srv.url + "/v1/videos", headers=A).json()["data"]]
+        assert listed == made[:1:-1]
+        assert httpx.get(f"{srv.url}/v1/videos/{other['id']}/content", headers=B).status_code == 200
+        jobs.check_invariants()
+    finally:
+        srv.stop()
+        jobs.close()
+
+
+def test_kept_prompts_count_in_the_byte_bound_and_a_tenant_evicts_only_its_own():
+    render = _Gated(size=400, steps=1)
+    with VideoJobs(render, max_jobs=8, max_pending=4, max_bytes=2000, share=Tenants(KEYS).share) as jobs:
+        theirs = jobs.submit("key-1", "b", b"", kept_bytes=100)
+        assert jobs.stored_bytes == 100  # counted from creation, before any video
+        _release(render, 1)
+        _until(lambda: theirs.finished)
+        mine = []
+        for i in range(3):  # 500 bytes each of key-0's 1000: the third evicts key-0's first
+            mine.append(jobs.submit("key-0", f"a{i}", b"", kept_bytes=100))
+            _release(render, 1)
+            _until(lambda: mine[-1].finished)
+        assert jobs.get("key-0", mine[0].id) is None and jobs.get("key-0", mine[1].id) is mine[1]
+        assert jobs.get("key-1", theirs.id) is theirs and jobs.stored_bytes == 1500
+        evictions = jobs.evictions
+        with pytest.raises(JobsFull):
+            jobs.submit("key-0", "too much to keep", b"", kept_bytes=1001)
+        assert jobs.evictions == evictions  # a refusal evicts nothing
+        render.size = 950
+        big = jobs.submit("key-0", "big", b"", kept_bytes=100)  # room for its prompts: mine[1] goes
+        _release(render, 1)
+        _until(lambda: big.finished)
+        assert big.status == FAILED and big.error["code"] == "video_too_large"  # 100 + 950 > 1000
+        assert jobs.get("key-0", mine[2].id) is mine[2] and jobs.stored_bytes == 500 + 500 + 100
+        jobs.check_invariants()
+    assert jobs.stored_bytes == 0
+
+
+def test_frames_that_are_not_finite_fail_the_job(wan, store):
+    from encoders.diffusion import CachedWanPipeline
+
+    spec = VideoSpec("a boat", "", 16, 16, 5, 8, 2, 0, 1e308)  # past the route's bound: the guidance overflows
+    renderer = WanRenderer(CachedWanPipeline(wan, store))
+    with pytest.raises(NonFiniteOutput):
+        renderer(spec, b"", lambda fraction: None)
+    with VideoJobs(renderer, max_jobs=2, max_pending=1, max_bytes=2**20) as jobs:
+        job = jobs.submit("t", spec, b"")
+        _until(lambda: job.finished, 60)
+        assert job.status == FAILED and job.error["code"] == "generation_failed" and "NaN" in job.error["message"]
+        assert jobs.stored_bytes == 0
+    assert all(store.held(key) == 0 for key in store.keys())
 
 
 def test_a_sync_client_that_goes_away_cancels_its_job():

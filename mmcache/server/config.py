@@ -108,7 +108,8 @@ class ServerConfig:
     max_generation_waiting: int = 16  # image, speech or video requests queued per pipeline beyond which 503
     video_limits: object = None  # a videos.VideoLimits (sizes, frames, steps, fps); None: its defaults
     max_video_jobs: int = 64  # video jobs kept (at least max_generation_waiting); the oldest finished goes first
-    max_video_bytes: int = 256 * 2**20  # MP4 bytes kept in memory for finished video jobs
+    max_video_bytes: int = 256 * 2**20  # bytes kept in memory for video jobs: MP4s, prompts and job objects
+    # (each API key has an equal share of max_generation_waiting, max_video_jobs and max_video_bytes for videos)
 
     def __post_init__(self):
         if self.preset is not None and self.model is not None:

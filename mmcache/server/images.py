@@ -5,11 +5,16 @@ Rules:
 * Every field is checked before anything is queued or encoded: ``size`` is one of the configured sizes
   (``invalid_size``), ``n`` and ``num_inference_steps`` within the configured limits, ``seed`` not negative,
   ``response_format`` ``b64_json`` (``url`` is refused: this server stores no files), PNG output only, the
-  guidance scale a finite number. A refused request holds nothing.
+  guidance scale in [0, ``MAX_GUIDANCE_SCALE``], ``prompt`` and ``negative_prompt`` at most the pipeline's
+  ``max_prompt_chars`` (its tokenizers truncate there: a longer text would only hold the worker while it is
+  tokenized). A refused request holds nothing.
+* A render whose pixels are not all finite (NaN or infinity: an overflowing model) fails with
+  ``NonFiniteOutput`` (500 ``generation_failed``); it is never served as an image.
 * The images are the pipeline's own for the same arguments: the wrapper's call (prompt and negative-prompt
   embeddings from the store, under the request's tenant salt) with a CPU ``torch.Generator`` seeded with
-  ``seed`` (drawn at random when the request names none), ``output_type="pil"``, each image written as a PNG
-  (lossless): decoding the PNG gives the pipeline's pixels.
+  ``seed`` (drawn at random when the request names none), ``output_type="np"`` turned into images by the
+  pipeline's ``image_processor.numpy_to_pil`` (what ``output_type="pil"`` does, with the finiteness check
+  between), each image written as a PNG (lossless): decoding the PNG gives the pipeline's pixels.
 * The negative prompt is the request's, or the deployment's (``ServerConfig.negative_prompt``) when it sends
   none: its store entries are computed once per tenant salt and hit after. Prompt entries are of kind
   ``text_encoder``, negative-prompt entries of kind ``negative_prompt``, position biases ``position_bias``.
@@ -26,18 +31,42 @@ import io
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..errors import MmcacheError
 from .config import ServerConfigError, parse_size
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .intake import run_job
 from .protocol import ImageGenerationRequest, now
 from .workers import GenerationQueue, Job
 
 TEXT_ENCODER_KIND = "text_encoder"
 NEGATIVE_KIND = "negative_prompt"
+# Classifier-free guidance scales in use run from 1 to about 20 (SD3's default 7, Wan's 5); past 100 the
+# guided noise is dominated by the difference term and, far past, overflows to NaN (1e308 gives a flat image).
+MAX_GUIDANCE_SCALE = 100.0
+
+
+class NonFiniteOutput(MmcacheError):
+    """A render whose pixels or frames hold NaN or infinity: a failure, never served as a success."""
+
+
+def finite(array: np.ndarray, what: str) -> np.ndarray:
+    """``array``, or ``NonFiniteOutput`` when any value is NaN or infinite."""
+    if not np.isfinite(array).all():
+        raise NonFiniteOutput(f"the pipeline's {what} hold NaN or infinity (the model overflowed); "
+                              f"nothing is returned")
+    return array
+
+
+def guidance_error(value: float) -> str | None:
+    """Why ``value`` is not a guidance scale this server runs, or None (NaN fails every comparison)."""
+    if not 0 <= value <= MAX_GUIDANCE_SCALE:
+        return f"guidance_scale must be a number in [0, {MAX_GUIDANCE_SCALE:g}], got {value!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -68,6 +97,10 @@ class ImageService:
         self.wrapper = CachedSD3Pipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
         pipe.set_progress_bar_config(disable=True)  # a server's stderr is its log, not a terminal
         self.sizes = _sizes(pipe, config.image_sizes)
+        self.max_prompt_chars = self.wrapper.max_prompt_chars
+        if len(config.negative_prompt) > self.max_prompt_chars:
+            raise ServerConfigError(f"negative_prompt is longer than the {self.max_prompt_chars} characters "
+                                    f"{name} reads of a prompt")
         default_steps = inspect.signature(type(pipe).__call__).parameters["num_inference_steps"].default
         self.default_steps = min(int(default_steps), config.max_inference_steps)
         self.queue = GenerationQueue("images", config.max_generation_waiting, owner_share)
@@ -92,6 +125,13 @@ class ImageService:
         if steps > limits.max_inference_steps:
             raise bad_request(f"num_inference_steps is {steps}, above the limit of {limits.max_inference_steps}",
                               "num_inference_steps")
+        for field, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt or "")):
+            if len(text) > self.max_prompt_chars:
+                raise bad_request(f"{field} is {len(text)} characters, above the {self.max_prompt_chars} this "
+                                  f"model reads (its text encoders truncate there)", field)
+        reason = None if req.guidance_scale is None else guidance_error(req.guidance_scale)
+        if reason:
+            raise bad_request(reason, "guidance_scale")
         negative = limits.negative_prompt if req.negative_prompt is None else req.negative_prompt
         seed = secrets.randbelow(2**63) if req.seed is None else req.seed
         return ImageSpec(req.prompt, negative, size[0], size[1], req.n, seed, req.guidance_scale, steps)
@@ -103,7 +143,8 @@ class ImageService:
 
     def render(self, spec: ImageSpec, salt: bytes, job: Job | None = None) -> list[bytes]:
         """The PNG bytes of each image of ``spec`` (in the calling thread); ``InvalidRequest`` for arguments the
-        wrapper refuses; ``JobCancelled`` when ``job`` is cancelled during the call."""
+        wrapper refuses; ``JobCancelled`` when ``job`` is cancelled during the call; ``NonFiniteOutput`` when a
+        pixel is NaN or infinite."""
         if job is not None:
             job.check()
         extra = {} if spec.guidance_scale is None else {"guidance_scale": spec.guidance_scale}
@@ -116,10 +157,11 @@ class ImageService:
         with torch.no_grad():  # as the pipeline itself runs; no inference tensors enter the shared store
             out = self.wrapper(spec.prompt, spec.negative_prompt, cache_salt=salt, height=spec.height,
                                width=spec.width, num_inference_steps=spec.num_inference_steps,
-                               num_images_per_prompt=spec.n, output_type="pil",
+                               num_images_per_prompt=spec.n, output_type="np",
                                generator=torch.Generator("cpu").manual_seed(spec.seed),
                                callback_on_step_end=on_step, **extra)
-        return [png(image) for image in out.images]
+        images = self.pipe.image_processor.numpy_to_pil(finite(out.images, "pixels"))
+        return [png(image) for image in images]
 
     @property
     def alive(self) -> bool:
@@ -168,7 +210,11 @@ def image_router(service: ImageService, intake, metrics) -> APIRouter:
             req = await intake.body(request, ImageGenerationRequest, service.name, model_required=False)
             salt = intake.salt(tenant, req.cache_salt)
             spec = service.check(req)
-            pngs = await run_job(request, lambda: service.submit(spec, salt, tenant.name), intake.config.retry_after_s)
+            try:
+                pngs = await run_job(request, lambda: service.submit(spec, salt, tenant.name),
+                                     intake.config.retry_after_s)
+            except NonFiniteOutput as e:
+                raise APIError(500, str(e), "internal_server_error", None, "generation_failed") from None
             if pngs is None:
                 outcome.status = 499
                 return Response(status_code=499)

@@ -12,6 +12,7 @@ import asyncio
 
 from fastapi import Request
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from ..errors import InvalidRequest
 from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
@@ -67,6 +68,20 @@ def parse_body(raw: bytes, model):
     if first.get("type") == "model_type" and not first.get("loc"):
         raise bad_request("the body must be a JSON object", None, "invalid_json") from None
     raise from_validation(errors) from None
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """``raw`` (a UTF-8 JSON object; a leading byte-order mark is ignored) as a dict, for routes that check
+    their fields by hand. Read by pydantic's parser, as ``parse_body`` reads: it bounds the nesting depth, so
+    deep nesting is 400 ``invalid_json`` like any bad JSON (never a ``RecursionError``), and so is JSON that is
+    not an object."""
+    try:
+        data = from_json(raw.removeprefix(_UTF8_BOM))
+    except ValueError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object", None, "invalid_json")
+    return data
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"

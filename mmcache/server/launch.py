@@ -134,7 +134,7 @@ def _videos(pipe, store, config, source, tenants, metrics):
 
     wrapper = CachedWanPipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
     jobs = VideoJobs(WanRenderer(wrapper), max_jobs=config.max_video_jobs, max_pending=config.max_generation_waiting,
-                     max_bytes=config.max_video_bytes)
+                     max_bytes=config.max_video_bytes, share=tenants.share)
     limits = config.video_limits or (VideoLimits(**TINY_WAN_DEFAULTS) if source == "tiny-wan" else VideoLimits())
     router = video_router(jobs, tenants, metrics.registry, model_name=source_name(source), limits=limits,
                           max_body_bytes=config.max_body_bytes,

@@ -12,6 +12,10 @@ Rules:
   job included), so a failed or stopped job holds nothing.
 * Progress is reported after every denoising step through the pipeline's ``callback_on_step_end``; the callback
   may raise ``JobCancelled``, which ends the call.
+* Frames that are not all finite (NaN or infinity) raise ``NonFiniteOutput``: such a job fails, it never
+  completes with a video of garbage.
+* ``max_prompt_chars`` is the wrapper's (the longest prompt its tokenizers read); ``VideoSpec.kept_bytes`` is
+  what a job of the spec holds besides its video, which the job store counts in its byte bound.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .images import finite
 from .video_mp4 import Mp4Settings, encode_mp4, to_uint8
+
+# What a kept job holds besides its prompts and video: the job, its spec and the JSON object it is served as
+# (about a kilobyte together); an allowance, so that a job of empty prompts still counts.
+JOB_OBJECT_BYTES = 2048
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,12 @@ class VideoSpec:
     seed: int
     guidance_scale: float | None  # None: the pipeline's default
 
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes a job of this spec holds while it is kept, its video aside: its prompts and its object."""
+        prompts = len(self.prompt.encode("utf-8")) + len((self.negative_prompt or "").encode("utf-8"))
+        return JOB_OBJECT_BYTES + prompts
+
 
 class WanRenderer:
     """Renders ``VideoSpec``s with ``pipe`` (a ``CachedWanPipeline``); a ``VideoJobs`` renderer."""
@@ -48,6 +63,7 @@ class WanRenderer:
         patch = wan.transformer.config.patch_size
         self.size_multiple = int(wan.vae_scale_factor_spatial * max(patch[1], patch[2]))
         self.frame_multiple = int(wan.vae_scale_factor_temporal)
+        self.max_prompt_chars = pipe.max_prompt_chars
 
     def size_error(self, width: int, height: int) -> str | None:
         """Why the pipeline cannot render this size as asked, or None."""
@@ -82,7 +98,7 @@ class WanRenderer:
         with self.pipe.prepare(spec.prompt, spec.negative_prompt, cache_salt=salt, **kwargs) as call:
             video = self.pipe.pipe(**call.kwargs).frames
             hits = call.hits
-        return to_uint8(video[0]), hits
+        return to_uint8(finite(video[0], "frames")), hits
 
     def __call__(self, spec: VideoSpec, salt: bytes, progress) -> tuple[bytes, dict]:
         frames, hits = self.frames(spec, salt, progress)

@@ -21,10 +21,17 @@ Rules:
   refused): ``prompt`` (required), ``negative_prompt``, ``width``, ``height`` (or ``size`` as ``WIDTHxHEIGHT``),
   ``num_frames``, ``fps``, ``num_inference_steps``, ``seed``, ``guidance_scale``, ``model``, ``cache_salt``,
   ``user`` (ignored). Any other field (``seconds`` included: give ``num_frames`` and ``fps``) is refused.
-* A request is checked in full before a job exists: 401 (key), 415 (content type), 413 (body), 400 (a field's
-  type or value: a size the model cannot render exactly, a frame count not 1 + k x the model's temporal factor,
-  fps outside [1, ``max_fps``], a negative seed), 413 (width, height, frames or steps beyond ``VideoLimits``),
-  404 (model), 503 with Retry-After (queue full). A refused request leaves no job and no store entry.
+* A request is checked in full before a job exists: 401 (key), 415 (content type), 413 (body), 400 (JSON read
+  by ``intake.parse_json_object``, as every route reads it: bad or too deeply nested JSON is ``invalid_json``;
+  a field's type or value: a size the model cannot render exactly, a frame count not 1 + k x the model's
+  temporal factor, fps outside [1, ``max_fps``], a seed outside [0, 2**64 - 1], a guidance scale outside
+  [0, ``images.MAX_GUIDANCE_SCALE``], a prompt or negative prompt longer than the renderer's
+  ``max_prompt_chars``), 413 (width, height, frames or steps beyond ``VideoLimits``), 404 (model), 503 with
+  Retry-After (the queue, or the tenant's share of the queue or of the store, full). A refused request leaves no
+  job and no store entry.
+* A job holds its prompts and its object (``VideoSpec.kept_bytes``) in the store's byte bound, beside its MP4;
+  each tenant has its share of the store's bounds (``VideoJobs(share=Tenants.share)``, wired by the server), so
+  one tenant's jobs never refuse or evict another's.
 * A job is its tenant's: any other key gets 404 for it, and it is absent from the others' listings. Its prompts
   are keyed in the store under the tenant's salt and the request's ``cache_salt``.
 * A seed left out is drawn by the server and shown in the job object, so any video can be made again.
@@ -35,7 +42,6 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -49,7 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import finite_number, positive_int, unicode_text
 from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
-from .intake import bounded_body
+from .images import guidance_error
+from .intake import bounded_body, parse_json_object
 from .tenants import Tenants
 from .video_jobs import COMPLETED, JobsFull, VideoJob, VideoJobs
 from .video_render import VideoSpec
@@ -86,8 +93,8 @@ class VideoLimits:
 def video_router(jobs: VideoJobs, tenants: Tenants, registry, *, model_name: str,
                  limits: VideoLimits = VideoLimits(), max_body_bytes: int = 64 * 2**20, max_cache_salt: int = 256,
                  retry_after_s: int = 1) -> APIRouter:
-    """The video routes over ``jobs`` (whose renderer has ``size_error`` and ``frames_error``, as
-    ``WanRenderer``), recording into the Prometheus ``registry``."""
+    """The video routes over ``jobs`` (whose renderer has ``size_error``, ``frames_error`` and
+    ``max_prompt_chars``, as ``WanRenderer``), recording into the Prometheus ``registry``."""
     api = _VideoApi(jobs, tenants, VideoMetrics(registry, model_name, jobs), model_name, limits, max_body_bytes,
                     max_cache_salt, retry_after_s)
     router = APIRouter()
@@ -136,7 +143,8 @@ class _JobsCollector:
                                    labels=["model_name", "status"])
         for status, count in stats["jobs"].items():
             stored.add_metric([name, status], count)
-        size = GaugeMetricFamily("mmcache:video_stored_bytes", "MP4 bytes held by completed jobs.",
+        size = GaugeMetricFamily("mmcache:video_stored_bytes",
+                                 "Bytes held by kept video jobs: their MP4s, prompts and objects.",
                                  labels=["model_name"])
         size.add_metric([name], stats["stored_bytes"])
         evicted = CounterMetricFamily("mmcache:video_jobs_evicted", "Finished video jobs evicted by the bounds.",
@@ -234,7 +242,7 @@ class _VideoApi:
         fields, from_form = await self._fields(request)
         spec, cache_salt = self._spec(fields, from_form)
         try:
-            return self.jobs.submit(tenant.name, spec, Tenants.salt(tenant, cache_salt), listed)
+            return self.jobs.submit(tenant.name, spec, Tenants.salt(tenant, cache_salt), listed, spec.kept_bytes)
         except JobsFull as e:
             raise overloaded(f"the video queue is full: {e}; retry later", self.retry_after_s) from None
 
@@ -246,13 +254,7 @@ class _VideoApi:
                            "invalid_request_error", None, "unsupported_media_type")
         body = await bounded_body(request, self.max_body_bytes)
         if ctype == "application/json":
-            try:
-                data = json.loads(body)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise bad_request(f"the body is not valid JSON: {e}", None, "invalid_json") from None
-            if not isinstance(data, dict):
-                raise bad_request("the body must be a JSON object", None, "invalid_json")
-            return data, False
+            return parse_json_object(body), False
         return await _form(request, body), True
 
     def _spec(self, fields: dict, from_form: bool) -> tuple[VideoSpec, str | None]:
@@ -262,6 +264,10 @@ class _VideoApi:
             raise bad_request(f"unsupported field {unknown[0]!r}", unknown[0], "unsupported_field")
         prompt = _text(fields, "prompt", required=True)
         negative = _text(fields, "negative_prompt")
+        for name, text in (("prompt", prompt), ("negative_prompt", negative or "")):
+            if len(text) > self.jobs.render.max_prompt_chars:
+                raise bad_request(f"{name} is {len(text)} characters, above the {self.jobs.render.max_prompt_chars}"
+                                  f" this model reads (its text encoder truncates there)", name)
         model = _text(fields, "model")
         if model is not None and model != self.model_name:
             raise model_not_found(model, self.model_name)
@@ -285,6 +291,9 @@ class _VideoApi:
         elif not 0 <= seed <= MAX_SEED:
             raise bad_request(f"seed must be an int in [0, 2**64 - 1], got {seed}", "seed")
         guidance = _number(fields, "guidance_scale", from_form)
+        reason = None if guidance is None else guidance_error(guidance)
+        if reason:
+            raise bad_request(reason, "guidance_scale")
         spec = VideoSpec(prompt, negative, width, height, num_frames, fps, steps, seed, guidance)
         return spec, cache_salt
 
@@ -360,8 +369,8 @@ def _number(fields: dict, name: str, from_form: bool) -> float | None:
             value = float(value)
         except ValueError:
             raise bad_request(f"{name} must be a number, got {value!r}"[:300], name) from None
-    if not finite_number(value) or value < 0:
-        raise bad_request(f"{name} must be a finite number >= 0, got {value!r}"[:300], name)
+    if not finite_number(value):
+        raise bad_request(f"{name} must be a finite number, got {value!r}"[:300], name)
     return float(value)
 
 
