@@ -21,7 +21,9 @@ median of the per-round ratios.
 ``REV`` instead of against ATen, in one process on the same inputs (``against_over_kernel``: above 1 when this
 checkout's is faster; ``same_bits``: whether both returned identical outputs). This machine's speed moves by up
 to 1.7x between minutes, so two invocations of the benchmark, one per revision, cannot resolve a change of a
-few percent; alternating both libraries call by call can.
+few percent; alternating both libraries call by call can. The revision's library must carry every kernel
+function of this tree's (``native.load``): revisions from the activation kernel on (c09c93b) do; an older one is
+refused with the function it lacks.
 
 ``--engine N`` measures whole requests instead: one engine (``--preset``, bfloat16, page 128), N pairs; in each
 pair, each side in turn (alternating which goes first) serves a fresh 2,048-token prompt cold and then again (a
@@ -98,8 +100,6 @@ def library_at(rev: str):
                 if got.returncode == 0:
                     break
             if got.returncode != 0:
-                if f in native.SOURCES[1:] and rel not in _listed(root, rev):
-                    continue  # a source added after that revision: its library is built without it
                 raise SystemExit(f"--against {rev}: cannot read {rel} there: {got.stderr.decode().strip()}")
             (where / f.name).write_bytes(got.stdout)
             sources += [where / f.name] if f in native.SOURCES else []
@@ -109,16 +109,6 @@ def library_at(rev: str):
             raise SystemExit(f"--against {rev}: its kernels do not build or load here: {exc}") from exc
     finally:
         shutil.rmtree(where, ignore_errors=True)
-
-
-def _listed(root, rev: str) -> list[str]:
-    """The files of revision ``rev`` of the checkout at ``root`` under the kernels' sources (empty where git
-    cannot tell)."""
-    import subprocess
-
-    got = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", rev, _CSRC, _OLD_CSRC],
-                         capture_output=True, text=True)
-    return [name.replace(_OLD_CSRC, _CSRC) for name in got.stdout.splitlines()] if got.returncode == 0 else []
 
 
 def measure(case: str, kv_heads: int, group: int, dim: int, rounds: int, calls: int, seed: int = 0,

@@ -315,17 +315,15 @@ def _declare(lib: ctypes.CDLL, use_tiles: bool) -> ctypes.CDLL:
     unit used only where ``use_tiles``."""
     _declare_attention(lib)
     _declare_layers(lib)
-    lib.mmc_init.argtypes = [ctypes.c_int]  # a library from before the argument ignores it
+    lib.mmc_init.argtypes = [ctypes.c_int]
     lib.mmc_init.restype = ctypes.c_int
     lib.tiles = bool(lib.mmc_init(int(use_tiles)))  # scores on the tile unit (AMX) where the CPU and the OS allow it
     _declare_tile_products(lib, use_tiles)
     _declare_vector_products(lib)
-    if hasattr(lib, "mmc_silu_mul"):  # a library built from an earlier revision's sources has none
-        fn = lib.mmc_silu_mul
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2); a library from before the AVX2 path has no mmc_lanes
-    lib.lanes = int(lib.mmc_lanes()) if hasattr(lib, "mmc_lanes") else 16
+    fn = lib.mmc_silu_mul
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    lib.lanes = int(lib.mmc_lanes())  # float32 lanes per vector: 16 (AVX-512) or 8 (AVX2)
     return lib
 
 
@@ -365,10 +363,7 @@ def _declare_layers(lib: ctypes.CDLL) -> None:
 
 def _declare_tile_products(lib: ctypes.CDLL, use_tiles: bool) -> None:
     """Declares the tile unit's bfloat16 products and sets ``lib.tile_rows``: rows per tile, 0 where they cannot
-    run (no such functions, or ``use_tiles`` false)."""
-    lib.tile_rows = 0
-    if not hasattr(lib, "mmc_tile_linear"):  # a library built from an earlier revision's sources has none
-        return
+    run (a CPU without the tile unit, or ``use_tiles`` false)."""
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mmc_tile_elements.argtypes = [i64, i64]
     lib.mmc_tile_elements.restype = i64
@@ -384,9 +379,6 @@ def _declare_tile_products(lib: ctypes.CDLL, use_tiles: bool) -> None:
 
 def _declare_vector_products(lib: ctypes.CDLL) -> None:
     """Declares the AVX-512 BF16 products and sets ``lib.vector_rows``: rows per group, 0 where they cannot run."""
-    lib.vector_rows = 0
-    if not hasattr(lib, "mmc_vector_linear"):  # a library built from an earlier revision's sources has none
-        return
     fn = lib.mmc_vector_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -736,8 +728,6 @@ def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, threads: in
             or not gate.is_cpu or not up.is_cpu):
         raise ValueError(f"silu_mul takes two bfloat16 CPU tensors of one shape: got {tuple(gate.shape)} "
                          f"{gate.dtype} on {gate.device}, {tuple(up.shape)} {up.dtype} on {up.device}")
-    if not hasattr(lib, "mmc_silu_mul"):
-        raise NativeKernelUnavailable("this library was built without the activation kernel")
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     if gate.numel() and lib.mmc_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
