@@ -1,6 +1,6 @@
 """Release on shortfall: cold tails first, one batch per run.
 
-The rule (the project's design notes, DESIGN.md in the team's shared folder, "Release"): cached pages fill
+The rule (docs/DESIGN.md, "Eviction"): cached pages fill
 prepaid headroom and nothing is reclaimed until a live request needs a page. Then, under the manager's lock:
 take free pages, then evict cold tails, and only then fail. A *cold tail* starts at the least recently used
 evictable leaf: an index page that no request holds (owner count 1, the index) and that no other entry

@@ -1,6 +1,6 @@
 """Page names: chained xxHash 64 rooted in a process fingerprint, and 256-bit media digests (BLAKE2b).
 
-Rules (the project's design notes, DESIGN.md in the team's shared folder, "Names" and "Media digest"):
+Rules (docs/DESIGN.md, "Names, and what a hit verifies" and "Digests and salts"):
 
 * The fingerprint (model identity, TP rank/size and head slice, KV dtype, attention backend, page size, namer
   version) is encoded canonically once; together with a per-request salt it is the *root material* of a chain.

@@ -1,7 +1,7 @@
 """Replica choice for data-parallel replicas: rendezvous hashing of a page name that later turns share, and an
 explicit fallback past a load threshold.
 
-Rules (the project's design notes, DESIGN.md in the team's shared folder, "Replica router"):
+Rules (docs/DESIGN.md, "Replica choice"):
 
 * The preferred replica is a pure function of the request's prefix: the replica whose identity scores
   highest under ``xxh64(page name, seed = xxh64(replica identity))`` (rendezvous, or highest-random-weight,

@@ -143,3 +143,16 @@ def test_the_core_imports_only_torch_numpy_xxhash_and_the_standard_library():
 
 def test_the_hosts_are_a_package():
     assert (ROOT / "mmcache" / "hosts" / "__init__.py").is_file()
+
+
+def test_every_pointer_to_the_design_names_the_repositorys_own():
+    design = ROOT / "docs" / "DESIGN.md"
+    headings = {line.lstrip("#").strip() for line in design.read_text(encoding="utf-8").splitlines()
+                if line.startswith("## ")}
+    for module, source, _ in tree():
+        for line in source.splitlines():
+            assert "shared folder" not in line, f"{module} points outside the repository: {line.strip()}"
+            if "DESIGN.md" in line:
+                assert "docs/DESIGN.md" in line, f"{module} names a design other than docs/DESIGN.md: {line.strip()}"
+    assert {"Layers", "Names, and what a hit verifies", "Digests and salts", "Eviction", "Replica choice",
+            "The RFC's phases"} <= headings  # the sections the docstrings name

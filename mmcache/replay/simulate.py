@@ -1,9 +1,9 @@
 """Discrete-event replay of a workload through the real allocation manager, one metadata-only pool per replica.
 
-This is the shadow mode's code path (the project's design notes, DESIGN.md in the team's shared folder,
-"Shadow mode"): each replica is an ``AllocationManager`` in mode ``on`` with ``kv_spec=None``, as the mirror
-a ``ShadowedManager`` holds (``mmcache.shadow``), driven by the same calls that mirror is given (``admit``
-with a ``PreparedPrompt``, ``reserve``, ``commit``, ``teardown``, ``abort``). Names, index, seeding, eviction
+This is the shadow mode's code path (docs/DESIGN.md, "The RFC's phases", phase 1): each replica is an
+``AllocationManager`` in mode ``on`` with ``kv_spec=None``, as the mirror a ``ShadowedManager`` holds
+(``mmcache.shadow``), driven by the same calls that mirror is given (``admit`` with a ``PreparedPrompt``,
+``reserve``, ``commit``, ``teardown``, ``abort``). Names, index, seeding, eviction
 and the would-have-matched accounting (``AdmitResult.matched_tokens`` and ``forfeit_tokens``) are the core's;
 nothing here keeps an index.
 
