@@ -19,6 +19,15 @@ Invariants:
   ``ImageLimits.max_pixels`` and ``max_aspect_ratio`` before any pixel is decoded, and byte sizes against
   ``max_bytes`` before a payload is read or base64-decoded, so a decompression bomb, an oversized upload or a
   strip that a processor would upscale into gigabytes costs no memory.
+* Above ``expansion_free_pixels`` an image whose decoded RGB (3 bytes a pixel, from the header) is more than
+  ``max_expansion`` times its bytes as sent is refused before decoding, with the pixel limit's wording: a few KB
+  of 1-bit PNG no longer buy hundreds of MB and seconds of CPU. Below that floor (a 4K screenshot) any image
+  passes, however flat. Decoding is never reduced (no JPEG ``draft``): the model's processor resizes from the
+  full pixels, and a DCT-scaled draft would give other features than the model's own preprocessing.
+* Every decode holds ``DECODE_BYTES_PER_PIXEL`` bytes a pixel of ``ImageLimits``'s ``DecodeBudget`` while it
+  runs (``decoding``: and while its caller preprocesses the pixels), reserved before the first pixel is decoded;
+  decodes that do not fit wait, first come first served. The budget holds at least one image at the pixel limit,
+  so a reservation always fits once the others end and no decode waits forever.
 * ``ImageLimits.max_images`` bounds the images of one request; the prompt builder (``encoders.chat``) refuses a
   request over it before any of its images is read.
 * The pixel limit is ``max_pixels``, not Pillow's: headers are parsed with Pillow's decompression-bomb warning
@@ -34,6 +43,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import re
 import stat
 import struct
@@ -41,7 +51,9 @@ import threading
 import urllib.parse
 import warnings
 import zlib
-from dataclasses import dataclass
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import PIL
@@ -61,6 +73,66 @@ _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Pillow's format plugins report malformed input with any of these, not only OSError.
 _DECODE_FAILURES = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, IndexError, TypeError,
                     Image.DecompressionBombError)
+
+
+# What a decode may hold at its peak, per pixel of the header's size: the most measured (an RGBA PNG through a
+# LLaVA or Qwen2-VL processor) is 24 bytes (the frame, its RGBA copy, the white background, the composite, the RGB
+# result, the processor's arrays); an EXIF rotation adds a copy of the frame.
+DECODE_BYTES_PER_PIXEL = 32
+DEFAULT_DECODE_BUDGET = 2**30
+# The server's pixel limit for a vision tower that sees ``tower_pixels``: photos up to 4096x4096 (16.8 MP) always,
+# and twice what the tower sees where that is more (Qwen2-VL takes up to 12.8 MP).
+PHOTO_PIXELS = 4096 * 4096
+TOWER_PIXELS_MULTIPLE = 2
+
+
+def photo_pixel_limit(tower_pixels: int | None) -> int:
+    """The pixel limit for a tower fed at most ``tower_pixels`` (None: unknown): the larger of ``PHOTO_PIXELS``
+    and ``TOWER_PIXELS_MULTIPLE`` times the tower's pixels."""
+    return max(PHOTO_PIXELS, TOWER_PIXELS_MULTIPLE * (tower_pixels or 0))
+
+
+class DecodeBudget:
+    """Bytes that the decodes in flight may hold together. ``reserve(n)`` waits until ``n`` fits beside what is
+    reserved, first come first served (a large reservation is not passed over for ever by small ones);
+    ``reserved`` never exceeds ``capacity``, and a reservation above ``capacity`` is refused, never awaited."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._reserved = 0
+        self._waiting: deque[object] = deque()
+        self._changed = threading.Condition()
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def waiting(self) -> int:
+        """Reservations waiting their turn."""
+        return len(self._waiting)
+
+    @contextmanager
+    def reserve(self, nbytes: int):
+        """Holds ``nbytes`` of the budget for the ``with`` block, waiting first while they do not fit."""
+        if nbytes > self.capacity:
+            raise InvalidRequest(f"a reservation of {nbytes} bytes can never fit a budget of {self.capacity}")
+        ticket = object()
+        with self._changed:
+            self._waiting.append(ticket)
+            try:
+                self._changed.wait_for(lambda: self._waiting[0] is ticket
+                                       and self._reserved + nbytes <= self.capacity)
+            finally:
+                self._waiting.remove(ticket)
+                self._changed.notify_all()  # the next in line may fit beside this one
+            self._reserved += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._reserved -= nbytes
+                self._changed.notify_all()
 
 
 @dataclass(frozen=True)
@@ -83,9 +155,23 @@ class ImageLimits:
     # strip of a few hundred bytes grows by its width times that size squared (about 10 KB per pixel of width
     # at CLIP's 32, 49 times more at 224). 200 is the bound Qwen2-VL's own processor sets.
     max_aspect_ratio: float = 200.0
+    # Decoded RGB bytes per byte sent, above ``expansion_free_pixels`` (a 4K screenshot). A JPEG photo expands
+    # about 10 times, a PNG photo 2; a 1-bit PNG of 7071x7071 is 6 KB and expands 24000 times.
+    max_expansion: int = 512
+    expansion_free_pixels: int = 3840 * 2160
+    # Bytes all decodes of these limits hold at once (``DecodeBudget``); None: ``DEFAULT_DECODE_BUDGET``, or one
+    # image at ``max_pixels`` where that is more. A given value must hold that one image.
+    decode_budget_bytes: int | None = None
+    decode_budget: DecodeBudget = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        check_limits(self, ("max_pixels", "max_bytes", "max_images"))
+        check_limits(self, ("max_pixels", "max_bytes", "max_images", "max_expansion", "expansion_free_pixels"))
+        largest = self.max_pixels * DECODE_BYTES_PER_PIXEL
+        budget = self.decode_budget_bytes
+        if budget is not None and (not positive_int(budget) or budget < largest):
+            raise InvalidRequest(f"decode_budget_bytes must be an int of at least max_pixels * "
+                                 f"{DECODE_BYTES_PER_PIXEL} = {largest} (one image at the pixel limit), got {budget!r}")
+        object.__setattr__(self, "decode_budget", DecodeBudget(budget or max(DEFAULT_DECODE_BUDGET, largest)))
         r = self.max_aspect_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r < float("inf"):
             raise InvalidRequest(f"max_aspect_ratio must be a finite number of at least 1, got {r!r}")
@@ -280,6 +366,7 @@ def _header(raw: RawImage, limits: ImageLimits) -> Image.Image:
         raise MediaDecodeError(raw.ref, f"unreadable image header: {e}") from None
     try:
         _check_size(raw.ref, image.size, limits)
+        _check_expansion(raw, image.size, limits)
     except BaseException:
         image.close()
         raise
@@ -298,6 +385,19 @@ def _check_size(ref: MediaRef, size: tuple[int, int], limits: ImageLimits) -> No
                                     f"times the short one (max_aspect_ratio; refused before decoding)")
 
 
+def _check_expansion(raw: RawImage, size: tuple[int, int], limits: ImageLimits) -> None:
+    """Refuses an image above ``expansion_free_pixels`` whose decoded RGB exceeds ``max_expansion`` times its
+    bytes as sent; worded with "exceed" as every size limit is (the server answers 413)."""
+    pixels = size[0] * size[1]
+    if pixels <= limits.expansion_free_pixels:
+        return
+    expansion = pixels * 3 / len(raw.data)
+    if expansion > limits.max_expansion:
+        raise MediaDecodeError(raw.ref, f"{size[0]}x{size[1]} decodes to {pixels * 3} bytes of RGB from "
+                                        f"{len(raw.data)} bytes sent: {math.ceil(expansion)} times exceeds the limit "
+                                        f"of {limits.max_expansion} (max_expansion; refused before decoding)")
+
+
 def image_size(raw: RawImage, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
     """``(width, height)`` of ``raw`` from its header, checked as ``decode_image`` checks it, without decoding a
     pixel: what a prompt's placeholder count is computed from before any image is encoded. The upright size
@@ -307,15 +407,32 @@ def image_size(raw: RawImage, limits: ImageLimits = ImageLimits()) -> tuple[int,
 
 
 def decode_image(raw: RawImage, limits: ImageLimits = ImageLimits()) -> Image.Image:
-    """Fully decoded RGB pixels of ``raw``, or ``MediaDecodeError`` naming ``raw.ref``."""
+    """Fully decoded RGB pixels of ``raw``, or ``MediaDecodeError`` naming ``raw.ref``; the decode budget is held
+    while decoding only."""
+    with decoding(raw, limits) as pixels:
+        return pixels
+
+
+@contextmanager
+def decoding(raw: RawImage, limits: ImageLimits = ImageLimits()):
+    """``decode_image`` for a ``with`` block: the decode's bytes of ``limits.decode_budget`` stay reserved until the
+    block ends, so that what the caller does with the full-size pixels (a processor's resize) is counted too."""
     with _header(raw, limits) as image:
-        fmt = image.format
-        try:
-            image.load()
-            upright = ImageOps.exif_transpose(image)
-            return _to_rgb(upright)
-        except _DECODE_FAILURES as e:
-            raise MediaDecodeError(raw.ref, f"corrupt or truncated {fmt} data: {e}") from None
+        width, height = image.size
+        with limits.decode_budget.reserve(width * height * DECODE_BYTES_PER_PIXEL):
+            pixels = _decoded(raw.ref, image)
+            image.close()  # the frame's pixels are not needed beside the RGB ones during the block
+            yield pixels
+
+
+def _decoded(ref: MediaRef, image: Image.Image) -> Image.Image:
+    fmt = image.format
+    try:
+        image.load()
+        upright = ImageOps.exif_transpose(image)
+        return _to_rgb(upright)
+    except _DECODE_FAILURES as e:
+        raise MediaDecodeError(ref, f"corrupt or truncated {fmt} data: {e}") from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -28,6 +28,8 @@ Invariants:
   image, so the media digest and the key are BLAKE2b-256 (``names.content_hasher``): a sender cannot make two
   images share features. The fingerprint stays xxh3_128: it digests the server's own weights and settings,
   which no request chooses, and weights are hashed far faster than with BLAKE2b.
+* An image is decoded and preprocessed under its reservation of the limits' decode budget (``media.decoding``);
+  its full-size pixels do not outlive the reservation, and the tower runs after it ends.
 * Every ``EncodedImage`` holds a lease on its entry until ``release``; ``encode_all`` either returns one held
   image per item or, on any failure, releases every lease it took before re-raising.
 * Bad arguments are refused before anything is read, stored or held: ``encode_all`` takes a list or tuple (one
@@ -54,7 +56,7 @@ from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.names import Namer, canonical_encoding, media_digest
 from mmcache.store import EncoderOutputStore, Lease, OutputSpec, store_key
 
-from .media import DECODE_PARAMS, ImageLimits, RawImage, decode_image, read_image
+from .media import DECODE_PARAMS, ImageLimits, RawImage, decoding, read_image
 from .fingerprint import LiveFingerprint, module_configs, module_kernels, weights_digest
 
 ADAPTER_VERSION = 1
@@ -196,6 +198,12 @@ class VisionAdapter(ABC):
     def tower_dtype(self) -> torch.dtype:
         return next(self.tower.parameters()).dtype
 
+    @staticmethod
+    @abstractmethod
+    def tower_pixels(image_processor: Any) -> int | None:
+        """The most pixels ``image_processor`` hands the tower for one image (None: it does not say): what the
+        server's default pixel limit is derived from (``media.photo_pixel_limit``)."""
+
     @abstractmethod
     def _tower_modules(self) -> list[nn.Module]:
         """The modules whose weights the features depend on (tower and projector)."""
@@ -268,14 +276,19 @@ class VisionAdapter(ABC):
         return EncodedImage(digest, key, lease)
 
     def _compute(self, raw: RawImage) -> tuple[dict, dict]:
-        pixels = decode_image(raw, self.limits)
-        try:
-            batch = self.image_processor(images=[pixels], return_tensors="pt")
-        except ValueError as e:  # a decodable image the model's processor will not take (Qwen2-VL: aspect > 200)
-            raise MediaDecodeError(raw.ref, f"the model's image processor refused it: {e}") from e
+        batch = self._preprocess(raw)
         with torch.no_grad():
             features, meta = self._features(batch)
         return {"features": features}, meta
+
+    def _preprocess(self, raw: RawImage):
+        """The image processor's tensors of ``raw``, made under its decode budget reservation (the processor works
+        on the full-size pixels, which end with the reservation)."""
+        with decoding(raw, self.limits) as pixels:
+            try:
+                return self.image_processor(images=[pixels], return_tensors="pt")
+            except ValueError as e:  # a decodable image the model's processor will not take (Qwen2-VL: aspect > 200)
+                raise MediaDecodeError(raw.ref, f"the model's image processor refused it: {e}") from e
 
 
 class LlavaVisionAdapter(VisionAdapter):
@@ -287,6 +300,17 @@ class LlavaVisionAdapter(VisionAdapter):
     @property
     def tower(self) -> nn.Module:
         return self.model.model.vision_tower
+
+    @staticmethod
+    def tower_pixels(image_processor: Any) -> int | None:
+        """CLIP: the centre crop; SigLIP: the fixed size; a shortest-edge resize without a crop: its square."""
+        crop = getattr(image_processor, "crop_size", None) or {}
+        size = getattr(image_processor, "size", None) or {}
+        if getattr(image_processor, "do_center_crop", False) and crop.get("height") and crop.get("width"):
+            return int(crop["height"]) * int(crop["width"])
+        if size.get("height") and size.get("width"):
+            return int(size["height"]) * int(size["width"])
+        return int(size["shortest_edge"]) ** 2 if size.get("shortest_edge") else None
 
     def _tower_modules(self) -> list[nn.Module]:
         return [self.model.model.vision_tower, self.model.model.multi_modal_projector]
@@ -322,6 +346,13 @@ class Qwen2VLVisionAdapter(VisionAdapter):
     @property
     def spatial_merge_size(self) -> int:
         return int(self.model.config.vision_config.spatial_merge_size)
+
+    @staticmethod
+    def tower_pixels(image_processor: Any) -> int | None:
+        """The processor's ``max_pixels`` (its ``size["longest_edge"]`` counts pixels, not an edge)."""
+        size = getattr(image_processor, "size", None) or {}
+        most = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
+        return int(most) if most else None
 
     def _tower_modules(self) -> list[nn.Module]:
         return [self.model.model.visual]

@@ -35,6 +35,10 @@ Invariants:
   lock, which is never held while calling the engine, so every build failure reaches a ``step`` and no two
   requests get the same automatic id. ``check_invariants`` compares hold counts and is meant for a quiet
   front end (no ``add_request`` under way).
+* Memory of concurrent builds: every image decode (and its preprocessing) first reserves its worst case, 32 bytes
+  a pixel of its header's size, from the one decode budget of the builder's ``ImageLimits``
+  (``media.DecodeBudget``). Intake threads beyond what the budget holds wait their turn rather than decode at
+  once, so the threads times one image at the pixel limit need not fit in memory: the budget does.
 """
 
 from __future__ import annotations

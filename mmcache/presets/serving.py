@@ -24,10 +24,11 @@ from pathlib import Path
 
 from ..engine.engine import Engine
 from ..engine.models import DTYPES
+from ..errors import InvalidRequest
 from ..server.config import ServerConfig, ServerConfigError, serve_engine_config
 from ..server.launch import IMAGES, SPEECH, VIDEOS, Models, start_server
 from .text import engine_from_preset
-from .vlm import VLM_PRESETS, vlm_engine, vlm_from_preset
+from .vlm import VLM_PRESETS, VLMPreset, build_vlm, vlm_engine
 from .vlm_folder import is_vlm_folder, load_vlm
 
 DIFFUSION_PRESETS = {"tiny-sd3": IMAGES, "tiny-wan": VIDEOS}
@@ -83,12 +84,19 @@ def load_tts(source: str, dtype: str):
     return VoicePipeline(model.eval(), AutoProcessor.from_pretrained(path, local_files_only=True))
 
 
-def image_limits(config: ServerConfig):
-    """The VLM's image limits: sizes from the config, and paths never read."""
-    from encoders.media import ImageLimits
+def image_limits(config: ServerConfig, vlm: VLMPreset):
+    """The image limits of ``vlm`` served under ``config``, paths never read. Without ``max_image_pixels`` the
+    pixel limit follows what the model's image processor feeds its tower (``media.photo_pixel_limit``: photos up
+    to 16.8 MP, or twice the tower's pixels where that is more); one decode budget serves every intake thread."""
+    from encoders.media import ImageLimits, photo_pixel_limit
 
-    return ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels, allow_paths=False,
-                       max_images=config.max_images)
+    pixels = config.max_image_pixels or photo_pixel_limit(vlm.adapter_class.tower_pixels(vlm.image_processor))
+    try:
+        return ImageLimits(max_bytes=config.max_image_bytes, max_pixels=pixels, allow_paths=False,
+                           max_images=config.max_images, max_expansion=config.max_image_expansion,
+                           decode_budget_bytes=config.image_decode_bytes)
+    except InvalidRequest as e:  # a decode budget below one image at the derived pixel limit
+        raise ServerConfigError(f"image limits of {config.chat_model_name}: {e}") from None
 
 
 def build_engine(config: ServerConfig):
@@ -98,12 +106,13 @@ def build_engine(config: ServerConfig):
         return None
     engine_config = config.engine_config or serve_engine_config()
     if config.preset in VLM_PRESETS:
-        return vlm_from_preset(config.preset, engine_config, config.dtype, config.store_bytes, image_limits(config))
+        vlm = build_vlm(config.preset, config.dtype)
+        return vlm_engine(vlm, engine_config, config.store_bytes, image_limits(config, vlm))
     if config.preset is not None:
         return engine_from_preset(config.preset, config.dtype, engine_config)
     if is_vlm_folder(config.model):
-        return vlm_engine(load_vlm(config.model, config.dtype), engine_config, config.store_bytes,
-                          image_limits(config))
+        vlm = load_vlm(config.model, config.dtype)
+        return vlm_engine(vlm, engine_config, config.store_bytes, image_limits(config, vlm))
     return Engine.from_pretrained(config.model, config.dtype, engine_config)
 
 

@@ -104,6 +104,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         f"to the time of every decoding request's next token")
     p.add_argument("--store-bytes", type=count(), default=DEFAULT_STORE_BYTES,
                    help="the encoder-output store's budget in bytes, shared by every model (default 256 MiB)")
+    p.add_argument("--max-image-pixels", type=count(), default=None, metavar="N",
+                   help="pixels of a chat image, from its header (default: 4096x4096, or twice what the VLM's "
+                        "processor feeds its tower where that is more)")
+    p.add_argument("--max-image-expansion", type=count(), default=512, metavar="N",
+                   help="decoded RGB bytes per byte sent of a chat image larger than 3840x2160 (default 512)")
+    p.add_argument("--image-decode-bytes", type=count(), default=None, metavar="N",
+                   help="bytes that concurrent image decodes hold at once, 32 a pixel; others wait (default 1 GiB, "
+                        "or one image at --max-image-pixels)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: float32 when every model is a preset, else bfloat16 (presets stay float32)")
     p.add_argument("--cache-mode", default="on", choices=["on", "off"])
@@ -164,6 +172,8 @@ def config_from_args(args: argparse.Namespace):
                         body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                         metrics_key=args.metrics_key,
                         engine_config=engine_config, store_bytes=args.store_bytes,
+                        max_image_pixels=args.max_image_pixels, max_image_expansion=args.max_image_expansion,
+                        image_decode_bytes=args.image_decode_bytes,
                         dtype=args.dtype or _default_dtype(args), image_sizes=tuple(args.image_size),
                         negative_prompt=args.negative_prompt, max_inference_steps=args.max_inference_steps,
                         max_images_per_request=args.max_images_per_request,

@@ -82,7 +82,11 @@ class ServerConfig:
     dtype: str = "float32"
     max_body_bytes: int = 64 * 2**20  # a request body beyond this gets 413
     max_image_bytes: int = 16 * 2**20  # an image beyond this (decoded payload) gets 413
-    max_image_pixels: int = 50_000_000  # an image beyond this gets 413, refused before its pixels are decoded
+    # an image beyond this gets 413, refused before its pixels are decoded; None: from the VLM's image processor
+    # (photos up to 16.8 MP, or twice what the tower sees where that is more: media.photo_pixel_limit)
+    max_image_pixels: int | None = None
+    max_image_expansion: int = 512  # decoded RGB bytes per byte sent beyond which an image above 4K gets 413
+    image_decode_bytes: int | None = None  # what concurrent image decodes hold at once; None: 1 GiB (or one image)
     max_images: int = 16  # images per request
     max_cache_salt: int = 256  # characters of a request's cache_salt
     default_max_tokens: int = 256  # when a request gives neither max_tokens nor max_completion_tokens
@@ -131,12 +135,13 @@ class ServerConfig:
             raise ServerConfigError(f"port must be an int in [0, 65535], got {self.port!r}")
         if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
             raise ServerConfigError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
-        for name in ("store_bytes", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images",
+        for name in ("store_bytes", "max_body_bytes", "max_image_bytes", "max_image_expansion", "max_images",
                      "max_cache_salt", "default_max_tokens", "retry_after_s", "max_images_per_request",
                      "max_inference_steps", "max_speech_chars", "max_speech_frames", "max_ref_audio_bytes",
                      "max_generation_waiting", "max_video_jobs", "max_video_bytes", "max_stop_chars"):
             if not positive_int(getattr(self, name)):
                 raise ServerConfigError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        self._check_image_decoding()
         seconds = self.max_ref_audio_seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise ServerConfigError(f"max_ref_audio_seconds must be a positive number, got {seconds!r}")
@@ -151,6 +156,20 @@ class ServerConfig:
         secret = self.tenant_secret
         if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
             raise ServerConfigError("tenant_secret must be bytes of at least 16")
+
+    def _check_image_decoding(self) -> None:
+        """The pixel limit and the decode budget: each None (derived when the VLM is built) or a positive int, and
+        a given budget holds one image at a given pixel limit (``media.DECODE_BYTES_PER_PIXEL``)."""
+        from encoders.media import DECODE_BYTES_PER_PIXEL
+
+        for name in ("max_image_pixels", "image_decode_bytes"):
+            if getattr(self, name) is not None and not positive_int(getattr(self, name)):
+                raise ServerConfigError(f"{name} must be a positive int or None, got {getattr(self, name)!r}")
+        if self.max_image_pixels and self.image_decode_bytes:
+            largest = self.max_image_pixels * DECODE_BYTES_PER_PIXEL
+            if self.image_decode_bytes < largest:
+                raise ServerConfigError(f"image_decode_bytes ({self.image_decode_bytes}) must hold one image at "
+                                        f"max_image_pixels: {largest} bytes")
 
     def _check_generation(self) -> None:
         if isinstance(self.image_sizes, str):
