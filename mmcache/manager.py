@@ -64,6 +64,12 @@ STORE_AT = ("teardown", "prefill")
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """One pool's settings. ``store_at`` says when a request's full prompt pages enter the index: at
+    ``"teardown"`` (the default), when the request ends, which is the RFC's rule and the one a host adopting the
+    core gets without asking; or at ``"prefill"``, as ``commit`` fills them, so that requests running at the same
+    time share a prefix at once. The reference engine, which batches such requests together, asks for
+    ``"prefill"`` (``EngineConfig.store_at``). Generated pages enter at teardown either way."""
+
     num_pages: int
     page_size: int = 128
     mode: str = "on"

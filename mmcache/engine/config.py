@@ -45,7 +45,9 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30  # per label pool, when num_pages is None
     cfg_num_pages: int | None = None  # pages of the CFG branch's pool (default: as the main pool)
     cache_mode: str = "on"  # "on" | "off" | "shadow"
-    store_at: str = "prefill"  # "prefill" | "teardown"
+    # "prefill" | "teardown". Prefill, unlike the core's default (CacheConfig.store_at): this engine batches requests
+    # with one prefix together, and they share its pages only if they are published as prefill writes them.
+    store_at: str = "prefill"
     max_num_seqs: int = 64
     max_tokens_per_step: int = 4096  # token budget of one forward
     prefill_chunk_tokens: int | None = None
