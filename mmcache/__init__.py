@@ -9,8 +9,14 @@ The core (this package's top-level modules) is engine-agnostic and depends on to
 * ``manager``   the allocation manager: seeding, allocation, storing, suspension, windowing
 * ``shadow``    shadow mode: a manager in mode off and a metadata-only mirror that counts would-be hits
 * ``store``     the encoder-output store
+* ``router``    replica choice by rendezvous hashing of a shared page name
+* ``metrics``   one manager's counters
+* ``errors``, ``checks``  typed errors, input checks
 
-``mmcache.engine`` is the reference host engine; ``encoders`` (a sibling package) holds model adapters.
+Above it, in layers (docs/DESIGN.md): ``engine`` (the reference engine), ``replay`` (trace replay over
+metadata-only pools), ``hosts`` (the engine composed with the encoders: the VLM front end), ``server`` (the
+OpenAI-compatible HTTP server), ``presets`` (the embedded models) and ``launcher`` with ``cli`` (the ``mmcache``
+command). ``encoders`` (a sibling package) holds the model adapters.
 """
 
 import importlib
