@@ -191,7 +191,7 @@ def test_peers_and_vllm_eager_agree_with_the_engines_named():
 
 
 def test_a_workdir_that_cannot_be_a_folder_is_refused_by_the_parser(tmp_path, capsys):
-    """--workdir on a file used to end, after the shape checks, in a traceback of the model export."""
+    """--workdir on a file (or below one) is refused by the parser, before the shape checks and the export."""
     (tmp_path / "a-file").write_text("")
     for workdir in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
         with pytest.raises(SystemExit) as exc:

@@ -140,18 +140,18 @@ def test_wrong_number_of_loads_is_refused():
 @pytest.mark.parametrize("loads", [[float("nan"), 1, 2], [1, 2, float("nan")], [float("inf")] * 3, [-1, 0, 0],
                                    ["a", 1, 2], [None, 1, 2], [True, 0, 0]])
 def test_loads_that_are_not_finite_non_negative_numbers_are_refused(loads):
-    # NaN used to route silently (to whichever replica the comparisons happened to leave), others raised TypeError.
+    # Each is refused by name: NaN would otherwise route wherever the comparisons happened to leave it.
     with pytest.raises(InvalidRequest, match="loads"):
         ReplicaRouter(RouterConfig.numbered(3)).route(names_of(np.arange(PAGE)), loads)
 
 
 def test_a_replica_list_is_kept_as_a_tuple():
     config = RouterConfig(["a", "b"])
-    assert config.replicas == ("a", "b") and hash(config)  # a list left the frozen config unhashable and mutable
+    assert config.replicas == ("a", "b") and hash(config)  # the frozen config stays hashable and immutable
 
 
 @pytest.mark.parametrize("loads", [{0, 1, 2}, (x for x in [0, 1, 2]), None, 3])
-def test_loads_that_are_not_a_list_are_refused(loads):  # TypeError before
+def test_loads_that_are_not_a_list_are_refused(loads):  # a typed error naming loads, not a TypeError
     router = ReplicaRouter(RouterConfig.numbered(3))
     with pytest.raises(InvalidRequest, match="loads"):
         router.route(names_of(np.arange(PAGE)), loads)

@@ -14,11 +14,11 @@ reports the median over ``--repeats`` of each; the ratio is mmcache's median ove
 * decode attention: one query token for each of 4 and of 12 sequences (contexts of 600 to 2,000 tokens), each
   sequence's pages a run for its prompt and its newest page elsewhere, as after its first decoded page. vLLM:
   ``cpu_attention_with_kv_cache`` over its paged cache. mmcache, per sequence as ``mmcache.engine.attention``
-  does on CPU since commit ec19f57 (one flash call over exactly its own keys: a view where its pages are one
-  run, as before its first decoded page, here on a copy of the cache laid out that way; gathered where they
-  are not), and as it did before (every table padded to the longest, gathered into one tensor, one masked
-  call); with ``--native-lib``, also the compiled kernel the engine now calls (every sequence in one call,
-  pages read through the table).
+  does on ATen's path (one flash call over exactly its own keys: a view where its pages are one run, as before
+  its first decoded page, here on a copy of the cache laid out that way; gathered where they are not), and
+  padded (every table padded to the longest, gathered into one tensor, one masked call); with
+  ``--native-lib``, also the compiled kernel the engine calls (every sequence in one call, pages read through
+  the table).
 * linears: one product of each shape at 2048, 128, 8 and 1 rows, weights cache-hot. mmcache: a weight packed
   once for oneDNN (``mkldnn._linear_pointwise``, as ``mmcache.engine.compute.kernels``); vLLM: ``onednn_mm``.
 * decode step: every linear of a 24-layer decode step at 8 rows plus the LM head, weights streamed from memory
