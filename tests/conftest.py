@@ -1,6 +1,7 @@
 """Shared test settings: deterministic torch, a bounded hypothesis profile, the repository's data folder."""
 
 import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,30 @@ def sd3():
     pipe = tiny_sd3_pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# The skip guard (tests/skips.py): every skip of the run must be one this machine is expected to take.
+_skipped: list = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skipped.append((report.nodeid, report.longrepr[2].removeprefix("Skipped: ")))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from skips import Machine, unexpected
+
+    machine = Machine.here()
+    wrong = [(nodeid, reason, why) for nodeid, reason in _skipped if (why := unexpected(reason, machine))]
+    if not wrong:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(wrong)} skip(s) this machine should not take ({machine}):"]
+    lines += [f"  {nodeid}: {reason!r}: {why}" for nodeid, reason, why in wrong]
+    if reporter is not None:
+        reporter.write_line("\n".join(lines), red=True)
+    else:
+        print("\n".join(lines), file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

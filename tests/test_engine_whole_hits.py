@@ -4,8 +4,9 @@
   in any company; see ``CausalLMAdapter.whole_hit_blocker``), a repeated prompt of whole pages is matched to its
   end, its first token costs a forward of one row, and every logits row equals the cache-off run's under the
   exact schedule bit for bit (both branches of a CFG request too).
-* Elsewhere (float32, ATen attention, settings off) the engine says why and matches as before: the last page
-  is computed again.
+* Elsewhere (float32, ATen attention, settings off) the engine says why and leaves the last page to compute.
+* The engine takes them wherever the CPU has AVX-512 BF16, and the tests assert so there: only a CPU without it
+  skips them.
 * A forward that fails on a whole hit returns every page; the pages stay in the index for the next request.
 """
 
@@ -18,6 +19,7 @@ from mmcache.engine import ComputeConfig, ComputeConfigError, Engine, EngineConf
 from mmcache.engine.compute import native
 from mmcache.engine.inspect import exact_cfg_runs, exact_runs, rows_equal
 from mmcache.presets.text import build_model
+from skips import Machine
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -55,10 +57,15 @@ def qwen2(dtype: str = "bfloat16") -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
 
 
-def taken_or_skip(model) -> Engine:
+def taken_where_the_cpu_allows(model) -> Engine:
+    """An engine over the bfloat16 ``model`` that takes whole hits, which it must wherever the CPU has AVX-512
+    BF16 (every product, the chunk attention and the activation then run on a row-exact way): there an engine
+    that stopped taking them fails here rather than reading as a skip. Elsewhere the test skips, naming why."""
     probe = Engine(model, None, EngineConfig.exact(page_size=PAGE, num_pages=64))
-    if not probe.whole_hits:
-        pytest.skip(f"whole hits are not exact on this machine: {probe.whole_hits_skipped}")
+    if Machine.here().bf16:
+        assert probe.whole_hits, f"whole hits not taken on a CPU with AVX-512 BF16: {probe.whole_hits_skipped}"
+    elif not probe.whole_hits:
+        pytest.skip(f"no AVX-512 BF16 here: whole hits are not exact on this machine ({probe.whole_hits_skipped})")
     return probe
 
 
@@ -69,7 +76,7 @@ def expected_forward_tokens(prompts, matched, tokens_each):
 
 def test_whole_hits_equal_the_exact_schedule_bit_for_bit():
     model = qwen2()
-    taken_or_skip(model)
+    taken_where_the_cpu_allows(model)
     rng = np.random.default_rng(0)
     a = rng.integers(2, 512, size=4 * PAGE).tolist()
     prompts = [a, list(a), a[:3 * PAGE], a[:3 * PAGE] + rng.integers(2, 512, size=20).tolist(), a + [7]]
@@ -90,7 +97,7 @@ def test_whole_hits_equal_the_exact_schedule_bit_for_bit():
 
 def test_cfg_branches_whole_hit_bit_for_bit():
     model = qwen2()
-    taken_or_skip(model)
+    taken_where_the_cpu_allows(model)
     rng = np.random.default_rng(3)
     negative = rng.integers(2, 512, size=3 * PAGE).tolist()
     positives = [rng.integers(2, 512, size=2 * PAGE).tolist() for _ in range(2)]
@@ -107,7 +114,7 @@ def test_cfg_branches_whole_hit_bit_for_bit():
 
 def test_default_schedule_whole_hits_give_the_cache_off_tokens():
     model = qwen2()
-    taken_or_skip(model)
+    taken_where_the_cpu_allows(model)
     rng = np.random.default_rng(4)
     a = rng.integers(2, 512, size=5 * PAGE).tolist()
     prompts = [a, list(a), a[:2 * PAGE], list(a)]  # the repeats wait for a's pages, then match them whole
@@ -122,7 +129,7 @@ def test_default_schedule_whole_hits_give_the_cache_off_tokens():
 
 def test_a_failed_forward_on_a_whole_hit_returns_every_page():
     model = qwen2()
-    eng = taken_or_skip(model)
+    eng = taken_where_the_cpu_allows(model)
     prompt = np.random.default_rng(5).integers(2, 512, size=2 * PAGE).tolist()
     first = eng.generate([Request(prompt, GREEDY)])[0]
     run = eng.runner.run
