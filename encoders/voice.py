@@ -4,11 +4,17 @@
 the reference-audio encoder whose outputs the store keeps (``encoders.codec``). ``voice_prompt`` lays out one
 request: the reference's transcript and audio first, then the text to speak, so the model continues in the
 reference's voice. The special tokens of CSM's text may not appear in a caller's text.
+
+``VoicePipeline.interruptible(check)`` runs ``check`` before every decoder layer of the backbone while it is
+entered, so a call that ``check`` stops (by raising) ends within one layer, inside a long prefill too; it is
+meant for one call at a time on the pipeline (the hooks are the model's while entered).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,6 +33,24 @@ class VoicePipeline:
     @property
     def codec(self) -> torch.nn.Module:
         return self.model.codec_model
+
+    @property
+    def context_length(self) -> int:
+        """Positions the backbone was built for: a prompt and its generated frames together fit in them."""
+        return int(self.model.config.max_position_embeddings)
+
+    @contextlib.contextmanager
+    def interruptible(self, check: Callable[[], None]):
+        """While entered, ``check()`` runs before each decoder layer of the backbone (its prefill and every frame):
+        a ``check`` that raises stops the call within one layer, not at the end of a prefill whose cost grows
+        with the square of the prompt."""
+        hooks = [layer.register_forward_pre_hook(lambda module, args: check())
+                 for layer in self.model.backbone_model.layers]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def voice_prompt(reference_text: str, target_text: str, speaker: int = 0, bos: str = "<|endoftext|>") -> str:

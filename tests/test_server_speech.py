@@ -1,10 +1,14 @@
 """``POST /v1/audio/speech`` of ``mmcache serve --tts tiny-csm`` with two API keys: the audio equals, bit for bit,
 the CSM pipeline's own for the same reference clip and seed (WAV samples and PCM); a reference voice shared by
 two requests is a codec store hit; keys and cache salts share nothing; every error status with its OpenAI error
-object and nothing held; a client gone before its turn cancels its job."""
+object and nothing held; a long ref_text, a prompt beyond the context and a full queue (or a tenant at its share)
+are refused before anything is queued, the last two before the clip is decoded; a client gone before its turn
+cancels its job, and a job cancelled inside its prefill stops within one layer."""
 
 import base64
 import io
+import json
+import threading
 
 import httpx
 import numpy as np
@@ -27,6 +31,7 @@ MODEL = "tiny-csm"
 KEYS = ("key-alpha", "key-beta")
 FRAMES = 3
 REF_TEXT = "The reference clip says this."
+REF_TEXT_CHARS = 1000  # within it, "€" (three byte tokens each) fills more than the model's 2048 positions
 
 
 def tone(seconds: float, rate: int, freq: float) -> np.ndarray:
@@ -43,7 +48,8 @@ def clip(seconds=0.6, rate=16_000, freq=220.0, fmt="WAV") -> bytes:
 @pytest.fixture(scope="module")
 def server(one_thread):
     config = ServerConfig(tts=MODEL, api_keys=KEYS, max_speech_frames=FRAMES, max_speech_chars=200,
-                          max_ref_audio_seconds=2.0, max_generation_waiting=2, max_body_bytes=512 * 1024)
+                          max_ref_text_chars=REF_TEXT_CHARS, max_ref_audio_seconds=2.0, max_generation_waiting=2,
+                          max_body_bytes=512 * 1024)
     with serve(config) as srv:
         yield srv
     srv.store.check_invariants()
@@ -74,8 +80,9 @@ def _client(server, key=KEYS[0]):
 
 def _post(server, body: dict, key=KEYS[0], timeout=60) -> httpx.Response:
     body = {"model": MODEL, "voice": "cloned", "ref_text": REF_TEXT, **body}
-    return httpx.post(server.base_url + "/audio/speech", json=body, timeout=timeout,
-                      headers={"Authorization": f"Bearer {key}"})
+    # json.dumps, not httpx's encoder: it writes NaN and Infinity, as a hostile client may
+    return httpx.post(server.base_url + "/audio/speech", content=json.dumps(body), timeout=timeout,
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
 
 
 def _samples(wav: bytes) -> np.ndarray:
@@ -157,6 +164,22 @@ def test_keys_and_salts_share_nothing(server):
     ({"input": "x" * 201}, 400, "input", None),
     ({"input": ""}, 400, "input", None),
     ({"ref_text": "<|AUDIO|>"}, 400, "input", None),
+    ({"ref_text": "x" * (REF_TEXT_CHARS + 1)}, 400, "ref_text", None),
+    ({"ref_text": "€" * REF_TEXT_CHARS}, 400, "ref_text", None),  # the prompt alone overflows the context
+    ({"max_new_tokens": 0}, 400, "max_new_tokens", None),
+    ({"max_new_tokens": 10**30}, 400, "max_new_tokens", None),
+    ({"max_new_tokens": 1.5}, 400, "max_new_tokens", None),
+    ({"max_new_tokens": True}, 400, "max_new_tokens", None),
+    ({"seed": 2**63}, 400, "seed", None),
+    ({"seed": True}, 400, "seed", None),
+    ({"seed": "7"}, 400, "seed", None),
+    ({"temperature": 2.5}, 400, "temperature", None),
+    ({"temperature": 1e-300}, 400, "temperature", None),  # divides the logits to inf in float32
+    ({"temperature": float("nan")}, 400, "temperature", None),
+    ({"temperature": True}, 400, "temperature", None),
+    ({"speed": float("inf")}, 400, "speed", None),
+    ({"speed": 0.1}, 400, "speed", None),
+    ({"speed": 2.0}, 400, "speed", None),  # within OpenAI's range, but CSM has no speed
     ({"model": "another-model"}, 404, "model", "model_not_found"),
     ({"ref_audio": "A" * 600_000}, 413, None, "request_too_large"),
 ])
@@ -173,16 +196,111 @@ def test_bad_requests_get_their_error_and_hold_nothing(server, change, status, p
     _sound(server)
 
 
-def test_missing_key_and_full_queue(server):
+@pytest.fixture
+def counted(server, monkeypatch):
+    """Counts of the clips read (``encoders.audio.read_audio``, the decode's first step) and of the speech jobs
+    queued (``SpeechService.submit``), from here on."""
+    import encoders.audio
+
+    counts = {"decoded": 0, "queued": 0}
+    read_audio, service = encoders.audio.read_audio, server.services["speech"]
+    submit = service.submit
+
+    def counting_read(*args, **kwargs):
+        counts["decoded"] += 1
+        return read_audio(*args, **kwargs)
+
+    def counting_submit(*args, **kwargs):
+        job = submit(*args, **kwargs)
+        counts["queued"] += 1
+        return job
+
+    monkeypatch.setattr(encoders.audio, "read_audio", counting_read)
+    monkeypatch.setattr(service, "submit", counting_submit)
+    return counts
+
+
+def test_missing_key_and_full_queue(server, counted):
     r = httpx.post(server.base_url + "/audio/speech", json={"model": MODEL, "input": "hi"}, timeout=30)
     assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         _client(server, "key-gamma").audio.speech.create(model=MODEL, voice="x", input="hi")
     queue = server.services["speech"].queue
-    with Blocked(queue, waiting=queue.max_waiting):
+    with Blocked(queue):
+        for i in range(queue.max_waiting):  # each of another owner: no tenant's share is reached
+            queue.submit(lambda job: None, f"filler-{i}")
         r = _post(server, {"input": "Busy?", "ref_audio": data_url(clip(), "audio/wav")})
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         assert error_of(r)["code"] == "queue_full"
+    assert counted == {"decoded": 0, "queued": 0}  # refused before the clip was decoded
+    _sound(server)
+
+
+def test_long_ref_text_is_refused_before_anything_is_decoded_or_queued(server, counted):
+    r = _post(server, {"input": "Hello.", "ref_text": "A transcript. " * 30_000,  # 420 KB
+                       "ref_audio": data_url(clip(), "audio/wav")})
+    assert r.status_code == 400 and error_of(r)["param"] == "ref_text"
+    assert str(REF_TEXT_CHARS) in error_of(r)["message"]
+    assert counted == {"decoded": 0, "queued": 0}
+    r = _post(server, {"input": "Hello.", "ref_text": "€" * REF_TEXT_CHARS, "ref_audio": data_url(clip(), "audio/wav")})
+    assert r.status_code == 400 and "context of 2048" in error_of(r)["message"]
+    assert counted == {"decoded": 1, "queued": 0}  # the prompt's length is known once the clip is read
+    _sound(server)
+
+
+def test_frames_beyond_the_context_left_are_refused_and_by_default_fewer_are_made(server):
+    from mmcache.server.speech import SpeechSpec
+
+    service, ref = server.services["speech"], data_url(clip(), "audio/wav")
+    context = service.voice.context_length
+
+    def room(ref_text: str) -> int:
+        prompt = service.prepare(SpeechSpec("Hello.", ref_text, "wav", None, 0, None), ref)
+        return context - prompt.inputs["input_ids"].shape[-1]
+
+    euros = (room("") - 1) // 3  # "€" is three byte tokens: this leaves 1 to 3 positions
+    ref_text = next(t for t in ("€" * euros + "a" * extra for extra in range(3)) if 1 <= room(t) < FRAMES)
+    left = room(ref_text)
+    r = _post(server, {"input": "Hello.", "ref_text": ref_text, "ref_audio": ref, "max_new_tokens": left + 1})
+    assert r.status_code == 400 and error_of(r)["param"] == "max_new_tokens"
+    assert f"context of {context}" in error_of(r)["message"]
+    r = _post(server, {"input": "Hello.", "ref_text": ref_text, "ref_audio": ref, "response_format": "pcm"})
+    assert r.status_code == 200  # none asked for: as many frames as fit
+    frame = service.rate * 2 // 25  # Mimi: 12.5 frames a second, 2 bytes a PCM sample
+    assert 0 < len(r.content) <= left * frame * 2 < FRAMES * frame * 2
+    _sound(server)
+
+
+def test_a_tenant_at_its_share_gets_503_and_another_is_still_admitted(server, counted):
+    queue = server.services["speech"].queue
+    assert queue.owner_share == 1  # two keys share max_generation_waiting=2
+    answers = {}
+
+    def post(name, key):
+        answers[name] = _post(server, {"input": f"Line of {name}.", "ref_audio": data_url(clip(), "audio/wav")},
+                              key=key)
+
+    def wait_for(waiting):
+        for _ in range(2000):
+            if queue.waiting == waiting:
+                return
+            threading.Event().wait(0.01)
+        raise AssertionError(f"the queue never held {waiting} waiting jobs")
+
+    with Blocked(queue):
+        first_a = threading.Thread(target=post, args=("a1", KEYS[0]))
+        first_a.start()
+        wait_for(1)
+        second_a = _post(server, {"input": "Again.", "ref_audio": data_url(clip(), "audio/wav")}, key=KEYS[0])
+        assert second_a.status_code == 503 and "share" in error_of(second_a)["message"]
+        assert counted == {"decoded": 1, "queued": 1}  # tenant A's second request decoded nothing
+        first_b = threading.Thread(target=post, args=("b1", KEYS[1]))
+        first_b.start()
+        wait_for(2)
+    first_a.join(60)
+    first_b.join(60)
+    assert answers["a1"].status_code == answers["b1"].status_code == 200
+    assert counted == {"decoded": 2, "queued": 2}
     _sound(server)
 
 
@@ -217,11 +335,45 @@ def test_a_job_cancelled_while_it_runs_stops_at_its_next_frame(server):
     from mmcache.server.speech import SpeechSpec
 
     service = server.services["speech"]
-    reference = service.reference(data_url(clip(0.5, 16_000, 300.0), "audio/wav"))
     spec = SpeechSpec("Stop me.", REF_TEXT, "wav", FRAMES, 0, None)
-    frames = cancelled_from_a_hook(service.model.depth_decoder,
-                                   lambda job: service.render(spec, reference, b"", job))
+    prompt = service.prepare(spec, data_url(clip(0.5, 16_000, 300.0), "audio/wav"))
+    frames = cancelled_from_a_hook(service.model.depth_decoder, lambda job: service.render(prompt, b"", job))
     assert frames == service.model.config.num_codebooks - 1  # one frame's depth decoding of FRAMES
+    _sound(server)
+
+
+def test_a_job_cancelled_inside_its_prefill_stops_before_the_next_layer(server):
+    from mmcache.server.speech import SpeechSpec
+    from mmcache.server.workers import Job, JobCancelled
+
+    service, model = server.services["speech"], server.services["speech"].model
+    holds, queries = store_holds(server.store), _codec(server)[0]
+    spec = SpeechSpec("Stop me in the prefill.", "A long transcript to prefill. " * 30, "wav", FRAMES, 0, None)
+    prompt = service.prepare(spec, data_url(clip(1.5, 16_000, 200.0), "audio/wav"))
+    job, cancelled_at, ran_after = Job(lambda j: None), [], []
+
+    def cancel(module, args, output):  # the first backbone layer's first forward: the prefill
+        if not cancelled_at:
+            cancelled_at.append(args[0].shape[1])
+            job.cancel()
+
+    def count(module, args, output):
+        if job.cancelled.is_set():
+            ran_after.append(module)
+
+    later = [*model.backbone_model.layers[1:], model.backbone_model.norm, model.depth_decoder]
+    hooks = [model.backbone_model.layers[0].register_forward_hook(cancel)]
+    hooks += [m.register_forward_hook(count) for m in later]
+    try:
+        with pytest.raises(JobCancelled):
+            service.render(prompt, b"", job)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert cancelled_at == [prompt.inputs["input_ids"].shape[-1]]  # cancelled in the prefill of every position
+    assert ran_after == []  # no later layer ran: the prefill stopped within one layer
+    assert _codec(server)[0] == queries + 1  # the codec ran before the prefill...
+    assert store_holds(server.store) == holds == 0  # ...and its lease is back
     _sound(server)
 
 
@@ -231,3 +383,18 @@ def test_the_codec_entry_kind_is_checked(server):
 
     with pytest.raises(InvalidRequest, match="entry kind"):
         CachedCodecEncode(server.services["speech"].codec.codec, server.store, kind="")
+
+
+def test_the_ref_text_limit_is_an_option_and_checked():
+    from mmcache.cli import build_parser
+    from mmcache.server.cli import config_from_args
+    from mmcache.server.config import ServerConfigError
+
+    args = build_parser().parse_args(["serve", "--tts", MODEL, "--max-ref-text-chars", "300"])
+    assert config_from_args(args).max_ref_text_chars == 300
+    assert ServerConfig(tts=MODEL).max_ref_text_chars == 4096
+    for bad in (0, -1, 2.5, True, "300"):
+        with pytest.raises(ServerConfigError, match="max_ref_text_chars"):
+            ServerConfig(tts=MODEL, max_ref_text_chars=bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tts", MODEL, "--max-ref-text-chars", "0"])

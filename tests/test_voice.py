@@ -201,6 +201,34 @@ def test_channels_beyond_the_limit_are_refused_before_decoding():
 
 
 # ---- the codec through the store ----------------------------------------------------------------------
+def test_interruptible_checks_before_every_backbone_layer_and_leaves_no_hook(pipe):
+    layers = pipe.model.backbone_model.layers
+    hooks = [len(layer._forward_pre_hooks) for layer in layers]
+    prompt = pipe.processor(text=[voice_prompt("A reference.", "Hello.")], audio=[tone(0.5)], return_tensors="pt",
+                            sampling_rate=SAMPLING_RATE)
+    checks = []
+    with pipe.interruptible(lambda: checks.append(1)), torch.no_grad():
+        pipe.model.generate(**prompt, max_new_tokens=2, do_sample=False)
+    assert len(checks) == 2 * len(layers)  # the prefill's forward and the second frame's, each layer once
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    forwards = []
+    counter = layers[0].register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        with pytest.raises(Stop), pipe.interruptible(stop), torch.no_grad():
+            pipe.model.generate(**prompt, max_new_tokens=2, do_sample=False)
+    finally:
+        counter.remove()
+    assert forwards == []  # stopped before the prefill's first layer
+    assert [len(layer._forward_pre_hooks) for layer in layers] == hooks  # removed on every way out
+    assert pipe.context_length == pipe.model.config.max_position_embeddings == 2048
+
+
 def test_csm_outputs_are_bit_identical_and_each_reference_is_encoded_once(pipe, cases):
     # Four requests over two references, store off then on, through CSM's own generate.
     stream = [cases[0], cases[2], cases[1], cases[3]]

@@ -106,6 +106,7 @@ class ServerConfig:
     max_inference_steps: int = 50  # an image request's num_inference_steps
     negative_prompt: str = ""  # the deployment's negative prompt, for image requests that send none
     max_speech_chars: int = 4096  # characters of a speech request's input
+    max_ref_text_chars: int = 4096  # characters of a speech request's ref_text (the reference clip's transcript)
     max_speech_frames: int = 250  # audio frames a speech request generates at most (Mimi: 12.5 a second)
     max_ref_audio_seconds: float = 30.0  # a reference clip longer than this gets 413
     max_ref_audio_bytes: int = 16 * 2**20  # a reference clip beyond this (decoded payload) gets 413
@@ -137,7 +138,8 @@ class ServerConfig:
             raise ServerConfigError(f"max_waiting must be an int >= 0, got {self.max_waiting!r}")
         for name in ("store_bytes", "max_body_bytes", "max_image_bytes", "max_image_expansion", "max_images",
                      "max_cache_salt", "default_max_tokens", "retry_after_s", "max_images_per_request",
-                     "max_inference_steps", "max_speech_chars", "max_speech_frames", "max_ref_audio_bytes",
+                     "max_inference_steps", "max_speech_chars", "max_ref_text_chars", "max_speech_frames",
+                     "max_ref_audio_bytes",
                      "max_generation_waiting", "max_video_jobs", "max_video_bytes", "max_stop_chars"):
             if not positive_int(getattr(self, name)):
                 raise ServerConfigError(f"{name} must be a positive int, got {getattr(self, name)!r}")

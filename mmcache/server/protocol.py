@@ -106,7 +106,10 @@ class SpeechRequest(_Lenient):
     """``POST /v1/audio/speech``: ``input`` spoken in the voice of ``ref_audio`` (a data URL or base64 of a WAV,
     FLAC or OGG file) whose transcript is ``ref_text``. ``voice`` is accepted (OpenAI's clients send it) and not
     used: the voice is the reference clip's. Extensions: ``ref_audio``, ``ref_text``, ``seed``, ``temperature``
-    (None: the model's generation config; 0: greedy; above: sampling) and ``max_new_tokens`` (audio frames)."""
+    (None: the model's generation config; 0: greedy; above: sampling) and ``max_new_tokens`` (audio frames).
+    Numbers are JSON numbers of their type (no strings, no booleans), finite and within range: ``speed`` in
+    OpenAI's [0.25, 4], ``temperature`` in [0, 2], ``seed`` in [0, 2**63), ``max_new_tokens`` at least 1 (the
+    handler bounds it and ``speed`` further)."""
 
     model: str
     input: Annotated[str, Field(min_length=1)]
@@ -114,12 +117,12 @@ class SpeechRequest(_Lenient):
     ref_audio: str | None = None
     ref_text: str = ""
     response_format: str = "wav"
-    speed: float | None = None
+    speed: Annotated[float, Field(strict=True, ge=0.25, le=4.0, allow_inf_nan=False)] | None = None
     instructions: str | None = None
     stream_format: str | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=0, lt=2**63)] | None = None
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    max_new_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     cache_salt: str | None = None
 
 

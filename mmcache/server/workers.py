@@ -9,6 +9,8 @@ Rules and invariants:
   already, or when ``owner_share`` jobs of the same owner (a tenant's name) wait already; otherwise the job waits
   its turn. With shares that add up to at most ``max_waiting`` (``Tenants.share``), an owner within its share is
   never refused because of another's jobs. ``waiting`` counts jobs queued and not started, ``running`` is 0 or 1.
+  ``check_room`` raises the same ``QueueFull`` without queuing anything: an early check that saves a caller's
+  preparation, not a reservation (``submit`` checks again).
 * A job cancelled before it starts never runs (its future is cancelled). A running job sees ``job.cancelled``
   set: the work checks it between steps (``check``) and stops by raising ``JobCancelled``; whatever the work
   leased is released by the work's own ``finally`` blocks, in the worker thread.
@@ -98,6 +100,22 @@ class GenerationQueue:
             self._jobs.append(job)
             self._cond.notify()
         return job
+
+    def check_room(self, owner: str | None = None) -> None:
+        """Raise ``QueueFull`` when ``submit(work, owner)`` would be refused now (the queue or ``owner``'s share
+        full), so that a caller can refuse before costly preparation (a speech request's clip is decoded only
+        after this). The check saves that work and guarantees nothing: another submit may take the place before
+        this caller's, and ``submit`` checks again."""
+        with self._cond:
+            if self._closing:
+                raise QueueFull(f"the {self.name} queue is closing")
+            live = [j for j in self._jobs if not j.future.cancelled()]
+            if len(live) >= self.max_waiting:
+                raise QueueFull(f"{len(live)} {self.name} requests are waiting (the limit is {self.max_waiting})")
+            mine = sum(1 for j in live if j.owner == owner)
+            if self.owner_share is not None and mine >= self.owner_share:
+                raise QueueFull(f"{mine} {self.name} requests of this tenant are waiting (its share is "
+                                f"{self.owner_share})")
 
     def close(self) -> None:
         """Fail what waits (``JobCancelled``), stop the running job at its next step, join the thread."""
