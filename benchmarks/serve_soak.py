@@ -11,7 +11,12 @@ burst meet a full queue (503). Each request is drawn from a seeded generator as 
   of the response (while its images are encoded or its prompt computed);
 * ``completion``: ``/v1/completions`` with a text prompt;
 * ``malformed``: one of ``malformed_cases``, each with the status it must get (400, 401 or 404);
-* ``oversized``: a body or an image beyond the limits (413).
+* ``oversized``: a body or an image beyond the limits (413);
+* ``hostile``: one of ``hostile_cases``, work a small request would make the server do, each refused before
+  the work (a prompt's text beyond what the model's context holds, stop strings beyond their bound, an image
+  whose pixels expand far beyond its bytes, JSON nested past any sane depth, a sampling field out of range:
+  400 or 413), or a connection that sends half a request header or half a body, which the server must close
+  (``closed``) within its read deadlines (``HEADER_TIMEOUT_S``).
 
 Every request has an expected outcome; a 503 is accepted for any. At most ``--soak-concurrency`` requests are
 in flight and the whole soak stops at ``--time-limit`` (what is still running is cancelled, which closes its
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import io
 import json
 import sys
@@ -42,8 +48,10 @@ TENANTS = ("soak-key-a", "soak-key-b", "soak-key-c")
 SALTS = (None, "blue", "green")
 BODY_LIMIT = 1 << 20
 IMAGE_LIMIT = 64 << 10
-KINDS = {"chat": 0.3, "chat_once": 0.1, "cut": 0.2, "abandon": 0.05, "completion": 0.05, "malformed": 0.22,
-         "oversized": 0.08}
+KINDS = {"chat": 0.3, "chat_once": 0.1, "cut": 0.2, "abandon": 0.05, "completion": 0.05, "malformed": 0.17,
+         "oversized": 0.06, "hostile": 0.07}
+HEADER_TIMEOUT_S = 2.0  # the soak server's read deadlines (headers, and pauses within a body)
+CLOSED_WITHIN_S = 30.0  # a half-sent request's connection must be closed by the server within this
 MAX_ABANDON_S = 0.03  # an abandoned request is given up after a uniform draw from 0 to this
 BUSY = "503"  # accepted for every request: the waiting queue was full
 SMALL_IMAGES = 6
@@ -63,6 +71,7 @@ class Planned:
     body: object = None  # a dict (sent as JSON) or raw bytes
     cut_after: int | None = None
     abandon_after: float | None = None  # seconds after which the client gives up, whatever it has received
+    half_sent: bytes | None = None  # the start of a request sent on a raw connection, never finished
     stream: bool = True
     result: str | None = None
     detail: dict = field(default_factory=dict)
@@ -140,27 +149,61 @@ def oversized_cases(model: str, seed: int) -> list[tuple[str, int, str | None, o
     ]
 
 
+@functools.lru_cache(maxsize=2)
+def bomb_png(side: int = 7071) -> bytes:
+    """A 1-bit PNG of ``side`` x ``side`` pixels, nearly all white: a few KB that decode to ``side``**2 pixels."""
+    from PIL import Image
+
+    image = Image.new("1", (side, side), 1)
+    image.putpixel((side // 2, side // 3), 0)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def hostile_cases(model: str) -> list[tuple[str, int | str, str | None, object]]:
+    """``(case, status or "closed", api key, body or the bytes of a half-sent request)``."""
+    key = TENANTS[2]
+    ok = lambda **c: {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **c}
+    long_text = "a kite " * (BODY_LIMIT // 8)  # within the body limit, beyond what the context can hold
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nAuthorization: Bearer {key}\r\n"
+    return [
+        ("long_chat_text", 400, key, ok(messages=[{"role": "user", "content": long_text}])),
+        ("long_stop_strings", 400, key, ok(stop=["x" * 8000] * 8)),
+        ("image_bomb", 413, key, ok(messages=[{"role": "user", "content": [_url(bomb_png())]}])),
+        ("nested_json", 400, key, b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        ("huge_temperature", 400, key, ok(temperature=1e308)),
+        ("half_header", "closed", None, b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Le"),
+        ("half_body", "closed", key, (head + "Content-Type: application/json\r\nContent-Length: 4096\r\n\r\n"
+                                      '{"model": ').encode()),
+    ]
+
+
 def plan(n: int, model: str, seed: int) -> list[Planned]:
     """``n`` requests drawn from ``seed``: the same list every time."""
     from .vlm import questions
 
     rng = np.random.default_rng(seed)
     images, qs = small_images(SMALL_IMAGES, seed), questions()
-    bad, big = malformed_cases(model), oversized_cases(model, seed)
+    refusals = {"malformed": malformed_cases(model), "oversized": oversized_cases(model, seed),
+                "hostile": hostile_cases(model)}
     kinds, weights = list(KINDS), np.array(list(KINDS.values()))
     out = []
     for i in range(n):
         kind = kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))]
-        if kind in ("malformed", "oversized"):
-            out.append(_planned_refusal(rng, kind, bad if kind == "malformed" else big))
+        if kind in refusals:
+            out.append(_planned_refusal(rng, kind, refusals[kind]))
         else:
             out.append(_planned_request(rng, kind, model, images, qs))
     return out
 
 
 def _planned_refusal(rng, kind: str, cases: list) -> Planned:
-    """One of ``cases`` (malformed or oversized), drawn: the server must refuse it with its status."""
+    """One of ``cases`` (malformed, oversized or hostile), drawn: the server must refuse it with its status, or
+    close a half-sent request's connection."""
     case, status, key, body = cases[int(rng.integers(len(cases)))]
+    if status == "closed":
+        return Planned(kind, case, frozenset({"closed"}), key, half_sent=body)
     return Planned(kind, case, frozenset({str(status), BUSY}), key, body=body)
 
 
@@ -216,7 +259,10 @@ def _chat_messages(rng, images: list[bytes], qs: list[str]) -> list[dict]:
 # ---- sending ---------------------------------------------------------------------------------------------
 async def send(p: Planned, base_url: str, clients: dict, raw) -> None:
     """Send one planned request and set ``p.result`` to its outcome label."""
-    if p.kind in ("malformed", "oversized", "completion"):
+    if p.half_sent is not None:
+        p.result = await _half_send(p.half_sent, base_url)
+        return
+    if p.kind in ("malformed", "oversized", "hostile", "completion"):
         await _send_raw(p, base_url, raw)
         return
     record = loadgen.Record(0, 0, p.api_key or "", time.perf_counter())
@@ -250,6 +296,25 @@ async def _send_raw(p: Planned, base_url: str, raw) -> None:
         except (ValueError, KeyError, TypeError):
             p.detail = {"type": None, "body": reply.text[:200]}
             p.result += " (not an OpenAI error object)"
+
+
+async def _half_send(data: bytes, base_url: str) -> str:
+    """Send ``data`` on a new connection and wait: ``closed`` once the server closes it (within
+    ``CLOSED_WITHIN_S``), else ``held``."""
+    host, port = base_url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        try:
+            await asyncio.wait_for(reader.read(), CLOSED_WITHIN_S)  # b"" or what it sent, then EOF
+        except ConnectionError:
+            pass
+        except asyncio.TimeoutError:
+            return "held"
+        return "closed"
+    finally:
+        writer.close()
 
 
 async def drive(planned: list[Planned], base_url: str, concurrency: int, time_limit_s: float,
@@ -345,7 +410,8 @@ def soak(args, progress=_say_tenths) -> dict:
     concurrency = args.soak_concurrency
     preset = argparse.Namespace(**{**vars(args), "preset": args.soak_preset, "dtype": default_dtype(args.soak_preset)})
     config = server_config(preset, api_keys=TENANTS, max_body_bytes=BODY_LIMIT, max_image_bytes=IMAGE_LIMIT,
-                           max_waiting=max(1, concurrency - 2))
+                           max_waiting=max(1, concurrency - 2), header_timeout_s=HEADER_TIMEOUT_S,
+                           body_timeout_s=HEADER_TIMEOUT_S)
     planned = plan(args.soak, config.model_name, args.seed)
     from mmcache.presets import serve
 

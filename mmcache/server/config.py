@@ -3,8 +3,10 @@
 Invariants: at least one model is served: a chat model (at most one of ``preset`` and ``model``), diffusion
 pipelines (``diffusion``: at most one per task, text-to-image and text-to-video, checked when they are built) and
 a voice-cloning pipeline (``tts``); no two served models share a name. Every limit is a positive int (seconds a
-positive finite number); the host binds the loopback address unless told otherwise; ``port`` 0 asks for a free
-port. A bad value raises ``ServerConfigError`` before any model is built.
+positive finite number), or None where the server derives it from the served model (pixels of an image,
+characters of a prompt) or from the tenants (a tenant's part of the waiting queue); the host binds the loopback
+address unless told otherwise; ``port`` 0 asks for a free port. A bad value raises ``ServerConfigError`` before
+any model is built.
 """
 
 from __future__ import annotations

@@ -87,16 +87,8 @@ class GenerationQueue:
         ``owner_share`` of ``owner``'s."""
         job = Job(work, owner)
         with self._cond:
-            if self._closing:
-                raise QueueFull(f"the {self.name} queue is closing")
             self._jobs = deque(j for j in self._jobs if not j.future.cancelled())
-            if len(self._jobs) >= self.max_waiting:
-                raise QueueFull(f"{len(self._jobs)} {self.name} requests are waiting (the limit is "
-                                f"{self.max_waiting})")
-            mine = sum(1 for j in self._jobs if j.owner == owner)
-            if self.owner_share is not None and mine >= self.owner_share:
-                raise QueueFull(f"{mine} {self.name} requests of this tenant are waiting (its share is "
-                                f"{self.owner_share})")
+            self._refuse_if_full(owner)
             self._jobs.append(job)
             self._cond.notify()
         return job
@@ -107,15 +99,20 @@ class GenerationQueue:
         after this). The check saves that work and guarantees nothing: another submit may take the place before
         this caller's, and ``submit`` checks again."""
         with self._cond:
-            if self._closing:
-                raise QueueFull(f"the {self.name} queue is closing")
-            live = [j for j in self._jobs if not j.future.cancelled()]
-            if len(live) >= self.max_waiting:
-                raise QueueFull(f"{len(live)} {self.name} requests are waiting (the limit is {self.max_waiting})")
-            mine = sum(1 for j in live if j.owner == owner)
-            if self.owner_share is not None and mine >= self.owner_share:
-                raise QueueFull(f"{mine} {self.name} requests of this tenant are waiting (its share is "
-                                f"{self.owner_share})")
+            self._refuse_if_full(owner)
+
+    def _refuse_if_full(self, owner: str | None) -> None:
+        """Under the condition's lock: ``QueueFull`` when closing, or when the live jobs waiting fill the queue
+        or ``owner``'s share of it."""
+        if self._closing:
+            raise QueueFull(f"the {self.name} queue is closing")
+        live = [j for j in self._jobs if not j.future.cancelled()]
+        if len(live) >= self.max_waiting:
+            raise QueueFull(f"{len(live)} {self.name} requests are waiting (the limit is {self.max_waiting})")
+        mine = sum(1 for j in live if j.owner == owner)
+        if self.owner_share is not None and mine >= self.owner_share:
+            raise QueueFull(f"{mine} {self.name} requests of this tenant are waiting (its share is "
+                            f"{self.owner_share})")
 
     def close(self) -> None:
         """Fail what waits (``JobCancelled``), stop the running job at its next step, join the thread."""
