@@ -201,3 +201,121 @@ def test_metrics_can_be_put_behind_a_key(text_server):
     assert httpx.get(text_server.url + "/metrics", headers=A).status_code == 401  # a tenant's key is not it
     r = httpx.get(text_server.url + "/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"})
     assert r.status_code == 200 and "mmcache:request_errors_total" in r.text
+
+
+# ---- 3, 5, 6, 7, 8: the media and generation routes ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def media_server(one_thread):
+    config = ServerConfig(preset="tiny-llava", diffusion=("tiny-sd3", "tiny-wan"), tts="tiny-csm", api_keys=KEYS,
+                          store_bytes=64 * 2**20, image_sizes=("16x16",))
+    with serve(config) as srv:
+        yield srv
+    srv.host.engine.check_invariants()
+
+
+def _bombs(n: int) -> list[str]:
+    """``n`` distinct 1-bit PNGs of 7071x7071 pixels (a few KB each) as data URLs."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = []
+    for i in range(n):
+        image = Image.new("1", (7071, 7071), 1)
+        image.putpixel((i, i), 0)
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return out
+
+
+def test_image_bombs_are_refused_from_their_headers(media_server):
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in _bombs(2)]
+    body = {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    before = media_server.host.engine.metrics()["encoder"]
+
+    async def hostile(c):
+        return await c.post("/v1/chat/completions", headers=A, json=body)
+
+    bombed, health = asyncio.run(_beside(media_server, hostile))
+    assert bombed.status_code == 413 and health.status_code == 200
+    after = media_server.host.engine.metrics()["encoder"]
+    assert after["computes"] == before["computes"] and after["inserts"] == before["inserts"]  # no tower ran
+    assert after["requests_holding"] == 0
+    wait_quiet(media_server.host)
+
+
+def test_a_long_ref_text_is_refused_before_the_clip_is_decoded(media_server):
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(8000, dtype=np.float32), 16000, format="WAV")
+    body = {"model": "tiny-csm", "input": "Hello there.", "ref_text": "word " * 200_000,
+            "ref_audio": "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()}
+
+    async def hostile(c):
+        return await c.post("/v1/audio/speech", headers=A, json=body)
+
+    refused, health = asyncio.run(_beside(media_server, hostile))
+    assert refused.status_code == 400 and error_of(refused)["param"] == "ref_text"
+    assert health.status_code == 200 and media_server.services["speech"].queue.waiting == 0
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/images/generations", {"prompt": "a kite " * 600_000}, "prompt"),
+    ("/v1/images/generations", {"prompt": "a kite", "negative_prompt": "blur " * 10_000}, "negative_prompt"),
+    ("/v1/videos", {"prompt": "a kite " * 150_000}, "prompt"),
+    ("/v1/images/generations", {"prompt": "a kite", "guidance_scale": 1e308}, "guidance_scale"),
+    ("/v1/videos", {"prompt": "a kite", "guidance_scale": 1e308}, "guidance_scale"),
+])
+def test_generation_prompts_and_numbers_are_bounded(media_server, route, body, param):
+    async def hostile(c):
+        return await c.post(route, headers=A, json=body)
+
+    refused, health = asyncio.run(_beside(media_server, hostile))
+    assert refused.status_code == 400 and error_of(refused)["param"] == param
+    assert health.status_code == 200
+    assert httpx.get(media_server.url + "/v1/videos", headers=A).json()["data"] == []  # no job was made
+
+
+def test_deeply_nested_json_is_400_on_every_route(media_server):
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    routes = ("/v1/videos", "/v1/videos/sync", "/v1/images/generations", "/v1/audio/speech",
+              "/v1/chat/completions", "/v1/completions")
+
+    async def hostile(c):
+        return [await c.post(route, headers={**A, "Content-Type": "application/json"}, content=nested)
+                for route in routes]
+
+    answers, health = asyncio.run(_beside(media_server, hostile))
+    assert [r.status_code for r in answers] == [400] * len(routes)
+    assert {error_of(r)["code"] for r in answers} == {"invalid_json"} and health.status_code == 200
+
+
+# ---- the options ------------------------------------------------------------------------------------------------
+def test_the_hardening_options_reach_the_config_and_are_checked():
+    from mmcache.cli import build_parser
+    from mmcache.server.cli import config_from_args
+    from mmcache.server.config import ServerConfigError
+
+    args = build_parser().parse_args([
+        "serve", "--preset", "tiny", "--max-waiting-per-tenant", "3", "--max-prompt-chars", "5000",
+        "--max-stop-chars", "64", "--header-timeout", "2.5", "--body-timeout", "4", "--max-connections", "100",
+        "--metrics-key", "k"])
+    config = config_from_args(args)
+    assert (config.max_waiting_per_tenant, config.max_prompt_chars, config.max_stop_chars) == (3, 5000, 64)
+    assert (config.header_timeout_s, config.body_timeout_s, config.max_connections) == (2.5, 4.0, 100)
+    assert config.metrics_key == "k"
+    for bad in (dict(header_timeout_s=0), dict(body_timeout_s=float("inf")), dict(max_connections=0),
+                dict(max_stop_chars=0), dict(max_prompt_chars=0), dict(max_waiting_per_tenant=-1),
+                dict(metrics_key="")):
+        with pytest.raises(ServerConfigError):
+            ServerConfig(preset="tiny", **bad)
+    for option in ("--header-timeout", "--max-connections", "--max-stop-chars"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--preset", "tiny", option, "0"])

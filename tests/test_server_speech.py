@@ -390,8 +390,9 @@ def test_the_ref_text_limit_is_an_option_and_checked():
     from mmcache.server.cli import config_from_args
     from mmcache.server.config import ServerConfigError
 
-    args = build_parser().parse_args(["serve", "--tts", MODEL, "--max-ref-text-chars", "300"])
-    assert config_from_args(args).max_ref_text_chars == 300
+    args = build_parser().parse_args(["serve", "--tts", MODEL, "--max-ref-text-chars", "300",
+                                      "--max-speech-chars", "700"])
+    assert config_from_args(args).max_ref_text_chars == 300 and config_from_args(args).max_speech_chars == 700
     assert ServerConfig(tts=MODEL).max_ref_text_chars == 4096
     for bad in (0, -1, 2.5, True, "300"):
         with pytest.raises(ServerConfigError, match="max_ref_text_chars"):

@@ -129,6 +129,8 @@ def _add_generation_limits(g) -> None:
                    help="audio frames a speech request generates at most (default 250: 20 s of Mimi)")
     g.add_argument("--max-ref-audio-seconds", type=_seconds, default=30.0,
                    help="longest reference clip (default 30)")
+    g.add_argument("--max-speech-chars", type=count(), default=4096,
+                   help="characters of a speech request's input (default 4096)")
     g.add_argument("--max-ref-text-chars", type=count(), default=4096,
                    help="characters of a speech request's ref_text, the clip's transcript (default 4096)")
     g.add_argument("--max-generation-waiting", type=count(), default=16,
@@ -180,7 +182,7 @@ def config_from_args(args: argparse.Namespace):
                         negative_prompt=args.negative_prompt, max_inference_steps=args.max_inference_steps,
                         max_images_per_request=args.max_images_per_request,
                         max_speech_frames=args.max_speech_frames, max_ref_audio_seconds=args.max_ref_audio_seconds,
-                        max_ref_text_chars=args.max_ref_text_chars,
+                        max_speech_chars=args.max_speech_chars, max_ref_text_chars=args.max_ref_text_chars,
                         max_generation_waiting=args.max_generation_waiting)
 
 
