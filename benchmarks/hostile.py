@@ -509,8 +509,11 @@ def machine() -> dict:
 
 
 def commit_of(tree: Path) -> str:
-    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    """The tree's commit, ``+dirty`` where tracked files differ from it (a working tree with fixes in progress)."""
+    git = ["git", "-C", str(tree)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return (head or "unknown") + ("+dirty" if changed.stdout.strip() else "")
 
 
 def run(tree: Path, names: list[str], quick: bool = False, cap_s: float = 120.0,
