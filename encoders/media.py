@@ -3,7 +3,7 @@
 A request names an image by raw bytes, a file path (or ``file://`` URL) or a data URL
 (``data:image/png;base64,...``). ``read_image`` turns any of them into a ``RawImage``: the encoded file exactly
 as the user sent it (for a data URL, its decoded payload), which is what the media digest is taken over
-(DESIGN.md, "Media digest"). ``decode_image`` turns a ``RawImage`` into pixels.
+(docs/DESIGN.md, "Digests and salts"). ``decode_image`` turns a ``RawImage`` into pixels.
 
 Invariants:
 
