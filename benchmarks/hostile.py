@@ -63,7 +63,8 @@ class Sizes:
     streams: int = 4
     stop_strings: int = 8
     stop_chars: int = 8000
-    stream_tokens: int = 64
+    allowed_stop_chars: int = 256  # the longest stop string the hardened server takes
+    stream_tokens: int = 256
     bombs: int = 16
     bomb_side: int = 7071
     half_connections: int = 2000
@@ -308,7 +309,16 @@ def stop_strings_baseline(srv: Server, sizes: Sizes, cap_s: float) -> dict:
 
 
 def stop_strings(srv: Server, sizes: Sizes, cap_s: float) -> dict:
-    stops = [words(sizes.stop_chars, seed=1 + k) for k in range(sizes.stop_strings)]
+    return _streams_with_stops(srv, sizes, sizes.stop_chars, cap_s)
+
+
+def allowed_stop_strings(srv: Server, sizes: Sizes, cap_s: float) -> dict:
+    """Stop strings of the longest length both servers take: the per-token check itself, before and after."""
+    return _streams_with_stops(srv, sizes, sizes.allowed_stop_chars, cap_s)
+
+
+def _streams_with_stops(srv: Server, sizes: Sizes, stop_chars: int, cap_s: float) -> dict:
+    stops = [words(stop_chars, seed=1 + k) for k in range(sizes.stop_strings)]
     body = _stream_body(sizes.stream_tokens, stops)
     with ThreadPoolExecutor(sizes.streams + 1) as pool:
         streams = [pool.submit(streamed, srv.url + "/v1/completions", body, cap_s) for _ in range(sizes.streams)]
@@ -473,6 +483,7 @@ class Case:
 CASES = {
     "long_prompt": Case(("--preset", "tiny"), long_prompt),
     "stop_strings": Case(("--preset", "tiny"), stop_strings, stop_strings_baseline),
+    "allowed_stop_strings": Case(("--preset", "tiny"), allowed_stop_strings, stop_strings_baseline),
     "image_bombs": Case(("--preset", "tiny-llava"), image_bombs),
     "half_headers": Case(("--preset", "tiny"), half_headers),
     "long_ref_text": Case(("--tts", "tiny-csm"), long_ref_text, long_ref_text_baseline),
