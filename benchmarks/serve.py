@@ -338,7 +338,7 @@ def in_process_turn(front, messages: list, args, salt: str) -> dict:
     the server's own ``TextAssembler``), and to the finished event."""
     from mmcache.engine import SamplingParams
     from mmcache.hosts.vlm import VLMRequest
-    from mmcache.server.generation import TextAssembler
+    from mmcache.server.text_output import TextAssembler
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     text = TextAssembler(front.engine.tokenizer, [])

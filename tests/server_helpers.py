@@ -79,7 +79,7 @@ def cancelled_from_a_hook(module, render) -> int:
     the render must raise ``JobCancelled``. Returns how many forwards of ``module`` ran."""
     import pytest
 
-    from mmcache.server.workers import Job, JobCancelled
+    from mmcache.server.job_queue import Job, JobCancelled
 
     job, calls = Job(lambda j: None), []
 

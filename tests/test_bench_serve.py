@@ -158,7 +158,7 @@ def test_held_after_sees_a_live_request_and_its_leases():
     from mmcache.engine import EngineConfig, SamplingParams
     from mmcache.hosts.vlm import VLMRequest
     from mmcache.presets import vlm_from_preset
-    from mmcache.server.runner import EngineHost
+    from mmcache.server.engine_host import EngineHost
 
     front = vlm_from_preset("tiny-llava", EngineConfig(page_size=16, num_pages=64))
     host = EngineHost(front)  # not started: this test steps the engine itself

@@ -3,8 +3,8 @@
 
 import pytest
 
-from mmcache.server.runner import QueueFull
-from mmcache.server.workers import GenerationQueue
+from mmcache.server.engine_host import QueueFull
+from mmcache.server.job_queue import GenerationQueue
 from server_helpers import Blocked
 
 

@@ -18,7 +18,7 @@ from mmcache.presets.diffusion import tiny_sd3_pipeline
 from mmcache.presets import serve
 from mmcache.server import ServerConfig, ServerConfigError
 from mmcache.server.images import ImageSpec, NonFiniteOutput
-from mmcache.server.workers import JobCancelled
+from mmcache.server.job_queue import JobCancelled
 from server_helpers import Blocked, cancelled_from_a_hook, data_url, error_of, metric, scrape, store_holds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -355,8 +355,8 @@ def test_entry_kinds_are_checked(server):
 def test_closing_a_queue_fails_what_waits_and_stops_what_runs():
     import threading
 
-    from mmcache.server.runner import QueueFull
-    from mmcache.server.workers import GenerationQueue
+    from mmcache.server.engine_host import QueueFull
+    from mmcache.server.job_queue import GenerationQueue
 
     queue = GenerationQueue("test", 2)
     gate, started = threading.Event(), threading.Event()

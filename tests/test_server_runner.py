@@ -11,8 +11,8 @@ import pytest
 from mmcache.engine.config import EngineConfig
 from mmcache.engine.request import Request, SamplingParams
 from mmcache.presets import engine_from_preset
-from mmcache.server.generation import Generation
-from mmcache.server.runner import AddFailed, EngineHost, QueueFull
+from mmcache.server.text_output import Generation
+from mmcache.server.engine_host import AddFailed, EngineHost, QueueFull
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

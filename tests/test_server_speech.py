@@ -344,7 +344,7 @@ def test_a_job_cancelled_while_it_runs_stops_at_its_next_frame(server):
 
 def test_a_job_cancelled_inside_its_prefill_stops_before_the_next_layer(server):
     from mmcache.server.speech import SpeechSpec
-    from mmcache.server.workers import Job, JobCancelled
+    from mmcache.server.job_queue import Job, JobCancelled
 
     service, model = server.services["speech"], server.services["speech"].model
     holds, queries = store_holds(server.store), _codec(server)[0]

@@ -9,7 +9,7 @@ from mmcache.presets.text import build_model
 from mmcache.errors import InvalidRequest, MediaDecodeError
 from mmcache.server import ServerConfig
 from mmcache.server.errors import APIError, from_engine_error
-from mmcache.server.generation import TextAssembler
+from mmcache.server.text_output import TextAssembler
 from mmcache.server.prompts import PlainChatTemplate, PromptMaker
 from mmcache.server.protocol import ChatCompletionRequest, CompletionRequest
 from mmcache.server.tenants import ANONYMOUS, Tenants
@@ -172,7 +172,7 @@ def test_prefix_cache_counters_count_new_requests_and_re_admissions_apart():
 
     from mmcache.engine import Engine, EngineConfig, SamplingParams
     from mmcache.server.metrics import ServerMetrics
-    from mmcache.server.runner import EngineHost
+    from mmcache.server.engine_host import EngineHost
 
     torch.set_num_threads(1)
     model, tok = build_model("tiny", "float32")
@@ -202,7 +202,7 @@ def test_a_pool_with_reuse_off_is_said_at_start_and_in_the_metrics(dtype, mode, 
     from mmcache.engine import Engine, EngineConfig
     from mmcache.server.cli import reuse_off_reasons
     from mmcache.server.metrics import ServerMetrics
-    from mmcache.server.runner import EngineHost
+    from mmcache.server.engine_host import EngineHost
 
     torch.set_num_threads(1)
     model, tok = build_model("tiny", dtype)

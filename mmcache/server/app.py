@@ -32,12 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .errors import APIError, from_engine_error, internal, overloaded, route_not_found, unauthorized
-from .generation import Generation
+from .text_output import Generation
 from .intake import ClientGone, Intake, from_validation, unless_disconnected
 from .metrics import ServerMetrics
 from .prompts import PromptMaker, check_supported, stop_strings
 from .protocol import ChatCompletionRequest, CompletionRequest, model_card, now, usage
-from .runner import EngineHost, QueueFull
+from .engine_host import EngineHost, QueueFull
 from .tenants import Tenants, metrics_key_matches
 
 

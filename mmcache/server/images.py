@@ -41,7 +41,7 @@ from .config import ServerConfigError, parse_size
 from .errors import APIError, bad_request
 from .intake import run_job
 from .protocol import ImageGenerationRequest, now
-from .workers import GenerationQueue, Job
+from .job_queue import GenerationQueue, Job
 
 TEXT_ENCODER_KIND = "text_encoder"
 NEGATIVE_KIND = "negative_prompt"

@@ -16,9 +16,9 @@ from pydantic_core import from_json
 
 from ..errors import InvalidRequest
 from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
-from .runner import QueueFull
+from .engine_host import QueueFull
 from .tenants import Tenant, Tenants
-from .workers import JobCancelled
+from .job_queue import JobCancelled
 
 
 class ClientGone(Exception):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from .config import ServerConfig, ServerConfigError, source_name
 from .connections import guarded_protocol, raise_fd_limit
-from .runner import EngineHost
+from .engine_host import EngineHost
 
 _START_TIMEOUT_S = 60
 IMAGES, VIDEOS, SPEECH = "images", "videos", "speech"

@@ -53,8 +53,8 @@ from ..errors import InvalidRequest, MediaDecodeError
 from .errors import bad_request, beyond_limits, overloaded, too_large
 from .intake import run_job
 from .protocol import SpeechRequest
-from .runner import QueueFull
-from .workers import GenerationQueue, Job
+from .engine_host import QueueFull
+from .job_queue import GenerationQueue, Job
 
 CODEC_KIND = "codec"
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}

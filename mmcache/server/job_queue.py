@@ -27,7 +27,7 @@ from collections import deque
 from typing import Callable
 
 from ..errors import MmcacheError
-from .runner import QueueFull
+from .engine_host import QueueFull
 
 
 class JobCancelled(MmcacheError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 
 from ..engine.request import RequestOutput, StreamEvent
-from .runner import AddFailed
+from .engine_host import AddFailed
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
