@@ -60,7 +60,7 @@ def _metrics(srv) -> list:
 
 # ---- 1. text is refused by its length before any tokenizer runs, and tokenized off the event loop --------------
 def test_a_huge_prompt_is_refused_before_tokenizing(text_server, monkeypatch):
-    prompts = text_server.app.state.api.prompts
+    prompts = text_server.app.state.api.chat.prompts
     built = []
     monkeypatch.setattr(prompts, "completion", lambda *a: built.append(a))
     monkeypatch.setattr(prompts, "chat", lambda *a: built.append(a))
@@ -80,7 +80,7 @@ def test_a_huge_prompt_is_refused_before_tokenizing(text_server, monkeypatch):
 
 
 def test_prompts_are_tokenized_on_the_prompt_thread(text_server, monkeypatch):
-    prompts = text_server.app.state.api.prompts
+    prompts = text_server.app.state.api.chat.prompts
     threads = []
     encode = type(prompts.encoder).__call__
 

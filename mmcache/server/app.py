@@ -1,7 +1,5 @@
-"""The FastAPI application: OpenAI-compatible routes over one ``EngineHost`` and the generation services.
-
-Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (with a chat model), the routers of the image,
-speech and video services (``images.image_router``, ``speech.speech_router``, ``videos``), ``GET /v1/models``
+"""The FastAPI application, assembled: error handlers, the routers of the chat routes (``chat``, with a chat
+model) and of the image, speech and video services (``images``, ``speech``, ``videos``), ``GET /v1/models``
 (these need an API key when keys are configured), ``GET /health`` (200 while the step loop and every generation
 queue run), ``GET /metrics`` (Prometheus text; open, as vLLM's is, unless ``metrics_key`` is set: it shows every
 tenant's volume together, never a key, a prompt or an output).
@@ -9,35 +7,25 @@ tenant's volume together, never a key, a prompt or an output).
 Rules:
 
 * A request is checked in this order: key (401), body size (413), JSON (400), fields (400, naming the field),
-  model (404), unsupported options (400), images (400 / 413), waiting queue (503 with ``Retry-After``). The
-  engine's own refusal of a request (bad image, prompt too long) arrives as its first event, before any byte
-  of the response is sent, so a streamed request gets a proper error status too.
+  model (404) (``intake``), then what its route checks (``chat``, ``images``, ``speech``, ``videos``).
 * Every error, including FastAPI's and pydantic's own and unknown routes, is an OpenAI error object, and is
   counted in ``mmcache:request_errors_total`` by its code.
-* A client that goes away aborts its request: a non-streamed handler watches for the disconnect while it
-  waits, a streamed one aborts when its response ends for any reason.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from .errors import APIError, from_engine_error, internal, overloaded, route_not_found, unauthorized
-from .text_output import Generation
-from .intake import ClientGone, Intake, from_validation, unless_disconnected
+from .chat import ChatRoutes
+from .engine_host import EngineHost
+from .errors import APIError, internal, route_not_found, unauthorized
+from .intake import Intake, from_validation
 from .metrics import ServerMetrics
-from .prompts import PromptMaker, check_supported, stop_strings
-from .protocol import ChatCompletionRequest, CompletionRequest, model_card, now, usage
-from .engine_host import EngineHost, QueueFull
+from .protocol import model_card, now
 from .tenants import Tenants, metrics_key_matches
 
 
@@ -67,9 +55,8 @@ def build_app(host: EngineHost | None, config, tenants: Tenants, metrics: Server
     async def _unexpected(request: Request, err: Exception):
         return api.error_response(internal(f"{type(err).__name__}: {err}"))
 
-    if host is not None:
-        app.post("/v1/chat/completions")(api.chat)
-        app.post("/v1/completions")(api.completions)
+    if api.chat is not None:
+        app.include_router(api.chat.router())
     for router in routers:
         app.include_router(router)
     app.get("/v1/models")(api.models)
@@ -82,43 +69,15 @@ class _Api:
     def __init__(self, host: EngineHost | None, config, tenants: Tenants, metrics: ServerMetrics, services=()):
         self.host = host
         self.config = config
-        self.tenants = tenants
         self.metrics = metrics
         self.services = list(services)
         self.intake = Intake(config, tenants)
-        self.prompts = PromptMaker(host, config) if host is not None else None
+        self.chat = ChatRoutes(host, config, self.intake, metrics) if host is not None else None
         self.created = now()
 
-    # ---- errors -------------------------------------------------------------------------------------
     def error_response(self, err: APIError) -> JSONResponse:
         self.metrics.error(err.code or err.type)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    # ---- checks -------------------------------------------------------------------------------------
-    async def _body(self, request: Request, model):
-        """The tenant, its salt and the checked request body."""
-        tenant = self.intake.tenant(request)
-        req = await self.intake.body(request, model, self.config.chat_model_name)
-        salt = self.intake.salt(tenant, req.cache_salt)
-        check_supported(req)
-        return tenant, salt, req
-
-    # ---- routes -------------------------------------------------------------------------------------
-    async def chat(self, request: Request):
-        arrival = time.perf_counter()
-        tenant, salt, req = await self._body(request, ChatCompletionRequest)
-        stops = stop_strings(req, self.config.max_stop_chars)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_request = await self.prompts.build(self.prompts.chat, req, rid, salt, arrival)
-        return await self._run(request, req, rid, engine_request, stops, tenant.name, chat=True)
-
-    async def completions(self, request: Request):
-        arrival = time.perf_counter()
-        tenant, salt, req = await self._body(request, CompletionRequest)
-        stops = stop_strings(req, self.config.max_stop_chars)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        engine_request = await self.prompts.build(self.prompts.completion, req, rid, salt, arrival)
-        return await self._run(request, req, rid, engine_request, stops, tenant.name, chat=False)
 
     async def models(self, request: Request):
         self.intake.tenant(request)
@@ -146,123 +105,5 @@ class _Api:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def close(self) -> None:
-        if self.prompts is not None:
-            self.prompts.close()
-
-    # ---- running a request --------------------------------------------------------------------------
-    async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], owner: str,
-                   chat: bool):
-        try:
-            queue = self.host.submit(engine_request, owner)
-        except QueueFull as e:
-            raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
-        gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)
-        try:
-            first = await unless_disconnected(request, gen.first())
-            if first.finished and first.finish_reason == "error":
-                raise from_engine_error(first.output.error, "messages" if chat else "prompt")
-            if req.stream:
-                shape = _ChatChunks(rid, req, self.config.chat_model_name) if chat else \
-                    _CompletionChunks(rid, req, self.config.chat_model_name)
-                return _Stream(self._sse(gen, shape, req), gen.close)
-            await unless_disconnected(request, gen.text())
-        except ClientGone:
-            gen.close()
-            return Response(status_code=499)
-        except BaseException:
-            gen.close()
-            raise
-        if gen.error is not None:
-            raise from_engine_error(gen.error)
-        return JSONResponse(self._whole(gen, req, rid, chat))
-
-    def _whole(self, gen: Generation, req, rid: str, chat: bool) -> dict:
-        out = gen.output
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": gen.assembler.text}
-        else:
-            choice["text"] = gen.assembler.text
-        if req.return_token_ids:
-            choice["token_ids"] = list(out.output_ids)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": self.config.chat_model_name, "choices": [choice],
-                "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)}
-
-    async def _sse(self, gen: Generation, shape, req):
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head = shape.head()
-        if head is not None:
-            yield _event(shape.chunk(head, None, include_usage))
-        async for delta in gen.deltas():
-            yield _event(shape.chunk(shape.delta(delta), None, include_usage))
-        if gen.error is not None:
-            err = from_engine_error(gen.error)
-            self.metrics.error(err.code or err.type)
-            yield _event(err.body())
-        else:
-            out = gen.output
-            last = shape.chunk(shape.delta(None), gen.finish_reason, include_usage)
-            if req.return_token_ids:
-                last["choices"][0]["token_ids"] = list(out.output_ids)
-            yield _event(last)
-            if include_usage:
-                yield _event({**shape.chunk(None, None, False), "choices": [],
-                              "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)})
-        yield "data: [DONE]\n\n"
-
-
-class _ChatChunks:
-    def __init__(self, rid: str, req, model: str):
-        self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
-
-    def head(self):
-        return {"role": "assistant", "content": ""}
-
-    def delta(self, text: str | None) -> dict:
-        return {} if text is None else {"content": text}
-
-    def chunk(self, delta, finish_reason, include_usage: bool) -> dict:
-        out = {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish_reason}]}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-
-class _CompletionChunks(_ChatChunks):
-    def __init__(self, rid: str, req, model: str):
-        self.base = {"id": rid, "object": "text_completion", "created": now(), "model": model}
-
-    def head(self):
-        return None
-
-    def delta(self, text: str | None) -> str:
-        return text or ""
-
-    def chunk(self, text, finish_reason, include_usage: bool) -> dict:
-        out = {**self.base, "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                         "finish_reason": finish_reason}]}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-
-class _Stream(StreamingResponse):
-    """A server-sent-event response that aborts its request however the response ends."""
-
-    def __init__(self, body, on_close):
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        except ClientDisconnect:  # the client closed the stream: its request is aborted below
-            pass
-        finally:
-            self._on_close()
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+        if self.chat is not None:
+            self.chat.close()

@@ -1,0 +1,192 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: a chat model's routes over one ``EngineHost``, whole
+and streamed (server-sent events in OpenAI's chunk shapes).
+
+A request's way: ``intake`` (key, body, salt) -> ``prompts`` (an engine request, built on the prompt thread) ->
+``engine_host`` (queued to the step thread; events back on an asyncio queue) -> ``text_output`` (events to text
+deltas, stop strings) -> the response here.
+
+Rules:
+
+* After the checks every route shares (``intake``): unsupported options (400), images (400 / 413), the host's
+  waiting queue (503 with ``Retry-After``). The engine's own refusal of a request (bad image, prompt too long)
+  arrives as its first event, before any byte of the response is sent, so a streamed request gets a proper
+  error status too; an engine error after that ends the stream with an error object, counted in
+  ``mmcache:request_errors_total``.
+* A client that goes away aborts its request: a non-streamed handler watches for the disconnect while it waits
+  (499), a streamed one aborts when its response ends for any reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from .engine_host import EngineHost, QueueFull
+from .errors import from_engine_error, overloaded
+from .intake import ClientGone, Intake, unless_disconnected
+from .prompts import PromptMaker, check_supported, stop_strings
+from .protocol import ChatCompletionRequest, CompletionRequest, now, usage
+from .text_output import Generation
+
+
+class ChatRoutes:
+    """The two routes over ``host``, read through ``intake``; ``close`` ends the prompt thread."""
+
+    def __init__(self, host: EngineHost, config, intake: Intake, metrics):
+        self.host = host
+        self.config = config
+        self.intake = intake
+        self.metrics = metrics
+        self.prompts = PromptMaker(host, config)
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        router.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        return router
+
+    async def chat(self, request: Request):
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    def close(self) -> None:
+        self.prompts.close()
+
+    async def _serve(self, request: Request, body_model, chat: bool):
+        arrival = time.perf_counter()
+        tenant = self.intake.tenant(request)
+        req = await self.intake.body(request, body_model, self.config.chat_model_name)
+        salt = self.intake.salt(tenant, req.cache_salt)
+        check_supported(req)
+        stops = stop_strings(req, self.config.max_stop_chars)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        make = self.prompts.chat if chat else self.prompts.completion
+        engine_request = await self.prompts.build(make, req, rid, salt, arrival)
+        return await self._run(request, req, rid, engine_request, stops, tenant.name, chat)
+
+    async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], owner: str,
+                   chat: bool):
+        try:
+            queue = self.host.submit(engine_request, owner)
+        except QueueFull as e:
+            raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
+        gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)
+        try:
+            first = await unless_disconnected(request, gen.first())
+            if first.finished and first.finish_reason == "error":
+                raise from_engine_error(first.output.error, "messages" if chat else "prompt")
+            if req.stream:
+                shape = (_ChatChunks if chat else _CompletionChunks)(rid, self.config.chat_model_name)
+                return _Stream(self._sse(gen, shape, req), gen.close)
+            await unless_disconnected(request, gen.text())
+        except ClientGone:
+            gen.close()
+            return Response(status_code=499)
+        except BaseException:
+            gen.close()
+            raise
+        if gen.error is not None:
+            raise from_engine_error(gen.error)
+        return JSONResponse(self._whole(gen, req, rid, chat))
+
+    def _whole(self, gen: Generation, req, rid: str, chat: bool) -> dict:
+        out = gen.output
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": gen.assembler.text}
+        else:
+            choice["text"] = gen.assembler.text
+        if req.return_token_ids:
+            choice["token_ids"] = list(out.output_ids)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": self.config.chat_model_name, "choices": [choice],
+                "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)}
+
+    async def _sse(self, gen: Generation, shape, req):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = shape.head()
+        if head is not None:
+            yield _event(shape.chunk(head, None, include_usage))
+        async for delta in gen.deltas():
+            yield _event(shape.chunk(shape.delta(delta), None, include_usage))
+        if gen.error is not None:
+            err = from_engine_error(gen.error)
+            self.metrics.error(err.code or err.type)
+            yield _event(err.body())
+        else:
+            out = gen.output
+            last = shape.chunk(shape.delta(None), gen.finish_reason, include_usage)
+            if req.return_token_ids:
+                last["choices"][0]["token_ids"] = list(out.output_ids)
+            yield _event(last)
+            if include_usage:
+                yield _event({**shape.chunk(None, None, False), "choices": [],
+                              "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)})
+        yield "data: [DONE]\n\n"
+
+
+class _ChatChunks:
+    """``chat.completion.chunk`` events: a head with the role, then ``delta`` objects."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: str):
+        self.base = {"id": rid, "object": self.object, "created": now(), "model": model}
+
+    def head(self):
+        return {"role": "assistant", "content": ""}
+
+    def delta(self, text: str | None):
+        return {} if text is None else {"content": text}
+
+    def choice(self, delta) -> dict:
+        return {"delta": delta}
+
+    def chunk(self, delta, finish_reason, include_usage: bool) -> dict:
+        out = {**self.base, "choices": [{"index": 0, **self.choice(delta), "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+
+class _CompletionChunks(_ChatChunks):
+    """``text_completion`` events: no head, the text itself in each choice."""
+
+    object = "text_completion"
+
+    def head(self):
+        return None
+
+    def delta(self, text: str | None):
+        return text or ""
+
+    def choice(self, text) -> dict:
+        return {"text": text or ""}
+
+
+class _Stream(StreamingResponse):
+    """A server-sent-event response that aborts its request however the response ends."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # the client closed the stream: its request is aborted below
+            pass
+        finally:
+            self._on_close()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
