@@ -20,13 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
+from mmcache.server.config import ServerConfig
 from mmcache.server.errors import APIError
+from mmcache.server.intake import Intake
 from mmcache.server.tenants import Tenants
 from mmcache.server.video_jobs import COMPLETED, FAILED, JobsFull, VideoJobs
 from mmcache.server.video_mp4 import Mp4Error, Mp4Settings, default_codec, encode_mp4, to_uint8
 from mmcache.server.images import NonFiniteOutput
 from mmcache.server.video_render import JOB_OBJECT_BYTES, VideoSpec, WanRenderer
-from mmcache.server.videos import VideoLimits, video_router
+from mmcache.server.videos import VideoLimits, VideoService, video_router
 from server_helpers import error_of, metric, scrape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,8 +65,10 @@ class _Served:
         self.sock.close()
 
 
-def _app(jobs: VideoJobs, limits: VideoLimits = LIMITS, **kw) -> tuple[FastAPI, CollectorRegistry]:
-    """The router on a bare app with the server's APIError handling and a /metrics route."""
+def _app(jobs: VideoJobs, limits: VideoLimits = LIMITS, max_body_bytes: int = 64 * 2**20) -> tuple[FastAPI,
+                                                                                              CollectorRegistry]:
+    """The router on a bare app with the server's APIError handling and a /metrics route; the server's intake with
+    ``max_body_bytes`` and its defaults otherwise."""
     registry = CollectorRegistry(auto_describe=False)
     app = FastAPI()
     errors = []
@@ -78,8 +82,8 @@ def _app(jobs: VideoJobs, limits: VideoLimits = LIMITS, **kw) -> tuple[FastAPI, 
     async def _metrics():
         return Response(generate_latest(registry))
 
-    app.include_router(video_router(jobs, Tenants(KEYS, b"s" * 32), registry, model_name=MODEL, limits=limits,
-                                    **kw))
+    intake = Intake(ServerConfig(diffusion=[MODEL], max_body_bytes=max_body_bytes), Tenants(KEYS, b"s" * 32))
+    app.include_router(video_router(VideoService(MODEL, jobs, limits), intake, registry))
     app.state.errors = errors
     return app, registry
 

@@ -61,9 +61,7 @@ class ChatRoutes:
 
     async def _serve(self, request: Request, body_model, chat: bool):
         arrival = time.perf_counter()
-        tenant = self.intake.tenant(request)
-        req = await self.intake.body(request, body_model, self.config.chat_model_name)
-        salt = self.intake.salt(tenant, req.cache_salt)
+        tenant, req, salt = await self.intake.read(request, body_model, self.config.chat_model_name)
         check_supported(req)
         stops = stop_strings(req, self.config.max_stop_chars)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

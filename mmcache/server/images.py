@@ -206,9 +206,7 @@ def image_router(service: ImageService, intake, metrics) -> APIRouter:
     @router.post("/v1/images/generations")
     async def generations(request: Request):
         with metrics.timed("images", service.name) as outcome:
-            tenant = intake.tenant(request)
-            req = await intake.body(request, ImageGenerationRequest, service.name, model_required=False)
-            salt = intake.salt(tenant, req.cache_salt)
+            tenant, req, salt = await intake.read(request, ImageGenerationRequest, service.name, model_required=False)
             spec = service.check(req)
             try:
                 pngs = await run_job(request, lambda: service.submit(spec, salt, tenant.name),

@@ -47,6 +47,13 @@ class Intake:
             raise model_not_found(req.model, served)
         return req
 
+    async def read(self, request: Request, model, served: str, model_required: bool = True):
+        """The checks in their order (module docstring): the tenant, the body validated as ``model`` (for the
+        model named ``served``, as ``body``) and the salt of its store entries."""
+        tenant = self.tenant(request)
+        req = await self.body(request, model, served, model_required)
+        return tenant, req, self.salt(tenant, req.cache_salt)
+
     def salt(self, tenant: Tenant, cache_salt: str | None) -> bytes:
         if cache_salt is not None and len(cache_salt) > self.config.max_cache_salt:
             raise bad_request(f"cache_salt is longer than {self.config.max_cache_salt} characters", "cache_salt")

@@ -57,7 +57,8 @@ class RunningServer:
     """A started server: ``url`` (``http://HOST:PORT``), ``base_url`` (``url + "/v1"``, for OpenAI clients),
     ``host`` (the ``EngineHost``, None without a chat model; ``host.engine`` is the engine), ``app``,
     ``metrics``, ``store`` (the shared encoder-output store, or None) and ``services`` (task -> service:
-    ``images`` an ``ImageService``, ``speech`` a ``SpeechService``, ``videos`` a ``VideoService``)."""
+    ``images`` an ``images.ImageService``, ``speech`` a ``speech.SpeechService``, ``videos`` a
+    ``videos.VideoService``)."""
 
     url: str
     base_url: str
@@ -67,22 +68,6 @@ class RunningServer:
     config: ServerConfig
     store: object = None
     services: dict = field(default_factory=dict)
-
-
-@dataclass
-class VideoService:
-    """The video jobs of a Wan pipeline, as /v1/models and /health see them."""
-
-    name: str
-    jobs: object  # a video_jobs.VideoJobs
-    task: str = "videos"
-
-    @property
-    def alive(self) -> bool:
-        return self.jobs.alive
-
-    def close(self) -> None:
-        self.jobs.close()
 
 
 def build_services(config: ServerConfig, pipelines: list, store, tenants, metrics) -> tuple[dict, list]:
@@ -106,45 +91,35 @@ def build_services(config: ServerConfig, pipelines: list, store, tenants, metric
 
 def _images(pipe, store, config, source, tenants, metrics):
     from .images import ImageService, image_router
-    from .intake import Intake
 
-    name = source_name(source)
-    service = ImageService(pipe, store, config, name, tenants.share(config.max_generation_waiting))
-    metrics.watch_queue("images", name, service.queue)
-    return service, image_router(service, Intake(config, tenants), metrics)
+    service = ImageService(pipe, store, config, source_name(source), tenants.share(config.max_generation_waiting))
+    return _on_queue(service, image_router, config, tenants, metrics)
 
 
 def _speech(voice, store, config, source, tenants, metrics):
-    from .intake import Intake
     from .speech import SpeechService, speech_router
 
-    name = source_name(source)
-    service = SpeechService(voice, store, config, name, tenants.share(config.max_generation_waiting))
-    metrics.watch_queue("speech", name, service.queue)
-    return service, speech_router(service, Intake(config, tenants), metrics)
+    service = SpeechService(voice, store, config, source_name(source), tenants.share(config.max_generation_waiting))
+    return _on_queue(service, speech_router, config, tenants, metrics)
+
+
+def _on_queue(service, router, config, tenants, metrics):
+    """``service`` (whose requests wait on its ``queue``, watched by /metrics) and its ``router``."""
+    from .intake import Intake
+
+    metrics.watch_queue(service.task, service.name, service.queue)
+    return service, router(service, Intake(config, tenants), metrics)
 
 
 def _videos(pipe, store, config, source, tenants, metrics):
-    from encoders.diffusion import CachedWanPipeline
+    from .videos import build_service
 
-    from .images import NEGATIVE_KIND, TEXT_ENCODER_KIND
-    from .video_jobs import VideoJobs
-    from .video_render import WanRenderer
-    from .videos import VideoLimits, video_router
-
-    wrapper = CachedWanPipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
-    jobs = VideoJobs(WanRenderer(wrapper), max_jobs=config.max_video_jobs, max_pending=config.max_generation_waiting,
-                     max_bytes=config.max_video_bytes, share=tenants.share)
-    limits = config.video_limits or (VideoLimits(**TINY_WAN_DEFAULTS) if source == "tiny-wan" else VideoLimits())
-    router = video_router(jobs, tenants, metrics.registry, model_name=source_name(source), limits=limits,
-                          max_body_bytes=config.max_body_bytes,
-                          max_cache_salt=config.max_cache_salt, retry_after_s=config.retry_after_s)
-    return VideoService(source_name(source), jobs), router
+    return build_service(pipe, store, config, source, tenants, metrics)
 
 
-_SERVICE_BUILDERS = {IMAGES: _images, VIDEOS: _videos, SPEECH: _speech}
-# what a video request leaving fields out gets from the tiny preset: a size and length it renders in a second
-TINY_WAN_DEFAULTS = {"default_width": 32, "default_height": 32, "default_frames": 5, "default_steps": 4}
+# each task's builder: (pipe, store, config, source, tenants, metrics) -> (service, router); a task's route
+# module is imported only when it is served (its pipeline's libraries load with it)
+_SERVICE_BUILDERS = {IMAGES: _images, SPEECH: _speech, VIDEOS: _videos}
 
 
 def _bind(host: str, port: int) -> socket.socket:

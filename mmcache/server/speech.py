@@ -274,9 +274,7 @@ def speech_router(service: SpeechService, intake, metrics) -> APIRouter:
     async def speech(request: Request):
         arrival = time.perf_counter()
         with metrics.timed("speech", service.name) as outcome:
-            tenant = intake.tenant(request)
-            req = await intake.body(request, SpeechRequest, service.name)
-            salt = intake.salt(tenant, req.cache_salt)
+            tenant, req, salt = await intake.read(request, SpeechRequest, service.name)
             spec = service.check(req)
             try:
                 service.check_room(tenant.name)

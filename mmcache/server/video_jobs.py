@@ -1,9 +1,12 @@
-"""Video jobs: a bounded store of asynchronous generation jobs and the one worker thread that runs them.
+"""Video jobs: a bounded store of asynchronous generation jobs, run by one ``GenerationQueue``.
 
 A job is created ``queued``, becomes ``in_progress`` when the worker takes it, and ends ``completed`` (its MP4
 bytes held in memory, in this process: nothing is written to disk) or ``failed`` (an error object). Jobs run one
-at a time, in creation order: a diffusers pipeline keeps per-call state in its scheduler, so two calls on one
-pipeline cannot overlap. A job runs whether or not anyone is still waiting for it.
+at a time, in creation order, on the store's ``job_queue.GenerationQueue`` (the same worker as the images' and
+speech's): a diffusers pipeline keeps per-call state in its scheduler, so two calls on one pipeline cannot
+overlap. A job runs whether or not anyone is still waiting for it. The store admits a job (its bounds below)
+before the queue takes it, so the queue's own bounds (the same numbers, over fewer jobs: it counts only those
+waiting) never refuse one.
 
 Bounds and the eviction rule (checked by ``check_invariants``):
 
@@ -20,7 +23,7 @@ Bounds and the eviction rule (checked by ``check_invariants``):
   bound (more owners than the bound has units) and the bound itself is reached.
 * An evicted or deleted job is gone: its id is unknown afterwards. Deleting a queued job removes it before it
   runs; deleting a running one stops it at its next denoising step (the renderer's progress callback raises
-  ``JobCancelled``) and drops its output.
+  ``job_queue.JobCancelled``, the queue's own cancellation) and drops its output.
 * A job belongs to the tenant (``owner``) that created it; every lookup is by owner, so another tenant's job is
   indistinguishable from a missing one.
 * ``/sync`` jobs (``listed=False``) share the queue and the pending bound (and its shares), are never listed,
@@ -38,16 +41,13 @@ from typing import Callable
 
 from ..checks import positive_int
 from ..errors import InvalidRequest, MmcacheError
+from .job_queue import GenerationQueue, Job, JobCancelled
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
 
 
 class JobsFull(MmcacheError):
     """The queue holds ``max_pending`` jobs already."""
-
-
-class JobCancelled(MmcacheError):
-    """Raised inside a running job whose job was deleted or whose store is closing."""
 
 
 @dataclass(eq=False)
@@ -67,13 +67,17 @@ class VideoJob:
     kept_bytes: int = 0  # what the job holds besides its content (its prompts, its object)
     outcome: str | None = None  # completed, failed or cancelled, once finished
     latency_s: float | None = None  # creation to finish
-    cancelled: bool = False
+    task: Job | None = None  # its place on the queue, whose ``cancel`` stops it; set when it is queued
     _start: float = field(default_factory=time.perf_counter)
     _callbacks: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.outcome is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.task is not None and self.task.cancelled.is_set()
 
     @property
     def held_bytes(self) -> int:
@@ -84,9 +88,9 @@ Renderer = Callable[[object, bytes, Callable[[float], None]], tuple[bytes, dict]
 
 
 class VideoJobs:
-    """The job store and its worker. ``render(spec, salt, progress)`` returns ``(mp4 bytes, info)``; it calls
+    """The job store and its queue. ``render(spec, salt, progress)`` returns ``(mp4 bytes, info)``; it calls
     ``progress(fraction)`` between steps, which raises ``JobCancelled`` when the job is to stop. ``observe(job)``
-    is called once per finished job, on the worker thread (or the thread that cancelled a queued job).
+    is called once per finished job, on the queue's worker thread (or the thread that cancelled a queued job).
     ``share(limit)`` is one owner's part of each bound (None: the whole bound)."""
 
     def __init__(self, render: Renderer, max_jobs: int = 64, max_pending: int = 8, max_bytes: int = 256 * 2**20,
@@ -109,12 +113,11 @@ class VideoJobs:
         self.stored_bytes = 0
         self._jobs: dict[str, VideoJob] = {}  # listed jobs, any status; stored_bytes is their held_bytes
         self._finished: OrderedDict[str, VideoJob] = OrderedDict()  # listed finished jobs, oldest finish first
-        self._queue: deque[VideoJob] = deque()
+        self._queue: deque[VideoJob] = deque()  # queued jobs, in creation order (the order the queue runs them)
         self._running: VideoJob | None = None
         self._closed = False
         self._cond = threading.Condition()
-        self._worker = threading.Thread(target=self._work, name="mmcache-video-jobs", daemon=True)
-        self._worker.start()
+        self._tasks = GenerationQueue("videos", max_pending, self.owner_pending)
 
     # ---- the API --------------------------------------------------------------------------------------
     def submit(self, owner: str, spec: object, salt: bytes, listed: bool = True, kept_bytes: int = 0) -> VideoJob:
@@ -138,8 +141,8 @@ class VideoJobs:
                                    f"{self.owner_bytes} bytes) is held by its queued and running jobs")
                 self._jobs[job.id] = job
                 self.stored_bytes += job.kept_bytes
+            job.task = self._tasks.submit(lambda task: self._run(job), owner)
             self._queue.append(job)
-            self._cond.notify()
         return job
 
     def get(self, owner: str, job_id: str) -> VideoJob | None:
@@ -182,8 +185,8 @@ class VideoJobs:
 
     @property
     def alive(self) -> bool:
-        """Whether the worker runs (False once closed)."""
-        return self._worker.is_alive()
+        """Whether the queue's worker runs (False once closed)."""
+        return self._tasks.alive
 
     @property
     def pending(self) -> int:
@@ -205,12 +208,9 @@ class VideoJobs:
             queued = list(self._queue)
             for job in queued:
                 self._cancel_locked(job)
-            if self._running is not None:
-                self._running.cancelled = True
-            self._cond.notify_all()
         for job in queued:
             self._notify(job)
-        self._worker.join()
+        self._tasks.close()  # stops the running job at its next step
         with self._cond:
             for job in list(self._jobs.values()):
                 self._forget(job)
@@ -249,7 +249,7 @@ class VideoJobs:
         """Flag ``job`` to stop; a queued job is finished here (True: its callbacks are to be called)."""
         if job.finished:
             return False
-        job.cancelled = True
+        job.task.cancel()
         if job.status != QUEUED:
             return False  # the worker stops it at its next step
         self._queue.remove(job)
@@ -305,23 +305,17 @@ class VideoJobs:
             self._evict(old)
         return True
 
-    # ---- the worker -------------------------------------------------------------------------------------
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-                job.status = IN_PROGRESS
-                self._running = job
-            self._run(job)
-
+    # ---- the work, on the queue's worker thread --------------------------------------------------------------
     def _run(self, job: VideoJob) -> None:
+        with self._cond:
+            if job.finished:  # cancelled while the queue was handing it over
+                return
+            self._queue.remove(job)
+            job.status = IN_PROGRESS
+            self._running = job
+
         def progress(fraction: float) -> None:
-            if job.cancelled:
-                raise JobCancelled("the job was cancelled")
+            job.task.check()
             job.progress = max(job.progress, min(99, int(fraction * 100)))
 
         content, error, info = None, None, {}

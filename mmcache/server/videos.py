@@ -1,15 +1,14 @@
-"""The ``/v1/videos`` routes (vLLM-Omni's video API shape) over a ``VideoJobs`` store.
+"""The ``/v1/videos`` routes (vLLM-Omni's video API shape) over a ``VideoService``: a Wan pipeline's
+``VideoJobs`` store.
 
-Wiring (one line in the app, one at shutdown)::
+Wiring (``build_service``, as the server does it)::
 
-    jobs = VideoJobs(WanRenderer(CachedWanPipeline(pipe, store)), max_jobs=64, max_pending=8, max_bytes=256 << 20)
-    app.include_router(video_router(jobs, tenants, metrics.registry, model_name=name, limits=VideoLimits(),
-                                    max_body_bytes=..., max_cache_salt=..., retry_after_s=...))
-    jobs.close()  # when the server stops: stops the worker, frees every stored video
+    service = VideoService(name, VideoJobs(WanRenderer(CachedWanPipeline(pipe, store)), ...), VideoLimits())
+    app.include_router(video_router(service, Intake(config, tenants), metrics.registry))
+    service.close()  # when the server stops: stops the queue's worker, frees every stored video
 
-``video_router(jobs, tenants, registry, *, model_name, limits=VideoLimits(), max_body_bytes=64 MiB,
-max_cache_salt=256, retry_after_s=1) -> fastapi.APIRouter``. Its routes raise ``errors.APIError``; the app's
-handler for it (``app.build_app``) turns them into OpenAI error objects and counts them.
+The routes raise ``errors.APIError``; the app's handler for it (``app.build_app``) turns them into OpenAI error
+objects and counts them.
 
 Routes: ``POST /v1/videos`` (a job object, status ``queued``), ``GET /v1/videos`` (the caller's jobs, newest
 first), ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (``video/mp4``), ``DELETE /v1/videos/{id}``,
@@ -22,7 +21,8 @@ Rules:
   ``num_frames``, ``fps``, ``num_inference_steps``, ``seed``, ``guidance_scale``, ``model``, ``cache_salt``,
   ``user`` (ignored). Any other field (``seconds`` included: give ``num_frames`` and ``fps``) is refused.
 * A request is checked in full before a job exists: 401 (key), 415 (content type), 413 (body), 400 (JSON read
-  by ``intake.parse_json_object``, as every route reads it: bad or too deeply nested JSON is ``invalid_json``;
+  by ``intake.parse_json_object``, key and body as every route reads them: bad or too deeply nested JSON is
+  ``invalid_json``; a ``cache_salt`` longer than ``max_cache_salt``;
   a field's type or value: a size the model cannot render exactly, a frame count not 1 + k x the model's
   temporal factor, fps outside [1, ``max_fps``], a seed outside [0, 2**64 - 1], a guidance scale outside
   [0, ``images.MAX_GUIDANCE_SCALE``], a prompt or negative prompt longer than the renderer's
@@ -54,10 +54,11 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import finite_number, positive_int, unicode_text
-from .errors import APIError, bad_request, model_not_found, overloaded, too_large, unauthorized
-from .images import guidance_error
-from .intake import bounded_body, parse_json_object
-from .tenants import Tenants
+from .config import source_name
+from .errors import APIError, bad_request, model_not_found, overloaded, too_large
+from .images import NEGATIVE_KIND, TEXT_ENCODER_KIND, guidance_error
+from .intake import ClientGone, Intake, bounded_body, parse_json_object, unless_disconnected
+from .tenants import Tenant
 from .video_jobs import COMPLETED, JobsFull, VideoJob, VideoJobs
 from .video_render import VideoSpec
 
@@ -90,13 +91,46 @@ class VideoLimits:
                 raise ValueError(f"VideoLimits.{name} must be a positive int, got {value!r}")
 
 
-def video_router(jobs: VideoJobs, tenants: Tenants, registry, *, model_name: str,
-                 limits: VideoLimits = VideoLimits(), max_body_bytes: int = 64 * 2**20, max_cache_salt: int = 256,
-                 retry_after_s: int = 1) -> APIRouter:
-    """The video routes over ``jobs`` (whose renderer has ``size_error``, ``frames_error`` and
-    ``max_prompt_chars``, as ``WanRenderer``), recording into the Prometheus ``registry``."""
-    api = _VideoApi(jobs, tenants, VideoMetrics(registry, model_name, jobs), model_name, limits, max_body_bytes,
-                    max_cache_salt, retry_after_s)
+# what a request leaving fields out gets from the tiny preset: a size and length it renders in a second
+TINY_WAN_DEFAULTS = {"default_width": 32, "default_height": 32, "default_frames": 5, "default_steps": 4}
+
+
+@dataclass
+class VideoService:
+    """The video jobs of a Wan pipeline served as ``name``, and what one request may ask of it."""
+
+    name: str
+    jobs: VideoJobs
+    limits: VideoLimits = VideoLimits()
+    task: str = "videos"
+
+    @property
+    def alive(self) -> bool:
+        return self.jobs.alive
+
+    def close(self) -> None:
+        self.jobs.close()
+
+
+def build_service(pipe, store, config, source, tenants, metrics) -> tuple[VideoService, APIRouter]:
+    """The service of the Wan pipeline ``pipe`` (from ``source``) over the server's ``store``, and its router."""
+    from encoders.diffusion import CachedWanPipeline
+
+    from .video_render import WanRenderer
+
+    wrapper = CachedWanPipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
+    jobs = VideoJobs(WanRenderer(wrapper), max_jobs=config.max_video_jobs, max_pending=config.max_generation_waiting,
+                     max_bytes=config.max_video_bytes, share=tenants.share)
+    limits = config.video_limits or (VideoLimits(**TINY_WAN_DEFAULTS) if source == "tiny-wan" else VideoLimits())
+    service = VideoService(source_name(source), jobs, limits)
+    return service, video_router(service, Intake(config, tenants), metrics.registry)
+
+
+def video_router(service: VideoService, intake: Intake, registry) -> APIRouter:
+    """The video routes over ``service`` (whose renderer has ``size_error``, ``frames_error`` and
+    ``max_prompt_chars``, as ``WanRenderer``), read through ``intake``, recording into the Prometheus
+    ``registry``."""
+    api = _VideoApi(service, intake, VideoMetrics(registry, service.name, service.jobs))
     router = APIRouter()
     router.add_api_route("/v1/videos", api.create, methods=["POST"])
     router.add_api_route("/v1/videos/sync", api.sync, methods=["POST"])
@@ -153,16 +187,10 @@ class _JobsCollector:
         yield from (stored, size, evicted)
 
 
-class _ClientGone(Exception):
-    pass
-
-
 class _VideoApi:
-    def __init__(self, jobs: VideoJobs, tenants: Tenants, metrics: VideoMetrics, model_name: str,
-                 limits: VideoLimits, max_body_bytes: int, max_cache_salt: int, retry_after_s: int):
-        self.jobs, self.tenants, self.metrics = jobs, tenants, metrics
-        self.model_name, self.limits = model_name, limits
-        self.max_body_bytes, self.max_cache_salt, self.retry_after_s = max_body_bytes, max_cache_salt, retry_after_s
+    def __init__(self, service: VideoService, intake: Intake, metrics: VideoMetrics):
+        self.jobs, self.intake, self.metrics = service.jobs, intake, metrics
+        self.model_name, self.limits = service.name, service.limits
 
     # ---- routes -----------------------------------------------------------------------------------------
     async def create(self, request: Request):
@@ -184,8 +212,8 @@ class _VideoApi:
 
         self.jobs.on_done(job, wake)
         try:
-            await _unless_disconnected(request, done)
-        except _ClientGone:
+            await unless_disconnected(request, done)
+        except ClientGone:
             self.jobs.cancel(job)
             return Response(status_code=499)
         if job.status != COMPLETED:
@@ -195,7 +223,7 @@ class _VideoApi:
 
     async def listing(self, request: Request):
         self.metrics.request("list")
-        tenant = self._tenant(request)
+        tenant = self.intake.tenant(request)
         data = [self._object(job) for job in self.jobs.list(tenant.name)]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": False})
@@ -219,32 +247,27 @@ class _VideoApi:
 
     async def delete(self, request: Request, video_id: str):
         self.metrics.request("delete")
-        tenant = self._tenant(request)
+        tenant = self.intake.tenant(request)
         if not self.jobs.delete(tenant.name, video_id):
             raise _video_not_found(video_id)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
     # ---- helpers ----------------------------------------------------------------------------------------
-    def _tenant(self, request: Request):
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        if tenant is None:
-            raise unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
-        return tenant
-
     def _job(self, request: Request, video_id: str) -> VideoJob:
-        job = self.jobs.get(self._tenant(request).name, video_id)
+        job = self.jobs.get(self.intake.tenant(request).name, video_id)
         if job is None:
             raise _video_not_found(video_id)
         return job
 
     async def _submit(self, request: Request, listed: bool) -> VideoJob:
-        tenant = self._tenant(request)
+        tenant = self.intake.tenant(request)
         fields, from_form = await self._fields(request)
-        spec, cache_salt = self._spec(fields, from_form)
+        spec, salt = self._spec(fields, from_form, tenant)
         try:
-            return self.jobs.submit(tenant.name, spec, Tenants.salt(tenant, cache_salt), listed, spec.kept_bytes)
+            return self.jobs.submit(tenant.name, spec, salt, listed, spec.kept_bytes)
         except JobsFull as e:
-            raise overloaded(f"the video queue is full: {e}; retry later", self.retry_after_s) from None
+            raise overloaded(f"the video queue is full: {e}; retry later",
+                             self.intake.config.retry_after_s) from None
 
     async def _fields(self, request: Request) -> tuple[dict, bool]:
         """The request's fields, and whether they came as a form (every value a str)."""
@@ -252,13 +275,14 @@ class _VideoApi:
         if ctype not in ("application/json", *_FORM_TYPES):
             raise APIError(415, f"send the fields as application/json or multipart/form-data, not {ctype!r}",
                            "invalid_request_error", None, "unsupported_media_type")
-        body = await bounded_body(request, self.max_body_bytes)
+        body = await bounded_body(request, self.intake.config.max_body_bytes)
         if ctype == "application/json":
             return parse_json_object(body), False
         return await _form(request, body), True
 
-    def _spec(self, fields: dict, from_form: bool) -> tuple[VideoSpec, str | None]:
-        """A checked ``VideoSpec`` and the request's cache salt; ``APIError`` for anything wrong."""
+    def _spec(self, fields: dict, from_form: bool, tenant: Tenant) -> tuple[VideoSpec, bytes]:
+        """A checked ``VideoSpec`` and the salt of its store entries (``tenant``'s and the request's
+        ``cache_salt``); ``APIError`` for anything wrong."""
         unknown = sorted(set(fields) - _FIELDS)
         if unknown:
             raise bad_request(f"unsupported field {unknown[0]!r}", unknown[0], "unsupported_field")
@@ -271,9 +295,7 @@ class _VideoApi:
         model = _text(fields, "model")
         if model is not None and model != self.model_name:
             raise model_not_found(model, self.model_name)
-        cache_salt = _text(fields, "cache_salt")
-        if cache_salt is not None and len(cache_salt) > self.max_cache_salt:
-            raise bad_request(f"cache_salt is longer than {self.max_cache_salt} characters", "cache_salt")
+        salt = self.intake.salt(tenant, _text(fields, "cache_salt"))
         width, height = self._size(fields, from_form)
         num_frames = self._bounded(fields, "num_frames", from_form, self.limits.default_frames,
                                    self.limits.max_frames)
@@ -295,7 +317,7 @@ class _VideoApi:
         if reason:
             raise bad_request(reason, "guidance_scale")
         spec = VideoSpec(prompt, negative, width, height, num_frames, fps, steps, seed, guidance)
-        return spec, cache_salt
+        return spec, salt
 
     def _size(self, fields: dict, from_form: bool) -> tuple[int, int]:
         size = _text(fields, "size")
@@ -406,19 +428,3 @@ async def _form(request: Request, body: bytes) -> dict:
             raise bad_request(f"field {key!r} is given twice", key)
         fields[key] = value
     return fields
-
-
-async def _unless_disconnected(request: Request, awaitable) -> None:
-    """Wait for ``awaitable``; ``_ClientGone`` when the client disconnects first (the body has been read, so
-    the next message is the disconnect)."""
-    async def gone():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(gone())
-    try:
-        done, _ = await asyncio.wait({watch, awaitable}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if awaitable not in done:
-        raise _ClientGone()
