@@ -468,6 +468,30 @@ def test_deleting_a_running_job_stops_it_and_close_fails_the_queued():
         jobs.submit("t", "d", b"")
 
 
+def test_video_jobs_run_on_a_generation_queue_and_stop_by_its_one_cancellation():
+    from mmcache.server.job_queue import JobCancelled
+
+    render = _Gated(steps=2)
+    seen = []
+
+    def recording(spec, salt, progress):
+        seen.append(threading.current_thread().name)
+        try:
+            return render(spec, salt, progress)
+        except BaseException as e:
+            seen.append(type(e))
+            raise
+
+    with VideoJobs(recording, max_jobs=2, max_pending=2, max_bytes=10_000) as jobs:
+        job = jobs.submit("t", "a", b"")
+        _until(lambda: job.status == "in_progress")
+        assert jobs.delete("t", job.id)
+        _release(render, 1)
+        _until(lambda: job.finished)
+        assert job.outcome == "cancelled" and jobs.pending == 0
+    assert seen == ["mmcache-videos", JobCancelled]  # the GenerationQueue's worker, the queue's JobCancelled
+
+
 def test_a_failed_render_is_a_failed_job_and_sync_maps_it_to_500():
     render = _Gated(steps=1)
     render.fail = True
