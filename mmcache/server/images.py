@@ -41,7 +41,7 @@ from .config import ServerConfigError, parse_size
 from .errors import APIError, bad_request
 from .intake import run_job
 from .protocol import ImageGenerationRequest, now
-from .job_queue import GenerationQueue, Job
+from .job_queue import Job, QueuedService
 
 TEXT_ENCODER_KIND = "text_encoder"
 NEGATIVE_KIND = "negative_prompt"
@@ -83,7 +83,7 @@ class ImageSpec:
     num_inference_steps: int
 
 
-class ImageService:
+class ImageService(QueuedService):
     """One SD3-family pipeline served through the store: ``check`` a request, ``submit`` it, PNG bytes back."""
 
     task = "images"
@@ -91,8 +91,6 @@ class ImageService:
     def __init__(self, pipe, store, config, name: str, owner_share: int | None = None):
         from encoders.diffusion import CachedSD3Pipeline
 
-        self.name = name
-        self.config = config
         self.pipe = pipe
         self.wrapper = CachedSD3Pipeline(pipe, store, prompt_kind=TEXT_ENCODER_KIND, negative_kind=NEGATIVE_KIND)
         pipe.set_progress_bar_config(disable=True)  # a server's stderr is its log, not a terminal
@@ -103,7 +101,7 @@ class ImageService:
                                     f"{name} reads of a prompt")
         default_steps = inspect.signature(type(pipe).__call__).parameters["num_inference_steps"].default
         self.default_steps = min(int(default_steps), config.max_inference_steps)
-        self.queue = GenerationQueue("images", config.max_generation_waiting, owner_share)
+        super().__init__(name, config, owner_share)
 
     def check(self, req) -> ImageSpec:
         """The request as an ``ImageSpec``, or an ``APIError`` (400) naming the field."""
@@ -162,13 +160,6 @@ class ImageService:
                                callback_on_step_end=on_step, **extra)
         images = self.pipe.image_processor.numpy_to_pil(finite(out.images, "pixels"))
         return [png(image) for image in images]
-
-    @property
-    def alive(self) -> bool:
-        return self.queue.alive
-
-    def close(self) -> None:
-        self.queue.close()
 
 
 def png(image) -> bytes:

@@ -16,6 +16,8 @@ Rules and invariants:
   leased is released by the work's own ``finally`` blocks, in the worker thread.
 * The work runs in a copy of the submitter's context (``contextvars``), as ``asyncio.to_thread`` would.
 * ``close`` fails what waits with ``JobCancelled``, stops the running job at its next step, and joins the thread.
+
+``QueuedService`` is what the image and speech services share: a name, their queue, ``alive`` and ``close``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ class Job:
         """Raise ``JobCancelled`` if the job was cancelled (called by the work between its steps)."""
         if self.cancelled.is_set():
             raise JobCancelled("the request was cancelled")
+
+
+class QueuedService:
+    """A pipeline served as ``name`` whose requests run on a ``GenerationQueue`` of its own, named ``task``
+    (``images``, ``speech``: also the task /v1/models shows); alive while the queue's worker runs. A subclass
+    builds what may fail first and calls this ``__init__`` last, so that a failed build leaves no thread."""
+
+    task: str
+
+    def __init__(self, name: str, config, owner_share: int | None = None):
+        self.name = name
+        self.config = config
+        self.queue = GenerationQueue(self.task, config.max_generation_waiting, owner_share)
+
+    @property
+    def alive(self) -> bool:
+        return self.queue.alive
+
+    def close(self) -> None:
+        self.queue.close()
 
 
 class GenerationQueue:

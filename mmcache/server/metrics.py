@@ -43,7 +43,7 @@ class ServerMetrics:
     (the shared encoder-output store, None without one); ``observe`` is the host's callback."""
 
     def __init__(self, host, model_name: str, store=None):
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry(auto_describe=False)  # collectors have no describe: registering reads nothing
         self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
@@ -136,9 +136,6 @@ class _EngineCollector:
         self.host = host
         self.model_name = model_name
 
-    def describe(self):
-        return []
-
     def collect(self):
         host, name = self.host, self.model_name
         stats = host.engine.metrics()
@@ -206,9 +203,6 @@ class _StoreCollector:
         self.store = store
         self.model_name = model_name
 
-    def describe(self):
-        return []
-
     def collect(self):
         store = self._counts()
         name = self.model_name
@@ -247,9 +241,6 @@ class _QueueCollector:
 
     def __init__(self):
         self.queues: dict[str, tuple[str, object]] = {}
-
-    def describe(self):
-        return []
 
     def collect(self):
         waiting = GaugeMetricFamily("mmcache:generation_requests_waiting", "Image and speech requests queued.",

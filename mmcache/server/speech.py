@@ -54,7 +54,7 @@ from .errors import bad_request, beyond_limits, overloaded, too_large
 from .intake import run_job
 from .protocol import SpeechRequest
 from .engine_host import QueueFull
-from .job_queue import GenerationQueue, Job
+from .job_queue import Job, QueuedService
 
 CODEC_KIND = "codec"
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -87,7 +87,7 @@ class SpeechPrompt:
     preprocessing: object  # the reference clip's preprocessing descriptor, part of its codec store key
 
 
-class SpeechService:
+class SpeechService(QueuedService):
     """One CSM pipeline (``encoders.voice.VoicePipeline``) served through the store."""
 
     task = "speech"
@@ -96,8 +96,6 @@ class SpeechService:
         from encoders.audio import AudioLimits
         from encoders.codec import CachedCodecEncode
 
-        self.name = name
-        self.config = config
         self.voice = voice
         self.model = voice.model
         self.processor = voice.processor
@@ -108,7 +106,7 @@ class SpeechService:
         self.limits = AudioLimits(max_seconds=float(config.max_ref_audio_seconds),
                                   max_bytes=config.max_ref_audio_bytes)
         self.codec = CachedCodecEncode(voice.codec, store, kind=CODEC_KIND).attach()
-        self.queue = GenerationQueue("speech", config.max_generation_waiting, owner_share)
+        super().__init__(name, config, owner_share)
 
     def check(self, req) -> SpeechSpec:
         """The request's fields as a ``SpeechSpec`` or an ``APIError`` (400) naming the field."""
@@ -234,12 +232,8 @@ class SpeechService:
     def encode(self, samples: np.ndarray, response_format: str) -> bytes:
         return pcm16(samples) if response_format == "pcm" else float_wav(samples, self.rate)
 
-    @property
-    def alive(self) -> bool:
-        return self.queue.alive
-
     def close(self) -> None:
-        self.queue.close()
+        super().close()
         self.codec.detach()
 
 

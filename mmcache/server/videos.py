@@ -168,9 +168,6 @@ class _JobsCollector:
     def __init__(self, jobs: VideoJobs, model_name: str):
         self.jobs, self.model_name = jobs, model_name
 
-    def describe(self):
-        return []
-
     def collect(self):
         stats, name = self.jobs.stats(), self.model_name
         stored = GaugeMetricFamily("mmcache:video_jobs_stored", "Video jobs held, by status.",
