@@ -11,7 +11,7 @@ import pytest
 from mmcache.engine.config import EngineConfig
 from mmcache.engine.request import Request, SamplingParams
 from mmcache.presets import engine_from_preset
-from mmcache.server.text_output import Generation
+from mmcache.server.text_output import TextOutput
 from mmcache.server.engine_host import AddFailed, EngineHost, QueueFull
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,7 +119,7 @@ def test_an_add_that_raises_reaches_the_handler(gated):
         assert isinstance(item, AddFailed) and item.request_id == "r3"
         queue.put_nowait(item)
         with pytest.raises(RuntimeError, match="refused"):
-            await Generation(host, "r3", queue, [], None).first()
+            await TextOutput(host, "r3", queue, [], None).first()
 
     try:
         asyncio.run(scenario())

@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from .engine_host import EngineHost, QueueFull
-from .errors import from_engine_error, overloaded
+from .errors import from_engine_error
 from .intake import ClientGone, Intake, unless_disconnected
 from .prompts import PromptMaker, check_supported, stop_strings
 from .protocol import ChatCompletionRequest, CompletionRequest, now, usage
-from .text_output import Generation
+from .text_output import TextOutput
 
 
 class ChatRoutes:
@@ -74,53 +74,53 @@ class ChatRoutes:
         try:
             queue = self.host.submit(engine_request, owner)
         except QueueFull as e:
-            raise overloaded(f"the server is busy: {e}; retry later", self.config.retry_after_s) from None
-        gen = Generation(self.host, rid, queue, stops, self.prompts.tokenizer)
+            raise self.intake.busy(e) from None
+        reply = TextOutput(self.host, rid, queue, stops, self.prompts.tokenizer)
         try:
-            first = await unless_disconnected(request, gen.first())
+            first = await unless_disconnected(request, reply.first())
             if first.finished and first.finish_reason == "error":
                 raise from_engine_error(first.output.error, "messages" if chat else "prompt")
             if req.stream:
                 shape = (_ChatChunks if chat else _CompletionChunks)(rid, self.config.chat_model_name)
-                return _Stream(self._sse(gen, shape, req), gen.close)
-            await unless_disconnected(request, gen.text())
+                return _Stream(self._sse(reply, shape, req), reply.close)
+            await unless_disconnected(request, reply.text())
         except ClientGone:
-            gen.close()
+            reply.close()
             return Response(status_code=499)
         except BaseException:
-            gen.close()
+            reply.close()
             raise
-        if gen.error is not None:
-            raise from_engine_error(gen.error)
-        return JSONResponse(self._whole(gen, req, rid, chat))
+        if reply.error is not None:
+            raise from_engine_error(reply.error)
+        return JSONResponse(self._whole(reply, req, rid, chat))
 
-    def _whole(self, gen: Generation, req, rid: str, chat: bool) -> dict:
-        out = gen.output
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+    def _whole(self, reply: TextOutput, req, rid: str, chat: bool) -> dict:
+        out = reply.output
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": reply.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": gen.assembler.text}
+            choice["message"] = {"role": "assistant", "content": reply.assembler.text}
         else:
-            choice["text"] = gen.assembler.text
+            choice["text"] = reply.assembler.text
         if req.return_token_ids:
             choice["token_ids"] = list(out.output_ids)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": self.config.chat_model_name, "choices": [choice],
                 "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)}
 
-    async def _sse(self, gen: Generation, shape, req):
+    async def _sse(self, reply: TextOutput, shape, req):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = shape.head()
         if head is not None:
             yield _event(shape.chunk(head, None, include_usage))
-        async for delta in gen.deltas():
+        async for delta in reply.deltas():
             yield _event(shape.chunk(shape.delta(delta), None, include_usage))
-        if gen.error is not None:
-            err = from_engine_error(gen.error)
+        if reply.error is not None:
+            err = from_engine_error(reply.error)
             self.metrics.error(err.code or err.type)
             yield _event(err.body())
         else:
-            out = gen.output
-            last = shape.chunk(shape.delta(None), gen.finish_reason, include_usage)
+            out = reply.output
+            last = shape.chunk(shape.delta(None), reply.finish_reason, include_usage)
             if req.return_token_ids:
                 last["choices"][0]["token_ids"] = list(out.output_ids)
             yield _event(last)

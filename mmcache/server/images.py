@@ -39,9 +39,8 @@ from fastapi.responses import JSONResponse, Response
 from ..errors import MmcacheError
 from .config import ServerConfigError, parse_size
 from .errors import APIError, bad_request
-from .intake import run_job
-from .protocol import ImageGenerationRequest, now
 from .job_queue import Job, QueuedService
+from .protocol import ImageGenerationRequest, now
 
 TEXT_ENCODER_KIND = "text_encoder"
 NEGATIVE_KIND = "negative_prompt"
@@ -200,8 +199,7 @@ def image_router(service: ImageService, intake, metrics) -> APIRouter:
             tenant, req, salt = await intake.read(request, ImageGenerationRequest, service.name, model_required=False)
             spec = service.check(req)
             try:
-                pngs = await run_job(request, lambda: service.submit(spec, salt, tenant.name),
-                                     intake.config.retry_after_s)
+                pngs = await intake.run_job(request, lambda: service.submit(spec, salt, tenant.name))
             except NonFiniteOutput as e:
                 raise APIError(500, str(e), "internal_server_error", None, "generation_failed") from None
             if pngs is None:

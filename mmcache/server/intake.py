@@ -1,5 +1,6 @@
-"""Reading a request, the same way for every route: key, body, JSON, fields, model, salt; and waiting for a
-result unless the client goes away.
+"""Reading a request, the same way for every route: key, body, JSON, fields, model, salt; waiting for a result
+unless the client goes away (``unless_disconnected``, ``ClientGone``: the one disconnect watch); and a queue's
+refusal as a 503 (``busy``).
 
 Rules: a request is checked in this order: key (401), body size (413, the rest of an oversized body drained so
 the client reads the answer), JSON (400, ``invalid_json``), fields (400, naming the field), model (404),
@@ -58,6 +59,31 @@ class Intake:
         if cache_salt is not None and len(cache_salt) > self.config.max_cache_salt:
             raise bad_request(f"cache_salt is longer than {self.config.max_cache_salt} characters", "cache_salt")
         return self.tenants.salt(tenant, cache_salt)
+
+    def busy(self, refusal: QueueFull) -> APIError:
+        """A full queue's refusal (the host's or a pipeline's) as a 503 with the server's Retry-After."""
+        return overloaded(f"the server is busy: {refusal}; retry later", self.config.retry_after_s)
+
+    async def run_job(self, request: Request, submit):
+        """The result of the job ``submit()`` queues (on a ``job_queue.GenerationQueue``), or None when the client
+        went away first (the job is then cancelled). ``QueueFull`` is a 503, a refusal by the pipeline
+        (``InvalidRequest``) a 400, a queue closing under the job a 503."""
+        try:
+            job = submit()
+        except QueueFull as e:
+            raise self.busy(e) from None
+        try:
+            return await unless_disconnected(request, asyncio.wrap_future(job.future))
+        except ClientGone:
+            job.cancel()
+            return None
+        except InvalidRequest as e:
+            raise bad_request(str(e)) from None
+        except JobCancelled:
+            raise overloaded("the server is stopping; retry later", self.config.retry_after_s) from None
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
 
 
 def parse_body(raw: bytes, model):
@@ -160,23 +186,3 @@ async def _disconnect(request: Request) -> None:
         if message["type"] == "http.disconnect":
             return
 
-
-async def run_job(request: Request, submit, retry_after_s: int):
-    """The result of the job ``submit()`` queues, or None when the client went away first (the job is then
-    cancelled). ``QueueFull`` is a 503, a refusal by the pipeline (``InvalidRequest``) a 400."""
-    try:
-        job = submit()
-    except QueueFull as e:
-        raise overloaded(f"the server is busy: {e}; retry later", retry_after_s) from None
-    try:
-        return await unless_disconnected(request, asyncio.wrap_future(job.future))
-    except ClientGone:
-        job.cancel()
-        return None
-    except InvalidRequest as e:
-        raise bad_request(str(e)) from None
-    except JobCancelled:
-        raise overloaded("the server is stopping; retry later", retry_after_s) from None
-    except asyncio.CancelledError:
-        job.cancel()
-        raise

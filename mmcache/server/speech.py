@@ -50,11 +50,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..errors import InvalidRequest, MediaDecodeError
-from .errors import bad_request, beyond_limits, overloaded, too_large
-from .intake import run_job
-from .protocol import SpeechRequest
 from .engine_host import QueueFull
+from .errors import bad_request, beyond_limits, too_large
 from .job_queue import Job, QueuedService
+from .protocol import SpeechRequest
 
 CODEC_KIND = "codec"
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -273,10 +272,9 @@ def speech_router(service: SpeechService, intake, metrics) -> APIRouter:
             try:
                 service.check_room(tenant.name)
             except QueueFull as e:
-                raise overloaded(f"the server is busy: {e}; retry later", intake.config.retry_after_s) from None
+                raise intake.busy(e) from None
             prompt = await asyncio.to_thread(service.prepare, spec, req.ref_audio)
-            samples = await run_job(request, lambda: service.submit(prompt, salt, tenant.name),
-                                    intake.config.retry_after_s)
+            samples = await intake.run_job(request, lambda: service.submit(prompt, salt, tenant.name))
             if samples is None:
                 outcome.status = 499
                 return Response(status_code=499)

@@ -89,7 +89,7 @@ def _open_prefix(text: str, end: int, stop: str, floor: int) -> int:
     return 0
 
 
-class Generation:
+class TextOutput:
     """The events of one submitted request (``queue`` from ``EngineHost.submit``) as text deltas, decoded with
     ``tokenizer`` (the server's own copy: see ``prompts``)."""
 
