@@ -35,6 +35,9 @@ _RESERVED_FDS = 256
 
 @dataclass(frozen=True)
 class ConnectionLimits:
+    """The read deadlines of a request's headers and body, the cap on open connections, and the Retry-After of
+    the 503 that a connection beyond the cap gets."""
+
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 4096
