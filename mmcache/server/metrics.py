@@ -14,7 +14,7 @@ Two sources, one registry per server (never the process-wide default, so servers
   latency and prompt length; per generation endpoint (``images``, ``speech``) requests by status and a latency
   histogram, and the time to first audio of speech.
 
-Store kinds are labelled as the issue names them: ``output`` (the store's default kind, which only a VLM's
+Store kinds are labelled by the encoder that fills them: ``output`` (the store's default kind, which only a VLM's
 vision tower uses in a server) is ``vision``; the image and speech pipelines file their entries under
 ``text_encoder``, ``negative_prompt``, ``position_bias`` and ``codec`` themselves.
 """
