@@ -40,6 +40,7 @@ def register(sub) -> None:
     _add_models(p)
     _add_listener(p)
     _add_engine_options(p)
+    _add_chat_bounds(p.add_argument_group("bounds of chat requests and connections"))
     _add_generation_limits(p.add_argument_group("image, speech and video requests"))
     p.set_defaults(func=serve_main)
 
@@ -69,21 +70,6 @@ def _add_listener(p: argparse.ArgumentParser) -> None:
                                                                 "preset or folder name)")
     p.add_argument("--max-waiting", type=count(minimum=0), default=256,
                    help="requests waiting to start beyond which a request gets 503 (default 256)")
-    p.add_argument("--max-waiting-per-tenant", type=count(), default=None, metavar="N",
-                   help="a tenant's part of --max-waiting (default: an equal part for each --api-key)")
-    p.add_argument("--max-prompt-chars", type=count(), default=None, metavar="N",
-                   help="characters of a prompt's text, refused before tokenizing (default: what the model's "
-                        "context could hold under its tokenizer)")
-    p.add_argument("--max-stop-chars", type=count(), default=256, metavar="N",
-                   help="characters of one stop string (default 256)")
-    p.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
-                   help="seconds a request's headers may take to arrive (default 10)")
-    p.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
-                   help="seconds a request body may pause between chunks (default 30)")
-    p.add_argument("--max-connections", type=count(), default=4096, metavar="N",
-                   help="open connections; one more is answered 503 and closed (default 4096)")
-    p.add_argument("--metrics-key", default=None, metavar="KEY",
-                   help="put /metrics behind this key (Authorization: Bearer KEY; default: open, as vLLM's)")
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -104,17 +90,38 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         f"to the time of every decoding request's next token")
     p.add_argument("--store-bytes", type=count(), default=DEFAULT_STORE_BYTES,
                    help="the encoder-output store's budget in bytes, shared by every model (default 256 MiB)")
-    p.add_argument("--max-image-pixels", type=count(), default=None, metavar="N",
-                   help="pixels of a chat image, from its header (default: 4096x4096, or twice what the VLM's "
-                        "processor feeds its tower where that is more)")
-    p.add_argument("--max-image-expansion", type=count(), default=512, metavar="N",
-                   help="decoded RGB bytes per byte sent of a chat image larger than 3840x2160 (default 512)")
-    p.add_argument("--image-decode-bytes", type=count(), default=None, metavar="N",
-                   help="bytes that concurrent image decodes hold at once, 32 a pixel; others wait (default 1 GiB, "
-                        "or one image at --max-image-pixels)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: float32 when every model is a preset, else bfloat16 (presets stay float32)")
     p.add_argument("--cache-mode", default="on", choices=["on", "off"])
+
+
+def _add_chat_bounds(g) -> None:
+    """Adds the bounds checked before a chat request's work is done, and the connections' own, to the group
+    ``g``: its tenant's share of the queue, its text, its stop strings and images, header and body deadlines,
+    the connection cap, and the key of /metrics."""
+    g.add_argument("--max-waiting-per-tenant", type=count(), default=None, metavar="N",
+                   help="a tenant's part of --max-waiting (default: an equal part for each --api-key)")
+    g.add_argument("--max-prompt-chars", type=count(), default=None, metavar="N",
+                   help="characters of a prompt's text, refused before tokenizing (default: what the model's "
+                        "context could hold under its tokenizer)")
+    g.add_argument("--max-stop-chars", type=count(), default=256, metavar="N",
+                   help="characters of one stop string (default 256)")
+    g.add_argument("--max-image-pixels", type=count(), default=None, metavar="N",
+                   help="pixels of a chat image, from its header (default: 4096x4096, or twice what the VLM's "
+                        "processor feeds its tower where that is more)")
+    g.add_argument("--max-image-expansion", type=count(), default=512, metavar="N",
+                   help="decoded RGB bytes per byte sent of a chat image larger than 3840x2160 (default 512)")
+    g.add_argument("--image-decode-bytes", type=count(), default=None, metavar="N",
+                   help="bytes that concurrent image decodes hold at once, 32 a pixel; others wait (default 1 GiB, "
+                        "or one image at --max-image-pixels)")
+    g.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a request's headers may take to arrive (default 10)")
+    g.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds a request body may pause between chunks (default 30)")
+    g.add_argument("--max-connections", type=count(), default=4096, metavar="N",
+                   help="open connections; one more is answered 503 and closed (default 4096)")
+    g.add_argument("--metrics-key", default=None, metavar="KEY",
+                   help="put /metrics behind this key (Authorization: Bearer KEY; default: open, as vLLM's)")
 
 
 def _add_generation_limits(g) -> None:
