@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import io
 import json
 import os
@@ -237,7 +238,8 @@ def words(chars: int, seed: int = 0) -> str:
     return "".join(out)[:chars]
 
 
-def bomb_png(side: int, mark: int) -> bytes:
+@functools.lru_cache(maxsize=32)
+def bomb_png(side: int = 7071, mark: int = 0) -> bytes:
     """A 1-bit PNG of ``side`` x ``side`` pixels, black but for a few pixels placed by ``mark``: a few KB on the
     wire, ``side**2`` pixels decoded (distinct marks: distinct images, so no cache answers one for another)."""
     from PIL import Image

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import functools
 import io
 import json
 import sys
@@ -43,6 +42,7 @@ import numpy as np
 from mmcache.errors import MmcacheError
 
 from . import loadgen
+from .hostile import bomb_png
 
 TENANTS = ("soak-key-a", "soak-key-b", "soak-key-c")
 SALTS = (None, "blue", "green")
@@ -147,18 +147,6 @@ def oversized_cases(model: str, seed: int) -> list[tuple[str, int, str | None, o
         ("big_image", 413, TENANTS[1], {"model": model, "max_tokens": 2, "messages": [
             {"role": "user", "content": [_url(big_image), {"type": "text", "text": "What is it?"}]}]}),
     ]
-
-
-@functools.lru_cache(maxsize=2)
-def bomb_png(side: int = 7071) -> bytes:
-    """A 1-bit PNG of ``side`` x ``side`` pixels, nearly all white: a few KB that decode to ``side``**2 pixels."""
-    from PIL import Image
-
-    image = Image.new("1", (side, side), 1)
-    image.putpixel((side // 2, side // 3), 0)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", optimize=True)
-    return buf.getvalue()
 
 
 def hostile_cases(model: str) -> list[tuple[str, int | str, str | None, object]]:

@@ -15,7 +15,8 @@ import pytest
 
 from mmcache.presets import serve
 from mmcache.server import ServerConfig
-from server_helpers import error_of, metric, wait_quiet
+from benchmarks.hostile import bomb_png
+from server_helpers import data_url, error_of, metric, wait_quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,25 +214,8 @@ def media_server(one_thread):
     srv.host.engine.check_invariants()
 
 
-def _bombs(n: int) -> list[str]:
-    """``n`` distinct 1-bit PNGs of 7071x7071 pixels (a few KB each) as data URLs."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    out = []
-    for i in range(n):
-        image = Image.new("1", (7071, 7071), 1)
-        image.putpixel((i, i), 0)
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
-    return out
-
-
 def test_image_bombs_are_refused_from_their_headers(media_server):
-    content = [{"type": "image_url", "image_url": {"url": url}} for url in _bombs(2)]
+    content = [{"type": "image_url", "image_url": {"url": data_url(bomb_png(7071, mark))}} for mark in range(2)]
     body = {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
     before = media_server.host.engine.metrics()["encoder"]
 
