@@ -303,3 +303,32 @@ def test_the_hardening_options_reach_the_config_and_are_checked():
     for option in ("--header-timeout", "--max-connections", "--max-stop-chars"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--preset", "tiny", option, "0"])
+
+
+def test_a_full_queue_refuses_before_the_prompt_is_built(text_server, monkeypatch):
+    host, prompts = text_server.host, text_server.app.state.api.chat.prompts
+    built = []
+    completion = prompts.completion
+    monkeypatch.setattr(prompts, "completion", lambda *a: built.append(1) or completion(*a))
+    body = {"model": "tiny", "prompt": "a cup of tea", "max_tokens": 2}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=text_server.url, timeout=60) as c:
+            with host.hold():
+                queued = [asyncio.ensure_future(c.post("/v1/completions", headers=A, json=body))
+                          for _ in range(host.owner_share)]
+                while host.waiting < host.owner_share:
+                    await asyncio.sleep(0.01)
+                refused = await c.post("/v1/completions", headers=A, json=body)
+                built_when_refused = len(built)
+            return refused, built_when_refused, await asyncio.gather(*queued)
+
+    refused, built_when_refused, served = asyncio.run(scenario())
+    assert refused.status_code == 503 and built_when_refused == host.owner_share  # the refused one built nothing
+    assert [r.status_code for r in served] == [200] * host.owner_share
+    # a request refused while its prompt is built gives its place back
+    bad = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "token_ids": [1, 2]}]}
+    r = httpx.post(text_server.url + "/v1/chat/completions", headers=A, json=bad, timeout=60)
+    assert r.status_code == 400 and error_of(r)["param"] == "messages.0.token_ids"
+    wait_quiet(host)
+    assert host.waiting == 0 and host._waiting_by_owner == {}

@@ -7,8 +7,9 @@ deltas, stop strings) -> the response here.
 
 Rules:
 
-* After the checks every route shares (``intake``): unsupported options (400), images (400 / 413), the host's
-  waiting queue (503 with ``Retry-After``). The engine's own refusal of a request (bad image, prompt too long)
+* After the checks every route shares (``intake``): unsupported options and stop strings (400), the prompt's
+  text against what the context can hold (400), a place in the host's waiting queue (503 with ``Retry-After``),
+  taken before the prompt is tokenized on the prompt thread, then images (400 / 413). The engine's own refusal of a request (bad image, prompt too long)
   arrives as its first event, before any byte of the response is sent, so a streamed request gets a proper
   error status too; an engine error after that ends the stream with an error object, counted in
   ``mmcache:request_errors_total``.
@@ -66,13 +67,22 @@ class ChatRoutes:
         stops = stop_strings(req, self.config.max_stop_chars)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         make = self.prompts.chat if chat else self.prompts.completion
-        engine_request = await self.prompts.build(make, req, rid, salt, arrival)
+        self.prompts.check_length(req)
+        try:
+            self.host.reserve(tenant.name)  # a full queue refuses before the prompt is built
+        except QueueFull as e:
+            raise self.intake.busy(e) from None
+        try:
+            engine_request = await self.prompts.build(make, req, rid, salt, arrival)
+        except BaseException:
+            self.host.unreserve(tenant.name)
+            raise
         return await self._run(request, req, rid, engine_request, stops, tenant.name, chat)
 
     async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], owner: str,
                    chat: bool):
         try:
-            queue = self.host.submit(engine_request, owner)
+            queue = self.host.submit(engine_request, owner, reserved=True)
         except QueueFull as e:
             raise self.intake.busy(e) from None
         reply = TextOutput(self.host, rid, queue, stops, self.prompts.tokenizer)

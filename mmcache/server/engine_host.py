@@ -15,9 +15,10 @@ Rules and invariants:
 * ``abort`` never waits for the engine: it queues the id and wakes the step thread, which aborts between steps
   (the engine returns the request's pages and store leases at once). An abort that arrives while its request
   is still being added is applied again as soon as the add returns.
-* ``waiting`` counts requests submitted that have had no event yet; a submission beyond ``max_waiting``, beyond
-  ``owner_share`` waiting requests of the same owner (a tenant's name), or once the host is stopping, raises
-  ``QueueFull`` before anything is built. ``running`` counts those with a token and
+* ``waiting`` counts requests reserved or submitted that have had no event yet; a reservation or submission
+  beyond ``max_waiting``, beyond ``owner_share`` waiting requests of the same owner (a tenant's name), or once
+  the host is stopping, raises ``QueueFull``. A handler reserves before it builds the engine request, so a full
+  queue refuses before any tokenizing. ``running`` counts those with a token and
   no finished event.
 * ``stop`` ends the thread, lets the adds under way finish, and aborts every request still live, so nothing
   stays held.
@@ -115,29 +116,56 @@ class EngineHost:
         self._dispatch(self.engine.step())
 
     # ---- handlers' side (event loop) -------------------------------------------------------------------
-    def submit(self, request, owner: str | None = None) -> asyncio.Queue:
-        """Queue ``request`` (its ``request_id`` set) of the tenant ``owner`` to be added, without waiting; returns
-        the queue its ``StreamEvent``s (or one ``AddFailed``) arrive on. Called on the handler's event loop."""
+    def reserve(self, owner: str | None = None) -> None:
+        """Take a place in the waiting queue for a request of ``owner`` whose engine request is still to be built
+        (``QueueFull`` when there is none), so that building it (tokenizing) is admitted by the same bounds as the
+        request itself; ``submit(request, owner, reserved=True)`` then fills the place, ``unreserve`` gives it
+        back. Called on the handler's event loop."""
+        with self._lock:
+            self._refuse_if_full(owner)
+            self._count_waiting(owner, +1)
+
+    def unreserve(self, owner: str | None = None) -> None:
+        with self._lock:
+            self._count_waiting(owner, -1)
+
+    def submit(self, request, owner: str | None = None, reserved: bool = False) -> asyncio.Queue:
+        """Queue ``request`` (its ``request_id`` set) of the tenant ``owner`` to be added, without waiting, in the
+        place ``reserve`` took when ``reserved`` (given back if the submission fails); returns the queue its
+        ``StreamEvent``s (or one ``AddFailed``) arrive on. Called on the handler's event loop."""
         rid = request.request_id
         sub = _Subscription(asyncio.get_running_loop(), asyncio.Queue(), owner=owner)
         with self._lock:
-            if self._stopping:
-                raise QueueFull("the server is stopping")
-            if self.waiting >= self.max_waiting:
-                raise QueueFull(f"{self.waiting} requests are waiting (the limit is {self.max_waiting})")
-            mine = self._waiting_by_owner.get(owner, 0)
-            if self.owner_share is not None and mine >= self.owner_share:
-                raise QueueFull(f"{mine} requests of this tenant are waiting (its share is {self.owner_share})")
-            if rid in self._subs:
-                raise MmcacheError(f"request id {rid!r} is in use")
+            try:
+                if not reserved:
+                    self._refuse_if_full(owner)
+                elif self._stopping:
+                    raise QueueFull("the server is stopping")
+                if rid in self._subs:
+                    raise MmcacheError(f"request id {rid!r} is in use")
+            except MmcacheError:
+                if reserved:
+                    self._count_waiting(owner, -1)
+                raise
             self._subs[rid] = sub
-            self._count_waiting(owner, +1)
+            if not reserved:
+                self._count_waiting(owner, +1)
         try:
             self._intake.submit(self._add, request, sub)
         except RuntimeError:  # stop() shut the intake down after the check above
             self._forget(rid)
             raise QueueFull("the server is stopping") from None
         return sub.queue
+
+    def _refuse_if_full(self, owner: str | None) -> None:
+        """Under the lock: ``QueueFull`` when stopping, or when the waiting queue or ``owner``'s share is full."""
+        if self._stopping:
+            raise QueueFull("the server is stopping")
+        if self.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are waiting (the limit is {self.max_waiting})")
+        mine = self._waiting_by_owner.get(owner, 0)
+        if self.owner_share is not None and mine >= self.owner_share:
+            raise QueueFull(f"{mine} requests of this tenant are waiting (its share is {self.owner_share})")
 
     def _add(self, request, sub: _Subscription) -> None:
         """On an intake thread: add ``request``; an error goes to its queue as ``AddFailed``."""

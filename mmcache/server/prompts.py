@@ -131,15 +131,17 @@ class PromptMaker:
         self.max_chars = config.max_prompt_chars or prompt_char_bound(encoder, host.core.max_model_len)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmcache-prompts")
 
-    async def build(self, make, req, *args):
-        """``make(req, *args)`` (``chat`` or ``completion``) on the prompt thread, once ``req``'s text is within
-        ``max_chars``."""
+    def check_length(self, req) -> None:
+        """400 ``context_length_exceeded`` when ``req``'s text is beyond ``max_chars`` (module docstring)."""
         chars = prompt_chars(req)
         if chars > self.max_chars:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             raise bad_request(f"the prompt's text is {chars} characters, beyond the {self.max_chars} that "
                               f"{self.host.core.max_model_len} tokens of this model can hold",
                               param, "context_length_exceeded")
+
+    async def build(self, make, req, *args):
+        """``make(req, *args)`` (``chat`` or ``completion``) on the prompt thread; ``check_length`` first."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, make, req, *args)
 
     def close(self) -> None:
