@@ -13,6 +13,10 @@ Rules:
   arrives as its first event, before any byte of the response is sent, so a streamed request gets a proper
   error status too; an engine error after that ends the stream with an error object, counted in
   ``mmcache:request_errors_total``.
+* A stream sends a chunk for every engine step that produced a token (its text may be empty while the
+  detokenizer holds bytes back), as vLLM's server does, so a client's first chunk marks the first token; with
+  ``return_token_ids`` each chunk carries its step's ids. A chat stream opens with the role, once the first
+  token is out. The last chunk carries the finish reason, then usage (if asked) in a chunk with no choices.
 * A client that goes away aborts its request: a non-streamed handler watches for the disconnect while it waits
   (499), a streamed one aborts when its response ends for any reason.
 """
@@ -122,21 +126,19 @@ class ChatRoutes:
         head = shape.head()
         if head is not None:
             yield _event(shape.chunk(head, None, include_usage))
-        async for delta in reply.deltas():
-            yield _event(shape.chunk(shape.delta(delta), None, include_usage))
+        async for step in reply.steps():
+            chunk = shape.chunk(shape.delta(step.text), reply.finish_reason if step.last else None, include_usage)
+            if req.return_token_ids:
+                chunk["choices"][0]["token_ids"] = step.token_ids
+            yield _event(chunk)
         if reply.error is not None:
             err = from_engine_error(reply.error)
             self.metrics.error(err.code or err.type)
             yield _event(err.body())
-        else:
+        elif include_usage:
             out = reply.output
-            last = shape.chunk(shape.delta(None), reply.finish_reason, include_usage)
-            if req.return_token_ids:
-                last["choices"][0]["token_ids"] = list(out.output_ids)
-            yield _event(last)
-            if include_usage:
-                yield _event({**shape.chunk(None, None, False), "choices": [],
-                              "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)})
+            yield _event({**shape.chunk(None, None, False), "choices": [],
+                          "usage": usage(out.prompt_len, len(out.output_ids), out.matched_tokens)})
         yield "data: [DONE]\n\n"
 
 

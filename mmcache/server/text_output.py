@@ -9,7 +9,13 @@ Rules:
   string found later would have been found then), so its work per token depends on the stop strings' lengths
   (bounded by the server) and never on the length of the text so far.
 * A stop string ends the text before its first occurrence: the request is aborted at once (its pages return),
-  the finish reason is ``stop``, and tokens the engine produced after it are not sent.
+  the finish reason is ``stop``, and tokens the engine produced after it are never text.
+* One ``Step`` per engine step that produced a token for the request, its text possibly empty (bytes or a
+  stop-string prefix held back), as vLLM's server streams: a stream's first chunk is the first token's, not the
+  first visible text's. The request's end rides on its last token's step when it is in the queue by the time
+  that token is read (the engine emits both in one step); otherwise a last step of its own carries it. The
+  steps' ``token_ids`` joined are the request's ``output_ids``: tokens made after a stop string (before its
+  abort took effect) go in the last step.
 * ``close`` aborts the request unless it has finished: a handler calls it however it leaves (client gone,
   stream closed, error), so nothing stays held.
 """
@@ -17,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from ..engine.request import RequestOutput, StreamEvent
 from .engine_host import AddFailed
@@ -89,9 +96,20 @@ def _open_prefix(text: str, end: int, stop: str, floor: int) -> int:
     return 0
 
 
+@dataclass
+class Step:
+    """One chunk's worth of a request's output: ``text`` ("" while the detokenizer holds bytes back; None on a
+    final step that carries no token's text), the step's ``token_ids``, and ``last`` (the request has ended:
+    ``TextOutput.output`` is set)."""
+
+    text: str | None
+    token_ids: list[int]
+    last: bool
+
+
 class TextOutput:
-    """The events of one submitted request (``queue`` from ``EngineHost.submit``) as text deltas, decoded with
-    ``tokenizer`` (the server's own copy: see ``prompts``)."""
+    """The events of one submitted request (``queue`` from ``EngineHost.submit``) as text, step by step, decoded
+    with ``tokenizer`` (the server's own copy: see ``prompts``)."""
 
     def __init__(self, host, rid: str, queue: asyncio.Queue, stops: list[str], tokenizer):
         self.host = host
@@ -100,6 +118,7 @@ class TextOutput:
         self.assembler = TextAssembler(tokenizer, stops)
         self.output: RequestOutput | None = None
         self._pending: StreamEvent | None = None
+        self._ids_sent = 0
 
     @property
     def finished(self) -> bool:
@@ -122,35 +141,53 @@ class TextOutput:
         return self._pending
 
     async def _next(self) -> StreamEvent:
+        if self._pending is not None:
+            ev, self._pending = self._pending, None
+            return ev
         item = await self.queue.get()
         if isinstance(item, AddFailed):
             raise item.error
         return item
 
-    async def deltas(self):
-        """Text deltas until the request ends (``output`` is then set; ``error`` if it failed)."""
+    def _arrived(self) -> StreamEvent | None:
+        """The next event if it is in the queue already, else None; never waits."""
+        try:
+            return self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    async def steps(self):
+        """``Step`` after ``Step`` until the request ends (``output`` is then set; ``error`` if it failed, and
+        then no last step comes: the caller reports the error)."""
         while self.output is None:
-            if self._pending is not None:
-                ev, self._pending = self._pending, None
-            else:
-                ev = await self._next()
-            if ev.finished:
-                self.output = ev.output
-                if not self.assembler.stopped and ev.finish_reason != "error":
-                    tail = self.assembler.flush()
-                    if tail:
-                        yield tail
+            ev = await self._next()
+            text = None
+            if not ev.finished:
+                if self.assembler.stopped:
+                    continue  # produced before the stop's abort took effect: never text
+                text = self.assembler.add(ev.token_id)
+                if self.assembler.stopped:
+                    self.host.abort(self.rid, "stop")
+                after = self._arrived()
+                if after is None or not after.finished or after.finish_reason == "error":
+                    self._pending = after
+                    self._ids_sent += 1
+                    yield Step(text, [ev.token_id], False)
+                    continue
+                ev = after  # the request ended in this token's step: one step carries both
+            self.output = ev.output
+            if ev.finish_reason == "error":
                 return
-            if self.assembler.stopped:
-                continue
-            delta = self.assembler.add(ev.token_id)
-            if self.assembler.stopped:
-                self.host.abort(self.rid, "stop")
-            if delta:
-                yield delta
+            if not self.assembler.stopped:
+                tail = self.assembler.flush()
+                if tail:
+                    text = (text or "") + tail
+            ids = list(self.output.output_ids[self._ids_sent:])
+            self._ids_sent += len(ids)
+            yield Step(text, ids, True)
 
     async def text(self) -> str:
-        async for _ in self.deltas():
+        async for _ in self.steps():
             pass
         return self.assembler.text
 
