@@ -1,7 +1,9 @@
 """``mmcache bench serve``: the OpenAI-compatible server (``mmcache serve``) as its clients see it.
 
-    mmcache bench serve [--quick] [--peers] [--rates R1,R2] [--duration S] [--json PATH] [--plot PATH]
-                        [--workloads W1,W2] [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
+    mmcache bench serve [--quick] [--peers [--peer-batched-tokens B]] [--rates R1,R2] [--duration S]
+                        [--load-repeats N] [--near-line F1,F2] [--json PATH] [--plot PATH] [--workloads W1,W2]
+                        [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
+    mmcache bench serve --tune-peer B1,B2,... [--rates R1,R2] [--workloads W]     (vLLM's step budget only)
 
 Each part starts a server (``mmcache.presets.serve``: loopback, a free port) and drives it with the async
 ``openai`` client, streaming, except where the low-load part says otherwise. The low-load part runs the server in
@@ -23,24 +25,30 @@ with it; the other parts run it in this process.
   the difference is that client's own work. Each repeat has its own ``cache_salt``, so it starts cold on every
   side. The cached-token share is the sum of ``usage.prompt_tokens_details.cached_tokens`` over the sum of
   prompt tokens, beside the in-process engine's matched share on the same requests.
-* Open loop (``benchmarks.serve_sweep``): every workload of ``--workloads`` on every engine at every rate of
-  ``--rates``, through one load generator (Poisson arrivals from a seed, or the Mooncake trace's own times
-  scaled to the rate; streaming, ``cache_salt`` per rate so each rate starts cold). Workloads: ``vlm_chat``
-  (the chats above, as sessions, each pass over them under its own salt; rate in sessions/s), ``multi_turn``
-  (vLLM's multi-turn shape; sessions/s), ``shared_prefix`` (SGLang's generated-shared-prefix shape;
-  requests/s) and ``mooncake`` (a slice of the Mooncake conversation trace, one token run per hash block;
-  requests/s), the text ones as token ids over ``/v1/completions`` (``benchmarks.serve_workloads``) to
-  ``--text-preset`` written as a model folder (``benchmarks.serve_model``). Engines: ``mmcache_nocache`` (no
-  page reuse, every encoder output bypasses the store; it runs first, and its unloaded latency sets each
-  workload's SLOs), ``mmcache``, and with ``--peers`` ``vllm_cpu`` (vLLM's own OpenAI server on the same
-  folder, text workloads only: ``benchmarks.peers.vllm_server``); both mmcache servers run ``mmcache
-  serve``'s schedule (``mmcache.server.config.serve_engine_config``). After every rate an mmcache server must
-  be idle with nothing held and ``check_invariants`` clean. Goodput per engine and workload: the highest rate
-  at which 90% of requests meet both SLOs, over the ladder (default 0.0625 to 2, doubling, 16 sessions a rate)
-  and, for an engine that meets them at none of its rates, half the lowest rate and so on down to
-  ``--min-rate`` (default a quarter of the lowest; none in quick mode). The JSON has issue 44's shape
-  (``slo``, ``engines.ENGINE.WORKLOAD``); ``--plot`` writes SLO attainment and TTFT percentiles against rate
-  (``benchmarks.serve_plot``).
+* Open loop (``benchmarks.serve_open_loop``, ``serve_sweep``, ``serve_summary``): every workload of
+  ``--workloads`` on every engine at every rate of ``--rates``, through one load generator (Poisson arrivals
+  from a seed, or the Mooncake trace's own times scaled to the rate; streaming, ``cache_salt`` per rate so each
+  rate starts cold). Workloads: ``vlm_chat`` (the chats above, as sessions, each pass over them under its own
+  salt; rate in sessions/s), ``multi_turn`` (vLLM's multi-turn shape; sessions/s), ``shared_prefix`` (SGLang's
+  generated-shared-prefix shape; requests/s) and ``mooncake`` (a slice of the Mooncake conversation trace, one
+  token run per hash block; requests/s), the text ones as token ids over ``/v1/completions``
+  (``benchmarks.serve_workloads``) to ``--text-preset`` written as a model folder (``benchmarks.serve_model``).
+  Engines: ``mmcache_nocache`` (no page reuse, every encoder output bypasses the store; its unloaded latency in
+  the first repeat sets each workload's SLOs), ``mmcache``, and with ``--peers`` vLLM's own OpenAI server on the
+  same folder, text workloads only, at its CPU server's defaults (``vllm_cpu``) and with ``--peer-batched-tokens``
+  (``vllm_cpu_tuned``; ``benchmarks.serve_vllm``, whose ``--tune-peer`` sweep finds that value); both mmcache
+  servers run ``mmcache serve``'s schedule (``mmcache.server.config.serve_engine_config``). After every rate an
+  mmcache server must be idle with nothing held and ``check_invariants`` clean. Goodput per engine and workload:
+  the highest rate at which 90% of requests meet both SLOs, over the ladder (default 0.0625 to 2, doubling, 16
+  sessions a rate), the foot (for an engine that meets them at none of its rates, half the lowest rate and so
+  on down to ``--min-rate``, default a quarter of the lowest; none in quick mode) and the rates near the line
+  (``--near-line``: 0.75x and 1.5x the goodput rate; none in quick mode). ``--load-repeats N`` (default 3, quick
+  1) runs all of it N times, seed ``--seed + k``: goodput is the median over repeats, each ratio of mmcache's
+  goodput over another engine's is taken within each repeat and reported as median and range, and a ratio that
+  rests on one ladder step (an attainment deciding it within 0.05 of the line) says so. The JSON has issue 44's
+  shape (``slo``, ``engines.ENGINE.WORKLOAD``, every repeat's rows marked with it), with ``mmcache_over``
+  (ratios), ``runs`` (seeds and engine order) and ``peer`` (what vLLM ran with); ``--plot`` writes SLO
+  attainment and TTFT percentiles against rate (``benchmarks.serve_plot``).
 * Soak (``--soak N``): ``benchmarks.serve_soak``.
 * Image, video and voice streams, store on against off (``--no-generation`` skips them):
   ``benchmarks.serve_generation``.
@@ -69,6 +77,8 @@ from . import serve_workloads as sw
 from .kernel_harness import order
 from .options import (MAX_PAGE_SIZE, MAX_REPEATS, MAX_REQUESTS, MAX_THREADS, MAX_TOKENS, count, fill_sizes, real,
                       seed)
+from .serve_summary import open_loop_rows
+from .serve_vllm import TUNE_RATES, batched_tokens, batched_tokens_list, tune_rows
 from .table import Row
 from .text_workloads import WorkloadShapeError
 
@@ -82,6 +92,7 @@ TTFT_FLOOR_S = 0.005  # the target: HTTP adds at most this or TTFT_SHARE of the 
 TTFT_SHARE = 0.05
 MAX_RATE = 1000.0
 MAX_DURATION_S = 3600.0
+MAX_FACTOR = 16.0  # --near-line: a rate near the line is within a few ladder steps of the goodput rate
 TEXT_PRESETS = ("tiny", "tiny-qwen2", "tiny-llama", "small", "qwen2.5-0.5b")
 SIDES = ("http", "openai", "local")  # the low-load part's clients: lean HTTP, the openai client, in-process
 MAX_WAITING = MAX_REQUESTS  # open loop: an arrival queues rather than being refused, as vLLM's server does
@@ -91,10 +102,13 @@ MAX_WAITING = MAX_REQUESTS  # open loop: an arrival queues rather than being ref
 FULL = dict(preset="bench-llava", images=4, users=2, turns=4, max_tokens=8, repeats=5,
             rates="0.0625,0.125,0.25,0.5,1,2", sessions=16, soak=0, time_limit=600.0,
             workloads=",".join(sweep.WORKLOADS), text_preset="small", text_sessions=16, text_requests=16,
-            text_turns=4, text_max_tokens=12)
-QUICK = dict(preset="tiny-llava", images=2, users=2, turns=3, max_tokens=4, repeats=4, rates="4", sessions=4,
+            text_turns=4, text_max_tokens=12, load_repeats=3, near_line="0.75,1.5")
+# The quick run: two rates, the lower one where the cache-off server can meet the SLOs when sessions seldom overlap,
+# the higher one where it cannot and the cache-on server can, so that a goodput ratio is a number; answers long
+# enough that the TPOT SLO (2x the unloaded p50) averages one interleaved prefill over many tokens.
+QUICK = dict(preset="tiny-llava", images=2, users=2, turns=3, max_tokens=12, repeats=4, rates="1,4", sessions=4,
              soak=60, time_limit=120.0, workloads=",".join(sweep.WORKLOADS), text_preset="tiny",
-             text_sessions=3, text_requests=4, text_turns=2, text_max_tokens=4)
+             text_sessions=3, text_requests=4, text_turns=2, text_max_tokens=8, load_repeats=1, near_line="none")
 # Text workload shapes (lengths scaled from the published shapes so that a CPU serves them at a few per second)
 # (a Mooncake block of at least a page, so that a shared block can be a cache hit)
 TEXT_SHAPES = {"full": dict(scale=0.125, sp_per_group=6, sp_system=256, sp_question=32, mc_start=0, mc_block=16,
@@ -117,6 +131,21 @@ def rates_list(text: str) -> list[float]:
             raise argparse.ArgumentTypeError(f"a rate must lie in (0, {MAX_RATE:g}], got {part!r}")
         out.append(rate)
     return out
+
+
+def factors_list(text: str) -> tuple[float, ...]:
+    """An argparse ``type``: comma-separated distinct factors of a goodput rate, each in (0, MAX_FACTOR] and
+    not 1; ``none`` for none."""
+    if text.strip() == "none":
+        return ()
+    out = []
+    for part in text.split(","):
+        factor = real(0.0)(part)
+        if not 0 < factor <= MAX_FACTOR or factor == 1 or factor in out:
+            raise argparse.ArgumentTypeError(f"give distinct factors in (0, {MAX_FACTOR:g}] other than 1, or none; "
+                                             f"got {text!r}")
+        out.append(factor)
+    return tuple(out)
 
 
 def duration_s(text: str) -> float:
@@ -168,8 +197,15 @@ def _server_options(p) -> None:
 def _text_and_peer_options(p) -> None:
     """vLLM's server as a peer, the plot, and the text model of the text workloads."""
     p.add_argument("--peers", action="store_true",
-                   help="also vLLM's CPU build through its own OpenAI server on the text workloads (needs "
-                        "VLLM_PEER_PYTHON: source peers/vllm_cpu/env.sh DIR)")
+                   help="also vLLM's CPU build through its own OpenAI server on the text workloads, at its defaults "
+                        "(vllm_cpu) and with --peer-batched-tokens (vllm_cpu_tuned) (needs VLLM_PEER_PYTHON: "
+                        "source peers/vllm_cpu/env.sh DIR)")
+    p.add_argument("--peer-batched-tokens", type=batched_tokens, default=None, metavar="B",
+                   help="with --peers, also vLLM with B batched tokens a step (vllm_cpu_tuned; B from --tune-peer)")
+    p.add_argument("--tune-peer", type=batched_tokens_list, default=None, metavar="B1,B2",
+                   help=f"only sweep vLLM's batched tokens a step: the first text workload of --workloads at "
+                        f"--rates (default {TUNE_RATES}) for each B, under the cache-off server's SLOs (needs "
+                        f"VLLM_PEER_PYTHON)")
     p.add_argument("--plot", metavar="PATH", help="write SLO attainment and TTFT percentiles against rate (PNG)")
     p.add_argument("--text-preset", choices=TEXT_PRESETS, default=None,
                    help=f"the text model of the text workloads (default {FULL['text_preset']}, "
@@ -208,6 +244,12 @@ def _open_loop_options(s) -> None:
                    help="the lowest rate the ladder's foot may move down to, halving, for an engine that meets the "
                         "SLOs at none of the rates (default: a quarter of the lowest rate; quick: the lowest rate, "
                         "so no rate is added)")
+    s.add_argument("--near-line", type=factors_list, default=None, metavar="F1,F2",
+                   help=f"after the ladder, also these factors of each engine's goodput rate (default "
+                        f"{FULL['near_line']}, quick {QUICK['near_line']}; none: no rate added)")
+    s.add_argument("--load-repeats", type=count(MAX_REPEATS), default=None, metavar="N",
+                   help=f"open-loop repeats, every engine on every workload in each, seed --seed + k (default "
+                        f"{FULL['load_repeats']}, quick {QUICK['load_repeats']}): medians and ratio ranges")
     s.add_argument("--no-load", action="store_true", help="skip the open-loop part")
 
 
@@ -231,6 +273,9 @@ def settle(args) -> None:
     full, quick = dict(FULL), dict(QUICK)
     for d in (full, quick):
         d["rates"], d["workloads"] = rates_list(d["rates"]), workloads_list(d["workloads"])
+        d["near_line"] = factors_list(d["near_line"])
+    if args.tune_peer and args.rates is None:
+        args.rates = rates_list(TUNE_RATES)
     fill_sizes(args, full, quick)
     if args.min_rate is None:
         args.min_rate = min(args.rates) / (1 if args.quick else 4)
@@ -243,7 +288,12 @@ def settle(args) -> None:
 
         if not writable(args.plot, "mmcache bench serve"):
             raise WorkloadShapeError(f"--plot {args.plot!r} cannot be written")
-    if args.peers:
+    if args.peer_batched_tokens is not None and not args.peers:
+        raise WorkloadShapeError("--peer-batched-tokens sets the tuned vLLM of --peers: give --peers too")
+    if args.tune_peer and not any(w in sw.TEXT_WORKLOADS for w in args.workloads):
+        raise WorkloadShapeError(f"--tune-peer sweeps a text workload: --workloads {','.join(args.workloads)} "
+                                 f"names none of {', '.join(sw.TEXT_WORKLOADS)}")
+    if args.peers or args.tune_peer:
         from .peers.vllm_cpu import interpreter
 
         interpreter()
@@ -256,7 +306,7 @@ def default_dtype(preset: str) -> str:
     return "bfloat16" if preset == "bench-llava" else "float32"
 
 
-def _progress(msg: str) -> None:
+def progress(msg: str) -> None:
     print(f"[serve] {msg}", file=sys.stderr, flush=True)
 
 
@@ -502,175 +552,6 @@ def openai_client(pairs: list[dict]) -> dict:
             "outputs_equal_share": sum(p["openai"]["text"] == p["local"]["text"] for p in pairs) / len(pairs)}
 
 
-# ---- open loop -------------------------------------------------------------------------------------------
-def per_rate(args, rate: float, default: int) -> int:
-    """Sessions a rate sends: ``rate x --duration`` (at least 1, at most MAX_REQUESTS), else ``default``."""
-    if args.duration is None:
-        return default
-    return max(1, min(MAX_REQUESTS, round(rate * args.duration)))
-
-
-def vlm_workload(args, plan) -> sweep.Workload:
-    """The chats as open-loop sessions. More sessions than chats: the chats again, in order, each pass under its
-    own ``cache_salt`` (the rate's, suffixed), so a pass shares no page and no store entry with the passes before
-    it, as the rate shares none with other rates: repeating a chat word for word must not count as reuse."""
-    def make(options: dict, n: int) -> list:
-        return [s for k in range(-(-n // len(plan))) for s in sessions(plan, pass_options(options, k))][:n]
-
-    return sweep.Workload("vlm_chat", "sessions/s", make, lambda rate: per_rate(args, rate, args.sessions),
-                          sampling_fields(args), params={"chats": len(plan), "turns": args.turns,
-                                                         "images": args.images, "max_tokens": args.max_tokens})
-
-
-def pass_options(options: dict, k: int) -> dict:
-    """``options`` for pass ``k`` over the chats: pass 0 as given, a later one with its salt suffixed."""
-    extra = options.get("extra_body") or {}
-    if k == 0 or "cache_salt" not in extra:
-        return options
-    return dict(options, extra_body=dict(extra, cache_salt=f"{extra['cache_salt']}-pass{k}"))
-
-
-def text_workloads(args, space) -> dict[str, sweep.Workload]:
-    """The text workloads of ``args.workloads`` on ``space``, each sized for the largest rate's count."""
-    shape = TEXT_SHAPES["quick" if args.quick else "full"]
-    default = {"multi_turn": args.text_sessions, "shared_prefix": args.text_requests, "mooncake": args.text_requests}
-    most = {w: max(per_rate(args, r, n) for r in args.rates) for w, n in default.items()}
-    per_group = shape["sp_per_group"]
-    builders = {
-        "multi_turn": lambda n: sw.multi_turn(space, args.seed, n, args.text_turns, shape["scale"],
-                                              args.text_max_tokens),
-        "shared_prefix": lambda n: sw.shared_prefix(space, args.seed, -(-n // per_group), per_group,
-                                                    shape["sp_system"], shape["sp_question"], args.text_max_tokens),
-        "mooncake": lambda n: sw.mooncake(space, shape["mc_start"], n, shape["mc_block"], args.text_max_tokens,
-                                          shape["mc_prompt"]),
-    }
-    out = {}
-    for name in args.workloads:
-        if name in builders:
-            plan = builders[name](most[name])
-            count = (lambda n: lambda rate: per_rate(args, rate, n))(default[name])
-            out[name] = sweep.Workload(name, f"{plan.unit}/s", plan.sessions, count,
-                                       {"temperature": 0.0, "max_tokens": args.text_max_tokens}, plan.offsets,
-                                       dict(plan.params, unit=f"{plan.unit}/s"))
-    return out
-
-
-def mmcache_target(srv, engine: str) -> sweep.Target:
-    def after_rate() -> dict:
-        held = _check_idle(srv)
-        return {"invariants": "ok", "held_after": held}
-
-    return sweep.Target(engine, srv.base_url, srv.config.model_name, after_rate)
-
-
-def text_server_config(args, folder, cache_mode: str):
-    from mmcache.server import ServerConfig
-
-    return ServerConfig(model=str(folder), dtype=args.text_dtype, engine_config=engine_config(args, cache_mode),
-                        served_model_name=args.text_preset, max_waiting=MAX_WAITING)
-
-
-def measure(target: sweep.Target, work: sweep.Workload, args, slo: dict) -> dict:
-    """SLOs first on the cache-off engine (its unloaded run), else a warm-up; then the sweep."""
-    if work.name not in slo:
-        slo[work.name] = asyncio.run(sweep.unloaded(target, work, args.seed, args.time_limit))
-        _progress(f"SLOs of {work.name}: TTFT {slo[work.name]['ttft_s']:.3g} s, TPOT {slo[work.name]['tpot_s']:.3g} s")
-    else:
-        asyncio.run(sweep.warm_up(target, work, args.seed))
-    return asyncio.run(sweep.sweep(target, work, args.rates, slo[work.name], args.seed, args.time_limit,
-                                   floor=args.min_rate))
-
-
-def open_loop(args, plan) -> dict:
-    """Every workload on every engine: ``{"slo", "engines", "ratios", "peer", "workloads"}``."""
-    import tempfile
-
-    texts = [w for w in args.workloads if w in sw.TEXT_WORKLOADS]
-    engines: dict = {}
-    slo: dict = {}
-    peer: dict = {}
-    with tempfile.TemporaryDirectory(prefix="mmcache-serve-") as tmp:
-        folder, works = open_loop_workloads(args, plan, texts, tmp)
-        order = ["mmcache_nocache", "mmcache"] + (["vllm_cpu"] if args.peers else [])
-        for engine in order:
-            per = engines[engine] = {}
-            if engine == "vllm_cpu":
-                if texts:
-                    peer = _peer(args, folder, tmp, [works[w] for w in texts], slo, per)
-                continue
-            sweep_mmcache(engine, works, texts, folder, args, slo, per)
-    if args.peers and "vlm_chat" in args.workloads:
-        peer["vlm_chat"] = VLM_PEER_NOTE
-    ratios = {w: sweep.ratios(engines, w, "mmcache_nocache") for w in args.workloads}
-    vs_peer = {w: sweep.ratios(engines, w, "vllm_cpu") for w in texts} if args.peers else {}
-    return {"slo": slo, "engines": engines, "goodput_over_nocache": ratios, "goodput_over_vllm": vs_peer,
-            "peer": peer, "workloads": {w: dict(works[w].params, unit=works[w].unit) for w in works}}
-
-
-def open_loop_workloads(args, plan, texts: list[str], tmp: str) -> tuple:
-    """The open loop's workloads by name, the text ones on a model folder under ``tmp``; that folder."""
-    from pathlib import Path
-
-    from .prefix import token_space
-    from .serve_model import export_text_model
-
-    works: dict = {}
-    folder = None
-    if texts:
-        _progress(f"writing {args.text_preset} ({args.text_dtype}) as a model folder")
-        folder = export_text_model(args.text_preset, Path(tmp) / args.text_preset, args.text_dtype)
-        works.update(text_workloads(args, token_space(str(folder))))
-    if "vlm_chat" in args.workloads:
-        works["vlm_chat"] = vlm_workload(args, plan)
-    return folder, works
-
-
-def sweep_mmcache(engine: str, works: dict, texts: list[str], folder, args, slo: dict, per: dict) -> None:
-    """One mmcache engine (cache off for ``mmcache_nocache``) on every workload, into ``per``."""
-    from mmcache.presets import serve
-
-    mode = "off" if engine == "mmcache_nocache" else "on"
-    if "vlm_chat" in works:
-        with serve(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
-            per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo)
-    if texts:
-        with serve(text_server_config(args, folder, mode)) as srv:
-            for w in texts:
-                per[w] = measure(mmcache_target(srv, engine), works[w], args, slo)
-
-
-VLM_PEER_NOTE = ("not served by vllm_cpu: vLLM 0.32's LLaVA model module imports its Pixtral module, which imports "
-                 "transformers' Pixtral image processor, which needs torchvision; the peer environment has none "
-                 "(PyPI's torchvision wheels do not load beside the CPU torch, so peers/vllm_cpu/setup.sh removes "
-                 "them), and vLLM refuses LlavaForConditionalGeneration at start-up")
-
-
-def _peer(args, folder, tmp: str, works: list, slo: dict, per: dict) -> dict:
-    """The text workloads on vLLM's own server over the same folder; what it was run with."""
-    import json
-    from pathlib import Path
-
-    from .peers.vllm_server import VllmOpenAIServer, block_size_for
-
-    config = json.loads((Path(folder) / "config.json").read_text())
-    max_len = min(int(config.get("max_position_embeddings", 8192)), 8192)
-    block = block_size_for(args.page_size)
-    from mmcache.engine.config import EngineConfig
-
-    with VllmOpenAIServer(str(folder), args.text_preset, os.path.join(tmp, "vllm.log"), args.text_dtype, block,
-                          max_len, EngineConfig.max_num_seqs, EngineConfig.max_tokens_per_step) as srv:
-        version = srv.version()
-        _progress(f"vllm_cpu {version} ready in {srv.ready_s:.1f} s (block {block})")
-        target = sweep.Target("vllm_cpu", srv.base_url, args.text_preset)
-        for work in works:
-            per[work.name] = measure(target, work, args, slo)
-        return {"version": version, "ready_s": srv.ready_s, "block_size": block, "max_model_len": max_len,
-                "max_num_seqs": EngineConfig.max_num_seqs, "max_num_batched_tokens": EngineConfig.max_tokens_per_step,
-                "command": " ".join(srv.cmd[1:]),
-                "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-                "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
-
-
 # ---- entry points ----------------------------------------------------------------------------------------
 def run(args) -> dict:
     settle(args)
@@ -690,23 +571,31 @@ def run(args) -> dict:
 def measure_parts(args) -> dict:
     """Each part the options ask for, in order: low load, the open loop (and its plot), the soak, generation."""
     result: dict = {}
+    if args.tune_peer:
+        from .serve_vllm import tune
+
+        progress(f"tuning vLLM's step budget: {', '.join(map(str, args.tune_peer))} batched tokens")
+        result["tune_peer"] = tune(args)
+        return result
     plan = chat_plan(args) if "vlm_chat" in args.workloads else None
     if plan is not None:
         result["low_load"] = low_load_part(args, plan)
     if not args.no_load:
+        from .serve_open_loop import open_loop
+
         result.update(open_loop(args, plan))
         if args.plot:
             from .serve_plot import plot
 
             plot(result, args.plot)
-            _progress(f"wrote {args.plot}")
+            progress(f"wrote {args.plot}")
     if args.soak:
         from .serve_soak import soak
 
-        _progress(f"soak: {args.soak} requests on {args.soak_preset}")
+        progress(f"soak: {args.soak} requests on {args.soak_preset}")
         result["soak"] = soak(args)
     if not args.no_generation:
-        _progress("generation: image, video and voice streams, store on vs off")
+        progress("generation: image, video and voice streams, store on vs off")
         result["generation"] = generation.run(args)
     return result
 
@@ -720,7 +609,8 @@ def run_config(args) -> dict:
                                             "text_preset", "text_dtype", "text_sessions", "text_requests",
                                             "text_turns",
                                             "text_max_tokens", "peers", "prefill_chunk_tokens",
-                                            "mixed_prefill_tokens")}
+                                            "mixed_prefill_tokens", "load_repeats", "near_line",
+                                            "peer_batched_tokens", "tune_peer")}
     schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)
     config.update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
                   text_shape=TEXT_SHAPES["quick" if args.quick else "full"],
@@ -736,17 +626,17 @@ def low_load_part(args, plan) -> dict:
     idle OpenMP threads spin while the other one works (``serve_process.quiet_openmp``)."""
     from .serve_process import ServerProcess, quiet_openmp
 
-    _progress(f"building {args.preset} ({args.dtype}): the server's engine (its own process) and the in-process one")
+    progress(f"building {args.preset} ({args.dtype}): the server's engine (its own process) and the in-process one")
     front = in_process(args)
     with quiet_openmp(), ServerProcess(server_config(args), args.threads) as srv:
-        _progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
+        progress(f"low load: {args.repeats} x {len(plan)} chats x {args.turns} turns, HTTP beside in-process")
         pairs = asyncio.run(low_load(srv, front, plan, args))
         srv.check_idle()
     front.check_invariants()
     return dict(summarise_low_load(pairs, args.turns), server="own process")
 
 
-def _check_idle(srv) -> dict:
+def check_idle(srv) -> dict:
     """After a measured part: the server's engine holds nothing and its invariants hold (else ``LeftHeld``)."""
     from .serve_soak import LeftHeld, held_after, wait_idle
 
@@ -755,28 +645,6 @@ def _check_idle(srv) -> dict:
     if not idle or any(held.values()):
         raise LeftHeld(f"after a measured part: idle {idle}, held {held}")
     return held
-
-
-def open_loop_rows(engines: dict) -> list[Row]:
-    """Per workload: SLO attainment per rate and goodput, cache on against cache off, and against vLLM."""
-    rows = []
-    on, off, peer = (engines.get(e, {}) for e in ("mmcache", "mmcache_nocache", "vllm_cpu"))
-    for w, mine in on.items():
-        base = off.get(w)
-        unit = mine["unit"]
-        base_at = {r["rate"]: r["attainment"] for r in base["rates"]} if base else {}
-        for r in mine["rates"]:
-            if r["attainment"] is not None:
-                rows.append(Row("serve", f"{w} at {r['rate']:g} {unit}: SLO attainment", r["attainment"], "",
-                                base_at.get(r["rate"]), higher_is_better=True, target=">= 0.9 counts for goodput"))
-        rows.append(Row("serve", f"goodput, {w} (90% within SLOs; 0: no rate)", mine["goodput_rps"] or 0.0, unit,
-                        base and (base["goodput_rps"] or 0.0), higher_is_better=True,
-                        target=">= 3x cache off" if w in ("vlm_chat", "multi_turn") else ""))
-        if w in peer:
-            rows.append(Row("serve", f"goodput, {w}, against vLLM's server", mine["goodput_rps"] or 0.0, unit,
-                            peer[w]["goodput_rps"] or 0.0, versus="vllm_cpu", higher_is_better=True,
-                            target=">= vLLM"))
-    return rows
 
 
 def table_rows(result: dict) -> list[Row]:
@@ -793,7 +661,9 @@ def table_rows(result: dict) -> list[Row]:
                         "ms"))
         rows.append(Row("serve", "cached_tokens share, multi-turn VLM chat", ll["cached_tokens_share"], "",
                         ll["in_process_matched_share"], versus="in-process matched", higher_is_better=True))
-    rows += open_loop_rows(result.get("engines") or {})
+    rows += open_loop_rows(result)
+    if "tune_peer" in result:
+        rows += tune_rows(result)
     soak = result.get("soak")
     if soak:
         rows.append(Row("serve", f"soak: {soak['requests']} requests, unexpected outcomes",

@@ -1,13 +1,16 @@
 """The plot of ``mmcache bench serve --plot PATH``: one column per workload; on top SLO attainment against
 request rate per engine (the goodput threshold drawn across), below TTFT p50 (solid), p90 (dashed) and p99
-(dotted) against rate per engine, on a log scale; rates on a log-2 axis, as the ladder doubles. Drawn with
-matplotlib's Agg backend (no display); rates or percentiles that are None are left out of a line."""
+(dotted) against rate per engine, on a log scale; rates on a log-2 axis, as the ladder doubles. One line per
+engine and open-loop repeat, in the engine's colour (a legend entry for the first repeat only, with the median
+goodput). Drawn with matplotlib's Agg backend (no display); rates or percentiles that are None are left out of a
+line."""
 
 from __future__ import annotations
 
 from .serve_sweep import ENGINES, THRESHOLD, WORKLOADS
 
-COLOURS = {"mmcache": "tab:blue", "mmcache_nocache": "tab:orange", "vllm_cpu": "tab:green"}
+COLOURS = {"mmcache": "tab:blue", "mmcache_nocache": "tab:orange", "vllm_cpu": "tab:green",
+           "vllm_cpu_tuned": "tab:red"}
 STYLES = {"ttft_p50_s": "-", "ttft_p90_s": "--", "ttft_p99_s": ":"}
 
 
@@ -38,9 +41,12 @@ def _column(top, bottom, w: str, engines: dict, slo: dict | None) -> None:
         if not figures:
             continue
         unit = figures.get("unit", unit)
-        _line(top, figures["rates"], "attainment", engine, "-o", f"{engine} (goodput {figures['goodput_rps']})")
-        for key, style in STYLES.items():
-            _line(bottom, figures["rates"], key, engine, style + "o", f"{engine} {key[5:8]}")
+        for k, rows in enumerate(by_repeat(figures["rates"])):
+            named = k == 0
+            _line(top, rows, "attainment", engine, "-o",
+                  f"{engine} (goodput {figures['goodput_rps']})" if named else None)
+            for key, style in STYLES.items():
+                _line(bottom, rows, key, engine, style + "o", f"{engine} {key[5:8]}" if named else None)
     top.axhline(THRESHOLD, color="grey", linewidth=0.8)
     top.set_title(w if slo is None else f"{w}\nSLO TTFT {slo['ttft_s']:.3g} s, TPOT {slo['tpot_s']:.3g} s",
                   fontsize=9)
@@ -57,7 +63,15 @@ def _column(top, bottom, w: str, engines: dict, slo: dict | None) -> None:
     bottom.legend(fontsize=6)
 
 
-def _line(ax, rates: list[dict], key: str, engine: str, style: str, label: str) -> None:
+def by_repeat(rows: list[dict]) -> list[list[dict]]:
+    """``rows`` split by their ``repeat`` (rows without one are repeat 0), each in rising rate."""
+    out: dict[int, list[dict]] = {}
+    for row in rows:
+        out.setdefault(row.get("repeat", 0), []).append(row)
+    return [sorted(out[k], key=lambda r: r["rate"]) for k in sorted(out)]
+
+
+def _line(ax, rates: list[dict], key: str, engine: str, style: str, label: str | None) -> None:
     points = [(r["rate"], r[key]) for r in rates if r.get(key) is not None]
     if points:
         xs, ys = zip(*points)

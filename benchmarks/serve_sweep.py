@@ -17,10 +17,14 @@ Rules:
   swept next, and so on while none is met and the rate stays at or above the floor, so that a goodput ratio is a
   number where the floor allows. The k-th rate swept on any engine has the k-th salt and arrival seed, so two
   engines that sweep the same rate in the same place get the same requests.
+* Then rates near the line (``near_line_rates``): each factor of ``between`` (the bench's 0.75 and 1.5) times the
+  goodput rate, where not swept already, so that goodput is not quantized to the ladder's doublings. Each row
+  says how it came (``step``: ladder, foot or near line).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from mmcache.errors import MmcacheError
 
 from . import loadgen
 
-ENGINES = ("mmcache", "mmcache_nocache", "vllm_cpu")
+ENGINES = ("mmcache", "mmcache_nocache", "vllm_cpu", "vllm_cpu_tuned")
 WORKLOADS = ("vlm_chat", "multi_turn", "shared_prefix", "mooncake")
 THRESHOLD = 0.9
 SLO_TTFT_TIMES, SLO_TPOT_TIMES = 5.0, 2.0
@@ -131,15 +135,18 @@ async def unloaded(target: Target, work: Workload, seed: int, time_limit_s: floa
 
 
 async def sweep(target: Target, work: Workload, rates: list[float], slo: dict, seed: int, drain_s: float,
-                floor: float | None = None) -> dict:
-    """Every rate on ``target``, then the foot moved down towards ``floor`` while none met the SLOs (module
-    docstring); per rate the figures and ``target.after_rate()``'s check, rows in rising rate; then the goodput."""
-    rows = [await _one_rate(target, work, rate, slo, seed, i, drain_s) for i, rate in enumerate(rates)]
+                floor: float | None = None, between: tuple[float, ...] = ()) -> dict:
+    """Every rate on ``target``, then the foot moved down towards ``floor`` while none met the SLOs, then the
+    rates ``between`` near the line (module docstring); per rate the figures and ``target.after_rate()``'s
+    check, rows in rising rate; then the goodput."""
+    rows = [await _one_rate(target, work, rate, slo, seed, i, drain_s, "ladder") for i, rate in enumerate(rates)]
     while floor is not None and loadgen.goodput(rows, THRESHOLD) is None:
         lower = min(r["rate"] for r in rows) / 2
         if lower < floor:
             break
-        rows.append(await _one_rate(target, work, lower, slo, seed, len(rows), drain_s))
+        rows.append(await _one_rate(target, work, lower, slo, seed, len(rows), drain_s, "foot"))
+    for rate in near_line_rates(rows, between):
+        rows.append(await _one_rate(target, work, rate, slo, seed, len(rows), drain_s, "near line"))
     rows.sort(key=lambda r: r["rate"])
     by_times = {k: loadgen.goodput([{"rate": r["rate"], "attainment": r["attainment_by_tpot_times"][k]}
                                     for r in rows], THRESHOLD) for k in rows[0]["attainment_by_tpot_times"]}
@@ -147,7 +154,23 @@ async def sweep(target: Target, work: Workload, rates: list[float], slo: dict, s
             "goodput_by_tpot_times": by_times, "failed_requests": sum(r["failed"] for r in rows)}
 
 
-async def _one_rate(target: Target, work: Workload, rate: float, slo: dict, seed: int, k: int, drain_s: float) -> dict:
+def near_line_rates(rows: list[dict], between: tuple[float, ...]) -> list[float]:
+    """The rates to sweep after ``rows`` (each with ``rate`` and ``attainment``): each factor of ``between`` times
+    the goodput rate (the highest that met the SLOs), leaving out rates already swept (to a part in a million)
+    and repeats; none when no rate met them."""
+    good = loadgen.goodput(rows, THRESHOLD)
+    if good is None:
+        return []
+    out: list[float] = []
+    for factor in between:
+        rate = factor * good
+        if not any(math.isclose(rate, r, rel_tol=1e-6) for r in [row["rate"] for row in rows] + out):
+            out.append(rate)
+    return out
+
+
+async def _one_rate(target: Target, work: Workload, rate: float, slo: dict, seed: int, k: int, drain_s: float,
+                    step: str = "ladder") -> dict:
     """The ``k``-th rate swept: its sessions (salted by ``k``) at ``rate``, their figures and the check after."""
     n = work.count(rate)
     sessions = work.make(options(target, work, f"serve-{work.name}-{seed}-{k}"), n)
@@ -164,6 +187,7 @@ async def _one_rate(target: Target, work: Workload, rate: float, slo: dict, seed
     row = rate_row(rate, loadgen.summarise(records, slo["ttft_s"], slo["tpot_s"]))
     row["attainment_by_tpot_times"] = {f"{t:g}": attainment(records, slo, t) for t in TPOT_TIMES_SEEN}
     row["sessions"] = n
+    row["step"] = step
     row["check"] = target.after_rate()
     return row
 

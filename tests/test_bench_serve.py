@@ -8,6 +8,7 @@ import json
 import pytest
 
 import benchmarks.serve as serve
+import benchmarks.serve_open_loop as ol
 import benchmarks.serve_soak as soak
 from benchmarks.runner import bench_parser
 from mmcache.cli import main as cli_main
@@ -70,8 +71,8 @@ def test_the_open_loop_json_has_issue_44s_shape(result):
         assert set(per) == set(serve.sweep.WORKLOADS), engine
         for workload, figures in per.items():
             assert {"goodput_rps", "rates"} <= set(figures)
-            (rate,) = figures["rates"]
-            assert RATE_KEYS <= set(rate) and rate["rate"] == 8.0
+            (rate,) = figures["rates"]  # quick: one repeat, no foot, no rate near the line
+            assert RATE_KEYS <= set(rate) and rate["rate"] == 8.0 and (rate["repeat"], rate["step"]) == (0, "ladder")
             assert rate["failed"] == 0 and rate["outcomes"]["ok"] == rate["requests"], (engine, workload)
             assert rate["check"]["invariants"] == "ok" and not any(rate["check"]["held_after"].values())
             assert 0 <= rate["attainment"] <= 1 and rate["ttft_p50_s"] > 0 and rate["throughput_tok_s"] > 0
@@ -99,7 +100,10 @@ def test_slos_come_from_the_cache_off_engine_unloaded(result):
         tpot = slo["unloaded_tpot_p50_s"] or slo["unloaded_ttft_p50_s"]
         assert slo["tpot_s"] == pytest.approx(2 * tpot) and slo["unloaded_matched_share"] == 0.0
     assert result["workloads"]["mooncake"]["source"].endswith("conversation_trace.jsonl")
-    assert result["goodput_over_nocache"].keys() == set(serve.sweep.WORKLOADS)
+    assert result["mmcache_over"].keys() == set(serve.sweep.WORKLOADS)
+    for w, over in result["mmcache_over"].items():
+        assert set(over) == {"mmcache_nocache"} and over["mmcache_nocache"]["repeats"] == 1, w
+    assert result["runs"] == [{"repeat": 0, "seed": 0, "order": ["mmcache_nocache", "mmcache"]}]
 
 
 def test_the_plot_is_written(run_files):
@@ -124,8 +128,9 @@ def test_table_rows(result):
     assert {"TTFT p50 over HTTP, one request at a time", "TTFT added by HTTP (median of paired differences)",
             "TTFT added by HTTP through the openai client",
             "cached_tokens share, multi-turn VLM chat", "vlm_chat at 8 sessions/s: SLO attainment",
-            "goodput, vlm_chat (90% within SLOs; 0: no rate)", "goodput, mooncake (90% within SLOs; 0: no rate)",
             "soak: requests, pages and leases held after"} <= metrics
+    for w in serve.sweep.WORKLOADS:  # the words after it say when the ratio rests on one ladder step
+        assert any(m.startswith(f"goodput, {w} (90% within SLOs; 0: no rate)") for m in metrics), w
     attainment = next(r for r in rows if r.metric.startswith("vlm_chat at 8"))
     off = result["engines"]["mmcache_nocache"]["vlm_chat"]["rates"][0]["attainment"]
     assert attainment.baseline == off and attainment.versus == "cache off"
@@ -196,9 +201,9 @@ def test_sizes_follow_quick_and_options_win():
     args = bench_parser("serve", serve).parse_args(["--quick", "--workloads", "mooncake,vlm_chat", "--duration", "2"])
     serve.settle(args)
     assert (args.text_preset, args.text_dtype, args.workloads) == ("tiny", "float32", ["mooncake", "vlm_chat"])
-    assert serve.per_rate(args, 4.0, 99) == 8 and serve.per_rate(args, 0.1, 99) == 1  # rate x duration, >= 1
+    assert ol.per_rate(args, 4.0, 99) == 8 and ol.per_rate(args, 0.1, 99) == 1  # rate x duration, >= 1
     args.duration = None
-    assert serve.per_rate(args, 4.0, 99) == 99
+    assert ol.per_rate(args, 4.0, 99) == 99
 
 
 
@@ -224,7 +229,7 @@ def test_attainment_rows_pair_the_engines_by_rate():
 
     engines = {"mmcache": {"w": swept([(0.5, 0.95), (1.0, 0.5)])},
                "mmcache_nocache": {"w": swept([(0.125, 0.92), (0.25, 0.8), (0.5, 0.6), (1.0, 0.1)])}}
-    rows = serve.open_loop_rows(engines)
+    rows = serve.open_loop_rows({"engines": engines})
     att = [(r.metric, r.value, r.baseline) for r in rows if "SLO attainment" in r.metric]
     assert [(v, b) for _, v, b in att] == [(0.95, 0.6), (0.5, 0.1)]
 
@@ -248,7 +253,7 @@ def test_vlm_sessions_beyond_the_chats_repeat_them_under_their_own_salt():
     args = bench_parser("serve", serve).parse_args(["--quick", "--images", "2", "--users", "2", "--turns", "2"])
     serve.settle(args)
     plan = serve.chat_plan(args)
-    work = serve.vlm_workload(args, plan)
+    work = ol.vlm_workload(args, plan)
     options = {"model": "m", "extra_body": {"cache_salt": "rate-0", "ignore_eos": True}}
     made = work.make(options, 2 * len(plan) + 1)
     salts = [s.options["extra_body"]["cache_salt"] for s in made]
