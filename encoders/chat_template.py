@@ -88,16 +88,18 @@ def _check_count(n: object) -> None:
 
 
 class ChatTemplate(ABC):
-    """Renders messages to token ids with image placeholder runs of given lengths."""
+    """Renders messages to token ids with image placeholder runs of given lengths (the prefix property of the
+    module docstring holds for every subclass)."""
 
-    def __init__(self, tokenizer: Tokenizer, image_token: str):
+    def __init__(self, tokenizer: Tokenizer, image_token: str | None):
         if not isinstance(tokenizer, Tokenizer):
             raise InvalidRequest(f"a chat template needs a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
         # A private copy so turning special-token parsing off cannot affect the caller's tokenizer.
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self.tokenizer.encode_special_tokens = True
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.image_token_id = self.special(image_token)
+        #: the image placeholder's id; None for a text model's template, which refuses images
+        self.image_token_id = None if image_token is None else self.special(image_token)
 
     def special(self, token: str) -> int:
         if not isinstance(token, str):
@@ -115,6 +117,64 @@ class ChatTemplate(ABC):
     @abstractmethod
     def end_of_turn_id(self) -> int:
         """The token an assistant turn ends with (generation stops at it)."""
+
+    @abstractmethod
+    def render(self, messages: Sequence[Message], placeholders: Sequence[int],
+               add_generation_prompt: bool = True) -> tuple[list[int], list[ImageRun]]:
+        """Token ids of ``messages`` and the image runs, image ``i`` getting ``placeholders[i]`` tokens.
+
+        ``InvalidRequest`` for malformed input (the module docstring lists the checks)."""
+
+    @staticmethod
+    def check_arguments(messages: object, placeholders: object, add_generation_prompt: object) -> None:
+        """``InvalidRequest`` unless ``render``'s arguments are of their types."""
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequest(f"messages must be a list of Message, got {type(messages).__name__}")
+        if not isinstance(placeholders, (list, tuple)) or not all(positive_int(n) for n in placeholders):
+            raise InvalidRequest("placeholders must be a list of positive ints, one per image")
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequest(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+
+    def check_message(self, i: int, message: object) -> None:
+        """``InvalidRequest`` unless message ``i`` is well formed for this template."""
+        if not isinstance(message, Message):
+            raise InvalidRequest(f"message {i} is {type(message).__name__}, not a Message")
+        _check_role(message.role)
+        if not isinstance(message.parts, (list, tuple)):
+            raise InvalidRequest(f"message {i}: parts must be a tuple of TextPart and ImagePart")
+        for part in message.parts:
+            if isinstance(part, ImagePart) and message.role != "user":
+                raise InvalidRequest(f"message {i}: images are accepted in user messages only, not {message.role}")
+            if isinstance(part, ImagePart) and self.image_token_id is None:
+                raise InvalidRequest(f"message {i}: this model does not accept images")
+            if not isinstance(part, (TextPart, ImagePart)):
+                raise InvalidRequest(f"message {i}: a part is {type(part).__name__}, not a TextPart or ImagePart")
+            if isinstance(part, TextPart):
+                _check_text(part.text)
+        if message.token_ids is not None and message.role != "assistant":
+            raise InvalidRequest(f"message {i}: token_ids are accepted on assistant messages only")
+
+    def answer_ids(self, i: int, message: Message) -> list[int]:
+        """Assistant message ``i``'s generated ids, checked against the vocabulary."""
+        ids = as_token_array(message.token_ids)
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise InvalidRequest(f"message {i}: token_ids hold id {int(ids.max())} outside the vocabulary of "
+                                 f"{self.vocab_size}")
+        return ids.tolist()
+
+    @staticmethod
+    def check_image(i: int, part: ImagePart, seen: list[int], placeholders: Sequence[int]) -> None:
+        """``InvalidRequest`` unless image ``part`` of message ``i`` has a placeholder count and was not ``seen``."""
+        index = part.index
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(placeholders):
+            raise InvalidRequest(f"message {i}: image index {index!r} has no placeholder count "
+                                 f"({len(placeholders)} given)")
+        if index in seen:
+            raise InvalidRequest(f"message {i}: image {index} appears twice")
+
+
+class TurnTemplate(ChatTemplate):
+    """A template whose messages render as ``header(role) + body + footer(role)`` (the module docstring)."""
 
     @abstractmethod
     def start(self) -> list[int]:
@@ -138,19 +198,11 @@ class ChatTemplate(ABC):
 
     def render(self, messages: Sequence[Message], placeholders: Sequence[int],
                add_generation_prompt: bool = True) -> tuple[list[int], list[ImageRun]]:
-        """Token ids of ``messages`` and the image runs, image ``i`` getting ``placeholders[i]`` tokens.
-
-        ``InvalidRequest`` for malformed input (the module docstring lists the checks)."""
-        if not isinstance(messages, (list, tuple)):
-            raise InvalidRequest(f"messages must be a list of Message, got {type(messages).__name__}")
-        if not isinstance(placeholders, (list, tuple)) or not all(positive_int(n) for n in placeholders):
-            raise InvalidRequest("placeholders must be a list of positive ints, one per image")
-        if not isinstance(add_generation_prompt, bool):
-            raise InvalidRequest(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+        self.check_arguments(messages, placeholders, add_generation_prompt)
         ids = self.start()
         runs: list[ImageRun] = []
         for i, message in enumerate(messages):
-            self._check_message(i, message)
+            self.check_message(i, message)
             ids += self.header(message.role)
             if message.role == "assistant":
                 body = self._answer(i, message)
@@ -162,7 +214,7 @@ class ChatTemplate(ABC):
                     if isinstance(part, TextPart):
                         ids += self.text(part.text)
                     else:
-                        self._check_image(i, part, runs, placeholders)
+                        self.check_image(i, part, [run.index for run in runs], placeholders)
                         run, offset = self.image_run(placeholders[part.index])
                         runs.append(ImageRun(part.index, len(ids) + offset, placeholders[part.index]))
                         ids += run
@@ -174,44 +226,14 @@ class ChatTemplate(ABC):
             ids += self.header("assistant")
         return ids, runs
 
-    @staticmethod
-    def _check_message(i: int, message: object) -> None:
-        if not isinstance(message, Message):
-            raise InvalidRequest(f"message {i} is {type(message).__name__}, not a Message")
-        _check_role(message.role)
-        if not isinstance(message.parts, (list, tuple)):
-            raise InvalidRequest(f"message {i}: parts must be a tuple of TextPart and ImagePart")
-        for part in message.parts:
-            if isinstance(part, ImagePart) and message.role != "user":
-                raise InvalidRequest(f"message {i}: images are accepted in user messages only, not {message.role}")
-            if not isinstance(part, (TextPart, ImagePart)):
-                raise InvalidRequest(f"message {i}: a part is {type(part).__name__}, not a TextPart or ImagePart")
-        if message.token_ids is not None and message.role != "assistant":
-            raise InvalidRequest(f"message {i}: token_ids are accepted on assistant messages only")
-
     def _answer(self, i: int, message: Message) -> list[int]:
         """An assistant message's body: its generated ids verbatim, else its text tokenized as an answer."""
         if message.token_ids is None:
-            for part in message.parts:
-                _check_text(part.text)
             return self.assistant_text("".join(p.text for p in message.parts))
-        ids = as_token_array(message.token_ids)
-        if ids.size and int(ids.max()) >= self.vocab_size:
-            raise InvalidRequest(f"message {i}: token_ids hold id {int(ids.max())} outside the vocabulary of "
-                                 f"{self.vocab_size}")
-        return ids.tolist()
-
-    @staticmethod
-    def _check_image(i: int, part: ImagePart, runs: list[ImageRun], placeholders: Sequence[int]) -> None:
-        index = part.index
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(placeholders):
-            raise InvalidRequest(f"message {i}: image index {index!r} has no placeholder count "
-                                 f"({len(placeholders)} given)")
-        if any(run.index == index for run in runs):
-            raise InvalidRequest(f"message {i}: image {index} appears twice")
+        return self.answer_ids(i, message)
 
 
-class LlavaTemplate(ChatTemplate):
+class LlavaTemplate(TurnTemplate):
     """Vicuna v1 turns as llava-1.5 uses them; images render as ``<image>*n`` followed by a newline."""
 
     def __init__(self, tokenizer: Tokenizer, image_token: str = "<image>", bos: str = "<s>", eos: str = "</s>"):
@@ -247,7 +269,7 @@ class LlavaTemplate(ChatTemplate):
         return self.text(" " + text)
 
 
-class ChatMLTemplate(ChatTemplate):
+class ChatMLTemplate(TurnTemplate):
     """ChatML turns as Qwen2-VL uses them; images render as ``<|vision_start|><|image_pad|>*n<|vision_end|>``."""
 
     def __init__(self, tokenizer: Tokenizer, image_token: str = "<|image_pad|>"):

@@ -1,6 +1,7 @@
 """``mmcache export-model`` and ``mmcache generate``.
 
-    mmcache export-model PRESET DIR [--dtype bfloat16]     write an embedded preset as a Hugging Face folder
+    mmcache export-model PRESET DIR [--dtype bfloat16]     write an embedded preset (text or VLM) as a Hugging
+                                                           Face folder, with a chat template
     mmcache generate (--preset NAME | --model DIR) PROMPT ... [--max-tokens N] [--temperature T] [--top-k K]
                      [--top-p P] [--seed S] [--cache-mode on|off|shadow]
 
@@ -16,14 +17,17 @@ import json
 import sys
 
 from ..presets.text import PRESETS
+from ..presets.vlm import VLM_PRESETS
 from .models import DTYPES
 
 
 def register(sub) -> None:
     p = sub.add_parser("export-model", help="write an embedded model preset as a Hugging Face folder",
-                       description="Write PRESET (" + ", ".join(PRESETS) + ") to DIR: config.json, "
-                                   "model.safetensors and tokenizer files, loadable by transformers and vLLM.")
-    p.add_argument("preset", choices=list(PRESETS))
+                       description="Write PRESET (" + ", ".join(list(PRESETS) + list(VLM_PRESETS)) + ") to DIR: "
+                                   "config.json, model.safetensors, tokenizer files and a chat template (and a "
+                                   "VLM's image processor), loadable by transformers, vLLM and mmcache serve "
+                                   "--model DIR.")
+    p.add_argument("preset", choices=list(PRESETS) + list(VLM_PRESETS))
     p.add_argument("dir")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.set_defaults(func=export_main)

@@ -1,6 +1,7 @@
 """``mmcache serve``: the OpenAI-compatible server in the foreground.
 
-    mmcache serve [--preset NAME | --model DIR] [--diffusion PRESET_OR_DIR ...] [--tts PRESET_OR_DIR]
+    mmcache serve [--preset NAME | --model DIR] [--chat-template FILE] [--diffusion PRESET_OR_DIR ...]
+                  [--tts PRESET_OR_DIR]
                   [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] [--served-model-name NAME]
                   [--max-waiting N] [--page-size N] [--num-pages N] [--max-num-seqs N] [--store-bytes N]
                   [--max-num-batched-tokens N] [--prefill-chunk-tokens N] [--mixed-prefill-tokens N]
@@ -51,6 +52,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", choices=list(PRESETS) + list(VLM_PRESETS))
     src.add_argument("--model", metavar="DIR",
                      help="a local Hugging Face folder: a text model, or a LLaVA or Qwen2-VL model")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template (a .jinja file, or JSON holding chat_template) to render chats with "
+                        "in place of the model's own")
     p.add_argument("--diffusion", action="append", default=[], metavar="PRESET_OR_DIR",
                    help=f"a diffusion pipeline: {', '.join(DIFFUSION_PRESETS)} or a local diffusers folder "
                         f"(SD3 family: /v1/images/generations; Wan: /v1/videos); give it once per task")
@@ -175,7 +179,7 @@ def config_from_args(args: argparse.Namespace):
                                             cache_mode=args.cache_mode)
     except EngineConfigError as e:
         raise ServerConfigError(str(e)) from None
-    return ServerConfig(preset=args.preset, model=args.model, diffusion=tuple(args.diffusion), tts=args.tts,
+    return ServerConfig(preset=args.preset, model=args.model, chat_template=args.chat_template, diffusion=tuple(args.diffusion), tts=args.tts,
                         host=args.host, port=args.port, api_keys=tuple(args.api_key),
                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                         max_waiting_per_tenant=args.max_waiting_per_tenant, max_prompt_chars=args.max_prompt_chars,

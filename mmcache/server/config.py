@@ -72,6 +72,7 @@ def parse_size(size: str) -> tuple[int, int] | None:
 class ServerConfig:
     preset: str | None = None  # an engine preset (text) or a VLM preset
     model: str | None = None  # a local Hugging Face folder (a text model, or a LLaVA or Qwen2-VL one)
+    chat_template: str | None = None  # a Jinja file the chat model's prompts are rendered with; None: its own
     diffusion: tuple[str, ...] = ()  # diffusion presets or local diffusers folders (SD3 images, Wan videos)
     tts: str | None = None  # a voice-cloning preset or a local CSM folder
     host: str = "127.0.0.1"
@@ -121,6 +122,8 @@ class ServerConfig:
     def __post_init__(self):
         if self.preset is not None and self.model is not None:
             raise ServerConfigError("give at most one of preset and model")
+        if self.chat_template is not None:
+            self._check_chat_template()
         if isinstance(self.diffusion, str):
             raise ServerConfigError("diffusion must be a list of presets or folders, not one string")
         object.__setattr__(self, "diffusion", tuple(self.diffusion))
@@ -160,6 +163,19 @@ class ServerConfig:
         secret = self.tenant_secret
         if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
             raise ServerConfigError("tenant_secret must be bytes of at least 16")
+
+    def _check_chat_template(self) -> None:
+        """A chat template file is given with a chat model and reads as UTF-8 Jinja source."""
+        from encoders.jinja_template import ChatTemplateError, read_template_file
+
+        if not self.serves_chat:
+            raise ServerConfigError("chat_template renders the chat model's prompts; none is served")
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise ServerConfigError(f"chat_template must be the path of a file, got {self.chat_template!r}")
+        try:
+            read_template_file(self.chat_template)
+        except ChatTemplateError as e:
+            raise ServerConfigError(str(e)) from None
 
     def _check_image_decoding(self) -> None:
         """The pixel limit and the decode budget: each None (derived when the VLM is built) or a positive int, and

@@ -6,11 +6,18 @@ Rules:
 * Images come only as data URLs. An ``http(s)`` URL is refused with a 400 saying this server fetches nothing; a
   path or ``file://`` URL is refused too and never read (the VLM's ``ImageLimits`` forbid paths as well). A data
   URL whose payload is beyond ``max_image_bytes`` is refused with 413 before it is decoded.
-* A text model renders chat messages with its tokenizer's own chat template when it has one; the embedded text
-  presets have none, so they use ``PlainChatTemplate``: each message as ``"{role}:"`` then ``" {text}"`` then
-  ``"\\n"``, each segment tokenized on its own, and ``"assistant:"`` as the generation prompt. An assistant
+* A text model renders chat messages with the ``chat_template`` file of the config (``--chat-template``), else
+  with its tokenizer's own chat template, through ``encoders.jinja_template.JinjaChatTemplate``: an assistant
   message carrying ``token_ids`` (the answer as generated) keeps them verbatim, so a chat's next turn begins with
-  the previous prompt plus its answer and reuses its pages.
+  the previous prompt plus its answer and reuses its pages, and user text yields no special token. A template
+  that breaks that rule (``JinjaChatTemplate``'s probe) is rendered by transformers' ``apply_chat_template``
+  instead, and a log line says why. The embedded text presets have no template, so they use
+  ``PlainChatTemplate``: each message as ``"{role}:"`` then ``" {text}"`` then ``"\\n"``, each segment tokenized
+  on its own, and ``"assistant:"`` as the generation prompt.
+* Sampling settings a request leaves unset take the served folder's ``generation_config.json`` values, as vLLM's
+  default ``--generation-config auto`` does (``generation_defaults``): ``temperature``, ``top_p``, ``top_k`` and
+  ``max_new_tokens`` (for ``max_tokens``); a request's own values always win, and without the file OpenAI's
+  defaults hold. The folder's penalties and ``min_p`` are not applied (the engine has none; a log line says so).
 * A VLM renders them with the preset's chat template (``encoders.chat``); ``developer`` is read as ``system``.
 * Work is bounded before it is done: a prompt's text (every message's text, or a completion's prompt) longer
   than ``max_chars`` characters is refused (400 ``context_length_exceeded``) before any tokenizer sees it. The
@@ -33,18 +40,71 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from ..engine.request import Request, SamplingParams
+from ..errors import InvalidRequest
 from .errors import bad_request, too_large
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageContent, TextContent
 
 
-def sampling_of(req, default_max_tokens: int) -> SamplingParams:
-    """The engine's sampling settings of a chat or completion request."""
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max_tokens
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(0, req.top_k),
-                          top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
+log = logging.getLogger(__name__)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
+"""The settings a folder's generation_config.json gives to requests that leave them unset (vLLM's mapping, less
+the penalties and min_p, which the engine does not have)."""
+_NOT_APPLIED = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+
+
+def sampling_of(req, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    """The engine's sampling settings of a chat or completion request; ``defaults`` (``generation_defaults``)
+    fill the fields the request left unset."""
+    defaults = defaults or {}
+    given = req.model_fields_set
+
+    def pick(name: str):
+        return getattr(req, name) if name in given or name not in defaults else defaults[name]
+
+    max_tokens = (getattr(req, "max_completion_tokens", None) or req.max_tokens or defaults.get("max_tokens")
+                  or default_max_tokens)
+    return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"), top_k=max(0, pick("top_k")),
+                          top_p=pick("top_p"), seed=req.seed, ignore_eos=req.ignore_eos)
+
+
+def generation_defaults(folder) -> dict:
+    """The sampling defaults in ``folder``'s generation_config.json, read as vLLM reads them (transformers'
+    ``GenerationConfig``, the values it holds beyond its own defaults): ``temperature``, ``top_p``, ``top_k`` and
+    ``max_tokens`` (from ``max_new_tokens``). Empty without a folder or a readable file."""
+    from transformers import GenerationConfig
+
+    if folder is None or not (Path(folder) / "generation_config.json").is_file():
+        return {}
+    try:
+        given = GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
+    except (OSError, ValueError) as e:
+        log.warning("%s: generation_config.json is not read (%s); OpenAI's sampling defaults apply", folder, e)
+        return {}
+    if "max_new_tokens" in given:
+        given["max_tokens"] = given.pop("max_new_tokens")
+    ignored = [name for name in _NOT_APPLIED if given.get(name) is not None]
+    if ignored:
+        log.warning("%s: generation_config.json sets %s, which this server does not apply", folder,
+                    ", ".join(ignored))
+    ranges = {"temperature": lambda v: isinstance(v, (int, float)) and 0 <= v <= 2,
+              "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+              "top_k": lambda v: isinstance(v, int) and v >= -1,
+              "max_tokens": lambda v: isinstance(v, int) and v >= 1}
+    out = {}
+    for name in SAMPLING_DEFAULTS:
+        value = given.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not ranges[name](value):
+            log.warning("%s: generation_config.json's %s of %r is out of range and not used", folder, name, value)
+            continue
+        out[name] = value
+    return out
 
 
 def stop_strings(req, max_chars: int) -> list[str]:
@@ -126,8 +186,12 @@ class PromptMaker:
         self.tokenizer = copy.deepcopy(host.core.tokenizer)
         #: the copy that encodes, on the prompt thread only (module docstring)
         self.encoder = encoder = copy.deepcopy(host.core.tokenizer)
-        self.hf_template = getattr(encoder, "chat_template", None) if encoder is not None else None
+        self.hf_template = self.jinja = None
+        if encoder is not None and not host.is_vlm:
+            self.hf_template, self.jinja = _text_template(encoder, config)
         self.plain = PlainChatTemplate(encoder) if encoder is not None else None
+        #: sampling settings for what requests leave unset (``generation_defaults``)
+        self.defaults = generation_defaults(getattr(config, "model", None))
         self.max_chars = config.max_prompt_chars or prompt_char_bound(encoder, host.core.max_model_len)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmcache-prompts")
 
@@ -149,7 +213,7 @@ class PromptMaker:
 
     # ---- chat --------------------------------------------------------------------------------------
     def chat(self, req: ChatCompletionRequest, rid: str, salt: bytes, arrival: float):
-        sampling = sampling_of(req, self.config.default_max_tokens)
+        sampling = sampling_of(req, self.config.default_max_tokens, self.defaults)
         if self.host.is_vlm:
             from ..hosts.vlm import VLMRequest
 
@@ -216,15 +280,27 @@ class PromptMaker:
                 raise bad_request("token_ids are accepted on assistant messages only", f"messages.{i}.token_ids")
             role = "system" if m.role == "developer" else m.role
             flat.append((role, text, m.token_ids))
+        if self.jinja is not None:
+            return self._jinja_render(flat)
         if self.hf_template:
             return self._hf_render(flat)
         return self.plain.render(flat)
+
+    def _jinja_render(self, flat) -> list[int]:
+        from encoders.chat_template import Message, TextPart
+
+        messages = [Message(role, (TextPart(text),), None if ids is None else tuple(ids)) for role, text, ids in flat]
+        try:
+            return self.jinja.render(messages, [], True)[0]
+        except InvalidRequest as e:  # a template that refuses these messages (roles out of order, ...)
+            raise bad_request(str(e), "messages") from None
 
     def _hf_render(self, flat) -> list[int]:
         tok = self.encoder
         messages = [{"role": role, "content": text} for role, text, _ in flat]
         try:
-            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                          chat_template=self.hf_template)
         except Exception as e:  # a template that refuses these messages (roles out of order, ...)
             raise bad_request(f"the model's chat template refused the messages: {e}", "messages") from None
         ids = out["input_ids"] if hasattr(out, "keys") else out
@@ -232,7 +308,7 @@ class PromptMaker:
 
     # ---- completions -------------------------------------------------------------------------------
     def completion(self, req: CompletionRequest, rid: str, salt: bytes, arrival: float):
-        sampling = sampling_of(req, self.config.default_max_tokens)
+        sampling = sampling_of(req, self.config.default_max_tokens, self.defaults)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -251,3 +327,25 @@ class PromptMaker:
                 raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
             prompt = self.encoder(prompt, add_special_tokens=False)["input_ids"]
         return Request(prompt, sampling, rid, salt, arrival_time=arrival)
+
+
+def _text_template(encoder, config) -> tuple[str | None, object]:
+    """A text model's chat template source (the config's file, else the tokenizer's own; None: none) and its
+    ``JinjaChatTemplate``, None where the tokenizer is not a fast one or the template fails the probe (module
+    docstring)."""
+    from encoders.jinja_template import ChatTemplateError, JinjaChatTemplate, read_template_file
+
+    path = getattr(config, "chat_template", None)
+    source = read_template_file(path) if path else getattr(encoder, "chat_template", None)
+    if not isinstance(source, str) or not source:
+        return None, None
+    backend = getattr(encoder, "backend_tokenizer", None)
+    if backend is None:
+        return source, None
+    specials = {k: v for k, v in getattr(encoder, "special_tokens_map", {}).items() if isinstance(v, str)}
+    try:
+        return source, JinjaChatTemplate(backend, source, None, specials)
+    except (ChatTemplateError, InvalidRequest) as e:
+        log.warning("the chat template%s keeps no page reuse across turns, so apply_chat_template renders it: %s",
+                    f" of {path}" if path else "", e)
+        return source, None
