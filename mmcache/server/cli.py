@@ -179,7 +179,8 @@ def config_from_args(args: argparse.Namespace):
                                             cache_mode=args.cache_mode)
     except EngineConfigError as e:
         raise ServerConfigError(str(e)) from None
-    return ServerConfig(preset=args.preset, model=args.model, chat_template=args.chat_template, diffusion=tuple(args.diffusion), tts=args.tts,
+    return ServerConfig(preset=args.preset, model=args.model, chat_template=args.chat_template,
+                        diffusion=tuple(args.diffusion), tts=args.tts,
                         host=args.host, port=args.port, api_keys=tuple(args.api_key),
                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                         max_waiting_per_tenant=args.max_waiting_per_tenant, max_prompt_chars=args.max_prompt_chars,
