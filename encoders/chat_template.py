@@ -1,4 +1,6 @@
-"""Chat templates rendered straight to token ids, one segment at a time, for the LLaVA and Qwen2-VL presets.
+"""Chat templates rendered straight to token ids: ``ChatTemplate`` (what a ``PromptBuilder`` renders with) and
+``TurnTemplate``, whose turns are fixed segments, for the LLaVA and Qwen2-VL presets (``jinja_template`` renders a
+model folder's own Jinja template under the same contract).
 
 A message renders as ``header(role) + body + footer(role)``; the generation prompt is ``header("assistant")``.
 Text is tokenized per segment (never across a segment boundary), special tokens are inserted as ids, and user
