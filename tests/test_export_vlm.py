@@ -128,3 +128,20 @@ def test_a_text_folder_serves_with_the_chat_template_given(tmp_path):
         ServerConfig(model=str(folder), chat_template=str(tmp_path / "absent.jinja"))
     with pytest.raises(ServerConfigError, match="none is served"):
         ServerConfig(tts="tiny-csm", chat_template=str(shouting))
+
+
+def test_a_vlm_folder_served_with_a_chat_template_file_renders_with_it(folders, tmp_path):
+    system = "<|im_start|>system\nBe brief.<|im_end|>\n"
+    other = tmp_path / "brief.jinja"
+    other.write_text("{{- '" + system.replace("\n", "\\n") + "' -}}" + CHATML_JINJA)
+    chat = [{"role": "user", "content": "What is in this picture?"}]
+    tokens = {}
+    for template in (None, str(other)):
+        config = ServerConfig(model=str(folders["tiny-qwen2-vl"]), dtype="float32", chat_template=template,
+                              engine_config=EngineConfig(page_size=16))
+        with serve(config) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+            out = client.chat.completions.create(model="m", messages=chat, max_tokens=2, temperature=0)
+            tokens[template] = out.usage.prompt_tokens
+            extra = len(srv.host.engine.engine.tokenizer.encode(system, add_special_tokens=False))
+    assert tokens[str(other)] == tokens[None] + extra

@@ -111,7 +111,7 @@ def build_engine(config: ServerConfig):
     if config.preset is not None:
         return engine_from_preset(config.preset, config.dtype, engine_config)
     if is_vlm_folder(config.model):
-        vlm = load_vlm(config.model, config.dtype)
+        vlm = load_vlm(config.model, config.dtype, config.chat_template)
         return vlm_engine(vlm, engine_config, config.store_bytes, image_limits(config, vlm))
     return Engine.from_pretrained(config.model, config.dtype, engine_config)
 
