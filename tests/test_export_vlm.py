@@ -145,3 +145,13 @@ def test_a_vlm_folder_served_with_a_chat_template_file_renders_with_it(folders, 
             tokens[template] = out.usage.prompt_tokens
             extra = len(srv.host.engine.engine.tokenizer.encode(system, add_special_tokens=False))
     assert tokens[str(other)] == tokens[None] + extra
+
+
+def test_a_chat_template_file_with_a_vlm_preset_is_refused(tmp_path):
+    from mmcache.server.config import ServerConfigError
+
+    template = tmp_path / "t.jinja"
+    template.write_text(CHATML_JINJA)
+    with pytest.raises(ServerConfigError, match="export-model"):
+        with serve(ServerConfig(preset="tiny-llava", chat_template=str(template))):
+            pass

@@ -106,6 +106,10 @@ def build_engine(config: ServerConfig):
         return None
     engine_config = config.engine_config or serve_engine_config()
     if config.preset in VLM_PRESETS:
+        if config.chat_template is not None:
+            raise ServerConfigError(f"--chat-template renders a model folder's chats; the VLM preset {config.preset} "
+                                    f"renders with the engine's own template (export it with mmcache export-model "
+                                    f"and serve the folder with --model to give it a template)")
         vlm = build_vlm(config.preset, config.dtype)
         return vlm_engine(vlm, engine_config, config.store_bytes, image_limits(config, vlm))
     if config.preset is not None:
