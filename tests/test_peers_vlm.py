@@ -97,3 +97,16 @@ def test_only_known_torch_releases_get_a_torchvision(monkeypatch):
     monkeypatch.setattr(tpo.importlib.metadata, "version", lambda name: "2.99.0")
     with pytest.raises(tpo.PeerSetupError, match="no matching torchvision"):
         tpo.matching_torchvision()
+
+
+def test_the_first_turn_check_refuses_bad_arguments_before_starting_anything(tmp_path, capsys):
+    from benchmarks.peers import vlm_first_turn as ft
+
+    for argv, said in ((["--model", str(tmp_path)], "holds no config.json"),
+                       (["--model", str(tmp_path), "--max-tokens", "0"], "--max-tokens must be at least 1"),
+                       (["--model", str(tmp_path), "--images", "9"], "invalid choice"),
+                       (["--model", str(tmp_path), "--dtypes", "float16"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            ft.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert len(ft.questions(2)) == 2 and ft.photo_url(ft.PHOTOS[0]).startswith("data:image/png;base64,")
