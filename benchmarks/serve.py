@@ -103,11 +103,13 @@ FULL = dict(preset="bench-llava", images=4, users=2, turns=4, max_tokens=8, repe
             rates="0.0625,0.125,0.25,0.5,1,2", sessions=16, soak=0, time_limit=600.0,
             workloads=",".join(sweep.WORKLOADS), text_preset="small", text_sessions=16, text_requests=16,
             text_turns=4, text_max_tokens=12, load_repeats=3, near_line="0.75,1.5")
-# The quick run: two rates, the lower one where the cache-off server can meet the SLOs when sessions seldom overlap,
-# the higher one where it cannot and the cache-on server can, so that a goodput ratio is a number; answers long
-# enough that the TPOT SLO (2x the unloaded p50) averages one interleaved prefill over many tokens.
+# The quick run: two rates of one second of arrivals each (--duration 1). The lower sends one session, which overlaps
+# none, so the cache-off server can meet its own SLOs there, as in the full run it meets them only where sessions
+# hardly overlap; the higher sends four, where the cache-off server's repeated prefills stall the others' decodes
+# and the cache-on server's short ones need not: a goodput ratio is then a number. Answers of 12 tokens, so that
+# the TPOT SLO (2x the unloaded p50) spreads one interleaved prefill over many tokens.
 QUICK = dict(preset="tiny-llava", images=2, users=2, turns=3, max_tokens=12, repeats=4, rates="1,4", sessions=4,
-             soak=60, time_limit=120.0, workloads=",".join(sweep.WORKLOADS), text_preset="tiny",
+             duration=1.0, soak=60, time_limit=120.0, workloads=",".join(sweep.WORKLOADS), text_preset="tiny",
              text_sessions=3, text_requests=4, text_turns=2, text_max_tokens=8, load_repeats=1, near_line="none")
 # Text workload shapes (lengths scaled from the published shapes so that a CPU serves them at a few per second)
 # (a Mooncake block of at least a page, so that a shared block can be a cache hit)
@@ -239,7 +241,8 @@ def _open_loop_options(s) -> None:
                         f"(default {FULL['rates']}, quick {QUICK['rates']})")
     s.add_argument("--duration", type=duration_s, default=None, metavar="S",
                    help="seconds of arrivals per rate: each rate sends rate x S sessions (at least 1; default: "
-                        "--sessions, --text-sessions or --text-requests)")
+                        f"--sessions, --text-sessions or --text-requests; quick {QUICK['duration']:g}, so there "
+                        f"those counts size only the unloaded runs)")
     s.add_argument("--min-rate", type=real(1e-6), default=None, metavar="R",
                    help="the lowest rate the ladder's foot may move down to, halving, for an engine that meets the "
                         "SLOs at none of the rates (default: a quarter of the lowest rate; quick: the lowest rate, "

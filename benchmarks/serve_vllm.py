@@ -5,9 +5,11 @@ Rules:
 
 * ``vllm_cpu`` runs vLLM at the defaults of its CPU OpenAI server: 2,048 batched tokens a step and 128 sequences
   (``EngineArgs.get_batch_defaults`` on the CPU platform, usage context ``OPENAI_API_SERVER``, vLLM 0.32), chunked
-  prefill on (the model's default there) with no long-prefill threshold. They are passed as numbers, equal to what
-  vLLM picks when they are left out; the server's log line "Chunked prefill is enabled with
-  max_num_batched_tokens=N" is read back into the JSON, so a vLLM whose defaults moved shows it.
+  prefill on (the model's default there) with no long-prefill threshold. The two numbers are passed, equal to what
+  vLLM 0.32 picks when they are left out (a vLLM whose defaults moved needs them moved too: the JSON records the
+  version beside them). The step budget vLLM logs ("Chunked prefill is enabled with max_num_batched_tokens=N") is
+  read back into the JSON; vLLM logs each value once per process, so the line may be missing at 2,048, the value
+  its config class starts from.
 * ``vllm_cpu_tuned`` is the same server with ``--peer-batched-tokens B`` batched tokens a step (chunked prefill on,
   as by default, so a prompt longer than B is prefilled over several steps beside the decodes).
 * What must match mmcache for fairness is set on both, never tuned: block size (``block_size_for`` the page

@@ -16,8 +16,8 @@ from mmcache.cli import main as cli_main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ARGS = ["--quick", "--images", "2", "--users", "2", "--turns", "2", "--max-tokens", "3", "--repeats", "2",
-        "--sessions", "3", "--rates", "8", "--soak", "60", "--soak-concurrency", "8", "--text-sessions", "2",
-        "--text-requests", "3"]
+        "--sessions", "3", "--rates", "8", "--duration", "0.375", "--soak", "60", "--soak-concurrency", "8",
+        "--text-sessions", "2", "--text-requests", "3"]
 RATE_KEYS = {"rate", "attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s",
              "matched_share"}
 
@@ -78,8 +78,8 @@ def test_the_open_loop_json_has_issue_44s_shape(result):
             assert 0 <= rate["attainment"] <= 1 and rate["ttft_p50_s"] > 0 and rate["throughput_tok_s"] > 0
             assert figures["goodput_rps"] == (8.0 if rate["attainment"] >= 0.9 else None)
     on, off = result["engines"]["mmcache"], result["engines"]["mmcache_nocache"]
-    assert on["vlm_chat"]["rates"][0]["requests"] == 3 * 2  # sessions x turns
-    assert on["multi_turn"]["rates"][0]["requests"] == 2 * 2  # --text-sessions x --text-turns (quick: 2)
+    assert on["vlm_chat"]["rates"][0]["requests"] == 3 * 2  # rate x --duration sessions x turns
+    assert on["multi_turn"]["rates"][0]["requests"] == 3 * 2  # rate x --duration sessions x --text-turns (quick: 2)
     assert on["shared_prefix"]["rates"][0]["requests"] == on["mooncake"]["rates"][0]["requests"] == 3
     assert on["vlm_chat"]["rates"][0]["matched_share"] > 0.3 and on["multi_turn"]["rates"][0]["matched_share"] > 0.3
     for figures in off.values():

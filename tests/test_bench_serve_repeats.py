@@ -167,6 +167,7 @@ def test_the_quick_configuration_can_show_a_finite_ratio():
     serve.settle(args)
     assert len(args.rates) >= 2 and args.load_repeats == 1 and args.near_line == ()
     low = min(args.rates)
+    assert ol.per_rate(args, low, 99) == 1 < ol.per_rate(args, max(args.rates), 99)  # one session: no overlap
     per_repeat = [{"mmcache_nocache": {w: swept([(r, 1.0 if r == low else 0.5) for r in args.rates])
                                        for w in ("vlm_chat", "multi_turn")},
                    "mmcache": {w: swept([(r, 1.0) for r in args.rates]) for w in ("vlm_chat", "multi_turn")}}]
