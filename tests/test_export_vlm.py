@@ -155,3 +155,17 @@ def test_a_chat_template_file_with_a_vlm_preset_is_refused(tmp_path):
     with pytest.raises(ServerConfigError, match="export-model"):
         with serve(ServerConfig(preset="tiny-llava", chat_template=str(template))):
             pass
+
+
+def test_a_llava_export_names_its_tower_weights_as_vllm_reads_them_and_loads_back_equal(folders):
+    import torch
+    from safetensors import safe_open
+
+    from mmcache.presets.vlm import build_vlm
+
+    with safe_open(str(folders["tiny-llava"] / "model.safetensors"), "pt") as f:
+        tower = [k for k in f.keys() if k.startswith("vision_tower.")]
+    assert tower and all(k.startswith("vision_tower.vision_model.") for k in tower)
+    loaded = load_vlm(folders["tiny-llava"], "float32").model.state_dict()
+    built = build_vlm("tiny-llava", "float32").model.state_dict()
+    assert loaded.keys() == built.keys() and all(torch.equal(loaded[k], built[k]) for k in built)

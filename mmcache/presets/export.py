@@ -123,6 +123,8 @@ def _write_vlm(tmp: Path, preset_name: str, dtype) -> None:
 
     preset = build_vlm(preset_name, dtype)
     preset.model.save_pretrained(tmp, safe_serialization=True)
+    if isinstance(preset.template, LlavaTemplate):
+        name_tower_weights(tmp / "model.safetensors")
     preset.image_processor.save_pretrained(tmp)
     processor_file = tmp / "preprocessor_config.json"
     settings = json.loads(processor_file.read_text())
@@ -147,6 +149,24 @@ def _write_vlm(tmp: Path, preset_name: str, dtype) -> None:
     name_generic_tokenizer(tmp)
     (tmp / "chat_template.jinja").write_text(source, encoding="utf-8")
     (tmp / "processor_config.json").write_text(json.dumps(processor, indent=2, sort_keys=True) + "\n")
+
+
+TOWER = "vision_tower."
+TOWER_MODEL = "vision_tower.vision_model."
+
+
+def name_tower_weights(path: Path) -> None:
+    """Give a LLaVA export's CLIP or SigLIP tower weights the names with the tower's ``vision_model`` level
+    (``vision_tower.vision_model.encoder...``): transformers 5 saves them without it and reads both forms, while
+    vLLM 0.32's LLaVA loader knows only the names with it and refuses the folder otherwise. The tensors are
+    unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    renamed = {(TOWER_MODEL + k[len(TOWER):] if k.startswith(TOWER) and not k.startswith(TOWER_MODEL) else k): v
+               for k, v in tensors.items()}
+    if renamed.keys() != tensors.keys():
+        save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def _finish(tmp: Path, preset_name: str, dtype) -> None:
