@@ -271,8 +271,8 @@ def _soak_options(s) -> None:
 
 
 def settle(args) -> None:
-    """Fill sizes and defaults, and check what argparse could not (typed errors); with ``--peers``, that vLLM's
-    interpreter is configured (``VllmUnavailable`` before anything is built)."""
+    """Fill sizes and defaults, and check what argparse could not (typed errors); with ``--peers`` or
+    ``--tune-peer``, that vLLM's interpreter is configured (``VllmUnavailable`` before anything is built)."""
     full, quick = dict(FULL), dict(QUICK)
     for d in (full, quick):
         d["rates"], d["workloads"] = rates_list(d["rates"]), workloads_list(d["workloads"])
