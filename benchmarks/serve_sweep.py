@@ -215,14 +215,3 @@ def rate_row(rate: float, s: dict) -> dict:
     row = {"rate": rate, **{k: s.get(k) for k in keys}}
     row["failed"] = s["outcomes"]["error"] + s["outcomes"]["timeout"]
     return row
-
-
-def ratios(engines: dict, workload: str, base: str) -> dict:
-    """Goodput of every engine over ``base``'s on ``workload`` (None where either has none)."""
-    b = engines.get(base, {}).get(workload, {}).get("goodput_rps")
-    out = {}
-    for engine, per in engines.items():
-        g = per.get(workload, {}).get("goodput_rps")
-        if engine != base and workload in per:
-            out[engine] = g / b if g and b else None
-    return out
