@@ -158,12 +158,9 @@ ARGS = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True, "re
 
 
 def _token_chunks(choices: list) -> list:
-    """The chunks of a stream's steps: one per token, and perhaps one more at the end with no token of its own
-    (when the request's end reached the server after its last token had been sent)."""
-    ids = [c.model_extra["token_ids"] for c in choices]
-    if len(choices) > 1 and ids[-1] == [] and choices[-2].finish_reason is None:
-        assert choices[-1].finish_reason is not None
-        return choices[:-1]
+    """The chunks of a stream's steps: one per token, the request's end riding on the last token's chunk
+    (``EngineHost`` posts a step's events of one request in one callback, so the handler finds the end queued)."""
+    assert all(c.model_extra["token_ids"] for c in choices), "a chunk without a token of its own"
     return choices
 
 

@@ -255,6 +255,7 @@ class EngineHost:
                 _log.exception("aborting request %r raised", rid)
 
     def _dispatch(self, events) -> None:
+        posts: dict[int, tuple[_Subscription, list]] = {}  # one post per request per step: see _post
         for ev in events:
             with self._lock:
                 sub = self._subs.get(ev.request_id)
@@ -273,11 +274,20 @@ class EngineHost:
                                  ev.finish_reason)
                 except Exception:
                     _log.exception("recording the metrics of request %r raised", ev.request_id)
-            self._post(sub, ev)
+            posts.setdefault(id(sub), (sub, []))[1].append(ev)
+        for sub, items in posts.values():
+            self._post(sub, *items)
 
     @staticmethod
-    def _post(sub: _Subscription, item) -> None:
+    def _post(sub: _Subscription, *items) -> None:
+        """Queue ``items`` for ``sub``'s handler in one callback, so a handler that reads the first (a request's
+        last token) finds the rest (its end) queued already."""
         try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
+            sub.loop.call_soon_threadsafe(_put_all, sub.queue, items)
         except RuntimeError:  # the handler's loop has closed: nobody is left to read it
             pass
+
+
+def _put_all(queue, items) -> None:
+    for item in items:
+        queue.put_nowait(item)
