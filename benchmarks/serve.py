@@ -32,10 +32,12 @@ with it; the other parts run it in this process.
   salt; rate in sessions/s), ``multi_turn`` (vLLM's multi-turn shape; sessions/s), ``shared_prefix`` (SGLang's
   generated-shared-prefix shape; requests/s) and ``mooncake`` (a slice of the Mooncake conversation trace, one
   token run per hash block; requests/s), the text ones as token ids over ``/v1/completions``
-  (``benchmarks.serve_workloads``) to ``--text-preset`` written as a model folder (``benchmarks.serve_model``).
-  Engines: ``mmcache_nocache`` (no page reuse, every encoder output bypasses the store; its unloaded latency in
-  the first repeat sets each workload's SLOs), ``mmcache``, and with ``--peers`` vLLM's own OpenAI server on the
-  same folder, text workloads only, at its CPU server's defaults (``vllm_cpu``) and with ``--peer-batched-tokens``
+  (``benchmarks.serve_workloads``) to ``--text-preset`` written as a model folder (``benchmarks.serve_model``),
+  ``vlm_chat`` as chat messages to ``--preset`` written as a model folder with its chat template (``mmcache
+  export-model``). Engines: ``mmcache_nocache`` (no page reuse, every encoder output bypasses the store; its
+  unloaded latency in the first repeat sets each workload's SLOs), ``mmcache``, and with ``--peers`` vLLM's own
+  OpenAI server on the same folders (the VLM's with ``--preset bench-llava``: vLLM takes no head size of 16, the
+  tiny presets'), at its CPU server's defaults (``vllm_cpu``) and with ``--peer-batched-tokens``
   (``vllm_cpu_tuned``; ``benchmarks.serve_vllm``, whose ``--tune-peer`` sweep finds that value); both mmcache
   servers run ``mmcache serve``'s schedule (``mmcache.server.config.serve_engine_config``). After every rate an
   mmcache server must be idle with nothing held and ``check_invariants`` clean. Goodput per engine and workload:

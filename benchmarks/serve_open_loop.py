@@ -110,6 +110,32 @@ def text_server_config(args, folder, cache_mode: str):
                         served_model_name=args.text_preset, max_waiting=MAX_WAITING)
 
 
+def vlm_folder(args, tmp: str):
+    """``--preset`` written as a model folder under ``tmp`` (``mmcache export-model``), which mmcache's servers and
+    vLLM's all load for ``vlm_chat``: one set of weights, one image processor, one chat template."""
+    from pathlib import Path
+
+    from mmcache.presets.export import export_model
+
+    sweep.progress(f"writing {args.preset} ({args.dtype}) as a model folder")
+    return export_model(args.preset, Path(tmp) / args.preset, args.dtype)
+
+
+def vlm_server_config(args, folder, cache_mode: str):
+    """The VLM server over ``folder``; cache ``off``: no page reuse and a store of one byte, which every encoder
+    output bypasses (the vision tower runs for every image of every request)."""
+    from .serve import MAX_WAITING, STORE_BYTES, engine_config
+    from mmcache.server import ServerConfig
+
+    return ServerConfig(model=str(folder), dtype=args.dtype, engine_config=engine_config(args, cache_mode),
+                        store_bytes=STORE_BYTES if cache_mode == "on" else 1, max_waiting=MAX_WAITING)
+
+
+def images_per_request(plan) -> int:
+    """The most images one request of the chats carries (a turn sends the whole history)."""
+    return max(1, max(len(chat.new_images) for chat in plan))
+
+
 def measure(target: sweep.Target, work: sweep.Workload, args, slo: dict, seed: int, extra_rates: bool = True) -> dict:
     """SLOs first where ``slo`` lacks the workload (its unloaded run here), else a warm-up; then the sweep, with the
     foot and the rates near the line unless ``extra_rates`` is False."""
@@ -141,12 +167,14 @@ def open_loop(args, plan) -> dict:
     slo: dict = {}
     peer: dict = {}
     runs, per_repeat = [], []
+    vlm = plan is not None and "vlm_chat" in args.workloads
     with tempfile.TemporaryDirectory(prefix="mmcache-serve-") as tmp:
         folder, space = text_folder(args, tmp) if texts else (None, None)
+        folders = {"text": folder, "vlm": vlm_folder(args, tmp) if vlm else None}
         for k in range(args.load_repeats):
             seed = args.seed + k
             works = text_workloads(args, space, seed, texts) if texts else {}
-            if plan is not None and "vlm_chat" in args.workloads:
+            if vlm:
                 works["vlm_chat"] = vlm_workload(args, plan)
             engines = order(names, k)
             sweep.progress(f"open loop, repeat {k + 1} of {args.load_repeats} (seed {seed}): {', '.join(engines)}")
@@ -154,16 +182,12 @@ def open_loop(args, plan) -> dict:
             for engine in engines:
                 per = measured[engine] = {}
                 if engine in ("mmcache", "mmcache_nocache"):
-                    sweep_mmcache(engine, works, texts, folder, args, slo, per, seed)
-                elif texts:
-                    peer.setdefault(engine, _sweep_vllm(engine, args, folder, [works[w] for w in texts], slo, per, seed,
-                                                            tmp))
+                    sweep_mmcache(engine, works, texts, folders, args, slo, per, seed)
+                else:
+                    ran = _sweep_vllm(engine, args, folders, works, texts, plan, slo, per, seed, tmp)
+                    peer.setdefault(engine, ran)
             runs.append({"repeat": k, "seed": seed, "order": engines})
             per_repeat.append({e: measured[e] for e in names})
-    if args.peers and "vlm_chat" in args.workloads:
-        from .serve_vllm import VLM_PEER_NOTE
-
-        peer["vlm_chat"] = VLM_PEER_NOTE
     engines_out = {e: {w: summary.combine([run[e][w] for run in per_repeat]) for w in per_repeat[0][e]}
                    for e in names}
     return {"slo": slo, "engines": engines_out,
@@ -171,24 +195,33 @@ def open_loop(args, plan) -> dict:
             "peer": peer, "workloads": {w: dict(works[w].params, unit=works[w].unit) for w in works}}
 
 
-def _sweep_vllm(engine: str, args, folder, works: list, slo: dict, per: dict, seed: int, tmp: str) -> dict:
+def _sweep_vllm(engine: str, args, folders: dict, works: dict, texts: list[str], plan, slo: dict, per: dict,
+                seed: int, tmp: str) -> dict:
+    """One vLLM configuration on the text workloads (the text folder) and on ``vlm_chat`` (the VLM folder), each
+    on a server of its own; what each server ran with, by folder kind."""
     from .serve_vllm import peer_configs, sweep_peer
 
     config = next(c for c in peer_configs(args) if c.engine == engine)
-    return sweep_peer(args, config, folder, args.text_preset, args.text_dtype, works, slo, per, seed, tmp)
+    ran = {}
+    if texts:
+        ran["text"] = sweep_peer(args, config, folders["text"], args.text_preset, args.text_dtype,
+                                 [works[w] for w in texts], slo, per, seed, tmp)
+    if "vlm_chat" in works:
+        ran["vlm"] = sweep_peer(args, config, folders["vlm"], args.preset, args.dtype, [works["vlm_chat"]], slo, per,
+                                seed, tmp, images_per_prompt=images_per_request(plan))
+    return ran
 
 
-def sweep_mmcache(engine: str, works: dict, texts: list[str], folder, args, slo: dict, per: dict, seed: int) -> None:
+def sweep_mmcache(engine: str, works: dict, texts: list[str], folders: dict, args, slo: dict, per: dict,
+                  seed: int) -> None:
     """One mmcache engine (cache off for ``mmcache_nocache``) on every workload, into ``per``."""
     from mmcache.presets import serve
 
-    from .serve import MAX_WAITING, server_config
-
     mode = "off" if engine == "mmcache_nocache" else "on"
     if "vlm_chat" in works:
-        with serve(server_config(args, cache_mode=mode, max_waiting=MAX_WAITING)) as srv:
+        with serve(vlm_server_config(args, folders["vlm"], mode)) as srv:
             per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo, seed)
     if texts:
-        with serve(text_server_config(args, folder, mode)) as srv:
+        with serve(text_server_config(args, folders["text"], mode)) as srv:
             for w in texts:
                 per[w] = measure(mmcache_target(srv, engine), works[w], args, slo, seed)

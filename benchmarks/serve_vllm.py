@@ -14,8 +14,10 @@ Rules:
   as by default, so a prompt longer than B is prefilled over several steps beside the decodes).
 * What must match mmcache for fairness is set on both, never tuned: block size (``block_size_for`` the page
   size), dtype, max model length, prefix caching on, eager mode, ``cached_tokens`` in usage.
-* ``sweep_peer`` serves any model folder (the text workloads' today; a VLM folder that both servers load, once
-  vLLM serves one, for ``vlm_chat``); until then ``vlm_chat`` carries ``VLM_PEER_NOTE``.
+* ``sweep_peer`` serves any model folder: the text workloads' and, for ``vlm_chat``, the VLM preset exported as a
+  folder that mmcache's servers load too (vLLM's peer environment needs ``peers/torchvision_python_only.py``
+  once: its LLaVA code imports torchvision). vLLM's CPU attention takes no head size of 16, so the tiny presets
+  (quick mode's) do not run on it: the full run's ``bench-llava`` and ``small`` do.
 * The tuning sweep runs one text workload (the first of ``--workloads``) at ``--rates`` (default ``TUNE_RATES``,
   near vLLM's line on multi_turn) for each B of ``--tune-peer``, under the SLOs of the cache-off server unloaded,
   with neither the ladder's foot nor rates near the line; the best B has the highest goodput, then the highest
@@ -40,10 +42,6 @@ VLLM_CPU_MAX_BATCHED_TOKENS = 2048
 MAX_BATCHED_TOKENS = 1 << 16
 TUNE_RATES = "0.5,1"
 PEER_ENGINES = ("vllm_cpu", "vllm_cpu_tuned")
-VLM_PEER_NOTE = ("not served by vllm_cpu: vLLM 0.32's LLaVA model module imports its Pixtral module, which imports "
-                 "transformers' Pixtral image processor, which needs torchvision; the peer environment has none "
-                 "(PyPI's torchvision wheels do not load beside the CPU torch, so peers/vllm_cpu/setup.sh removes "
-                 "them), and vLLM refuses LlavaForConditionalGeneration at start-up")
 _CHUNKED_LOG = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
 
 
@@ -91,9 +89,10 @@ def chunked_prefill_tokens(log_text: str) -> int | None:
 
 
 def sweep_peer(args, config: PeerConfig, folder, model_name: str, dtype: str, works: list, slo: dict, per: dict,
-               seed: int, tmp: str, extra_rates: bool = True) -> dict:
+               seed: int, tmp: str, extra_rates: bool = True, images_per_prompt: int = 1) -> dict:
     """``works`` on vLLM's server over ``folder`` with ``config``, each into ``per[name]`` (SLOs from ``slo``,
-    measured there first where missing); what the server ran with."""
+    measured there first where missing); what the server ran with. A VLM folder takes ``images_per_prompt``
+    images a request."""
     from .peers.vllm_server import VllmOpenAIServer, block_size_for
     from .serve_open_loop import measure
 
@@ -103,7 +102,7 @@ def sweep_peer(args, config: PeerConfig, folder, model_name: str, dtype: str, wo
     block = block_size_for(args.page_size)
     log = os.path.join(tmp, f"{config.engine}-{config.max_num_batched_tokens}-{seed}.log")
     with VllmOpenAIServer(str(folder), model_name, log, dtype, block, max_len, config.max_num_seqs,
-                          config.max_num_batched_tokens) as srv:
+                          config.max_num_batched_tokens, images_per_prompt=images_per_prompt) as srv:
         version = srv.version()
         sweep.progress(f"{config.engine} {version} ready in {srv.ready_s:.1f} s (block {block}, "
                        f"{config.max_num_batched_tokens} batched tokens)")
@@ -114,7 +113,7 @@ def sweep_peer(args, config: PeerConfig, folder, model_name: str, dtype: str, wo
     return {"version": version, "ready_s": srv.ready_s, "block_size": block, "max_model_len": max_len,
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "logged_batched_tokens": chunked_prefill_tokens(Path(log).read_text(errors="replace")),
-            "defaults": config.engine == "vllm_cpu", "command": command,
+            "defaults": config.engine == "vllm_cpu", "command": command, "images_per_prompt": images_per_prompt,
             "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
             "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 

@@ -241,3 +241,29 @@ def test_bad_repeat_and_peer_options_are_refused(option, value, says, capsys):
         cli_main(["bench", "serve", "--quick", f"{option}={value}"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"mmcache bench serve: error: argument {option}: " in err and says in err, err
+
+
+def test_vllm_serves_vlm_chat_from_the_vlm_folder_and_the_text_workloads_from_the_text_folder(monkeypatch):
+    from types import SimpleNamespace
+
+    calls = []
+
+    def fake_sweep_peer(args, config, folder, model_name, dtype, works, slo, per, seed, tmp, extra_rates=True,
+                        images_per_prompt=1):
+        calls.append((config.engine, folder, model_name, dtype, [w.name for w in works], images_per_prompt))
+        return {"folder": folder}
+
+    monkeypatch.setattr(vllm, "sweep_peer", fake_sweep_peer)
+    args = SimpleNamespace(peer_batched_tokens=512, preset="bench-llava", dtype="bfloat16", text_preset="small",
+                           text_dtype="bfloat16")
+    works = {w: SimpleNamespace(name=w) for w in ("vlm_chat", "multi_turn")}
+    plan = [SimpleNamespace(new_images={0: b"a", 2: b"b"}), SimpleNamespace(new_images={0: b"c"})]
+    folders = {"text": "TEXT", "vlm": "VLM"}
+    ran = ol._sweep_vllm("vllm_cpu_tuned", args, folders, works, ["multi_turn"], plan, {}, {}, 3, "tmp")
+    assert calls == [("vllm_cpu_tuned", "TEXT", "small", "bfloat16", ["multi_turn"], 1),
+                     ("vllm_cpu_tuned", "VLM", "bench-llava", "bfloat16", ["vlm_chat"], 2)]
+    assert ran == {"text": {"folder": "TEXT"}, "vlm": {"folder": "VLM"}}
+    calls.clear()
+    ol._sweep_vllm("vllm_cpu", args, folders, {"multi_turn": works["multi_turn"]}, ["multi_turn"], None, {}, {}, 3,
+                   "tmp")
+    assert [c[1] for c in calls] == ["TEXT"]  # no vlm_chat: no VLM server
