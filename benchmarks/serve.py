@@ -210,6 +210,10 @@ def _text_and_peer_options(p) -> None:
                    help=f"only sweep vLLM's batched tokens a step: the first text workload of --workloads at "
                         f"--rates (default {TUNE_RATES}) for each B, under the cache-off server's SLOs (needs "
                         f"VLLM_PEER_PYTHON)")
+    p.add_argument("--vllm-client", action="store_true",
+                   help="with --peers, also drive every text server with vLLM's own benchmark client (vllm bench "
+                        "serve, prefix_repetition; benchmarks.peers.vllm_bench_client) once a repeat, after the "
+                        "load generator's sweep")
     p.add_argument("--plot", metavar="PATH", help="write SLO attainment and TTFT percentiles against rate (PNG)")
     p.add_argument("--text-preset", choices=TEXT_PRESETS, default=None,
                    help=f"the text model of the text workloads (default {FULL['text_preset']}, "
@@ -295,6 +299,8 @@ def settle(args) -> None:
             raise WorkloadShapeError(f"--plot {args.plot!r} cannot be written")
     if args.peer_batched_tokens is not None and not args.peers:
         raise WorkloadShapeError("--peer-batched-tokens sets the tuned vLLM of --peers: give --peers too")
+    if args.vllm_client and not (args.peers and any(w in sw.TEXT_WORKLOADS for w in args.workloads)):
+        raise WorkloadShapeError("--vllm-client drives the text servers of --peers: give --peers and a text workload")
     if args.tune_peer and not any(w in sw.TEXT_WORKLOADS for w in args.workloads):
         raise WorkloadShapeError(f"--tune-peer sweeps a text workload: --workloads {','.join(args.workloads)} "
                                  f"names none of {', '.join(sw.TEXT_WORKLOADS)}")
@@ -615,7 +621,7 @@ def run_config(args) -> dict:
                                             "text_turns",
                                             "text_max_tokens", "peers", "prefill_chunk_tokens",
                                             "mixed_prefill_tokens", "load_repeats", "near_line",
-                                            "peer_batched_tokens", "tune_peer")}
+                                            "peer_batched_tokens", "tune_peer", "vllm_client")}
     schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)
     config.update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
                   text_shape=TEXT_SHAPES["quick" if args.quick else "full"],
@@ -652,6 +658,19 @@ def check_idle(srv) -> dict:
     return held
 
 
+def vllm_client_rows(result: dict) -> list[Row]:
+    """vLLM's benchmark client on each text server: median TTFT and TPOT over the repeats."""
+    from .serve_summary import median_goodput
+
+    rows = []
+    for engine, runs in (result.get("vllm_client") or {}).items():
+        for metric, unit in (("ttft_median_ms", "ms"), ("ttft_p99_ms", "ms"), ("tpot_median_ms", "ms")):
+            value = median_goodput([r[metric] for r in runs])
+            if value is not None:
+                rows.append(Row("serve", f"vllm bench serve (prefix_repetition) on {engine}: {metric}", value, unit))
+    return rows
+
+
 def table_rows(result: dict) -> list[Row]:
     rows = []
     ll = result.get("low_load")
@@ -667,6 +686,7 @@ def table_rows(result: dict) -> list[Row]:
         rows.append(Row("serve", "cached_tokens share, multi-turn VLM chat", ll["cached_tokens_share"], "",
                         ll["in_process_matched_share"], versus="in-process matched", higher_is_better=True))
     rows += open_loop_rows(result)
+    rows += vllm_client_rows(result)
     if "tune_peer" in result:
         rows += tune_rows(result)
     soak = result.get("soak")

@@ -136,6 +136,22 @@ def images_per_request(plan) -> int:
     return max(1, max(len(chat.new_images) for chat in plan))
 
 
+def vllm_client(args, clients: dict, folder, tmp: str, seed: int):
+    """With ``--vllm-client``: a function that drives a text server (base URL, engine, served name) with vLLM's own
+    benchmark client once, its figures appended to ``clients[engine]``; else None."""
+    if not args.vllm_client:
+        return None
+    from pathlib import Path
+
+    from .peers.vllm_bench_client import BenchShape, run
+
+    def drive(base_url: str, engine: str, model: str) -> None:
+        result = Path(tmp) / f"vllm-client-{engine}-{seed}.json"
+        clients.setdefault(engine, []).append(run(base_url, model, str(folder), str(result), BenchShape(seed=seed)))
+
+    return drive
+
+
 def measure(target: sweep.Target, work: sweep.Workload, args, slo: dict, seed: int, extra_rates: bool = True) -> dict:
     """SLOs first where ``slo`` lacks the workload (its unloaded run here), else a warm-up; then the sweep, with the
     foot and the rates near the line unless ``extra_rates`` is False."""
@@ -166,7 +182,7 @@ def open_loop(args, plan) -> dict:
     names = engine_names(args)
     slo: dict = {}
     peer: dict = {}
-    runs, per_repeat = [], []
+    runs, per_repeat, clients = [], [], {}
     vlm = plan is not None and "vlm_chat" in args.workloads
     with tempfile.TemporaryDirectory(prefix="mmcache-serve-") as tmp:
         folder, space = text_folder(args, tmp) if texts else (None, None)
@@ -179,24 +195,25 @@ def open_loop(args, plan) -> dict:
             engines = order(names, k)
             sweep.progress(f"open loop, repeat {k + 1} of {args.load_repeats} (seed {seed}): {', '.join(engines)}")
             measured = {}
+            drive = vllm_client(args, clients, folder, tmp, seed)
             for engine in engines:
                 per = measured[engine] = {}
                 if engine in ("mmcache", "mmcache_nocache"):
-                    sweep_mmcache(engine, works, texts, folders, args, slo, per, seed)
+                    sweep_mmcache(engine, works, texts, folders, args, slo, per, seed, drive)
                 else:
-                    ran = _sweep_vllm(engine, args, folders, works, texts, plan, slo, per, seed, tmp)
+                    ran = _sweep_vllm(engine, args, folders, works, texts, plan, slo, per, seed, tmp, drive)
                     peer.setdefault(engine, ran)
             runs.append({"repeat": k, "seed": seed, "order": engines})
             per_repeat.append({e: measured[e] for e in names})
     engines_out = {e: {w: summary.combine([run[e][w] for run in per_repeat]) for w in per_repeat[0][e]}
                    for e in names}
-    return {"slo": slo, "engines": engines_out,
+    return {"slo": slo, "engines": engines_out, "vllm_client": clients,
             "mmcache_over": {w: summary.ratios(per_repeat, w) for w in args.workloads}, "runs": runs,
             "peer": peer, "workloads": {w: dict(works[w].params, unit=works[w].unit) for w in works}}
 
 
 def _sweep_vllm(engine: str, args, folders: dict, works: dict, texts: list[str], plan, slo: dict, per: dict,
-                seed: int, tmp: str) -> dict:
+                seed: int, tmp: str, drive=None) -> dict:
     """One vLLM configuration on the text workloads (the text folder) and on ``vlm_chat`` (the VLM folder), each
     on a server of its own; what each server ran with, by folder kind."""
     from .serve_vllm import peer_configs, sweep_peer
@@ -205,7 +222,7 @@ def _sweep_vllm(engine: str, args, folders: dict, works: dict, texts: list[str],
     ran = {}
     if texts:
         ran["text"] = sweep_peer(args, config, folders["text"], args.text_preset, args.text_dtype,
-                                 [works[w] for w in texts], slo, per, seed, tmp)
+                                 [works[w] for w in texts], slo, per, seed, tmp, after=drive)
     if "vlm_chat" in works:
         ran["vlm"] = sweep_peer(args, config, folders["vlm"], args.preset, args.dtype, [works["vlm_chat"]], slo, per,
                                 seed, tmp, images_per_prompt=images_per_request(plan))
@@ -213,8 +230,9 @@ def _sweep_vllm(engine: str, args, folders: dict, works: dict, texts: list[str],
 
 
 def sweep_mmcache(engine: str, works: dict, texts: list[str], folders: dict, args, slo: dict, per: dict,
-                  seed: int) -> None:
-    """One mmcache engine (cache off for ``mmcache_nocache``) on every workload, into ``per``."""
+                  seed: int, drive=None) -> None:
+    """One mmcache engine (cache off for ``mmcache_nocache``) on every workload, into ``per``; ``drive`` (vLLM's
+    client) runs on the text server after its sweeps."""
     from mmcache.presets import serve
 
     mode = "off" if engine == "mmcache_nocache" else "on"
@@ -225,3 +243,5 @@ def sweep_mmcache(engine: str, works: dict, texts: list[str], folders: dict, arg
         with serve(text_server_config(args, folders["text"], mode)) as srv:
             for w in texts:
                 per[w] = measure(mmcache_target(srv, engine), works[w], args, slo, seed)
+            if drive is not None:
+                drive(srv.base_url, engine, srv.config.model_name)

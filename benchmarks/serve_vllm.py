@@ -89,10 +89,10 @@ def chunked_prefill_tokens(log_text: str) -> int | None:
 
 
 def sweep_peer(args, config: PeerConfig, folder, model_name: str, dtype: str, works: list, slo: dict, per: dict,
-               seed: int, tmp: str, extra_rates: bool = True, images_per_prompt: int = 1) -> dict:
+               seed: int, tmp: str, extra_rates: bool = True, images_per_prompt: int = 1, after=None) -> dict:
     """``works`` on vLLM's server over ``folder`` with ``config``, each into ``per[name]`` (SLOs from ``slo``,
     measured there first where missing); what the server ran with. A VLM folder takes ``images_per_prompt``
-    images a request."""
+    images a request; ``after(base_url, engine, model_name)`` runs on the server once ``works`` are done."""
     from .peers.vllm_server import VllmOpenAIServer, block_size_for
     from .serve_open_loop import measure
 
@@ -109,6 +109,8 @@ def sweep_peer(args, config: PeerConfig, folder, model_name: str, dtype: str, wo
         target = sweep.Target(config.engine, srv.base_url, model_name)
         for work in works:
             per[work.name] = measure(target, work, args, slo, seed, extra_rates)
+        if after is not None:
+            after(srv.base_url, config.engine, model_name)
         command = " ".join(srv.cmd[1:])
     return {"version": version, "ready_s": srv.ready_s, "block_size": block, "max_model_len": max_len,
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,

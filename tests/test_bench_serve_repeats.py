@@ -216,6 +216,13 @@ def test_tune_peer_takes_its_own_rates_and_needs_a_text_workload(monkeypatch):
     args = bench_parser("serve", serve).parse_args(["--peer-batched-tokens", "512"])
     with pytest.raises(serve.WorkloadShapeError, match="give --peers too"):
         serve.settle(args)
+    for options in (["--vllm-client"], ["--vllm-client", "--peers", "--workloads", "vlm_chat"]):
+        args = bench_parser("serve", serve).parse_args(options)
+        with pytest.raises(serve.WorkloadShapeError, match="--vllm-client drives the text servers"):
+            serve.settle(args)
+    args = bench_parser("serve", serve).parse_args(["--vllm-client", "--peers", "--workloads", "multi_turn"])
+    serve.settle(args)
+    assert args.vllm_client
 
 
 def test_tune_peer_without_the_vllm_environment_is_refused(monkeypatch, capsys):
@@ -249,8 +256,10 @@ def test_vllm_serves_vlm_chat_from_the_vlm_folder_and_the_text_workloads_from_th
     calls = []
 
     def fake_sweep_peer(args, config, folder, model_name, dtype, works, slo, per, seed, tmp, extra_rates=True,
-                        images_per_prompt=1):
+                        images_per_prompt=1, after=None):
         calls.append((config.engine, folder, model_name, dtype, [w.name for w in works], images_per_prompt))
+        if after is not None:
+            after("http://127.0.0.1:1/v1", config.engine, model_name)
         return {"folder": folder}
 
     monkeypatch.setattr(vllm, "sweep_peer", fake_sweep_peer)
@@ -259,7 +268,10 @@ def test_vllm_serves_vlm_chat_from_the_vlm_folder_and_the_text_workloads_from_th
     works = {w: SimpleNamespace(name=w) for w in ("vlm_chat", "multi_turn")}
     plan = [SimpleNamespace(new_images={0: b"a", 2: b"b"}), SimpleNamespace(new_images={0: b"c"})]
     folders = {"text": "TEXT", "vlm": "VLM"}
-    ran = ol._sweep_vllm("vllm_cpu_tuned", args, folders, works, ["multi_turn"], plan, {}, {}, 3, "tmp")
+    driven = []
+    ran = ol._sweep_vllm("vllm_cpu_tuned", args, folders, works, ["multi_turn"], plan, {}, {}, 3, "tmp",
+                         lambda *a: driven.append(a))
+    assert driven == [("http://127.0.0.1:1/v1", "vllm_cpu_tuned", "small")]  # vLLM's client: the text server only
     assert calls == [("vllm_cpu_tuned", "TEXT", "small", "bfloat16", ["multi_turn"], 1),
                      ("vllm_cpu_tuned", "VLM", "bench-llava", "bfloat16", ["vlm_chat"], 2)]
     assert ran == {"text": {"folder": "TEXT"}, "vlm": {"folder": "VLM"}}
@@ -267,3 +279,27 @@ def test_vllm_serves_vlm_chat_from_the_vlm_folder_and_the_text_workloads_from_th
     ol._sweep_vllm("vllm_cpu", args, folders, {"multi_turn": works["multi_turn"]}, ["multi_turn"], None, {}, {}, 3,
                    "tmp")
     assert [c[1] for c in calls] == ["TEXT"]  # no vlm_chat: no VLM server
+
+
+
+def test_vllm_clients_figures_are_kept_per_engine_and_summarised_by_median(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import benchmarks.peers.vllm_bench_client as client
+
+    seen = []
+
+    def fake_run(base_url, model, folder, result_path, shape):
+        seen.append((base_url, model, folder, shape.seed))
+        return {"ttft_median_ms": 10.0 * (len(seen)), "ttft_p99_ms": 50.0, "tpot_median_ms": 5.0}
+
+    monkeypatch.setattr(client, "run", fake_run)
+    assert ol.vllm_client(SimpleNamespace(vllm_client=False), {}, "F", str(tmp_path), 0) is None
+    clients: dict = {}
+    for seed in (0, 1, 2):
+        drive = ol.vllm_client(SimpleNamespace(vllm_client=True), clients, "F", str(tmp_path), seed)
+        drive("http://127.0.0.1:1/v1", "mmcache", "small")
+    assert [s[3] for s in seen] == [0, 1, 2] and {s[2] for s in seen} == {"F"}
+    rows = {r.metric: r.value for r in serve.vllm_client_rows({"vllm_client": clients})}
+    assert rows["vllm bench serve (prefix_repetition) on mmcache: ttft_median_ms"] == 20.0
+    assert rows["vllm bench serve (prefix_repetition) on mmcache: ttft_p99_ms"] == 50.0
