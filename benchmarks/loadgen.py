@@ -22,6 +22,10 @@ Rules:
   cancels whatever is still running at ``time_limit_s``.
 * ``summarise`` takes latencies over ``ok`` records only; SLO attainment counts ``ok`` and ``error`` /
   ``timeout`` records (a failure misses both SLOs), not ``cut`` ones, which ended by the client's choice.
+* ``summarise`` and ``meets_slo`` time a stream as vLLM's benchmark client does (``step_ttft``, ``step_tpot``):
+  from the first chunk carrying a choice, whatever its text, so a server whose detokenizer shows "" for bytes
+  held back and one that shows U+FFFD are timed alike (random weights generate such ids often). ``ttft`` and
+  ``tpot`` (first non-empty text) stay for the low-load part, which pairs them with the in-process engine's.
 """
 
 from __future__ import annotations
@@ -58,6 +62,23 @@ class Record:
     error: str | None = None  # the error object's type (or the exception's class name)
     first_chunk: float | None = None  # the first chunk of any kind (a role-only opening chunk too)
     token_ids: list[int] = field(default_factory=list)  # the answer's ids, when the server returned them
+    choice_times: list[float] = field(default_factory=list)  # one per chunk carrying a choice, its text "" too
+
+    @property
+    def step_ttft(self) -> float | None:
+        """TTFT as vLLM's benchmark client times it: to the first chunk carrying a choice, whatever its text (a
+        chat's role chunk, or a step whose bytes the detokenizer holds back), so servers whose detokenizers show
+        an incomplete character differently ("" or U+FFFD) are timed alike."""
+        return None if not self.choice_times else self.choice_times[0] - self.send
+
+    @property
+    def step_tpot(self) -> float | None:
+        """TPOT as vLLM's benchmark client computes it: (last chunk carrying a choice - first) / (output tokens
+        - 1), the tokens from usage; None with fewer than two."""
+        n = self.output_tokens or len(self.choice_times)
+        if n < 2 or len(self.choice_times) < 2:
+            return None
+        return (self.choice_times[-1] - self.choice_times[0]) / (n - 1)
 
     def add_text(self, text: str, now: float) -> None:
         """A chunk with non-empty ``text`` arrived at ``now``."""
@@ -180,6 +201,8 @@ def _chunk_arrived(record: Record, chunk) -> float:
     now = time.perf_counter()
     if record.first_chunk is None:
         record.first_chunk = now
+    if chunk.choices:
+        record.choice_times.append(now)
     if chunk.usage is not None:
         _take_usage(record, chunk.usage)
     return now
@@ -212,6 +235,7 @@ async def complete_chat(client, body: Mapping, record: Record) -> Record:
         record.send = time.perf_counter()
         reply = await client.chat.completions.create(**body)
         record.end = record.first_token = time.perf_counter()
+        record.choice_times.append(record.end)
         record.text = "".join(c.message.content or "" for c in reply.choices)
         if reply.usage is not None:
             _take_usage(record, reply.usage)
@@ -342,16 +366,19 @@ def percentiles(xs: Sequence[float], qs=(50, 90, 99)) -> dict[int, float | None]
 
 
 def meets_slo(record: Record, ttft_slo_s: float, tpot_slo_s: float) -> bool:
-    """An ``ok`` record whose TTFT and TPOT are within their SLOs (a one-token answer has no TPOT to miss)."""
-    if record.outcome != "ok" or record.ttft is None:
+    """An ``ok`` record whose TTFT and TPOT (``step_ttft``, ``step_tpot``: as vLLM's benchmark client times them)
+    are within their SLOs (a one-token answer has no TPOT to miss)."""
+    ttft = record.step_ttft
+    if record.outcome != "ok" or ttft is None:
         return False
-    tpot = record.tpot
-    return record.ttft <= ttft_slo_s and (tpot is None or tpot <= tpot_slo_s)
+    tpot = record.step_tpot
+    return ttft <= ttft_slo_s and (tpot is None or tpot <= tpot_slo_s)
 
 
 def summarise(records: Sequence[Record], ttft_slo_s: float | None = None, tpot_slo_s: float | None = None
               ) -> dict:
-    """p50/p90/p99 of TTFT, TPOT and end-to-end latency (``ok`` records), output tokens per second over the
+    """p50/p90/p99 of TTFT, TPOT (``step_ttft``, ``step_tpot``) and end-to-end latency (``ok`` records), output
+    tokens per second over the
     span from the first send to the last end, the matched share (cached over prompt tokens, of the records
     that reported usage), counts by outcome and HTTP status, and, with both SLOs, the share of requests that
     met them (``attainment``; None when no request counts)."""
@@ -359,7 +386,8 @@ def summarise(records: Sequence[Record], ttft_slo_s: float | None = None, tpot_s
     out: dict = {"requests": len(records), "outcomes": {k: 0 for k in OUTCOMES}}
     out["outcomes"].update(Counter(r.outcome for r in records))
     out["statuses"] = {str(k): v for k, v in sorted(Counter(r.status for r in records if r.status).items())}
-    for name, xs in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok]), ("e2e", [r.e2e for r in ok])):
+    for name, xs in (("ttft", [r.step_ttft for r in ok]), ("tpot", [r.step_tpot for r in ok]),
+                     ("e2e", [r.e2e for r in ok])):
         for q, v in percentiles([x for x in xs if x is not None]).items():
             out[f"{name}_p{q}_s"] = v
     tokens = sum(r.output_tokens or 0 for r in records)

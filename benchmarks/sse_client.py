@@ -11,8 +11,9 @@ Rules:
 
 * The clock starts before the body is encoded: encoding is part of sending. It is encoded with orjson, which
   takes 0.06 ms for the 1 MB of data URLs of a third turn where ``json.dumps`` takes 2.4 ms.
-* It fills a ``loadgen.Record`` as ``loadgen.stream_chat`` does: ``first_chunk`` (any chunk), ``first_token``
-  and ``token_times`` (chunks with non-empty content), ``text``, the usage of the last chunk
+* It fills a ``loadgen.Record`` as ``loadgen.stream_chat`` does: ``first_chunk`` (any chunk), ``choice_times``
+  (chunks carrying a choice), ``first_token`` and ``token_times`` (chunks with non-empty content), ``text``, the
+  usage of the last chunk
   (``stream_options.include_usage`` is always asked for), ``end``.
 * ``outcome`` is ``ok`` only for a stream that ends with ``data: [DONE]``. An error status, an error event in
   the stream, or a stream that ends or breaks off without ``[DONE]`` is ``error``, with the status and the error
@@ -78,6 +79,8 @@ async def _events(response, record: Record) -> None:
 def _take(record: Record, chunk: dict, now: float) -> None:
     if record.first_chunk is None:
         record.first_chunk = now
+    if chunk.get("choices"):
+        record.choice_times.append(now)
     if chunk.get("usage"):
         usage = chunk["usage"]
         record.prompt_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]

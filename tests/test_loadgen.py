@@ -29,7 +29,24 @@ def rec(send, first=None, step=0.0, tokens=0, outcome="ok", prompt=None, cached=
     """A record sent at ``send`` whose ``tokens`` content chunks come ``step`` apart from ``first``."""
     times = [first + i * step for i in range(tokens)] if first is not None else []
     return Record(0, 0, "", send, first, times, times[-1] if times else send + 0.01, prompt, cached,
-                  tokens, "", outcome, status, error)
+                  tokens, "", outcome, status, error, choice_times=list(times))
+
+
+def test_a_stream_is_timed_from_its_first_chunk_with_a_choice_whatever_its_text():
+    from benchmarks import sse_client
+
+    r = Record(0, 0, "", 1.0)
+    for now, text in ((1.2, ""), (1.3, ""), (1.4, "ab"), (1.5, "c")):  # two steps whose bytes were held back
+        sse_client._take(r, {"choices": [{"delta": {"content": text}}]}, now)
+    sse_client._take(r, {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}, 1.6)
+    r.end = 1.6
+    assert r.choice_times == [1.2, 1.3, 1.4, 1.5]  # the usage chunk carries no choice
+    assert r.step_ttft == pytest.approx(0.2) and r.step_tpot == pytest.approx(0.1)
+    assert r.ttft == pytest.approx(0.4)  # the first text, which the low-load part pairs with in-process figures
+    s = loadgen.summarise([r], ttft_slo_s=0.25, tpot_slo_s=0.2)
+    assert s["ttft_p50_s"] == pytest.approx(0.2) and s["attainment"] == 1.0  # first text (0.4) would miss
+    silent = Record(0, 0, "", 0.0, end=1.0, outcome="ok")  # no chunk with a choice: no TTFT, the SLO missed
+    assert silent.step_ttft is None and loadgen.summarise([silent], 1.0, 1.0)["attainment"] == 0.0
 
 
 def test_a_records_latencies():
