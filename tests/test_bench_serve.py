@@ -281,7 +281,19 @@ def test_peers_without_the_vllm_environment_are_refused(monkeypatch, capsys):
                                                  ("--duration", "0", "must lie in (0"),
                                                  ("--duration", "nan", "finite"),
                                                  ("--text-sessions", "0", "at least 1"),
-                                                 ("--text-preset", "tiny-llava", "invalid choice")])
+                                                 ("--text-preset", "tiny-llava", "invalid choice"),
+                                                 ("--load-repeats", "0", "at least 1"),
+                                                 ("--load-repeats", "x", "not"),
+                                                 ("--tune-peer", "64", "must lie in [128"),
+                                                 ("--tune-peer", "256,256", "distinct"),
+                                                 ("--tune-peer", "256,big", "not a whole number"),
+                                                 ("--tune-peer", "", "not a whole number"),
+                                                 ("--peer-batched-tokens", "100000", "must lie in [128"),
+                                                 ("--near-line", "1", "other than 1"),
+                                                 ("--near-line", "0", "(0, 16]"),
+                                                 ("--near-line", "0.75,0.75", "distinct"),
+                                                 ("--near-line", "100", "(0, 16]"),
+                                                 ("--near-line", "inf", "finite")])
 def test_bad_options_are_refused_before_anything_is_built(option, value, says, capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "serve", "--quick", f"{option}={value}"])

@@ -231,25 +231,6 @@ def test_tune_peer_without_the_vllm_environment_is_refused(monkeypatch, capsys):
     assert "VllmUnavailable" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value, says", [("--load-repeats", "0", "at least 1"),
-                                                 ("--load-repeats", "x", "not"),
-                                                 ("--tune-peer", "64", "must lie in [128"),
-                                                 ("--tune-peer", "256,256", "distinct"),
-                                                 ("--tune-peer", "256,big", "not a whole number"),
-                                                 ("--tune-peer", "", "not a whole number"),
-                                                 ("--peer-batched-tokens", "100000", "must lie in [128"),
-                                                 ("--near-line", "1", "other than 1"),
-                                                 ("--near-line", "0", "(0, 16]"),
-                                                 ("--near-line", "0.75,0.75", "distinct"),
-                                                 ("--near-line", "100", "(0, 16]"),
-                                                 ("--near-line", "inf", "finite")])
-def test_bad_repeat_and_peer_options_are_refused(option, value, says, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli_main(["bench", "serve", "--quick", f"{option}={value}"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and f"mmcache bench serve: error: argument {option}: " in err and says in err, err
-
-
 def test_vllm_serves_vlm_chat_from_the_vlm_folder_and_the_text_workloads_from_the_text_folder(monkeypatch):
     from types import SimpleNamespace
 
