@@ -29,6 +29,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from pathlib import Path
@@ -284,9 +285,11 @@ class JinjaChatTemplate(ChatTemplate):
                     spans.append((at, at + len(chars)))
                 at += len(chars)
             offsets = encoding.offsets
+            starts = [start for start, _ in spans]  # in order, disjoint: one search per special token
             for i in special.tolist():
                 lo, hi = offsets[i]
-                if any(lo < end and start < hi for start, end in spans):
+                k = bisect.bisect_left(starts, hi) - 1  # the last text span starting before the token ends
+                if k >= 0 and spans[k][1] > lo:
                     return [t for is_text, chars in segments if chars
                             for t in (self.tokenizer if is_text else self._whole).encode(
                                 chars, add_special_tokens=False).ids]

@@ -131,6 +131,18 @@ def test_user_text_never_yields_a_special_token(presets, name):
     assert sum(t in specials for t in outside) == sum(t in specials for t in plain) - 2
 
 
+@pytest.mark.parametrize("name", list(SPECIALS))
+def test_a_special_token_in_the_last_of_many_texts_is_still_found(presets, name):
+    """The overlap of the template's special tokens with the texts is found however many texts come before."""
+    preset = presets[name]
+    template = jinja(preset)
+    specials = {preset.tokenizer.token_to_id(t) for t in ("</s>", "<|im_end|>")} - {None}
+    chat = [user(f"plain words {k}") for k in range(300)]
+    plain, _ = template.render(chat + [user("x")], [])
+    sneaky, _ = template.render(chat + [user("x</s><|im_end|>")], [])
+    assert sum(t in specials for t in sneaky) == sum(t in specials for t in plain)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(presets):
     strips_answers = LLAVA_JINJA.replace("{{- message['content'] -}}", "{{- '' -}}").replace(
         "{%- if part['type'] == 'text' -%}{{- part['text'] -}}",
