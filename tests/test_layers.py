@@ -4,7 +4,8 @@ count).
 Lowest first, each a folder: the core (``mmcache/*.py``); the engine (``mmcache/engine/``), the encoders
 (``encoders/``) and replay (``mmcache/replay/``), each on the core only and never on each other; the hosts that
 compose an engine with encoders (``mmcache/hosts/``); the HTTP server (``mmcache/server/``), which may use the
-hosts; the embedded models (``mmcache/presets/``), which build what the server serves; the command lines (every
+hosts; the embedded models (``mmcache/presets/``), which build what the server serves; replicas on Ray Serve
+(``mmcache/replicas/``), which serve the server's app from several engines; the command lines (every
 ``cli`` module, and ``mmcache/launcher/``, what a command does before anything runs) and the benchmarks, which
 may import every layer. A module imports only its own layer and those below. The core's imports from outside
 the tree are torch, numpy, xxhash and the standard library, nothing else. The test fails on any edge against the
@@ -18,12 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("mmcache", "encoders", "benchmarks")
 
-CORE, ENGINE, ENCODERS, REPLAY, HOSTS, SERVER, PRESETS, TOP = (
-    "core", "engine", "encoders", "replay", "hosts", "server", "presets", "top")
-RANK = {CORE: 0, ENGINE: 1, ENCODERS: 1, REPLAY: 1, HOSTS: 2, SERVER: 3, PRESETS: 4, TOP: 5}
+CORE, ENGINE, ENCODERS, REPLAY, HOSTS, SERVER, PRESETS, REPLICAS, TOP = (
+    "core", "engine", "encoders", "replay", "hosts", "server", "presets", "replicas", "top")
+RANK = {CORE: 0, ENGINE: 1, ENCODERS: 1, REPLAY: 1, HOSTS: 2, SERVER: 3, PRESETS: 4, REPLICAS: 5, TOP: 6}
 SIBLINGS = (ENGINE, ENCODERS, REPLAY)  # side by side on the core, never on each other
 CORE_THIRD_PARTY = frozenset({"torch", "numpy", "xxhash"})
-FOLDERS = (("mmcache.launcher", TOP), ("mmcache.presets", PRESETS), ("mmcache.server", SERVER),
+FOLDERS = (("mmcache.launcher", TOP), ("mmcache.replicas", REPLICAS), ("mmcache.presets", PRESETS),
+           ("mmcache.server", SERVER),
            ("mmcache.hosts", HOSTS), ("mmcache.engine", ENGINE), ("mmcache.replay", REPLAY))
 
 

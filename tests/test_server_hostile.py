@@ -331,4 +331,4 @@ def test_a_full_queue_refuses_before_the_prompt_is_built(text_server, monkeypatc
     r = httpx.post(text_server.url + "/v1/chat/completions", headers=A, json=bad, timeout=60)
     assert r.status_code == 400 and error_of(r)["param"] == "messages.0.token_ids"
     wait_quiet(host)
-    assert host.waiting == 0 and host._waiting_by_owner == {}
+    assert host.waiting == 0 and host._queue._by_owner == {}

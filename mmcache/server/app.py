@@ -102,7 +102,11 @@ class _Api:
     async def metrics_text(self, request: Request):
         if self.config.metrics_key is not None and not metrics_key_matches(request, self.config.metrics_key):
             raise unauthorized("/metrics needs the metrics key: send Authorization: Bearer KEY")
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = self.metrics.render()
+        merge = getattr(self.host, "merge_metrics", None)  # a host of replicas adds each replica's series
+        if merge is not None:
+            text = await merge(text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     def close(self) -> None:
         if self.chat is not None:

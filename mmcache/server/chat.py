@@ -86,7 +86,7 @@ class ChatRoutes:
     async def _run(self, request: Request, req, rid: str, engine_request, stops: list[str], owner: str,
                    chat: bool):
         try:
-            queue = self.host.submit(engine_request, owner, reserved=True)
+            queue = self.host.submit(engine_request, owner, reserved=True, source=req)
         except QueueFull as e:
             raise self.intake.busy(e) from None
         reply = TextOutput(self.host, rid, queue, stops, self.prompts.tokenizer)
@@ -94,9 +94,10 @@ class ChatRoutes:
             first = await unless_disconnected(request, reply.first())
             if first.finished and first.finish_reason == "error":
                 raise from_engine_error(first.output.error, "messages" if chat else "prompt")
+            headers = self.host.headers(rid)
             if req.stream:
                 shape = (_ChatChunks if chat else _CompletionChunks)(rid, self.config.chat_model_name)
-                return _Stream(self._sse(reply, shape, req), reply.close)
+                return _Stream(self._sse(reply, shape, req), reply.close, headers)
             await unless_disconnected(request, reply.text())
         except ClientGone:
             reply.close()
@@ -106,7 +107,7 @@ class ChatRoutes:
             raise
         if reply.error is not None:
             raise from_engine_error(reply.error)
-        return JSONResponse(self._whole(reply, req, rid, chat))
+        return JSONResponse(self._whole(reply, req, rid, chat), headers=headers)
 
     def _whole(self, reply: TextOutput, req, rid: str, chat: bool) -> dict:
         out = reply.output
@@ -185,8 +186,8 @@ class _CompletionChunks(_ChatChunks):
 class _Stream(StreamingResponse):
     """A server-sent-event response that aborts its request however the response ends."""
 
-    def __init__(self, body, on_close):
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, body, on_close, headers=None):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):

@@ -6,6 +6,8 @@
                   [--max-waiting N] [--page-size N] [--num-pages N] [--max-num-seqs N] [--store-bytes N]
                   [--max-num-batched-tokens N] [--prefill-chunk-tokens N] [--mixed-prefill-tokens N]
                   [--dtype D] [--cache-mode on|off] [image, speech and video limits]
+                  [--replicas N [--ray-address ADDR] [--router mmcache|power-of-two|prefix-text]
+                   [--route-depth-tokens N] [--replica-cpus C]]
 
 At least one of ``--preset`` / ``--model`` (chat), ``--diffusion`` (images, videos) and ``--tts`` (speech) is
 given; every model shares one encoder-output store of ``--store-bytes``. The chat engine runs the server's
@@ -14,6 +16,10 @@ schedule (``config.serve_engine_config``): a step that decodes prefills at most 
 Binds the loopback address unless ``--host`` says otherwise, prints the URL it serves once it accepts
 connections (``/health`` answers from then on), and runs until interrupted (Ctrl-C or SIGTERM), when it stops
 accepting, aborts what is still running and exits 0.
+
+With ``--replicas N`` the same API is served by a Ray Serve application (``mmcache.replicas``): an ingress and N
+engine replicas, on a local Ray instance the command starts and stops, or on the cluster at ``--ray-address``.
+Without Ray installed, ``--replicas`` fails with a message naming the ``ray`` extra.
 """
 
 from __future__ import annotations
@@ -43,7 +49,36 @@ def register(sub) -> None:
     _add_engine_options(p)
     _add_chat_bounds(p.add_argument_group("bounds of chat requests and connections"))
     _add_generation_limits(p.add_argument_group("image, speech and video requests"))
+    _add_replicas(p.add_argument_group("replicas on Ray Serve (the ray extra)"))
     p.set_defaults(func=serve_main)
+
+
+def _add_replicas(g) -> None:
+    from ..replicas.routing import ROUTERS
+
+    g.add_argument("--replicas", type=count(1024), default=None, metavar="N",
+                   help="serve the chat model from N engine replicas on Ray Serve (default: one process, no Ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to deploy on (host:port of `ray start --head`); default: a local Ray "
+                        "instance started and stopped by this command")
+    g.add_argument("--router", choices=ROUTERS, default="mmcache",
+                   help="how requests choose a replica: mmcache's prefix affinity on page names (default), Ray "
+                        "Serve's power-of-two choices, or Ray Serve LLM's prefix-text router")
+    g.add_argument("--route-depth-tokens", type=count(), default=2048, metavar="N",
+                   help="mmcache's router keys on the page ending at this token (a shorter prompt: its first "
+                        "page; default 2048)")
+    g.add_argument("--replica-cpus", type=_cpus, default=1.0, metavar="C",
+                   help="CPUs each engine replica reserves in Ray (default 1)")
+
+
+def _cpus(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1024, got {text}")
+    return value
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
@@ -206,6 +241,10 @@ def serve_main(args: argparse.Namespace) -> int:
     except ServerConfigError as e:
         print(f"mmcache serve: {e}", file=sys.stderr)
         return 2
+    if args.replicas is not None:
+        from ..replicas.cli import serve_replicas
+
+        return serve_replicas(args, config)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

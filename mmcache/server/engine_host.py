@@ -63,15 +63,41 @@ class _Subscription:
     owner: str | None = None  # the tenant's name, for its share of the waiting queue
 
 
+class WaitingQueue:
+    """The counts behind a bounded waiting queue: requests accepted with no event yet, in all and per owner (a
+    tenant's name). Not locked itself: its host calls it under the host's lock."""
+
+    def __init__(self, max_waiting: int, owner_share: int | None = None):
+        self.max_waiting = max_waiting
+        self.owner_share = owner_share
+        self.waiting = 0
+        self._by_owner: dict[str | None, int] = {}
+
+    def refuse_if_full(self, owner: str | None) -> None:
+        """``QueueFull`` when the queue or ``owner``'s share of it is full."""
+        if self.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are waiting (the limit is {self.max_waiting})")
+        mine = self._by_owner.get(owner, 0)
+        if self.owner_share is not None and mine >= self.owner_share:
+            raise QueueFull(f"{mine} requests of this tenant are waiting (its share is {self.owner_share})")
+
+    def count(self, owner: str | None, change: int) -> None:
+        """``waiting`` and ``owner``'s part of it moved by ``change``."""
+        self.waiting += change
+        left = self._by_owner.get(owner, 0) + change
+        if left:
+            self._by_owner[owner] = left
+        else:
+            self._by_owner.pop(owner, None)
+
+
 class EngineHost:
     """Serves ``engine`` (an ``Engine`` or a ``VLMEngine``) to asyncio handlers; ``observe`` (optional) is
     called on the step thread with each finished event and the reason the server records for it."""
 
     def __init__(self, engine, max_waiting: int = 256, observe=None, owner_share: int | None = None):
         self.engine = engine
-        self.max_waiting = max_waiting
-        self.owner_share = owner_share
-        self._waiting_by_owner: dict[str | None, int] = {}
+        self._queue = WaitingQueue(max_waiting, owner_share)
         self.observe = observe
         self._subs: dict[object, _Subscription] = {}
         self._lock = threading.Lock()  # guards _subs, the counts and _holds
@@ -79,7 +105,6 @@ class EngineHost:
         self._wake = threading.Event()
         self._stopping = False
         self._holds = 0
-        self.waiting = 0
         self.running = 0
         self._thread = threading.Thread(target=self._loop, name="mmcache-step-loop", daemon=True)
         self._intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="mmcache-intake")
@@ -129,10 +154,12 @@ class EngineHost:
         with self._lock:
             self._count_waiting(owner, -1)
 
-    def submit(self, request, owner: str | None = None, reserved: bool = False) -> asyncio.Queue:
+    def submit(self, request, owner: str | None = None, reserved: bool = False, source=None) -> asyncio.Queue:
         """Queue ``request`` (its ``request_id`` set) of the tenant ``owner`` to be added, without waiting, in the
         place ``reserve`` took when ``reserved`` (given back if the submission fails); returns the queue its
-        ``StreamEvent``s (or one ``AddFailed``) arrive on. Called on the handler's event loop."""
+        ``StreamEvent``s (or one ``AddFailed``) arrive on. ``source`` (the API request it was built from) is for
+        a host of replicas, which routes by it; one engine has no use for it. Called on the handler's event
+        loop."""
         rid = request.request_id
         sub = _Subscription(asyncio.get_running_loop(), asyncio.Queue(), owner=owner)
         with self._lock:
@@ -161,11 +188,7 @@ class EngineHost:
         """Under the lock: ``QueueFull`` when stopping, or when the waiting queue or ``owner``'s share is full."""
         if self._stopping:
             raise QueueFull("the server is stopping")
-        if self.waiting >= self.max_waiting:
-            raise QueueFull(f"{self.waiting} requests are waiting (the limit is {self.max_waiting})")
-        mine = self._waiting_by_owner.get(owner, 0)
-        if self.owner_share is not None and mine >= self.owner_share:
-            raise QueueFull(f"{mine} requests of this tenant are waiting (its share is {self.owner_share})")
+        self._queue.refuse_if_full(owner)
 
     def _add(self, request, sub: _Subscription) -> None:
         """On an intake thread: add ``request``; an error goes to its queue as ``AddFailed``."""
@@ -194,12 +217,27 @@ class EngineHost:
 
     def _count_waiting(self, owner, change: int) -> None:
         """Under the lock: ``waiting`` and ``owner``'s part of it moved by ``change``."""
-        self.waiting += change
-        left = self._waiting_by_owner.get(owner, 0) + change
-        if left:
-            self._waiting_by_owner[owner] = left
-        else:
-            self._waiting_by_owner.pop(owner, None)
+        self._queue.count(owner, change)
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.waiting
+
+    @property
+    def max_waiting(self) -> int:
+        return self._queue.max_waiting
+
+    @max_waiting.setter
+    def max_waiting(self, value: int) -> None:
+        self._queue.max_waiting = value
+
+    @property
+    def owner_share(self) -> int | None:
+        return self._queue.owner_share
+
+    def headers(self, rid) -> dict:
+        """Response headers that say where ``rid`` ran: none for one engine (a host of replicas names one)."""
+        return {}
 
     def abort(self, rid, reason: str | None = None) -> None:
         """Ask the step thread to end ``rid``; ``reason`` ("stop": a stop string matched) is what the server

@@ -2,7 +2,7 @@
 
 Every error response has the body ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 for a
 malformed request or bad media, 401 for a missing or wrong API key, 404 for an unknown model or route, 413 for
-a body or image beyond the limits, 503 with ``Retry-After`` when the waiting queue is full, 500 when the model
+a body or image beyond the limits, 503 with ``Retry-After`` when the waiting queue is full or the replica holding a request is gone, 500 when the model
 itself failed. ``from_engine_error`` maps the typed errors a request can end with onto these.
 """
 
@@ -68,8 +68,16 @@ def beyond_limits(err: MediaDecodeError) -> bool:
     return "exceed" in str(err.reason)
 
 
+class ReplicaLost(MmcacheError):
+    """The engine replica that held a request went away (it died, or stopped answering) before the request
+    ended: answered 503 with ``Retry-After``, as a retry goes to a living replica."""
+
+
 def from_engine_error(err: BaseException | None, param: str | None = None) -> APIError:
     """The response for a request the engine ended with ``err``."""
+    if isinstance(err, ReplicaLost):
+        return APIError(503, f"the engine replica serving this request is gone: {err}", "service_unavailable", None,
+                        "replica_unavailable", {"Retry-After": "1"})
     if isinstance(err, MediaDecodeError):
         if beyond_limits(err):
             return too_large(f"image beyond the limits: {err}", param)

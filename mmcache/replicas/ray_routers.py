@@ -1,0 +1,107 @@
+"""The engine deployment's Ray Serve request routers (``routing``'s module docstring gives their rules). This
+module imports Ray: Ray Serve loads it in the process of each handle that routes (the ingress), by the class
+paths in ``ROUTER_CLASSES``.
+
+Ray's request-router API is alpha (Ray 2.49 and later); what is used of it: ``RequestRouter.choose_replicas``
+(candidates and the pending request's arguments), ``initialize_state`` (the router's keyword options),
+``replica_queue_len_cache`` (queue lengths the router already holds), and the power-of-two and prefix-text
+routers' own ``choose_replicas`` and ``on_request_routed``.
+"""
+
+from __future__ import annotations
+
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+
+from ..router import ReplicaRouter, RouterConfig
+from .routing import EngineCall, record_live
+
+ROUTER_CLASSES = {"mmcache": f"{__name__}.MmcacheRouter", "power-of-two": f"{__name__}.PowerOfTwoRouter",
+                  "prefix-text": f"{__name__}.PrefixTextRouter"}
+
+
+def _pinned(candidates, pending):
+    """The candidate a pinned call names (a one-rank list), or None for an unpinned call or a gone replica."""
+    target = pending.kwargs.get("replica") if pending is not None and pending.kwargs else None
+    if target is None:
+        return None
+    chosen = [r for r in candidates if r.replica_id.unique_id == target]
+    return [chosen] if chosen else None
+
+
+def _call_of(pending) -> EngineCall | None:
+    if pending is None or not pending.args:
+        return None
+    call = pending.args[0]
+    return call if isinstance(call, EngineCall) else None
+
+
+def _affine(router: ReplicaRouter, name: int, loads: list[float]) -> int | None:
+    """The preferred replica of ``name`` while it is within the load threshold (or the least loaded), else None."""
+    first = router.ranking(name)[0]
+    if loads[first] <= router.threshold(loads) or loads[first] <= min(loads):
+        return first
+    return None
+
+
+def _seen(router, candidates) -> None:
+    record_live(router._deployment_id.name, (r.replica_id.unique_id for r in candidates))
+
+
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router, with pinned calls."""
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        _seen(self, candidate_replicas)
+        return (_pinned(candidate_replicas, pending_request)
+                or await super().choose_replicas(candidate_replicas, pending_request))
+
+
+class PrefixTextRouter(PrefixCacheAffinityRouter):
+    """Ray Serve LLM's prefix-text router, with pinned calls (which never enter its tree)."""
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        _seen(self, candidate_replicas)
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None or _call_of(pending_request) is None:  # its tree wants a prompt or messages
+            return pinned or await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas,
+                                                                                   pending_request)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def on_request_routed(self, pending_request, replica_id, result):
+        if _call_of(pending_request) is not None:
+            super().on_request_routed(pending_request, replica_id, result)
+
+
+class MmcacheRouter(PowerOfTwoChoicesRequestRouter):
+    """mmcache's affinity: the replica ``ReplicaRouter`` prefers for the call's routing key while it is within
+    the load threshold; Ray's power-of-two choices otherwise (and as the later ranks)."""
+
+    def initialize_state(self, load_factor: float = 2.0, min_load: float = 4, **kwargs):
+        super().initialize_state(**kwargs)
+        self._options = {"load_factor": load_factor, "min_load": min_load}
+        self._ranker: tuple[tuple[str, ...], ReplicaRouter] | None = None
+
+    def _ranker_of(self, ids: tuple[str, ...]) -> ReplicaRouter:
+        """The rendezvous ranker of this replica set (the one built for the last set, else a new one)."""
+        if self._ranker is None or self._ranker[0] != ids:
+            self._ranker = (ids, ReplicaRouter(RouterConfig(ids, depth_pages=1, **self._options)))
+        return self._ranker[1]
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        _seen(self, candidate_replicas)
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        fallback = await super().choose_replicas(candidate_replicas, pending_request)
+        call = _call_of(pending_request)
+        if call is None or call.routing_name is None or not candidate_replicas:
+            return fallback
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        router = self._ranker_of(tuple(r.replica_id.unique_id for r in ordered))
+        cache = self.replica_queue_len_cache
+        loads = [float(cache.get(r.replica_id) or 0) for r in ordered]
+        chosen = _affine(router, call.routing_name, loads)
+        if chosen is None:  # past the threshold: Ray's own choice
+            return fallback
+        return [[ordered[chosen]]] + fallback

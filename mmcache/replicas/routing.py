@@ -1,0 +1,159 @@
+"""Which engine replica a request goes to: the routing key, computed once at the ingress, and the Ray Serve
+request routers of the engine deployment.
+
+Rules:
+
+* The routing key is one page name of the request's prompt, named as the engine names pages (``Namer``: a chain
+  of xxHash rooted in a fingerprint and the request's salt), so two tenants' equal prompts get different keys
+  and images count through their digests. For a chat it is the page where the first user message ends (capped
+  at ``depth_tokens`` and at the prompt's last full page): every turn of a chat repeats that message, so the key
+  stays the same turn after turn, and it holds the chat's own words (and images), so distinct chats spread even
+  when they share a system prompt. For a plain completion it is the page ending at ``depth_tokens`` for a prompt
+  that long, else the first full page. A text prompt is named from the token ids the ingress renders for the engine; a VLM chat from its
+  messages rendered with one placeholder token per image, each image's placeholder carrying the digest of the
+  image as sent (its data URL): the replica renders and encodes the images itself, so only the template runs
+  twice, never the vision tower. The ingress's fingerprint is its own (model name, page size): a routing key
+  only has to agree with itself, never with a replica's stored names.
+* The routers themselves are in ``ray_routers`` (which imports Ray). ``MmcacheRouter`` (``--router mmcache``)
+  sends a request to the replica that ``ReplicaRouter`` prefers among
+  the live replicas, by rendezvous hashing of the key over the replicas' ids, unless that replica is past the
+  load threshold (its queue, as Ray's queue-length cache reports it): then, and for a request without a key,
+  Ray's power-of-two choices decide. It keeps no per-prefix state: a rendezvous ranker of the current replica
+  set (rebuilt when the set changes) and Ray's own queue lengths are all it holds.
+* ``PowerOfTwoRouter`` (``--router power-of-two``) is Ray Serve's default; ``PrefixTextRouter``
+  (``--router prefix-text``) is Ray Serve LLM's ``PrefixCacheAffinityRouter``, which matches the prompt's text
+  (the messages' text parts, images ignored) in a character tree. Every router here also honours a pinned call
+  (``replica=ID`` among the call's keyword arguments): aborts and metrics scrapes go to the replica that holds
+  the request, or to each replica in turn; a pinned replica that is gone is replaced by the router's own choice
+  (an abort there finds nothing to end). Every router records the live replica ids for the ingress's scrape
+  (``live_replicas``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidRequest
+from ..names import Fingerprint, MediaItem, Namer, as_token_array, media_digest, page_extras
+
+ROUTERS = ("mmcache", "power-of-two", "prefix-text")
+"""The ``--router`` names (module docstring)."""
+
+_LIVE: dict[str, tuple[str, ...]] = {}
+"""Deployment name -> the replica ids its router last saw (this process's routers; the ingress reads it)."""
+
+
+def live_replicas(deployment: str) -> tuple[str, ...]:
+    """The ids of ``deployment``'s replicas as this process's router last saw them (empty before any call)."""
+    return _LIVE.get(deployment, ())
+
+
+def record_live(deployment: str, ids) -> None:
+    """What a router calls with the replica ids it routes among."""
+    _LIVE[deployment] = tuple(sorted(ids))
+
+
+@dataclass
+class EngineCall:
+    """What the ingress sends an engine replica for one request: the engine request, its tenant, the routing
+    key (``routing_name``; None: no full page), how long ago the request arrived (``age_s``: clocks of two
+    machines do not compare, durations do), and the prompt as text for ``PrefixTextRouter`` (``messages`` of a
+    VLM chat, else ``prompt``; empty unless that router runs)."""
+
+    request: object
+    owner: str | None
+    routing_name: int | None
+    age_s: float
+    messages: list | None = None
+    prompt: str | None = None
+
+
+class RoutingKey:
+    """Computes requests' routing names for one model (``model`` names the fingerprint), ``page_size`` tokens a
+    page, the key's page ending at ``depth_tokens`` at most (rounded down to a page, at least one); ``tokenizer``
+    (a text model's, used on the event loop's thread only) and ``template`` (a VLM's chat template) find where a
+    chat's first user message ends."""
+
+    def __init__(self, model: str, page_size: int, depth_tokens: int, tokenizer=None, template=None):
+        if isinstance(depth_tokens, bool) or not isinstance(depth_tokens, int) or depth_tokens < 1:
+            raise InvalidRequest(f"depth_tokens must be a positive int, got {depth_tokens!r}")
+        self.namer = Namer(Fingerprint(model_digest=f"route:{model}", kv_dtype="none", attention_backend="none",
+                                       page_size=page_size))
+        self.page_size = page_size
+        self.depth_pages = max(1, depth_tokens // page_size)
+        self.tokenizer = tokenizer
+        self.template = template
+
+    def of(self, request, messages=None) -> int | None:
+        """The routing name of an engine ``Request`` (token ids; ``messages``: the chat it renders, if it is
+        one) or a VLM request (``messages``, or ``token_ids`` with ``images``); None without a full page."""
+        salt = getattr(request, "salt", b"")
+        if getattr(request, "messages", None) is not None:  # a VLM chat
+            ids, media, first_turn = self._rendered(request.messages)
+        elif hasattr(request, "images"):  # a VLM completion: ids with one image token (or its run) per image
+            ids = [int(t) for t in as_token_array(request.token_ids)]
+            media, first_turn = self._media_in(ids, request.images), None
+        else:
+            ids, media = request.prompt, []
+            first_turn = self._first_turn_estimate(messages) if messages else None
+        return self.of_ids(ids, salt, media, first_turn)
+
+    def of_ids(self, ids, salt=b"", media=(), first_turn: int | None = None) -> int | None:
+        """The name of the page ending at ``first_turn`` tokens (where a chat's first user message ends; None
+        for a prompt that is not a chat), at most the depth and the prompt's last full page: the same page for
+        every turn of one chat, and a page holding the chat's own words. Without ``first_turn``: the depth's
+        page for a prompt that long, else the first page."""
+        ids = as_token_array(ids)
+        full = len(ids) // self.page_size
+        if full == 0:
+            return None
+        if first_turn is None:
+            page = self.depth_pages if full >= self.depth_pages else 1
+        else:
+            page = max(1, min(self.depth_pages, first_turn // self.page_size, full))
+        names = self.namer.names(ids, self.namer.root(salt), page_extras(list(media), self.page_size),
+                                 num_pages=page)
+        return int(names[page - 1])
+
+    def _rendered(self, messages) -> tuple[list[int], list[MediaItem], int | None]:
+        from encoders.chat import parse_messages  # the VLM's own parser: images in request order
+
+        parsed, sources = parse_messages(messages)
+        ids, runs = self.template.render(parsed, [1] * len(sources), True)
+        media = [MediaItem(_digest(sources[run.index]), run.start) for run in runs]
+        first = _first_user(parsed)
+        if first is None:
+            return ids, media, None
+        head = parsed[:first + 1]
+        images = sum(1 for m in head for part in m.parts if not hasattr(part, "text"))
+        return ids, media, len(self.template.render(head, [1] * images, False)[0])
+
+    def _first_turn_estimate(self, messages) -> int | None:
+        """Tokens of the texts up to and including the first user message (the template's own tokens left out,
+        so it ends at or before that message's end in the rendered prompt); None without a user message."""
+        first = _first_user(messages)
+        if first is None or self.tokenizer is None:
+            return None
+        text = "".join(_text_of(m) for m in messages[:first + 1])
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _media_in(self, ids: list[int], images) -> list[MediaItem]:
+        image_token = self.template.image_token_id
+        starts = [i for i, t in enumerate(ids) if t == image_token and (i == 0 or ids[i - 1] != image_token)]
+        return [MediaItem(_digest(image), start) for start, image in zip(starts, images)]
+
+
+def _first_user(messages) -> int | None:
+    return next((i for i, m in enumerate(messages) if getattr(m, "role", None) == "user"), None)
+
+
+def _text_of(message) -> str:
+    content = message.content
+    if isinstance(content, str):
+        return content
+    return "".join(getattr(part, "text", "") for part in content or ())
+
+
+def _digest(source) -> bytes:
+    raw = source.encode("utf-8", "surrogatepass") if isinstance(source, str) else bytes(source)
+    return media_digest(raw)

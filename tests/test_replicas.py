@@ -1,0 +1,151 @@
+"""``mmcache serve --replicas 2`` on a local Ray instance started by the test (the tiny LLaVA preset, two API
+keys, mmcache's router): a chat with an image stays on one replica and its second turn hits the cache; distinct
+chats spread over both replicas; two tenants never share pages; /metrics shows both replicas' series; a
+replica killed mid-stream ends that stream with a retryable error object, and later requests succeed; nothing
+is held afterwards. Without Ray, ``--replicas`` names the extra. The router's own rules (no per-prefix state)
+are tested in test_router.py and test_replica_routing.py."""
+
+import importlib.util
+import time
+
+import httpx
+import openai
+import pytest
+
+from mmcache.engine.config import EngineConfig
+from mmcache.presets.serving import build_models
+from mmcache.replicas.launch import ReplicaOptions, start_replicas
+from mmcache.server import ServerConfig
+from server_helpers import data_url, metric, scrape
+
+MODEL = "tiny-llava"
+KEYS = ("key-alpha", "key-beta")
+REPLICA = "x-mmcache-replica"
+
+
+@pytest.fixture(scope="module")
+def app():
+    config = ServerConfig(preset=MODEL, api_keys=KEYS, engine_config=EngineConfig(page_size=16, num_pages=512))
+    with start_replicas(config, ReplicaOptions(replicas=2), build_models) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def photos(datasets_dir):
+    return [data_url((datasets_dir / "images" / f"{name}.png").read_bytes())
+            for name in ("astronaut", "chelsea", "coffee")]
+
+
+def _client(app, key=KEYS[0]):
+    return openai.OpenAI(base_url=app.base_url, api_key=key, max_retries=0, timeout=120)
+
+
+def _chat(client, messages, max_tokens=4):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                          temperature=0, extra_body={"return_token_ids": True})
+    return raw.headers[REPLICA], raw.parse()
+
+
+def _held(app) -> float:
+    """KV pages live over every replica (after their requests ended)."""
+    samples = scrape(app.url)
+    return sum(s.value for s in samples if s.name == "mmcache:kv_pages_live")
+
+
+def test_one_chat_with_an_image_stays_on_one_replica_and_hits(app, photos):
+    client = _client(app)
+    turn = [{"role": "user", "content": [{"type": "text", "text": "What is in this photo?"},
+                                         {"type": "image_url", "image_url": {"url": photos[0]}}]}]
+    first, out = _chat(client, turn)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    answer = {"role": "assistant", "content": out.choices[0].message.content,
+              "token_ids": out.choices[0].token_ids}
+    turn2 = turn + [answer, {"role": "user", "content": "And its colours?"}]
+    second, out2 = _chat(client, turn2)
+    assert second == first
+    assert out2.usage.prompt_tokens_details.cached_tokens > 0
+    turn3 = turn2 + [{"role": "assistant", "content": out2.choices[0].message.content,
+                      "token_ids": out2.choices[0].token_ids}, {"role": "user", "content": "Thanks."}]
+    third, out3 = _chat(client, turn3)
+    assert third == first
+    assert out3.usage.prompt_tokens_details.cached_tokens > out2.usage.prompt_tokens_details.cached_tokens
+
+
+def test_distinct_chats_spread_over_both_replicas(app, photos):
+    client = _client(app)
+    seen = []
+    for i in range(40):
+        text = f"Chat number {i}: describe the picture in {i % 7 + 2} words, please, with care."
+        replica, _ = _chat(client, [{"role": "user", "content": [
+            {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": photos[i % 3]}}]}],
+            max_tokens=1)
+        seen.append(replica)
+    counts = {r: seen.count(r) for r in set(seen)}
+    assert len(counts) == 2, counts
+    assert max(counts.values()) <= 30, counts  # neither takes more than 75%
+
+
+def test_two_tenants_never_share_pages(app):
+    prompt = [{"role": "user", "content": "A question both tenants ask, long enough to fill pages: " * 3}]
+    _, alpha1 = _chat(_client(app, KEYS[0]), prompt)
+    _, alpha2 = _chat(_client(app, KEYS[0]), prompt)
+    _, beta = _chat(_client(app, KEYS[1]), prompt)
+    assert alpha1.usage.prompt_tokens_details.cached_tokens == 0
+    assert alpha2.usage.prompt_tokens_details.cached_tokens > 0
+    assert beta.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_show_every_replica_and_nothing_is_held(app):
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(app.url)
+        replicas = {s.labels.get("replica") for s in samples if s.name == "mmcache:kv_pages_free"}
+        if len(replicas) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(replicas) == 2 and None not in replicas
+    assert metric(samples, "mmcache:prefix_cache_hits_total", replica=sorted(replicas)[0]) >= 0
+    assert _held(app) == 0
+
+
+def test_models_health_and_errors_are_the_servers(app):
+    assert httpx.get(app.url + "/health").status_code == 200
+    assert [m.id for m in _client(app).models.list().data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        _client(app, "wrong").models.list()
+    r = httpx.post(app.base_url + "/chat/completions", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_then_requests_succeed(app):
+    import ray
+
+    client = _client(app)
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a very long story."}], max_tokens=400,
+            temperature=0, stream=True, extra_body={"ignore_eos": True}) as response:
+        replica = response.headers[REPLICA]
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == "serve" and a["name"].endswith(replica)]
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line.startswith("data: ")]
+    errors = [line for line in rest if '"error"' in line]
+    assert errors and '"replica_unavailable"' in errors[0], rest[-3:]
+    assert rest[-1] == "data: [DONE]"
+    for i in range(4):  # the living replica (or its replacement) answers
+        _, out = _chat(client, [{"role": "user", "content": f"after the kill {i}"}], max_tokens=2)
+        assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_replicas_without_ray_names_the_extra(monkeypatch, capsys):
+    from mmcache.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("ray") else
+                        real(name, *a))
+    assert main(["serve", "--preset", "tiny", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'mmcache[ray]'" in err
