@@ -5,10 +5,10 @@ Rules:
 
 * The routing key is one page name of the request's prompt, named as the engine names pages (``Namer``: a chain
   of xxHash rooted in a fingerprint and the request's salt), so two tenants' equal prompts get different keys
-  and images count through their digests. For a chat it is the page where the first user message ends (capped
-  at ``depth_tokens`` and at the prompt's last full page): every turn of a chat repeats that message, so the key
-  stays the same turn after turn, and it holds the chat's own words (and images), so distinct chats spread even
-  when they share a system prompt. For a plain completion it is the page ending at ``depth_tokens`` for a prompt
+  and images count through their digests. For a chat it names the prompt up to where the first user message
+  ends (at most ``depth_tokens``): the last full page's name, hashed with the tokens and image digests after it.
+  Every turn of a chat begins with those tokens, so the key stays the same turn after turn, and it holds the
+  chat's own words and images, so distinct chats spread even when they share a system prompt. For a plain completion it is the page ending at ``depth_tokens`` for a prompt
   that long, else the first full page. A text prompt is named from the token ids the ingress renders for the engine; a VLM chat from its
   messages rendered with one placeholder token per image, each image's placeholder carrying the digest of the
   image as sent (its data URL): the replica renders and encodes the images itself, so only the template runs
@@ -32,6 +32,8 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import xxhash
 
 from ..errors import InvalidRequest
 from ..names import Fingerprint, MediaItem, Namer, as_token_array, media_digest, page_extras
@@ -99,20 +101,30 @@ class RoutingKey:
         return self.of_ids(ids, salt, media, first_turn)
 
     def of_ids(self, ids, salt=b"", media=(), first_turn: int | None = None) -> int | None:
-        """The name of the page ending at ``first_turn`` tokens (where a chat's first user message ends; None
-        for a prompt that is not a chat), at most the depth and the prompt's last full page: the same page for
-        every turn of one chat, and a page holding the chat's own words. Without ``first_turn``: the depth's
-        page for a prompt that long, else the first page."""
+        """For a chat (``first_turn``: where its first user message ends), the key of the prompt's first
+        ``first_turn`` tokens (at most the depth): the name of their last full page, hashed with the tokens and
+        image digests after it, so the key is the same at every turn of one chat and holds the chat's own words
+        and images. For a prompt that is not a chat (None), the name of the depth's page for a prompt that long,
+        else of its first page. None when there is nothing to name."""
         ids = as_token_array(ids)
+        media = list(media)
+        root = self.namer.root(salt)
+        if first_turn is not None:
+            end = min(first_turn, self.depth_pages * self.page_size, len(ids))
+            if end <= 0:
+                return None
+            full = end // self.page_size
+            base = (int(self.namer.names(ids, root, page_extras(media, self.page_size), num_pages=full)[-1])
+                    if full else root)
+            tail = ids[full * self.page_size:end].tobytes()
+            tail += b"".join(m.digest + int(m.position).to_bytes(8, "little") for m in media
+                             if full * self.page_size <= m.position < end)
+            return xxhash.xxh64_intdigest(tail, base) if tail else base
         full = len(ids) // self.page_size
         if full == 0:
             return None
-        if first_turn is None:
-            page = self.depth_pages if full >= self.depth_pages else 1
-        else:
-            page = max(1, min(self.depth_pages, first_turn // self.page_size, full))
-        names = self.namer.names(ids, self.namer.root(salt), page_extras(list(media), self.page_size),
-                                 num_pages=page)
+        page = self.depth_pages if full >= self.depth_pages else 1
+        names = self.namer.names(ids, root, page_extras(media, self.page_size), num_pages=page)
         return int(names[page - 1])
 
     def _rendered(self, messages) -> tuple[list[int], list[MediaItem], int | None]:
