@@ -110,14 +110,14 @@ def test_affinity_keeps_the_preferred_replica_until_its_threshold_and_pins_are_h
     from mmcache.replicas.routing import EngineCall
     from mmcache.router import ReplicaRouter, RouterConfig
 
-    router = ReplicaRouter(RouterConfig(("a", "b"), depth_pages=1, load_factor=2.0, min_load=4))
+    router = ReplicaRouter(RouterConfig(("a", "b"), depth_pages=1, load_factor=1.25, min_load=4))
     name = 12345
     first = router.ranking(name)[0]
     loads = [0.0, 0.0]
     assert _affine(router, name, loads) == first
     loads[first] = 4  # at the threshold (min_load): kept
     assert _affine(router, name, loads) == first
-    loads[first] = 9  # past max(4, 2 x mean 4.5) and not the least loaded: Ray's choice
+    loads[first] = 9  # past max(4, 1.25 x mean 4.5) and not the least loaded: Ray's choice
     assert _affine(router, name, loads) is None
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("a", "b")]
     pending = SimpleNamespace(kwargs={"replica": "b"}, args=[EngineCall(None, None, name, 0.0)])
