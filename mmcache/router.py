@@ -18,14 +18,23 @@ Rules (docs/DESIGN.md, "Replica choice"):
   where the fallback sends it. The threshold follows the mean, as in consistent hashing with bounded loads
   (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so a deployment that is busy everywhere keeps its affinity
   and only a replica loaded well above its share sheds requests; ``min_load`` keeps a nearly idle deployment
-  from shedding at its first queued request. A prompt with no full page has nothing cacheable to route by
-  and goes where the fallback sends it too.
-* The fallback (``FALLBACKS``) is ``random`` by default: a uniform draw over all replicas, the runtime's own
-  choice without affinity, as the RFC prescribes, so past the threshold a deployment behaves exactly as it
-  did before the router (the baseline its tail latency is judged against), and several routers acting on
-  load reports that lag do not all send their overflow to the one replica that looked least loaded.
-  ``least_loaded`` takes the least-loaded replica instead (ties broken by the rendezvous ranking, so the
-  overflow of one prefix lands on a fixed order of replicas): better where one router sees fresh loads.
+  from shedding at its first queued request.
+* The fallback (``FALLBACKS``) is ``deeper`` by default: the overflow is routed by rendezvous hashing of a
+  page twice as deep as the routing page (``overflow_name``: the ``2 * depth_pages``-th, or the last full
+  page of a shorter prompt), to the first replica of that page's ranking that is not past the threshold.
+  When the routing page sits inside a prefix most requests share (a long system prompt), the overflow then
+  spreads by what follows that prefix (each conversation's own pages), and a conversation that overflows
+  goes back to the same replica each time, where its earlier turns are cached; a uniform draw would send
+  its next turn to a replica without them, and an idle replica would re-prefill a long context, which is
+  what made the tail worse than random routing. Some replica is always under the threshold (the least
+  loaded is at most the mean), so the walk ends. A prompt with no full page has nothing cacheable to route
+  by and goes to a uniform draw over all replicas.
+* ``random`` sends the overflow to a uniform draw over all replicas, the runtime's own choice without
+  affinity, so past the threshold a deployment behaves as it did before the router, and several routers
+  acting on load reports that lag do not all send their overflow to the one replica that looked least
+  loaded. ``least_loaded`` takes the least-loaded replica instead (ties broken by the rendezvous ranking, so
+  the overflow of one prefix lands on a fixed order of replicas): better where one router sees fresh loads.
+  Both route a prompt with no full page as they route the overflow.
 * Removing one replica moves only the prefixes that preferred it (a property of rendezvous hashing).
 """
 
@@ -41,7 +50,7 @@ import xxhash
 from .checks import finite_number, unicode_text
 from .errors import InvalidRequest
 
-FALLBACKS = ("random", "least_loaded")
+FALLBACKS = ("deeper", "random", "least_loaded")
 """Where a request goes when its preferred replica is past the load threshold, or when it has no full page."""
 
 
@@ -52,14 +61,14 @@ class RouterConfig:
     shorter prompt routes by its first page. The preferred replica is skipped once its load (what the host
     counts as its queue, e.g. requests routed to it and not finished) is greater than
     ``max(min_load, load_factor * mean load)``; the request then goes where ``fallback`` says (``FALLBACKS``;
-    ``random``, the runtime's own choice, by default: see the module docstring). ``seed`` seeds the
-    fallback's draw (None: from the operating system)."""
+    ``deeper``, the ranking of a page twice as deep, by default: see the module docstring). ``seed`` seeds
+    the uniform draws (None: from the operating system)."""
 
     replicas: tuple[str, ...]
     depth_pages: int = 16
     load_factor: float = 2.0
-    min_load: float = 4
-    fallback: str = "random"
+    min_load: float = 3
+    fallback: str = "deeper"
     seed: int | None = None
 
     def __post_init__(self):
@@ -130,6 +139,14 @@ class ReplicaRouter:
         depth = self.config.depth_pages
         return int(names[depth - 1] if len(names) >= depth else names[0])
 
+    def overflow_name(self, names: np.ndarray) -> int | None:
+        """The page name the ``deeper`` fallback routes a prompt by: its ``2 * depth_pages``-th page's, or its
+        last full page's when it has fewer; None when the prompt has no full page."""
+        names = _page_names(names)
+        if len(names) == 0:
+            return None
+        return int(names[min(len(names), 2 * self.config.depth_pages) - 1])
+
     def ranking(self, name: int) -> list[int]:
         """Replica indices in rendezvous order for ``name`` (a 64-bit page name): the preferred replica first."""
         if isinstance(name, (bool, np.bool_)) or not isinstance(name, (int, np.integer)) or not 0 <= name < 2**64:
@@ -162,19 +179,34 @@ class ReplicaRouter:
     def route(self, names: np.ndarray, loads: Sequence[float]) -> int:
         """The replica for a prompt with page names ``names`` given each replica's current load: the preferred
         one unless it is past the threshold and not the least loaded, else the fallback's choice."""
+        return self.route_by_names(self.routing_name(names), self.overflow_name(names), loads)
+
+    def route_by_names(self, name: int | None, overflow: int | None, loads: Sequence[float]) -> int:
+        """``route`` for a host that computed the prompt's ``routing_name`` and ``overflow_name`` once (both
+        None for a prompt with no full page) and carries them instead of the names."""
         loads = self._loads(loads)
-        name = self.routing_name(names)
         if name is None:
-            return self._fallback(loads, list(range(self.num_replicas)))
+            if self.config.fallback == "least_loaded":
+                return self._least_loaded(loads, list(range(self.num_replicas)))
+            return self._draw_one()
         order = self.ranking(name)
         first = order[0]
-        if loads[first] <= self.threshold(loads) or loads[first] <= min(loads):
+        threshold = self.threshold(loads)
+        if loads[first] <= threshold or loads[first] <= min(loads):
             return first
-        return self._fallback(loads, order)
-
-    def _fallback(self, loads: list, order: list[int]) -> int:
+        if self.config.fallback == "deeper":
+            deeper = self.ranking(name if overflow is None else overflow)
+            return next((i for i in deeper if loads[i] <= threshold), self._least_loaded(loads, deeper))
         if self.config.fallback == "least_loaded":
-            least = min(loads)
-            return next(i for i in order if loads[i] == least)
+            return self._least_loaded(loads, order)
+        return self._draw_one()
+
+    @staticmethod
+    def _least_loaded(loads: list, order: list[int]) -> int:
+        """The least-loaded replica, ties broken by ``order``."""
+        least = min(loads)
+        return next(i for i in order if loads[i] == least)
+
+    def _draw_one(self) -> int:
         with self._draw_lock:
             return int(self._draw.integers(self.num_replicas))

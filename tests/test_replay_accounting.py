@@ -12,6 +12,7 @@ from mmcache.replay.ceiling import ceiling_matches
 from mmcache.replay.report import CeilingCache, build_record
 from mmcache.replay.sessions import Dist
 from mmcache.replay.simulate import ReplayStalled, replay_fingerprint
+from mmcache.router import RouterConfig
 from test_replay_ceiling import BLOCK, random_trace, small_sessions, write_trace
 
 BIG = 1 << 16
@@ -218,19 +219,26 @@ def test_residual_is_the_gap_past_the_forfeit_and_holds_the_dilution(tmp_path):
 
 
 def test_the_routers_fallback_is_configured_seeded_and_recorded(tmp_path):
-    """Past the threshold affinity falls back to the runtime's random choice by default (seeded by ``seed``:
-    the same replay twice routes alike) or to the least-loaded replica; the record names which."""
+    """Past the threshold affinity follows the router's default fallback (``deeper``: the overflow spreads by
+    each request's deeper page, the same in every replay), or the runtime's random choice (seeded by ``seed``:
+    the same replay twice routes alike), or the least-loaded replica; the record names which."""
     records = [rec(i, [1, 2, 100 + i], 40, 40) for i in range(24)]
     trace = mooncake(tmp_path, records)
     base = ReplayConfig(pool_tokens=160, page_size=4, replicas=4, route_depth_tokens=32, route_min_load=2,
                         check_invariants=True)
-    assert base.route_fallback == "random" and base.router().config.fallback == "random"
-    drawn = simulate(trace, base)
-    assert simulate(trace, base).replica == drawn.replica
-    assert simulate(trace, replace(base, seed=1)).replica != drawn.replica
+    assert base.route_fallback == RouterConfig.fallback == "deeper" and base.router().config.fallback == "deeper"
+    assert (base.route_load_factor, base.route_min_load) == (2, 2) and ReplayConfig().route_min_load == 3
+    deeper = simulate(trace, base)
+    assert (np.bincount(deeper.replica, minlength=4) > 0).sum() == 4
+    assert simulate(trace, replace(base, seed=1)).replica == deeper.replica  # no draw: the seed plays no part
+    drawn_config = replace(base, route_fallback="random")
+    drawn = simulate(trace, drawn_config)
+    assert simulate(trace, drawn_config).replica == drawn.replica
+    assert simulate(trace, replace(drawn_config, seed=1)).replica != drawn.replica
     least = simulate(trace, replace(base, route_fallback="least_loaded"))
     assert (np.bincount(least.replica, minlength=4) > 0).sum() == 4
     record = build_record(least, ceiling_matches(least.specs, 4), "w")
     assert record["router"]["fallback"] == "least_loaded"
+    assert build_record(deeper, ceiling_matches(deeper.specs, 4), "w")["router"]["fallback"] == "deeper"
     with pytest.raises(InvalidRequest, match="route_fallback"):
         ReplayConfig(route_fallback="nearest")

@@ -154,4 +154,4 @@ def test_the_route_fallback_option_reaches_the_record(tmp_path):
     assert json.loads(out.read_text())["router"]["fallback"] == "least_loaded"
     assert main(["replay", str(trace), "--page-size", "64", "--replicas", "2", "--store-at", "teardown",
                  "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["router"]["fallback"] == "random"
+    assert json.loads(out.read_text())["router"]["fallback"] == "deeper"  # the router's default

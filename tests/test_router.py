@@ -1,8 +1,13 @@
 """The replica router: rendezvous affinity on a page name later turns share, and its fallback past the threshold
-(random by default, or the least-loaded replica)."""
+(the ranking of a page twice as deep by default, a uniform draw, or the least-loaded replica)."""
+
+import gc
+import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmcache import Fingerprint, InvalidRequest, Namer
 from mmcache.router import ReplicaRouter, RouterConfig
@@ -245,11 +250,11 @@ def test_a_chat_changes_replica_at_most_once_at_the_depth():
     assert moves > 0
 
 
-def test_the_default_fallback_is_the_runtimes_random_choice():
-    """Past the threshold the RFC falls back to the runtime's own choice (a uniform draw over all replicas),
+def test_the_random_fallback_is_the_runtimes_seeded_choice():
+    """Past the threshold ``random`` falls back to the runtime's own choice (a uniform draw over all replicas),
     seeded when asked; under the threshold the preferred replica, as before."""
-    assert RouterConfig(("a",)).fallback == "random"
-    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3, seed=3))
+    config = dict(depth_pages=1, load_factor=1.5, min_load=3, fallback="random", seed=3)
+    router = ReplicaRouter(RouterConfig.numbered(4, **config))
     names = names_of(np.arange(2 * PAGE))
     hot = router.preferred(names)
     calm = [1, 1, 1, 1]
@@ -259,9 +264,158 @@ def test_the_default_fallback_is_the_runtimes_random_choice():
     picks = [router.route(names, loads) for _ in range(400)]
     counts = np.bincount(picks, minlength=4)
     assert counts.min() > 60  # every replica, the overloaded one included, about a quarter of the time
-    again = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3, seed=3))
+    again = ReplicaRouter(RouterConfig.numbered(4, **config))
     assert [again.route(names, loads) for _ in range(400)] == picks
     least = ReplicaRouter(RouterConfig.numbered(4, depth_pages=1, load_factor=1.5, min_load=3,
                                                 fallback="least_loaded"))
     loads[least.ranking(least.routing_name(names))[2]] = 0
     assert {least.route(names, loads) for _ in range(20)} == {loads.index(0)}
+
+
+def hot_prefix_chats(chats: int, depth_pages: int, turns: int, seed: int) -> list[list[np.ndarray]]:
+    """Chats whose prompts all begin with one shared prefix of ``depth_pages + 2`` pages (a system prompt
+    longer than the routing depth), then the chat's own pages; each turn extends the one before."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 1000, (depth_pages + 2) * PAGE)
+    out = []
+    for _ in range(chats):
+        prompt = np.concatenate([system, rng.integers(0, 1000, depth_pages * PAGE)])
+        chat = []
+        for _ in range(turns):
+            chat.append(names_of(prompt))
+            prompt = np.concatenate([prompt, rng.integers(0, 1000, PAGE + int(rng.integers(0, 3 * PAGE)))])
+        out.append(chat)
+    return out
+
+
+def test_the_default_rule_sends_a_hot_prefixs_overflow_by_its_deeper_page():
+    """The default: threshold max(3, 2 x mean); past it, the first replica under the threshold in the ranking
+    of the page twice as deep. Chats sharing a hot prefix all prefer one replica; once it is loaded, each chat
+    overflows to one replica of its own, every turn, and the chats' overflow covers the other replicas."""
+    config = RouterConfig.numbered(4, depth_pages=4)
+    assert (config.fallback, config.load_factor, config.min_load) == ("deeper", 2.0, 3)
+    router = ReplicaRouter(config)
+    chats = hot_prefix_chats(40, 4, 6, seed=11)
+    hot = router.preferred(chats[0][0])
+    assert all(router.preferred(t) == hot for chat in chats for t in chat)
+    calm = [0, 0, 0, 0]
+    calm[hot] = 3  # at the floor: still the preferred replica
+    assert router.threshold(calm) == 3 and all(router.route(t, calm) == hot for chat in chats for t in chat)
+    busy = [0, 0, 0, 0]
+    busy[hot] = 4  # mean 1, threshold 3: past it
+    overflow = []
+    for chat in chats:
+        chosen = {router.route(t, busy) for t in chat}
+        assert len(chosen) == 1 and hot not in chosen  # one replica for the whole chat's overflow
+        deep = router.overflow_name(chat[-1])
+        assert chosen == {next(i for i in router.ranking(deep) if i != hot)}
+        overflow.append(chosen.pop())
+    assert set(overflow) == set(range(4)) - {hot}
+    # The deeper ranking is walked to the first replica under the threshold, skipping any past it.
+    chat = chats[0][-1]
+    skip = [i for i in router.ranking(router.overflow_name(chat)) if i != hot]
+    loads = [0, 0, 0, 0]
+    loads[hot], loads[skip[0]] = 8, 5  # mean 3.25, threshold 6.5: the hot one past it, skip[0] under
+    assert router.route(chat, loads) == skip[0]
+    strict = ReplicaRouter(RouterConfig.numbered(4, depth_pages=4, load_factor=1.0, min_load=0))
+    loads = [0, 0, 0, 0]
+    loads[hot], loads[skip[0]] = 6, 5  # mean 2.75, the threshold: both past it, so the next one
+    assert strict.route(chat, loads) == skip[1]
+
+
+def test_the_overflow_name_is_the_page_twice_as_deep_or_the_last():
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=3))
+    names = names_of(np.arange(10 * PAGE))
+    assert router.overflow_name(names) == int(names[5])
+    assert router.overflow_name(names[:4]) == int(names[3])
+    assert router.overflow_name(names[:1]) == int(names[0])
+    assert router.overflow_name(names[:0]) is None
+
+
+def test_a_prompt_without_a_full_page_is_drawn_uniformly_by_default():
+    router = ReplicaRouter(RouterConfig.numbered(3, seed=5))
+    assert {router.route([], [9, 0, 0]) for _ in range(200)} == {0, 1, 2}
+
+
+names_strategy = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=12)
+loads_strategy = st.lists(st.integers(0, 40), min_size=4, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=names_strategy, loads=loads_strategy, depth=st.integers(1, 6), factor=st.sampled_from([1.0, 1.25, 2.0]),
+       min_load=st.sampled_from([0, 1, 3, 8]))
+def test_the_default_rule_over_any_names_and_loads(names, loads, depth, factor, min_load):
+    """Invariants of the default rule: the preferred replica depends on the routing name and the replica set
+    only (not on loads, nor on the replicas' order); under the threshold (or least loaded) it is chosen;
+    past it the choice is the first replica under the threshold in the deeper page's ranking; nothing
+    depends on earlier calls."""
+    config = RouterConfig(("a", "b", "c", "d"), depth_pages=depth, load_factor=factor, min_load=min_load)
+    router = ReplicaRouter(config)
+    reordered = ReplicaRouter(RouterConfig(("c", "a", "d", "b"), depth_pages=depth, load_factor=factor,
+                                           min_load=min_load))
+    name = router.routing_name(names)
+    pref = router.preferred(names)
+    assert config.replicas[pref] == reordered.config.replicas[reordered.preferred(names)]
+    assert pref == router.ranking(name)[0]
+    chosen = router.route(names, loads)
+    threshold = router.threshold(loads)
+    if loads[pref] <= threshold or loads[pref] == min(loads):
+        assert chosen == pref
+    else:
+        assert chosen != pref and loads[chosen] <= threshold
+        under = [i for i in router.ranking(router.overflow_name(names)) if loads[i] <= threshold]
+        assert chosen == under[0]
+    assert ReplicaRouter(config).route(names, loads) == chosen == router.route(names, loads)
+    assert router.route_by_names(name, router.overflow_name(names), loads) == chosen
+    assert config.replicas[chosen] == reordered.config.replicas[reordered.route(names, [
+        loads[config.replicas.index(r)] for r in reordered.config.replicas])]
+
+
+def _route_distinct_prefixes(router: ReplicaRouter, first: int, count: int) -> None:
+    """Routes ``count`` prompts with distinct page names, under loads that send some past the threshold."""
+    for k in range(first, first + count):
+        names = np.array([k * 7 + 1, k * 7 + 2, k * 7 + 3, 2**63 + k], dtype=np.uint64)
+        loads = [k % 5, (k * 3) % 11, 0, 9 if k % 2 else 1]
+        router.route(names, loads)
+
+
+def _container_sizes(router: ReplicaRouter) -> dict:
+    return {key: len(value) for key, value in vars(router).items() if hasattr(value, "__len__")}
+
+
+def _memory_growth(router: ReplicaRouter) -> int:
+    """Bytes still allocated after routing 9,000 distinct prefixes more than after a warm-up of 1,000."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        _route_distinct_prefixes(router, 0, 1_000)
+        gc.collect()
+        warm = tracemalloc.get_traced_memory()[0]
+        _route_distinct_prefixes(router, 1_000, 9_000)
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - warm
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("fallback", ["deeper", "random", "least_loaded"])
+def test_the_routers_memory_is_flat_over_10000_distinct_prefixes(fallback):
+    """No per-prefix state: after a warm-up of 1,000 distinct prefixes, 9,000 more leave the memory the router
+    holds where it was (within 64 KiB, far below what keeping a record of each prefix would take: an int per
+    prefix alone is 28 bytes, a dict entry more), and none of its containers grows."""
+    router = ReplicaRouter(RouterConfig.numbered(4, depth_pages=2, fallback=fallback, seed=0))
+    sizes = _container_sizes(router)
+    assert _memory_growth(router) < 64 * 1024
+    assert _container_sizes(router) == sizes
+    assert set(vars(router)) == {"config", "_seeds", "_draw", "_draw_lock"}
+
+
+def test_the_memory_check_sees_a_router_that_keeps_each_prefix():
+    """The check above can fail: a router that remembers every routing name it saw grows past the bound."""
+
+    class Remembering(ReplicaRouter):
+        def route(self, names, loads):
+            self.__dict__.setdefault("_seen", {})[self.routing_name(names)] = True
+            return super().route(names, loads)
+
+    assert _memory_growth(Remembering(RouterConfig.numbered(4, depth_pages=2))) > 64 * 1024

@@ -103,9 +103,10 @@ def _add_router_options(p: argparse.ArgumentParser, d: ReplayConfig) -> None:
     p.add_argument("--route-min-load", type=float, default=d.route_min_load,
                    help="load below which the preferred replica is always used")
     p.add_argument("--route-fallback", choices=FALLBACKS, default=d.route_fallback,
-                   help="where affinity sends a request past the threshold (or with no full page): random, "
-                        "the runtime's own choice (the RFC's), or the least-loaded replica")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing and of the random fallback")
+                   help="where affinity sends a request past the threshold: deeper, the first replica under it "
+                        "in the ranking of the page twice as deep (the prompt's last when shorter); random, the "
+                        "runtime's own choice; or the least-loaded replica")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of random routing and of the router's uniform draws")
 
 
 def _is_sessions(trace: str) -> bool:

@@ -12,7 +12,7 @@ A request's life, at simulated times:
 * arrival: its final sequence (prompt and output) is materialised and named once (``prepare``); the
   prompt's ``PreparedPrompt`` takes the leading names, since a chained name depends only on the pages
   before it, and the names are kept for the ceiling. The replica is chosen (rendezvous affinity through
-  ``ReplicaRouter``, whose load per replica is its requests running or waiting, with its fallback seeded
+  ``ReplicaRouter``, whose load per replica is its requests running or waiting, with its draws seeded
   by ``seed``; or a seeded uniform draw for ``random``), and it joins that replica's FIFO queue. A request
   whose final sequence needs more pages than the pool has can never run there: it is rejected and counted,
   and scores no hit.
@@ -87,10 +87,11 @@ class ReplayConfig:
     routing: str = "affinity"
     store_at: str = "teardown"
     route_depth_tokens: int = 2048  # routes by the name of the page ending here (a shorter prompt: its first)
-    route_load_factor: float = 2.0  # load: requests routed to a replica and not ended (running or waiting)
-    route_min_load: float = 4
-    route_fallback: str = "random"  # past the threshold (router.FALLBACKS): the runtime's own choice, as the RFC
-    seed: int = 0  # of the random routing draw, and of the affinity router's random fallback
+    # The router's own defaults; load: requests routed to a replica and not ended (running or waiting).
+    route_load_factor: float = RouterConfig.load_factor
+    route_min_load: float = RouterConfig.min_load
+    route_fallback: str = RouterConfig.fallback  # past the threshold (router.FALLBACKS)
+    seed: int = 0  # of the random routing draw, and of the affinity router's uniform draws
     cost: CostModel = CostModel()
     check_invariants: bool = False  # check every manager after every event (tests)
 
