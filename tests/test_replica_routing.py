@@ -32,6 +32,11 @@ def vlm_template():
     return build_vlm("tiny-llava").template
 
 
+def _key(key, *args):
+    """The routing name (not the overflow's)."""
+    return key.of(*args)[0]
+
+
 def _ids(n, start=0):
     return list(range(start, start + n))
 
@@ -45,23 +50,23 @@ def test_a_chat_keeps_its_key_as_it_grows_and_distinct_first_messages_differ():
     first = " ".join(f"w{i}" for i in range(40))  # 40 tokens: the key's page is the second
     turn1 = _ids(60)
     turn2 = turn1 + _ids(100, 1000)
-    a1 = key.of(Request(turn1), _chat(first))
-    a2 = key.of(Request(turn2), _chat(first, "answer", "next"))
+    a1 = _key(key, Request(turn1), _chat(first))
+    a2 = _key(key, Request(turn2), _chat(first, "answer", "next"))
     assert a1 == a2 is not None
-    other = key.of(Request(_ids(16) + _ids(44, 500)), _chat(first))  # same first page, other second page
+    other = _key(key, Request(_ids(16) + _ids(44, 500)), _chat(first))  # same first page, other second page
     assert other != a1
-    short = key.of(Request(_ids(15)), _chat("short"))  # no full page: the first turn's tokens themselves
-    assert short == key.of(Request(_ids(15) + _ids(5, 99)), _chat("short", "x", "y")) is not None
-    assert short != key.of(Request(_ids(15), salt=b"t"), _chat("short"))
+    short = _key(key, Request(_ids(15)), _chat("short"))  # no full page: the first turn's tokens themselves
+    assert short == _key(key, Request(_ids(15) + _ids(5, 99)), _chat("short", "x", "y")) is not None
+    assert short != _key(key, Request(_ids(15), salt=b"t"), _chat("short"))
 
 
 def test_salts_split_keys_and_a_completion_routes_by_its_depth_page():
     key = RoutingKey("m", PAGE, 64, _Words())  # depth 4 pages
     ids = _ids(200)
-    assert key.of(Request(ids, salt=b"a")) != key.of(Request(ids, salt=b"b"))
-    assert key.of(Request(ids)) == key.of(Request(ids[:64] + _ids(50, 900)))  # equal through page 4
-    assert key.of(Request(ids)) != key.of(Request(ids[:48] + _ids(50, 900)))  # page 4 differs
-    assert key.of(Request(ids[:40])) == key.of(Request(ids[:16] + _ids(24, 700)))  # shorter: the first page
+    assert _key(key, Request(ids, salt=b"a")) != _key(key, Request(ids, salt=b"b"))
+    assert _key(key, Request(ids)) == _key(key, Request(ids[:64] + _ids(50, 900)))  # equal through page 4
+    assert _key(key, Request(ids)) != _key(key, Request(ids[:48] + _ids(50, 900)))  # page 4 differs
+    assert _key(key, Request(ids[:40])) == _key(key, Request(ids[:16] + _ids(24, 700)))  # shorter: the first page
 
 
 def test_images_count_through_their_digests(vlm_template):
@@ -72,11 +77,11 @@ def test_images_count_through_their_digests(vlm_template):
             {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": image}}]}])
 
     a, b = "data:image/png;base64,AAAA", "data:image/png;base64,BBBB"
-    assert key.of(chat(a)) == key.of(chat(a))
-    assert key.of(chat(a)) != key.of(chat(b))
+    assert _key(key, chat(a)) == _key(key, chat(a))
+    assert _key(key, chat(a)) != _key(key, chat(b))
     grown = chat(a)
     grown.messages += [{"role": "assistant", "content": "a cat"}, {"role": "user", "content": "and more?"}]
-    assert key.of(grown) == key.of(chat(a))
+    assert _key(key, grown) == _key(key, chat(a))
 
 
 def test_a_depth_below_one_is_refused():
@@ -103,24 +108,23 @@ def test_the_single_process_server_never_imports_ray():
     assert out.stdout.strip().endswith("False")
 
 
-def test_affinity_keeps_the_preferred_replica_until_its_threshold_and_pins_are_honoured():
+def test_the_overflow_name_lies_deeper_and_is_none_without_pages():
+    key = RoutingKey("m", PAGE, 64, _Words())  # depth 4 pages
+    ids = _ids(200)
+    name, overflow = key.of(Request(ids))
+    assert overflow == key.of(Request(ids[:128] + _ids(72, 900)))[1]  # page 8: twice the depth
+    assert overflow != key.of(Request(ids[:112] + _ids(88, 900)))[1]
+    assert key.of(Request(_ids(10))) == (None, None)
+
+
+def test_pinned_calls_go_to_their_replica_or_to_the_router_when_it_is_gone():
     from types import SimpleNamespace
 
-    from mmcache.replicas.ray_routers import _affine, _pinned
+    from mmcache.replicas.ray_routers import _pinned
     from mmcache.replicas.routing import EngineCall
-    from mmcache.router import ReplicaRouter, RouterConfig
 
-    router = ReplicaRouter(RouterConfig(("a", "b"), depth_pages=1, load_factor=1.25, min_load=4))
-    name = 12345
-    first = router.ranking(name)[0]
-    loads = [0.0, 0.0]
-    assert _affine(router, name, loads) == first
-    loads[first] = 4  # at the threshold (min_load): kept
-    assert _affine(router, name, loads) == first
-    loads[first] = 9  # past max(4, 1.25 x mean 4.5) and not the least loaded: Ray's choice
-    assert _affine(router, name, loads) is None
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("a", "b")]
-    pending = SimpleNamespace(kwargs={"replica": "b"}, args=[EngineCall(None, None, name, 0.0)])
+    pending = SimpleNamespace(kwargs={"replica": "b"}, args=[EngineCall(None, None, 7, 0.0)])
     assert _pinned(replicas, pending) == [[replicas[1]]]
     assert _pinned(replicas, SimpleNamespace(kwargs={"replica": "gone"}, args=[])) is None  # the router decides
     assert _pinned(replicas, SimpleNamespace(kwargs={}, args=[])) is None

@@ -118,6 +118,41 @@ def test_models_health_and_errors_are_the_servers(app):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
+def test_a_stop_string_ends_the_request_on_its_replica(app):
+    client = _client(app)
+    messages = [{"role": "user", "content": "Say something for the stop test."}]
+    _, whole = _chat(client, messages, max_tokens=24)
+    text = whole.choices[0].message.content
+    stop = next((text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and
+                 text.find(text[i:i + 2]) == i), None)
+    if stop is None:
+        pytest.skip(f"the answer {text!r} has no unique two-character stop string")
+    _, out = _chat(client, messages, max_tokens=24) if False else (None, client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stop=[stop]))
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == text[:text.find(stop)]
+    _wait_nothing_held(app)
+
+
+def test_a_client_that_goes_away_mid_stream_frees_what_its_request_held(app):
+    with httpx.stream("POST", app.base_url + "/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "A long answer, please."}],
+                            "max_tokens": 400, "ignore_eos": True, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # the connection is closed here, mid-stream: the request is aborted on its replica
+    _wait_nothing_held(app)
+
+
+def _wait_nothing_held(app, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _held(app) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _held(app) == 0
+
+
 def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_then_requests_succeed(app):
     import ray
 
@@ -138,6 +173,13 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_then_requests
     for i in range(4):  # the living replica (or its replacement) answers
         _, out = _chat(client, [{"role": "user", "content": f"after the kill {i}"}], max_tokens=2)
         assert out.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 90  # Ray Serve replaces the dead replica
+    while time.monotonic() < deadline:
+        replicas = {s.labels.get("replica") for s in scrape(app.url) if s.name == "mmcache:kv_pages_free"}
+        if len(replicas) == 2 and replica not in replicas:
+            break
+        time.sleep(1)
+    assert len(replicas) == 2 and replica not in replicas, replicas
 
 
 def test_replicas_without_ray_names_the_extra(monkeypatch, capsys):

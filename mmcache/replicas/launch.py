@@ -31,15 +31,15 @@ ENGINE_START_TIMEOUT_S = 600  # a real model's weights load inside this
 class ReplicaOptions:
     """``replicas``: engine replicas; ``ray_address``: an existing cluster (None: a local instance);
     ``router``: one of ``routing.ROUTERS``; ``route_depth_tokens``: where the routing key's page ends;
-    ``load_factor``/``min_load``: mmcache's router's threshold (``RouterConfig``); ``replica_cpus``: CPUs each
-    engine replica reserves."""
+    ``load_factor``/``min_load``: mmcache's router's threshold (None: ``RouterConfig``'s defaults);
+    ``replica_cpus``: CPUs each engine replica reserves."""
 
     replicas: int
     ray_address: str | None = None
     router: str = "mmcache"
     route_depth_tokens: int = 2048
-    load_factor: float = 2.0
-    min_load: float = 4
+    load_factor: float | None = None
+    min_load: float | None = None
     replica_cpus: float = 1.0
 
     def __post_init__(self):
@@ -104,8 +104,10 @@ def build_application(config: ServerConfig, options: ReplicaOptions, build):
 
     engine_config = _engine_config(config)
     chat_only = dataclasses.replace(config, diffusion=(), tts=None, engine_config=engine_config)
-    router_kwargs = ({"load_factor": options.load_factor, "min_load": options.min_load}
-                     if options.router == "mmcache" else {})
+    router_kwargs = {}
+    if options.router == "mmcache":
+        given = {"load_factor": options.load_factor, "min_load": options.min_load}
+        router_kwargs = {k: v for k, v in given.items() if v is not None}
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
         # the ingress bounds the waiting queue; a replica takes what its router sends it

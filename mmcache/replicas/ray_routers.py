@@ -36,14 +36,6 @@ def _call_of(pending) -> EngineCall | None:
     return call if isinstance(call, EngineCall) else None
 
 
-def _affine(router: ReplicaRouter, name: int, loads: list[float]) -> int | None:
-    """The preferred replica of ``name`` while it is within the load threshold (or the least loaded), else None."""
-    first = router.ranking(name)[0]
-    if loads[first] <= router.threshold(loads) or loads[first] <= min(loads):
-        return first
-    return None
-
-
 def _seen(router, candidates) -> None:
     record_live(router._deployment_id.name, (r.replica_id.unique_id for r in candidates))
 
@@ -74,12 +66,14 @@ class PrefixTextRouter(PrefixCacheAffinityRouter):
 
 
 class MmcacheRouter(PowerOfTwoChoicesRequestRouter):
-    """mmcache's affinity: the replica ``ReplicaRouter`` prefers for the call's routing key while it is within
-    the load threshold; Ray's power-of-two choices otherwise (and as the later ranks)."""
+    """mmcache's affinity: the replica ``ReplicaRouter.route_by_names`` picks from the call's routing and overflow
+    names and the replicas' queue lengths (the preferred replica within the load threshold, past it the
+    overflow's ranking); Ray's power-of-two choices as the later ranks (a replica whose queue is full), and for
+    calls without a key."""
 
-    def initialize_state(self, load_factor: float = 2.0, min_load: float = 4, **kwargs):
-        super().initialize_state(**kwargs)
-        self._options = {"load_factor": load_factor, "min_load": min_load}
+    def initialize_state(self, **options):
+        super().initialize_state()
+        self._options = options  # RouterConfig's fields beside the replicas (its defaults where not given)
         self._ranker: tuple[tuple[str, ...], ReplicaRouter] | None = None
 
     def _ranker_of(self, ids: tuple[str, ...]) -> ReplicaRouter:
@@ -101,7 +95,5 @@ class MmcacheRouter(PowerOfTwoChoicesRequestRouter):
         router = self._ranker_of(tuple(r.replica_id.unique_id for r in ordered))
         cache = self.replica_queue_len_cache
         loads = [float(cache.get(r.replica_id) or 0) for r in ordered]
-        chosen = _affine(router, call.routing_name, loads)
-        if chosen is None:  # past the threshold: Ray's own choice
-            return fallback
+        chosen = router.route_by_names(call.routing_name, call.overflow_name, loads)
         return [[ordered[chosen]]] + fallback

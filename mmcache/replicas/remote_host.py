@@ -140,7 +140,8 @@ class RemoteHost:
                 ids = getattr(request, "prompt", None)
                 ids = ids if ids is not None else getattr(request, "token_ids", [])
                 prompt = ids if isinstance(ids, str) else self._decoder.decode(list(ids))
-        return EngineCall(request, owner, self.key.of(request, messages), age, text_messages, prompt)
+        name, overflow = self.key.of(request, messages)
+        return EngineCall(request, owner, name, age, text_messages, prompt, overflow)
 
     def abort(self, rid, reason: str | None = None) -> None:
         call = self._calls.get(rid)

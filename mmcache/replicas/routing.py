@@ -58,9 +58,10 @@ def record_live(deployment: str, ids) -> None:
 @dataclass
 class EngineCall:
     """What the ingress sends an engine replica for one request: the engine request, its tenant, the routing
-    key (``routing_name``; None: no full page), how long ago the request arrived (``age_s``: clocks of two
-    machines do not compare, durations do), and the prompt as text for ``PrefixTextRouter`` (``messages`` of a
-    VLM chat, else ``prompt``; empty unless that router runs)."""
+    key (``routing_name``) and the overflow's (``overflow_name``; both None when there is nothing to name), how
+    long ago the request arrived (``age_s``: clocks of two machines do not compare, durations do), and the
+    prompt as text for ``PrefixTextRouter`` (``messages`` of a VLM chat, else ``prompt``; empty unless that
+    router runs)."""
 
     request: object
     owner: str | None
@@ -68,6 +69,7 @@ class EngineCall:
     age_s: float
     messages: list | None = None
     prompt: str | None = None
+    overflow_name: int | None = None  # where the overflow past the load threshold goes (``ReplicaRouter``)
 
 
 class RoutingKey:
@@ -86,9 +88,9 @@ class RoutingKey:
         self.tokenizer = tokenizer
         self.template = template
 
-    def of(self, request, messages=None) -> int | None:
-        """The routing name of an engine ``Request`` (token ids; ``messages``: the chat it renders, if it is
-        one) or a VLM request (``messages``, or ``token_ids`` with ``images``); None without a full page."""
+    def of(self, request, messages=None) -> tuple[int | None, int | None]:
+        """The routing and overflow names (``of_ids``) of an engine ``Request`` (token ids; ``messages``: the chat
+        it renders, if it is one) or a VLM request (``messages``, or ``token_ids`` with ``images``)."""
         salt = getattr(request, "salt", b"")
         if getattr(request, "messages", None) is not None:  # a VLM chat
             ids, media, first_turn = self._rendered(request.messages)
@@ -100,32 +102,38 @@ class RoutingKey:
             first_turn = self._first_turn_estimate(messages) if messages else None
         return self.of_ids(ids, salt, media, first_turn)
 
-    def of_ids(self, ids, salt=b"", media=(), first_turn: int | None = None) -> int | None:
-        """For a chat (``first_turn``: where its first user message ends), the key of the prompt's first
-        ``first_turn`` tokens (at most the depth): the name of their last full page, hashed with the tokens and
-        image digests after it, so the key is the same at every turn of one chat and holds the chat's own words
-        and images. For a prompt that is not a chat (None), the name of the depth's page for a prompt that long,
-        else of its first page. None when there is nothing to name."""
+    def of_ids(self, ids, salt=b"", media=(), first_turn: int | None = None) -> tuple[int | None, int | None]:
+        """The routing name and the overflow name of a prompt (None, None when there is nothing to name).
+
+        Routing name: for a chat (``first_turn``: where its first user message ends), the key of the prompt's
+        first ``first_turn`` tokens (at most the depth): the name of their last full page, hashed with the
+        tokens and image digests after it, so the key is the same at every turn of one chat and holds the chat's
+        own words and images. For a prompt that is not a chat (None), the name of the depth's page for a prompt
+        that long, else of its first page. Overflow name: the name of the page twice as deep as the routing
+        name's (the prompt's last full page if it is shorter), what ``ReplicaRouter``'s ``deeper`` fallback
+        ranks by past the load threshold."""
         ids = as_token_array(ids)
         media = list(media)
+        extras = page_extras(media, self.page_size)
         root = self.namer.root(salt)
+        full = len(ids) // self.page_size
+        names = self.namer.names(ids, root, extras, num_pages=min(full, 2 * self.depth_pages))
         if first_turn is not None:
             end = min(first_turn, self.depth_pages * self.page_size, len(ids))
             if end <= 0:
-                return None
-            full = end // self.page_size
-            base = (int(self.namer.names(ids, root, page_extras(media, self.page_size), num_pages=full)[-1])
-                    if full else root)
-            tail = ids[full * self.page_size:end].tobytes()
+                return None, None
+            whole = end // self.page_size
+            base = int(names[whole - 1]) if whole else root
+            tail = ids[whole * self.page_size:end].tobytes()
             tail += b"".join(m.digest + int(m.position).to_bytes(8, "little") for m in media
-                             if full * self.page_size <= m.position < end)
-            return xxhash.xxh64_intdigest(tail, base) if tail else base
-        full = len(ids) // self.page_size
+                             if whole * self.page_size <= m.position < end)
+            name = xxhash.xxh64_intdigest(tail, base) if tail else base
+            deeper = min(len(names), 2 * -(-end // self.page_size))
+            return name, (int(names[deeper - 1]) if deeper else None)
         if full == 0:
-            return None
+            return None, None
         page = self.depth_pages if full >= self.depth_pages else 1
-        names = self.namer.names(ids, root, page_extras(media, self.page_size), num_pages=page)
-        return int(names[page - 1])
+        return int(names[page - 1]), int(names[len(names) - 1])
 
     def _rendered(self, messages) -> tuple[list[int], list[MediaItem], int | None]:
         from encoders.chat import parse_messages  # the VLM's own parser: images in request order
