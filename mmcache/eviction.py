@@ -28,6 +28,8 @@ released pages can leave such a page, so the search for one (a pass over the poo
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .index import PrefixIndex
@@ -78,13 +80,18 @@ def stranded_descendants(index: PrefixIndex, pool: PagePool) -> np.ndarray:
     return np.flatnonzero(below & index.in_index).astype(np.int32)
 
 
-def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int, detach: bool = True) -> tuple[int, int]:
+def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int, detach: bool = True,
+          on_evict: Callable[[np.ndarray], None] | None = None) -> tuple[int, int]:
     """Evict cold tails until ``pages_wanted`` pages were freed or the index alone holds no page.
 
     Returns ``(pages_freed, batches)``. A batch is never split: it may free more than wanted. A detachment
     counts as a batch; of its pages only those it freed (the index-only ones) count as freed. ``detach=False``
     says no live request has released pages (``release_oldest``), so no index page can be stranded and the
     search for one, a pass over the pool, is skipped.
+
+    ``on_evict(batch)`` is called with each cold tail (tail first, every page still in the index and held by
+    it alone) before the batch is dropped, so a second tier can copy the pages down (``tier``). A detachment
+    is not offered: it is not one chain, and only windowed labels make one.
     """
     freed = batches = 0
     while freed < pages_wanted:
@@ -93,6 +100,8 @@ def evict(index: PrefixIndex, pool: PagePool, pages_wanted: int, detach: bool = 
             batch = stranded_descendants(index, pool) if detach else batch
             if not len(batch):
                 break
+        elif on_evict is not None:
+            on_evict(batch)
         index.remove(batch)
         freed += len(pool.decref(batch))
         batches += 1

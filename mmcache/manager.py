@@ -26,6 +26,13 @@ Invariants (``check_invariants``):
   holds for windowed labels too: a page ``release_oldest`` gave back to the index while the request keeps
   later pages of its chain is reclaimed by detaching those later pages from the index (``eviction``).
 
+Second tier (``tier``, optional, mode ``on`` only): a cold tail that eviction frees moves down to host memory
+and disk instead of being lost. Admission walks the pool's index, then the tiers; a tier hit takes fresh pool
+pages, reads their KV in (synchronously, under the lock), and puts them back in the index, held by the request
+as a pool hit is. A page is in one place: a page read in leaves its tier, and a page published while a tier
+holds its copy drops that copy. A read-in that fails (a damaged disk page, an exception) keeps what was read
+before it and returns every other page it took.
+
 Modes: ``on`` (seed and store) and ``off`` (every page freed at teardown, no names). Mode ``shadow`` is not
 this class's: ``shadow.make_manager`` builds a ``ShadowedManager`` (a manager in mode ``off`` and its
 metadata-only mirror) for it.
@@ -52,6 +59,7 @@ from .index import PrefixIndex
 from .metrics import CacheMetrics
 from .names import Fingerprint, HashFn, MediaItem, Namer, as_token_array, page_extras
 from .pool import MAX_PAGES, KVSpec, PagePool
+from .tier import TierPage, Tiers, chain_digests, root_digest
 
 MODES = ("on", "off", "shadow")
 REUSE_KV_DTYPES = ("float32", "bfloat16")
@@ -205,7 +213,7 @@ class AllocationManager:
     seeds and stores whatever the fingerprint (see the reuse gates above)."""
 
     def __init__(self, config: CacheConfig, fingerprint: Fingerprint, kv_spec: KVSpec | None = None,
-                 hash_fn: HashFn | None = None, *, reuse_gates: bool = True):
+                 hash_fn: HashFn | None = None, *, reuse_gates: bool = True, tiers: Tiers | None = None):
         if not isinstance(config, CacheConfig) or not isinstance(fingerprint, Fingerprint):
             raise InvalidRequest(f"AllocationManager needs a CacheConfig and a Fingerprint, got "
                                  f"{type(config).__name__} and {type(fingerprint).__name__}")
@@ -230,6 +238,10 @@ class AllocationManager:
         self._requests: dict[object, _Request] = {}
         self._inflight: dict[int, int] = {}  # page name -> live requests holding it full and unpublished
         self._windowed = 0  # live requests with released pages: only they can strand index pages (eviction)
+        if tiers is not None and (not isinstance(tiers, Tiers) or tiers.page_size != self.page_size):
+            raise InvalidRequest("tiers must be a Tiers of this pool's page size")
+        #: The levels below the pool (``tier``), or None; a manager whose mode is not ``on`` keeps none.
+        self.tiers = tiers if self.mode == "on" else None
 
     # ---- queries -----------------------------------------------------------------------------------
     def __contains__(self, request_id) -> bool:
@@ -348,32 +360,115 @@ class AllocationManager:
             root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
             req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
                            prompt.names.tolist())
-            result = self._seed(req, prompt.names, whole, readmission) if self.mode == "on" else AdmitResult(0, 0, 0)
+            result = (self._seed(req, prompt.names, whole, readmission, prompt.root_material)
+                      if self.mode == "on" else AdmitResult(0, 0, 0))
             self._requests[request_id] = req
             if len(self.index.roots) > self._roots_limit:  # amortised: the limit doubles past what is in use
                 self.index.forget_roots({r.root_parent for r in self._requests.values()})
                 self._roots_limit = max(ROOTS_KEPT, 2 * len(self.index.roots))
         return result
 
-    def _seed(self, req: _Request, names: np.ndarray, whole: bool, readmission: bool) -> AdmitResult:
+    def _seed(self, req: _Request, names: np.ndarray, whole: bool, readmission: bool,
+              root_material: bytes) -> AdmitResult:
         p = self.page_size
         cap = self.match_cap(len(req.prompt), whole)
         pages = self.index.match(names[:cap], req.prompt, req.extras, req.root_parent)
         k = len(pages)
+        if k:
+            self.pool.incref(pages)
+            req.pages = pages.tolist()
+            req.chain = pages.tolist()
+        if self.tiers is not None and k < cap and self.tiers.has_name(req.names[k]):
+            try:
+                k += self._read_in(req, root_material, k, cap)
+            except BaseException:
+                self._release(req)
+                raise
         forfeit = 0
         while k + forfeit < cap and self._inflight.get(req.names[k + forfeit], 0) > 0:
             forfeit += 1
         if k:
-            self.pool.incref(pages)
-            self.index.touch(pages)
-            req.pages = pages.tolist()
-            req.chain = pages.tolist()
+            self.index.touch(np.asarray(req.chain, dtype=np.int32))  # after a read-in: one run, tail first
             req.seq_len = req.matched_tokens = k * p
         req.lookup = _Lookup(len(req.prompt), cap, k, forfeit, readmission)
         self._count_lookup(req.lookup, 1)
         if not readmission:
             self.metrics.record_match(req.request_id, k * p)
         return AdmitResult(k * p, k, forfeit * p)
+
+    def _read_in(self, req: _Request, root_material: bytes, k: int, cap: int) -> int:
+        """Under the lock: continue ``req``'s match of ``k`` pool pages through the tiers, up to ``cap`` pages.
+        The run found there leaves its tiers, takes fresh pool pages (evicting cold tails if needed: they move
+        down), has its KV and ids copied in, and enters the index under the request's chain, held by the
+        request and the index. Returns the pages read in. Pages the pool cannot take are given back to their
+        tier; a damaged page ends the run (it is discarded) and the pages after it are given back. On an
+        exception every pool page taken here is returned and every page not yet read is given back."""
+        tiers, p = self.tiers, self.page_size
+        digests = chain_digests(root_digest(root_material), req.prompt, req.extras, 0, cap, p)
+        run = tiers.take_run(digests[k:], req.prompt[k * p:cap * p], req.extras, k)
+        pages = np.empty(0, dtype=np.int32)
+        done = settled = 0  # run[:done] read in; run[:settled] left their tier for good
+        try:
+            if len(run) > self.pool.num_free:
+                self._evict(len(run) - self.pool.num_free)
+            pages = self.pool.take(min(len(run), self.pool.num_free))
+            for page, pg in zip(run, pages.tolist()):
+                ok = tiers.read_into(page, None if self.pool.kv is None else self.pool.kv[:, :, :, pg])
+                tiers.finish(page)
+                settled += 1
+                if not ok:
+                    break
+                self.pool.ids[pg] = page.ids
+                done += 1
+        except BaseException:
+            done = 0
+            raise
+        finally:
+            for page in run[settled:]:
+                tiers.give_back(page)
+            self.pool.decref(pages[done:])
+        if done:
+            new = pages[:done]
+            self.pool.incref(new)  # the index's ownership, before the insert: the new tail is not index-only
+            self.index.insert_run(np.asarray(req.names[k:k + done], dtype=np.uint64), new, req.chain_parent,
+                                  [req.extras.get(i) for i in range(k, k + done)])
+            req.pages.extend(new.tolist())
+            req.chain.extend(new.tolist())
+        return done
+
+    def _evict(self, pages_wanted: int) -> None:
+        """Evict cold tails (down to the tiers when there are some) and count it."""
+        freed, batches = evict(self.index, self.pool, pages_wanted, detach=self._windowed > 0,
+                               on_evict=self._demote if self.tiers is not None else None)
+        self.metrics.evicted_pages += freed
+        self.metrics.eviction_batches += batches
+
+    def _demote(self, batch: np.ndarray) -> None:
+        """Copy a cold tail (tail first, index pages held by the index alone) down to the tiers."""
+        digests = self._index_digests(batch[::-1].tolist())[::-1]
+        kv = None
+        if self.pool.kv is not None:
+            import torch
+
+            idx = torch.as_tensor(batch, dtype=torch.long, device=self.pool.kv.device)
+            kv = self.pool.kv.index_select(3, idx).movedim(3, 0).cpu()
+        self.tiers.put([TierPage(int(self.index.name[pg]), d, self.pool.ids[pg].copy(), self.index.extras_of(pg))
+                        for pg, d in zip(batch.tolist(), digests)], kv)
+
+    def _index_digests(self, run: list) -> list:
+        """Chain digests (``tier``) of ``run``, index pages head first, each the parent of the next: the chain
+        above ``run[0]`` is walked up to its root and hashed down."""
+        index, p = self.index, self.page_size
+        above = []
+        par = int(index.parent[run[0]])
+        while par >= 0:
+            above.append(par)
+            par = int(index.parent[par])
+        material = next(m for m, rid in index.roots.items() if -1 - rid == par)
+        chain = above[::-1] + list(run)
+        ids = self.pool.ids[np.asarray(chain, dtype=np.int32)].reshape(-1)
+        extras = {i: index.extras_of(pg) for i, pg in enumerate(chain) if index.has_extras[pg]}
+        return chain_digests(root_digest(material), ids, extras, 0, len(chain), p)[len(above):]
 
     def _count_lookup(self, look: _Lookup, sign: int) -> None:
         """Add (``sign`` 1) or take back (-1) one admission's lookup in the counters; the per-request record of a
@@ -415,9 +510,7 @@ class AllocationManager:
         if short <= 0:
             return
         if self.mode == "on":
-            freed, batches = evict(self.index, self.pool, short, detach=self._windowed > 0)
-            self.metrics.evicted_pages += freed
-            self.metrics.eviction_batches += batches
+            self._evict(short)
             short = need - self.pool.num_free
         if short > 0:
             index_only = self.index.in_index & (self.pool.refcount == 1)
@@ -559,6 +652,8 @@ class AllocationManager:
             self.pool.incref(np.asarray(inserted, dtype=np.int32))  # first: the new tail is not index-only
         self.index.insert_run(np.asarray(req.names[lo + m:upto], dtype=np.uint64), inserted, parent,
                               [req.extras.get(i) for i in range(lo + m, upto)])
+        if self.tiers is not None and inserted and any(self.tiers.has_name(n) for n in req.names[lo + m:upto]):
+            self.tiers.discard(self._index_digests(inserted))  # one place per page (see the module docstring)
         # Published pages stop counting as in flight: from now on they are hits, not forfeits.
         for i in range(lo, upto):
             if i in req.registered:
@@ -751,15 +846,22 @@ class AllocationManager:
             del req.chain[min(req.window.released):]
         return released
 
-    def clear_cache(self) -> int:
+    def clear_cache(self, demote: bool = False) -> int:
         """Evict every cached page no request holds (cold tails, as on shortfall; pages a windowed request
-        still holds leave the index if that is what reaches one it released). Returns the pages freed."""
+        still holds leave the index if that is what reaches one it released). Returns the pool pages freed.
+        With tiers, ``demote`` moves the pages down as a shortfall does; otherwise the tiers are emptied too."""
         with self._lock:
-            freed, batches = (evict(self.index, self.pool, self.pool.num_pages, detach=self._windowed > 0)
-                              if self.mode == "on" else (0, 0))
-            self.metrics.evicted_pages += freed
-            self.metrics.eviction_batches += batches
-        return freed
+            if self.mode != "on":
+                return 0
+            before = self.metrics.evicted_pages
+            if self.tiers is not None and not demote:
+                self.tiers.clear()
+                freed, batches = evict(self.index, self.pool, self.pool.num_pages, detach=self._windowed > 0)
+                self.metrics.evicted_pages += freed
+                self.metrics.eviction_batches += batches
+            else:
+                self._evict(self.pool.num_pages)
+            return self.metrics.evicted_pages - before
 
     # ---- internals ---------------------------------------------------------------------------------
     def _live(self, request_id, op: str) -> _Request:
@@ -798,6 +900,31 @@ class AllocationManager:
                 raise AssertionError(f"owner counts differ from owners on pages {bad[:10].tolist()}")
             if inflight != self._inflight:
                 raise AssertionError("in-flight table differs from the live requests' unpublished pages")
+            if self.tiers is not None:
+                self.tiers.check_invariants()
+                if len(self.tiers):
+                    self._check_one_place()
+
+    def _check_one_place(self) -> None:
+        """No index page is also in a tier (digests of every index page, each chain hashed once)."""
+        index, p = self.index, self.page_size
+        materials = {-1 - rid: m for m, rid in index.roots.items()}
+        memo: dict[int, bytes] = {}
+
+        def digest(pg: int) -> bytes:
+            path = []
+            while pg >= 0 and pg not in memo:
+                path.append(pg)
+                pg = int(index.parent[pg])
+            parent = memo[pg] if pg >= 0 else root_digest(materials[pg])
+            for q in reversed(path):
+                ex = index.extras_of(q)
+                parent = memo[q] = chain_digests(parent, self.pool.ids[q], {0: ex} if ex else {}, 0, 1, p)[0]
+            return parent
+
+        for pg in np.flatnonzero(index.in_index).tolist():
+            if self.tiers.where(digest(pg)) is not None:
+                raise AssertionError(f"page {pg} is in the pool's index and in a tier")
 
     def metadata_nbytes(self) -> int:
         """Per-page metadata of pool and index (not the KV tensor)."""

@@ -17,6 +17,10 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   running request is writing waits for it to be published instead of computing it too (see ``scheduler``).
   It acts only where full prompt pages are published as prefill writes them (``store_at="prefill"``);
   under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
+* ``host_tier_bytes`` and ``disk_tier_bytes`` (0: none, the default) are the budgets of the second tier below
+  the main label's pool (``mmcache.tier``): cached pages that eviction frees move to host memory, then to a file
+  in a private directory created under ``disk_tier_dir`` (required with a disk tier). Only mode ``on`` keeps
+  one. A tier smaller than one page is none.
 * ``compute`` (``ComputeConfig``) holds the settings that only change speed (packed linears, the row and
   tile kernels, layer kernels, the allocator setting, whole hits); see ``compute``. ``ComputeConfig.aten()``
   computes on plain ATen.
@@ -56,6 +60,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds the generator that draws per-request seeds when a request gives none
     defer_shared_prefill: bool = True  # compute a prefix that running requests are writing once (scheduler)
+    host_tier_bytes: int = 0  # second tier in host memory below the main pool; 0: none
+    disk_tier_bytes: int = 0  # second tier on local disk below the host tier; 0: none
+    disk_tier_dir: str | None = None  # where the disk tier's private directory is made
     compute: ComputeConfig = field(default_factory=ComputeConfig)  # speed only: what the CPU computes with
 
     def __post_init__(self):
@@ -89,6 +96,12 @@ class EngineConfig:
               f"seed must be an int in [0, 2**63), got {self.seed!r}")
         check(isinstance(self.defer_shared_prefill, bool),
               f"defer_shared_prefill must be a bool, got {self.defer_shared_prefill!r}")
+        for name in ("host_tier_bytes", "disk_tier_bytes"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                  f"{name} must be a non-negative int, got {v!r}")
+        check(not self.disk_tier_bytes or isinstance(self.disk_tier_dir, str) and self.disk_tier_dir != "",
+              f"disk_tier_bytes needs disk_tier_dir, got {self.disk_tier_dir!r}")
         check(isinstance(self.compute, ComputeConfig), f"compute must be a ComputeConfig, got {self.compute!r}")
 
     @classmethod

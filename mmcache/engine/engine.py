@@ -56,6 +56,7 @@ from ..manager import AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..pool import KVSpec
 from ..shadow import ShadowedManager, make_manager
+from ..tier import TierConfig, Tiers
 from . import memory
 from .adapter import adapter_for
 from .compute import ComputePath
@@ -117,7 +118,7 @@ class Engine:
         with _SETTING_UP:  # see _SETTING_UP
             self._set_up_model(config, digest)
         a = self.adapter
-        self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages)}
+        self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages, self._tiers())}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
                                                    config.defer_shared_prefill, self.whole_hits,
@@ -196,12 +197,29 @@ class Engine:
             raise EngineConfigError(f"a KV pool of {num_pages} pages needs {size_text(pool)}, but only "
                                     f"{size_text(have)} is available; ask for fewer pages ({setting})")
 
-    def _new_manager(self, num_pages: int) -> AllocationManager | ShadowedManager:
+    def _new_manager(self, num_pages: int, tiers: Tiers | None = None) -> AllocationManager | ShadowedManager:
         a = self.adapter
         spec = KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, a.device)
         cache = CacheConfig(num_pages=num_pages, page_size=self.config.page_size, mode=self.config.cache_mode,
                             store_at=self.config.store_at)
+        if tiers is not None:
+            return AllocationManager(cache, self.fingerprint, spec, tiers=tiers)
         return make_manager(cache, self.fingerprint, kv_spec=spec)
+
+    def _tiers(self) -> Tiers | None:
+        """The second tier of the main pool (``EngineConfig.host_tier_bytes``, ``disk_tier_bytes``), or None."""
+        c, a = self.config, self.adapter
+        tier = TierConfig(host_pages=c.host_tier_bytes // self.page_bytes,
+                          disk_pages=c.disk_tier_bytes // self.page_bytes, disk_dir=c.disk_tier_dir)
+        if c.cache_mode != "on" or not tier.enabled:
+            return None
+        if tier.host_pages and a.device.type == "cpu":
+            have = memory.available_bytes()
+            if have is not None and tier.host_pages * self.page_bytes > have:
+                raise EngineConfigError(f"a host tier of {size_text(tier.host_pages * self.page_bytes)} does not fit "
+                                        f"in the {size_text(have)} available; ask for less (host_tier_bytes)")
+        shape = (a.num_layers, 2, a.num_kv_heads, c.page_size, a.head_dim)
+        return Tiers(tier, c.page_size, shape, a.dtype, pin=a.device.type == "cuda")
 
     def _manager(self, label: str) -> AllocationManager | ShadowedManager:
         """The label's manager; the CFG pool is allocated on its first request."""
@@ -307,6 +325,8 @@ class Engine:
             d["num_pages"] = m.pool.num_pages
             d["free_pages"] = m.pool.num_free
             d["cached_pages"] = m.index.size
+            if getattr(m, "tiers", None) is not None:
+                d["tiers"] = m.tiers.metrics()
             if isinstance(m, ShadowedManager):
                 d["shadow"] = m.shadow.metrics.as_dict()
                 d["shadow_failures"] = m.shadow_failures
@@ -314,10 +334,12 @@ class Engine:
         out["engine"] = dict(self.counters, preemptions=self.scheduler.preemptions, deferrals=self.scheduler.deferrals)
         return out
 
-    def clear_cache(self) -> int:
-        """Drop every cached page no live request holds (for cold measurements); returns how many."""
+    def clear_cache(self, demote: bool = False) -> int:
+        """Drop every cached page no live request holds (for cold measurements; the tiers are emptied too);
+        returns how many pool pages. ``demote`` moves them down to the main pool's tiers instead."""
         with self._change():
-            return sum(m.clear_cache() for m in self.managers.values())
+            return sum(m.clear_cache(demote) if getattr(m, "tiers", None) is not None else m.clear_cache()
+                       for m in self.managers.values())
 
     def check_invariants(self) -> None:
         """The managers' invariants, and agreement between them and the engine's live requests."""

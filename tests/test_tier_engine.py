@@ -1,0 +1,124 @@
+"""The second tier under the reference engine (tiny preset, CPU).
+
+* A page evicted to host memory or to disk and hit again gives logits equal bit for bit to recomputing it
+  under the same (exact) schedule, and the hit really came from that tier.
+* Eviction that a shortfall causes (a pool too small for two prompts) moves pages down; the next request with
+  the first prompt reads them back in.
+* A request aborted after its read-in holds nothing; a damaged disk file is refused, counted, and the request
+  computes what it could not read.
+* ``EngineConfig`` refuses bad tier settings; no tier is made unless asked for.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache.engine import Engine, EngineConfig, EngineConfigError, Request, SamplingParams
+from mmcache.engine.inspect import record_logits
+from mmcache.presets.text import build_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny", "float32")
+
+
+def prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(2, 512, size=70).tolist()
+    return [prefix + rng.integers(2, 512, size=n).tolist() for n in (5, 11)]
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_a_tier_hit_gives_the_logits_of_recomputing_it(tiny, tmp_path, where):
+    model, tok = tiny
+    first, second = prompts()
+    runs = {}
+    for mode in ("tier", "off"):
+        if mode == "tier":
+            tiers = dict(host_tier_bytes=1 << 20) if where == "host" else \
+                dict(disk_tier_bytes=1 << 20, disk_tier_dir=str(tmp_path))
+            eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, **tiers))
+        else:
+            eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, cache_mode="off"))
+        rec = record_logits(eng)
+        outs = [eng.generate([Request(first, GREEDY, request_id=0)])[0]]
+        if mode == "tier":
+            assert eng.clear_cache(demote=True) == 5  # 80 tokens written (75 + 5 generated): 5 pages go down
+            assert eng.metrics()["main"]["cached_pages"] == 0
+        outs.append(eng.generate([Request(second, GREEDY, request_id=1)])[0])
+        eng.check_invariants()
+        runs[mode] = (rec, outs, eng)
+    (rec_t, out_t, eng_t), (rec_off, out_off, _) = runs["tier"], runs["off"]
+    assert out_t[1].matched_tokens == 64 and out_off[1].matched_tokens == 0
+    level = eng_t.metrics()["main"]["tiers"][where]
+    assert level["hits"] == 4 and level["read_in_bytes"] == 4 * eng_t.page_bytes and level["pages"] == 1
+    for rid in (0, 1):
+        assert len(rec_t[rid]) == len(rec_off[rid]) == GREEDY.max_tokens
+        assert all(torch.equal(a, b) for a, b in zip(rec_t[rid], rec_off[rid])), rid
+        assert out_t[rid].output_ids == out_off[rid].output_ids
+
+
+def test_a_shortfall_moves_pages_down_and_a_later_request_reads_them_in(tiny):
+    model, tok = tiny
+    a, _ = prompts(1)
+    b, _ = prompts(2)
+    # 8 pages of 16 tokens: b's 5 pages need room that only a's cached pages can give.
+    eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=8, host_tier_bytes=1 << 20))
+    eng.generate([Request(a, GREEDY, request_id="a1")])
+    eng.generate([Request(b, GREEDY, request_id="b")])
+    m = eng.metrics()["main"]
+    assert m["evicted_pages"] > 0 and m["tiers"]["host"]["stored_pages"] == m["evicted_pages"]
+    again = eng.generate([Request(a, GREEDY, request_id="a2")])[0]
+    assert again.matched_tokens == 64
+    assert eng.metrics()["main"]["tiers"]["host"]["hits"] > 0
+    eng.check_invariants()
+
+
+def test_abort_after_read_in_holds_nothing(tiny):
+    model, tok = tiny
+    first, second = prompts(3)
+    eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, host_tier_bytes=1 << 20))
+    eng.generate([Request(first, GREEDY, request_id=0)])
+    eng.clear_cache(demote=True)
+    eng.add_request(Request(second, GREEDY, request_id=1))
+    eng.step()  # admission: the four pages are read in, the first chunk computed
+    assert eng.metrics()["main"]["tiers"]["host"]["hits"] == 4
+    assert eng.abort(1)
+    eng.check_invariants()
+    mgr = eng.managers["main"]
+    assert mgr.num_requests == 0
+    held = mgr.pool.refcount > 0
+    assert np.array_equal(held, mgr.index.in_index) and (mgr.pool.refcount[held] == 1).all()
+
+
+def test_a_damaged_disk_file_is_refused_and_the_request_computes(tiny, tmp_path):
+    model, tok = tiny
+    first, second = prompts(4)
+    cfg = dict(page_size=16, num_pages=64, disk_tier_bytes=1 << 20, disk_tier_dir=str(tmp_path))
+    eng = Engine(model, tok, EngineConfig.exact(**cfg))
+    ref = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, cache_mode="off"))
+    eng.generate([Request(first, GREEDY, request_id=0)])
+    eng.clear_cache(demote=True)
+    disk = eng.managers["main"].tiers.level("disk")
+    with open(disk.path, "r+b") as f:  # zero the whole file: every page fails its checks
+        f.write(bytes(disk.slot_bytes * len(disk.entries)))
+    out = eng.generate([Request(second, GREEDY, request_id=1)])[0]
+    assert out.matched_tokens == 0 and eng.metrics()["main"]["tiers"]["disk"]["corrupt_pages"] == 1
+    assert out.output_ids == ref.generate([Request(second, GREEDY, request_id=1)])[0].output_ids
+    eng.check_invariants()
+
+
+def test_tier_settings(tiny, tmp_path):
+    model, tok = tiny
+    with pytest.raises(EngineConfigError):
+        EngineConfig(disk_tier_bytes=1 << 20)  # no directory
+    with pytest.raises(EngineConfigError):
+        EngineConfig(host_tier_bytes=-1)
+    assert Engine(model, tok, EngineConfig(num_pages=8)).managers["main"].tiers is None
+    # Only mode on keeps a tier.
+    off = Engine(model, tok, EngineConfig(num_pages=8, cache_mode="off", host_tier_bytes=1 << 20))
+    assert getattr(off.managers["main"], "tiers", None) is None

@@ -1,0 +1,102 @@
+"""Random operation sequences over a pool with a host and a disk tier below it, every invariant checked after each.
+
+Requests write KV that encodes each slot's token id and position; every admission checks that the pages it was
+seeded with (from the pool or read in from a tier) hold exactly the KV written for those ids at those
+positions. After every step: the manager's invariants (owner counts equal owners, and no page both in the
+pool's index and in a tier), each level within its budget and its LRU consistent, no page left taken by a
+read-in, and the pool's pages either free, cached or held by a live request.
+"""
+
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mmcache import AllocationFailed, CacheConfig, Fingerprint
+from mmcache.manager import AllocationManager
+from mmcache.pool import KVSpec
+from mmcache.tier import TierConfig, Tiers
+
+P = 4
+NUM_PAGES = 12
+HOST, DISK = 3, 4
+_rng = np.random.default_rng(11)
+BASES = [_rng.integers(0, 5, size=20) for _ in range(3)]
+
+
+def kv_value(token, pos):
+    return torch.tensor(float(token) + pos / 1000, dtype=torch.float32)
+
+
+class TierMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.dir = tempfile.mkdtemp()
+        # recompute_tokens_per_s: slow, so the cost rule reads every disk hit in and disk pages take part
+        tiers = Tiers(TierConfig(host_pages=HOST, disk_pages=DISK, disk_dir=self.dir, recompute_tokens_per_s=10.0),
+                      P, (1, 2, 1, P, 1), torch.float32)
+        self.mgr = AllocationManager(CacheConfig(num_pages=NUM_PAGES, page_size=P), Fingerprint.for_tests(P),
+                                     KVSpec(1, 1, 1), tiers=tiers)
+        self.live: dict[int, np.ndarray] = {}
+        self.next_id = 0
+
+    def teardown(self):
+        self.mgr.tiers.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 20), suffix=st.lists(st.integers(0, 4), max_size=5))
+    def admit(self, base, cut, suffix):
+        prompt = np.concatenate([BASES[base][:cut], np.asarray(suffix, dtype=np.int64)])
+        rid = self.next_id
+        self.next_id += 1
+        res = self.mgr.admit(rid, prompt)
+        pages = self.mgr.state(rid).page_indices
+        kv = self.mgr.pool.kv
+        for pos in range(res.matched_tokens):  # seeded from the pool or a tier: the KV written for these ids
+            assert torch.equal(kv[0, 0, 0, pages[pos // P], pos % P, 0], kv_value(prompt[pos], pos)), (rid, pos)
+        try:
+            pages = self.mgr.reserve(rid, len(prompt) - res.matched_tokens)
+        except AllocationFailed:
+            self.mgr.abort(rid)
+            return
+        for pos in range(res.matched_tokens, len(prompt)):
+            kv[:, :, :, pages[pos // P], pos % P] = kv_value(prompt[pos], pos)
+        self.mgr.commit(rid, prompt[res.matched_tokens:])
+        self.live[rid] = prompt
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 10**6), store=st.booleans())
+    def end(self, pick, store):
+        rid = sorted(self.live)[pick % len(self.live)]
+        del self.live[rid]
+        (self.mgr.teardown if store else self.mgr.abort)(rid)
+
+    @rule()
+    def demote_everything(self):
+        self.mgr.clear_cache(demote=True)
+
+    @rule()
+    def clear_everything(self):
+        self.mgr.clear_cache()
+        assert len(self.mgr.tiers) == 0
+
+    @invariant()
+    def invariants_hold(self):
+        mgr = self.mgr
+        mgr.check_invariants()
+        for level in mgr.tiers.levels:
+            assert len(level.entries) <= level.capacity and level.taken == 0
+        assert mgr.num_requests == len(self.live)
+        owned = mgr.pool.refcount > 0
+        held = set()
+        for rid in self.live:
+            held.update(mgr.state(rid).page_indices.tolist())
+        assert set(np.flatnonzero(owned).tolist()) == held | set(np.flatnonzero(mgr.index.in_index).tolist())
+
+
+TierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestTierMachine = TierMachine.TestCase
