@@ -363,7 +363,13 @@ class Tiers:
             if lv.kv is not None and kv is not None:
                 lv.kv[page.slot].copy_(self._tensor(kv) if isinstance(kv, (bytes, bytearray)) else kv)
         else:
-            lv.write(page, kv if isinstance(kv, (bytes, bytearray)) else _tensor_bytes(kv))
+            try:
+                lv.write(page, kv if isinstance(kv, (bytes, bytearray)) else _tensor_bytes(kv))
+            except OSError:  # a full or failing disk: the page is lost, as without a tier
+                lv.release_slot(page)
+                lv.metrics.dropped_pages += 1
+                self._unname(page)
+                return
         lv.entries[page.digest] = page
         lv.metrics.stored_pages += 1
 

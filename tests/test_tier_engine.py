@@ -122,3 +122,38 @@ def test_tier_settings(tiny, tmp_path):
     # Only mode on keeps a tier.
     off = Engine(model, tok, EngineConfig(num_pages=8, cache_mode="off", host_tier_bytes=1 << 20))
     assert getattr(off.managers["main"], "tiers", None) is None
+
+
+def test_serve_options_and_metrics(tiny, tmp_path):
+    from types import SimpleNamespace
+
+    from mmcache.cli import build_parser
+    from mmcache.server.cli import config_from_args
+    from mmcache.server.config import ServerConfigError
+    from mmcache.server.metrics import ServerMetrics
+
+    args = build_parser().parse_args(["serve", "--preset", "tiny", "--host-tier-bytes", "1048576",
+                                      "--disk-tier-bytes", "2097152", "--disk-tier-dir", str(tmp_path)])
+    config = config_from_args(args).engine_config
+    assert (config.host_tier_bytes, config.disk_tier_bytes, config.disk_tier_dir) == (1 << 20, 2 << 20, str(tmp_path))
+    assert config_from_args(build_parser().parse_args(["serve", "--preset", "tiny"])).engine_config.host_tier_bytes == 0
+    with pytest.raises(ServerConfigError):  # a disk tier without a directory
+        config_from_args(build_parser().parse_args(["serve", "--preset", "tiny", "--disk-tier-bytes", "1"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--preset", "tiny", "--host-tier-bytes", "-1"])
+
+    model, tok = tiny
+    eng = Engine(model, tok, EngineConfig.exact(page_size=16, num_pages=64, host_tier_bytes=1 << 20))
+    first, second = prompts(5)
+    eng.generate([Request(first, GREEDY, request_id=0)])
+    eng.clear_cache(demote=True)
+    eng.generate([Request(second, GREEDY, request_id=1)])
+    host = SimpleNamespace(engine=eng, core=eng, running=0, waiting=0)
+    text = ServerMetrics(host, "tiny").render().decode()
+    assert 'mmcache:kv_tier_hits_total{model_name="tiny",tier="host"} 4.0' in text
+    assert f'mmcache:kv_tier_read_in_bytes_total{{model_name="tiny",tier="host"}} {4.0 * eng.page_bytes}' in text
+    assert 'mmcache:kv_tier_pages{model_name="tiny",tier="host"} 1.0' in text
+    assert "tier=\"disk\"" not in text
+    untiered = Engine(model, tok, EngineConfig(num_pages=8))
+    assert "kv_tier" not in ServerMetrics(SimpleNamespace(engine=untiered, core=untiered, running=0, waiting=0),
+                                          "tiny").render().decode()

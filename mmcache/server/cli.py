@@ -6,6 +6,7 @@
                   [--max-waiting N] [--page-size N] [--num-pages N] [--max-num-seqs N] [--store-bytes N]
                   [--max-num-batched-tokens N] [--prefill-chunk-tokens N] [--mixed-prefill-tokens N]
                   [--dtype D] [--cache-mode on|off] [image, speech and video limits]
+                  [--host-tier-bytes N] [--disk-tier-bytes N --disk-tier-dir DIR]
                   [--replicas N [--ray-address ADDR] [--router mmcache|power-of-two|prefix-text]
                    [--route-depth-tokens N] [--replica-cpus C]]
 
@@ -50,6 +51,7 @@ def register(sub) -> None:
     _add_chat_bounds(p.add_argument_group("bounds of chat requests and connections"))
     _add_generation_limits(p.add_argument_group("image, speech and video requests"))
     _add_replicas(p.add_argument_group("replicas on Ray Serve (the ray extra)"))
+    _add_tiers(p.add_argument_group("a second tier for evicted KV pages (host memory, local disk)"))
     p.set_defaults(func=serve_main)
 
 
@@ -69,6 +71,29 @@ def _add_replicas(g) -> None:
                         "page; default 2048)")
     g.add_argument("--replica-cpus", type=_cpus, default=1.0, metavar="C",
                    help="CPUs each engine replica reserves in Ray (default 1)")
+
+
+def _add_tiers(g) -> None:
+    """Adds the budgets of the chat pool's second tier (``mmcache.tier``) to the argument group ``g``."""
+    g.add_argument("--host-tier-bytes", type=count(minimum=0), default=0, metavar="N",
+                   help="host memory for KV pages evicted from the chat pool, read back in on a later hit "
+                        "(default 0: none)")
+    g.add_argument("--disk-tier-bytes", type=count(minimum=0), default=0, metavar="N",
+                   help="local disk for pages evicted from the host tier (default 0: none; needs --disk-tier-dir)")
+    g.add_argument("--disk-tier-dir", default=None, metavar="DIR",
+                   help="where the disk tier's file is kept, in a directory of its own that only this user can "
+                        "read, removed at exit")
+
+
+def _with_tiers(engine_config, args: argparse.Namespace):
+    """``engine_config`` with the tier budgets of ``args`` (``ServerConfigError`` for a bad combination)."""
+    from ..engine.config import EngineConfigError
+    from .config import tiered_engine_config
+
+    try:
+        return tiered_engine_config(engine_config, args.host_tier_bytes, args.disk_tier_bytes, args.disk_tier_dir)
+    except EngineConfigError as e:
+        raise ServerConfigError(str(e)) from None
 
 
 def _cpus(text: str) -> float:
@@ -214,6 +239,7 @@ def config_from_args(args: argparse.Namespace):
                                             cache_mode=args.cache_mode)
     except EngineConfigError as e:
         raise ServerConfigError(str(e)) from None
+    engine_config = _with_tiers(engine_config, args)
     return ServerConfig(preset=args.preset, model=args.model, chat_template=args.chat_template,
                         diffusion=tuple(args.diffusion), tts=args.tts,
                         host=args.host, port=args.port, api_keys=tuple(args.api_key),

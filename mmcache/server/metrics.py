@@ -5,10 +5,11 @@ Two sources, one registry per server (never the process-wide default, so servers
 * What the engine, the store and the generation queues already count is read at scrape time by collectors
   (``_EngineCollector``, ``_StoreCollector``, ``_QueueCollector``): prefix-cache queries and hits in prompt
   tokens (of new requests, as vLLM counts them; a preempted request's lookups on re-admission apart), whether
-  every pool reuses pages (a gauge), KV pages free / cached / live and the live share, evictions, requests
-  running and waiting; the one encoder-output store's queries and hits per kind of entry, its bytes and
-  entries; image and speech requests queued and running. No counter is mirrored, so a scrape always agrees with ``engine.metrics()`` and
-  ``store.metrics``.
+  every pool reuses pages (a gauge), KV pages free / cached / live and the live share, evictions, per tier of
+  the second tier (label ``tier``: ``host``, ``disk``) its hits, read-in bytes and seconds, evictions, refused
+  disk pages and pages held, requests running and waiting; the one encoder-output store's queries and hits per
+  kind of entry, its bytes and entries; image and speech requests queued and running. No counter is mirrored,
+  so a scrape always agrees with ``engine.metrics()`` and ``store.metrics``.
 * What only the server sees is recorded as requests end: chat outcomes by finish reason, errors by type (every
   error response, engine errors included), histograms of time to first token, inter-token latency, end-to-end
   latency and prompt length; per generation endpoint (``images``, ``speech``) requests by status and a latency
@@ -166,6 +167,7 @@ class _EngineCollector:
         yield gauge("mmcache:kv_pages_live", "KV pages held by live requests.", live)
         yield gauge("mmcache:kv_cache_usage_perc", "Share of KV pages held by live requests (0 to 1).",
                     live / num if num else 0.0)
+        yield from _tiers(pools, name)
         yield gauge("mmcache:num_requests_running", "Requests with an output token and not yet finished.",
                     host.running)
         yield gauge("mmcache:num_requests_waiting", "Requests accepted that have no output yet.", host.waiting)
@@ -190,6 +192,37 @@ def _prefix_cache(counter, total):
                   "Prompt tokens looked up again by preempted requests on re-admission.", again)
     yield counter("mmcache:prefix_cache_preempted_hits",
                   "Prompt tokens seeded from the prefix cache on re-admission.", again_hit)
+
+
+_TIER_COUNTERS = (
+    ("hits", "mmcache:kv_tier_hits", "KV pages read back into the pool from this tier."),
+    ("read_in_bytes", "mmcache:kv_tier_read_in_bytes", "Bytes of KV read back into the pool from this tier."),
+    ("read_in_seconds", "mmcache:kv_tier_read_in_seconds", "Seconds spent reading KV back in from this tier."),
+    ("evictions", "mmcache:kv_tier_evictions", "KV pages this tier gave up (to the tier below, or dropped)."),
+    ("corrupt_pages", "mmcache:kv_tier_corrupt_pages", "Disk pages refused by their checksum or header."),
+)
+
+
+def _tiers(pools: dict, name: str):
+    """The second tier's series per tier (``host``, ``disk``), summed over the pools that have one; nothing
+    when none has."""
+    levels: dict[str, dict] = {}
+    for d in pools.values():
+        for tier, counts in (d.get("tiers") or {}).items():
+            into = levels.setdefault(tier, {})
+            for key, value in counts.items():
+                into[key] = into.get(key, 0) + value
+    if not levels:
+        return
+    for key, metric, doc in _TIER_COUNTERS:
+        fam = CounterMetricFamily(metric, doc, labels=["model_name", "tier"])
+        for tier, counts in levels.items():
+            fam.add_metric([name, tier], counts.get(key, 0))
+        yield fam
+    pages = GaugeMetricFamily("mmcache:kv_tier_pages", "KV pages held by this tier.", labels=["model_name", "tier"])
+    for tier, counts in levels.items():
+        pages.add_metric([name, tier], counts.get("pages", 0))
+    yield pages
 
 
 class _Outcome:
