@@ -4,6 +4,8 @@
                         [--load-repeats N] [--near-line F1,F2] [--json PATH] [--plot PATH] [--workloads W1,W2]
                         [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
     mmcache bench serve --tune-peer B1,B2,... [--rates R1,R2] [--workloads W]     (vLLM's step budget only)
+    mmcache bench serve --replicas N [--routers R1,R2] [--route-depth-tokens N] [--ray-address ADDR] ...
+                                                 (the open loop through replicas on Ray Serve, routers compared)
 
 Each part starts a server (``mmcache.presets.serve``: loopback, a free port) and drives it with the async
 ``openai`` client, streaming, except where the low-load part says otherwise. The low-load part runs the server in
@@ -51,6 +53,8 @@ with it; the other parts run it in this process.
   shape (``slo``, ``engines.ENGINE.WORKLOAD``, every repeat's rows marked with it), with ``mmcache_over``
   (ratios), ``runs`` (seeds and engine order) and ``peer`` (what vLLM ran with); ``--plot`` writes SLO
   attainment and TTFT percentiles against rate (``benchmarks.serve_plot``).
+* Replicas (``--replicas N``): only the open loop, through N replicas on Ray Serve, once per router of
+  ``--routers``, compared (``benchmarks.serve_replicas``).
 * Soak (``--soak N``): ``benchmarks.serve_soak``.
 * Image, video and voice streams, store on against off (``--no-generation`` skips them):
   ``benchmarks.serve_generation``.
@@ -74,6 +78,7 @@ from mmcache.launcher.openmp import loaded_runtime
 
 from . import loadgen, sse_client
 from . import serve_generation as generation
+from . import serve_replicas as replicas
 from . import serve_sweep as sweep
 from . import serve_workloads as sw
 from .kernel_harness import order
@@ -161,11 +166,13 @@ def duration_s(text: str) -> float:
 
 
 def workloads_list(text: str) -> list[str]:
-    """An argparse ``type``: comma-separated workload names, each one of ``serve_sweep.WORKLOADS``, no repeats."""
+    """An argparse ``type``: comma-separated workload names, each one of ``serve_sweep.WORKLOADS`` or (with
+    ``--replicas``) ``serve_workloads.REPLICA_WORKLOADS``, no repeats."""
+    known = sweep.WORKLOADS + sw.REPLICA_WORKLOADS
     names = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in names if w not in sweep.WORKLOADS]
+    bad = [w for w in names if w not in known]
     if not names or bad or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"give distinct names of {', '.join(sweep.WORKLOADS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"give distinct names of {', '.join(known)}, got {text!r}")
     return names
 
 
@@ -177,6 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _open_loop_options(s)
     _soak_options(s)
     generation.add_arguments(p)
+    replicas.add_arguments(p)
 
 
 def _server_options(p) -> None:
@@ -279,6 +287,7 @@ def _soak_options(s) -> None:
 def settle(args) -> None:
     """Fill sizes and defaults, and check what argparse could not (typed errors); with ``--peers`` or
     ``--tune-peer``, that vLLM's interpreter is configured (``VllmUnavailable`` before anything is built)."""
+    replicas.settle_replicas(args)
     full, quick = dict(FULL), dict(QUICK)
     for d in (full, quick):
         d["rates"], d["workloads"] = rates_list(d["rates"]), workloads_list(d["workloads"])
@@ -582,6 +591,8 @@ def run(args) -> dict:
 def measure_parts(args) -> dict:
     """Each part the options ask for, in order: low load, the open loop (and its plot), the soak, generation."""
     result: dict = {}
+    if args.replicas:
+        return replicas.run(args)
     if args.tune_peer:
         from .serve_vllm import tune
 
@@ -621,7 +632,8 @@ def run_config(args) -> dict:
                                             "text_turns",
                                             "text_max_tokens", "peers", "prefill_chunk_tokens",
                                             "mixed_prefill_tokens", "load_repeats", "near_line",
-                                            "peer_batched_tokens", "tune_peer", "vllm_client")}
+                                            "peer_batched_tokens", "tune_peer", "vllm_client", "replicas",
+                                            "routers", "route_depth_tokens", "ray_address", "replica_slo")}
     schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)
     config.update(store_bytes=STORE_BYTES, quick=bool(args.quick), no_load=bool(args.no_load),
                   text_shape=TEXT_SHAPES["quick" if args.quick else "full"],
@@ -672,6 +684,8 @@ def vllm_client_rows(result: dict) -> list[Row]:
 
 
 def table_rows(result: dict) -> list[Row]:
+    if "replicas" in result:
+        return replicas.rows(result)
     rows = []
     ll = result.get("low_load")
     if ll:

@@ -10,6 +10,9 @@
   so two requests sharing the first i ids share their first i runs, as the trace promises; a request's
   prompt is its blocks' runs, the last cut in the trace's proportion (``input_length`` over 512-token blocks).
   Arrivals keep the trace's own times, scaled so that the slice arrives at the asked mean rate.
+* ``hot_prefix`` (``mmcache bench serve --replicas`` only): a skew where most sessions (``hot_share``) open with
+  one long system prompt and the rest with a system prompt of their own, each session then multi-turn, so that
+  affinity routing meets one hot prefix and also has each chat's own turns to keep together.
 
 Invariants: the same arguments give the same sessions (seeded ``random.Random`` and hash-keyed streams, no
 global state); every token id lies in the given ``TokenSpace``; a session's per-turn ``max_tokens`` is at least 1.
@@ -31,6 +34,7 @@ from .text_workloads import TokenSpace, WorkloadShapeError
 MOONCAKE_TRACE = Path(__file__).resolve().parents[1] / "datasets" / "traces" / "conversation_trace.jsonl"
 TRACE_BLOCK = 512  # the trace's own block size: len(hash_ids) == ceil(input_length / 512)
 TEXT_WORKLOADS = ("multi_turn", "shared_prefix", "mooncake")
+REPLICA_WORKLOADS = ("hot_prefix",)  # served only through replicas (``benchmarks.serve_replicas``)
 
 
 @dataclass(frozen=True)
@@ -151,3 +155,29 @@ def trace_offsets(times_s, rate: float) -> list[float]:
         return [i / rate for i in range(n)]
     # the n arrivals span n - 1 gaps of the mean 1 / rate, so the last arrives at (n - 1) / rate
     return (t * ((n - 1) / rate) / t[-1]).tolist()
+
+
+def hot_prefix(space: TokenSpace, seed: int, sessions: int, turns: int, system_len: int, user_len: int,
+               max_answer: int, hot_share: float = 0.8) -> Plan:
+    """``sessions`` sessions of ``turns`` turns: ``round(hot_share * sessions)`` of them, picked by ``seed``, open
+    with one shared system prompt of ``system_len`` ids, the others with one of their own of the same length; every
+    turn adds ``user_len`` ids of the session's own and asks for ``max_answer`` tokens."""
+    import random
+
+    if sessions < 1 or turns < 1 or system_len < 1 or user_len < 1 or max_answer < 1 or not 0 <= hot_share <= 1:
+        raise WorkloadShapeError("hot_prefix: sessions, turns, system_len, user_len, max_answer >= 1 and hot_share "
+                                 f"in [0, 1], got {sessions}, {turns}, {system_len}, {user_len}, {max_answer}, "
+                                 f"{hot_share}")
+    rng = random.Random(seed)
+    hot_system = list(space.draw(rng, system_len))
+    hot = set(rng.sample(range(sessions), round(hot_share * sessions)))
+    turn_ids = []
+    for i in range(sessions):
+        system = hot_system if i in hot else list(space.draw(rng, system_len))
+        own = [list(space.draw(rng, user_len)) for _ in range(turns)]
+        turn_ids.append([system + own[0], *own[1:]])
+    params = {"sessions": sessions, "turns": turns, "system_len": system_len, "user_len": user_len,
+              "max_answer": max_answer, "hot_share": hot_share, "hot_sessions": sorted(hot),
+              "submitted": "open loop: sessions at the arrivals, each turn once the previous answer ended"}
+    return Plan("hot_prefix", turn_ids, [[max_answer] * turns for _ in range(sessions)], unit="sessions",
+                params=params)
