@@ -128,3 +128,17 @@ def test_pinned_calls_go_to_their_replica_or_to_the_router_when_it_is_gone():
     assert _pinned(replicas, pending) == [[replicas[1]]]
     assert _pinned(replicas, SimpleNamespace(kwargs={"replica": "gone"}, args=[])) is None  # the router decides
     assert _pinned(replicas, SimpleNamespace(kwargs={}, args=[])) is None
+
+
+def test_an_engine_error_carried_across_processes_answers_as_it_would_here():
+    import pickle
+
+    from mmcache.errors import AllocationFailed, MediaDecodeError
+    from mmcache.server.errors import carry, from_engine_error
+
+    for err in (InvalidRequest("bad ids", "r1"), AllocationFailed("r1", 4, 2), MediaDecodeError("image #0", "not an image")):
+        here = from_engine_error(err, "messages")
+        there = from_engine_error(pickle.loads(pickle.dumps(carry(err))), "messages")
+        assert (there.status, there.type, there.code, there.param, there.headers) == \
+            (here.status, here.type, here.code, here.param, here.headers)
+        assert there.message == here.message

@@ -118,6 +118,24 @@ def test_models_health_and_errors_are_the_servers(app):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
+@pytest.mark.parametrize("content, code", [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "invalid_image"),
+    ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "invalid_image_url"),
+])
+def test_bad_input_gets_the_single_servers_error_through_a_replica(app, content, code):
+    for stream in (False, True):
+        r = httpx.post(app.base_url + "/chat/completions", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                       timeout=60, json={"model": MODEL, "messages": [{"role": "user", "content": content}],
+                                         "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+    bad_answer = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "token_ids": [10**9]},
+                  {"role": "user", "content": "again"}]
+    r = httpx.post(app.base_url + "/chat/completions", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                   timeout=60, json={"model": MODEL, "messages": bad_answer})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert metric(scrape(app.url), "mmcache:request_errors_total", error_type="internal_error") == 0
+
+
 def test_a_stop_string_ends_the_request_on_its_replica(app):
     client = _client(app)
     messages = [{"role": "user", "content": "Say something for the stop test."}]
@@ -141,8 +159,9 @@ def test_a_client_that_goes_away_mid_stream_frees_what_its_request_held(app):
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    # the connection is closed here, mid-stream: the request is aborted on its replica
+    # the connection is closed here, mid-stream: the request is aborted on its replica (not an error)
     _wait_nothing_held(app)
+    assert metric(scrape(app.url), "mmcache:request_errors_total", error_type="internal_error") == 0
 
 
 def _wait_nothing_held(app, timeout_s: float = 30.0) -> None:

@@ -5,7 +5,8 @@ Rules:
 
 * ``generate`` takes one ``EngineCall`` and streams lists of the host's queue items (``StreamEvent``s, or one
   ``AddFailed``), each list what one engine step posted for the request, so the ingress receives a step's
-  events together. Its first item is ``Served(replica id)``, sent as soon as the request is submitted, so the
+  events together. An error travels as the response it maps to (``errors.carry``): not every error type a
+  request can end with pickles. Its first item is ``Served(replica id)``, sent as soon as the request is submitted, so the
   ingress can pin an abort to this replica before any token.
 * However the stream ends before the request's own end (the ingress cancelled it, or went away), the request
   is aborted here: it returns its pages and store leases.
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ..server.engine_host import AddFailed, EngineHost
+from ..server.errors import carry
 from ..server.metrics import ServerMetrics
 
 
@@ -77,7 +79,7 @@ class EngineReplica:
                 while not queue.empty():
                     items.append(queue.get_nowait())
                 ended = any(isinstance(item, AddFailed) or item.finished for item in items)
-                yield items
+                yield [_carried(item) for item in items]
         finally:
             if not ended:
                 self.host.abort(rid)
@@ -98,3 +100,12 @@ class EngineReplica:
         if host is not None:
             host.stop()
 
+
+
+def _carried(item):
+    """``item`` with its error, if any, made a ``CarriedError``."""
+    if isinstance(item, AddFailed):
+        return AddFailed(item.request_id, carry(item.error))
+    if item.finished and item.output is not None and item.output.error is not None:
+        return dataclasses.replace(item, output=dataclasses.replace(item.output, error=carry(item.output.error)))
+    return item

@@ -49,7 +49,7 @@ class Ingress:
         self.fastapi = build_app(self.host, config, tenants, self.metrics, routers, self.services.values())
 
     def __serve_build_asgi_app__(self):
-        return self.fastapi
+        return _DisconnectOnCancel(self.fastapi)
 
     def __del__(self):
         for service in getattr(self, "services", {}).values():
@@ -57,3 +57,22 @@ class Ingress:
         host = getattr(self, "host", None)
         if host is not None:
             host.stop()
+
+
+class _DisconnectOnCancel:
+    """The app with Ray Serve's cancellation of a request's receive (its client went away) read as the ASGI
+    disconnect message the app handles (a 499, the request aborted), not as a failure of the app."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        from ray.exceptions import TaskCancelledError
+
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)

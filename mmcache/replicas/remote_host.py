@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from ..engine.request import RequestOutput, StreamEvent
 from ..errors import MmcacheError
 from ..server.engine_host import AddFailed, QueueFull, WaitingQueue
-from ..server.errors import APIError, ReplicaLost
+from ..server.errors import APIError, ReplicaLost, overloaded
 from .engine_replica import Description, Served
 from .metrics import merge_expositions
 from .routing import EngineCall, RoutingKey, live_replicas
@@ -140,7 +140,10 @@ class RemoteHost:
                 ids = getattr(request, "prompt", None)
                 ids = ids if ids is not None else getattr(request, "token_ids", [])
                 prompt = ids if isinstance(ids, str) else self._decoder.decode(list(ids))
-        name, overflow = self.key.of(request, messages)
+        try:
+            name, overflow = self.key.of(request, messages)
+        except MmcacheError:  # a prompt the replica will refuse, with the error it answers: routed by load
+            name = overflow = None
         return EngineCall(request, owner, name, age, text_messages, prompt, overflow)
 
     def abort(self, rid, reason: str | None = None) -> None:
@@ -182,7 +185,7 @@ class RemoteHost:
                 self._finish(rid, call, "abort", None)
                 ended = True
         except QueueFull as e:  # the replica's own queue was full
-            call.queue.put_nowait(AddFailed(rid, e))
+            call.queue.put_nowait(AddFailed(rid, overloaded(f"{e}", 1)))
             ended = True
         except Exception as e:  # the replica died, or its call failed
             _log.warning("request %s: its engine replica %s failed: %s: %s", rid, call.replica, type(e).__name__, e)
@@ -210,8 +213,9 @@ class RemoteHost:
                 if item.token_id is not None:
                     call.output_ids.append(item.token_id)
                 ended = ended or item.finished
-            else:
-                ended = True  # AddFailed
+            else:  # AddFailed, its error carried: answered as the engine's refusal of the request
+                self._finish(rid, call, "error", item.error)
+                return True
             call.queue.put_nowait(item)
         return ended
 

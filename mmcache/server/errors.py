@@ -73,8 +73,34 @@ class ReplicaLost(MmcacheError):
     ended: answered 503 with ``Retry-After``, as a retry goes to a living replica."""
 
 
+class CarriedError(MmcacheError):
+    """An engine error carried to another process as the response it maps to (``carry``): the error types a
+    request can end with are not all picklable, and the response is what the receiving handler needs. ``param``
+    is left for the receiver to fill where the mapped response names one."""
+
+    def __init__(self, status: int, message: str, type: str, code: str | None, headers: dict, names_param: bool):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type, code
+        self.headers, self.names_param = dict(headers), names_param
+
+    def __reduce__(self):
+        return CarriedError, (self.status, self.message, self.type, self.code, self.headers, self.names_param)
+
+
+_PARAM = "\x00param"
+
+
+def carry(err: BaseException | None) -> CarriedError:
+    """``err`` as the response ``from_engine_error`` gives it, in a form that pickles."""
+    api = from_engine_error(err, _PARAM)
+    return CarriedError(api.status, api.message, api.type, api.code, api.headers, api.param == _PARAM)
+
+
 def from_engine_error(err: BaseException | None, param: str | None = None) -> APIError:
     """The response for a request the engine ended with ``err``."""
+    if isinstance(err, CarriedError):
+        return APIError(err.status, err.message, err.type, param if err.names_param else None, err.code,
+                        dict(err.headers))
     if isinstance(err, ReplicaLost):
         return APIError(503, f"the engine replica serving this request is gone: {err}", "service_unavailable", None,
                         "replica_unavailable", {"Retry-After": "1"})
