@@ -157,3 +157,23 @@ def test_serve_options_and_metrics(tiny, tmp_path):
     untiered = Engine(model, tok, EngineConfig(num_pages=8))
     assert "kv_tier" not in ServerMetrics(SimpleNamespace(engine=untiered, core=untiered, running=0, waiting=0),
                                           "tiny").render().decode()
+
+
+def test_a_preempted_request_gets_its_pages_back_from_the_tier(tiny):
+    """Preemption tears a request down (its full pages go to the index); when the other request's growth evicts
+    them, they move down, and the re-admission reads them back in instead of recomputing them."""
+    model, tok = tiny
+    rng = np.random.default_rng(7)
+    two = [rng.integers(2, 512, size=60).tolist() for _ in range(2)]
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for tier in (0, 1 << 20):
+        eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=9, max_num_seqs=2, host_tier_bytes=tier))
+        outs = eng.generate([Request(p, sampling, request_id=i) for i, p in enumerate(two)])
+        eng.check_invariants()
+        runs[tier] = (eng.metrics(), [o.output_ids for o in outs])
+    (plain, plain_ids), (tiered, tiered_ids) = runs[0], runs[1 << 20]
+    assert plain["engine"]["preemptions"] == tiered["engine"]["preemptions"] == 1
+    assert plain["main"]["readmission_hit_tokens"] == 0
+    assert tiered["main"]["readmission_hit_tokens"] == 64 and tiered["main"]["tiers"]["host"]["hits"] >= 4
+    assert tiered_ids == plain_ids
