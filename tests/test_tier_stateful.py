@@ -4,7 +4,8 @@ Requests write KV that encodes each slot's token id and position; every admissio
 seeded with (from the pool or read in from a tier) hold exactly the KV written for those ids at those
 positions. After every step: the manager's invariants (owner counts equal owners, and no page both in the
 pool's index and in a tier), each level within its budget and its LRU consistent, no page left taken by a
-read-in, and the pool's pages either free, cached or held by a live request.
+read-in, and the pool's pages either free, cached or held by a live request. Disk pages are damaged at random
+(a flipped byte anywhere in their slot) and must never seed a request.
 """
 
 import shutil
@@ -23,7 +24,7 @@ from mmcache.tier import TierConfig, Tiers
 
 P = 4
 NUM_PAGES = 12
-HOST, DISK = 3, 4
+HOST, DISK = 2, 6
 _rng = np.random.default_rng(11)
 BASES = [_rng.integers(0, 5, size=20) for _ in range(3)]
 
@@ -48,7 +49,7 @@ class TierMachine(RuleBasedStateMachine):
         self.mgr.tiers.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 20), suffix=st.lists(st.integers(0, 4), max_size=5))
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(5, 20), suffix=st.lists(st.integers(0, 4), max_size=3))
     def admit(self, base, cut, suffix):
         prompt = np.concatenate([BASES[base][:cut], np.asarray(suffix, dtype=np.int64)])
         rid = self.next_id
@@ -78,6 +79,19 @@ class TierMachine(RuleBasedStateMachine):
     @rule()
     def demote_everything(self):
         self.mgr.clear_cache(demote=True)
+
+    @precondition(lambda self: self.mgr.tiers.level("disk").entries)
+    @rule(pick=st.integers(0, 10**6), offset=st.integers(0, 10**6))
+    def damage_a_disk_page(self, pick, offset):
+        """Flip a byte of a disk page: it must be refused when met (the KV check at admission would see it)."""
+        disk = self.mgr.tiers.level("disk")
+        pages = list(disk.entries.values())
+        page = pages[pick % len(pages)]
+        with open(disk.path, "r+b") as f:
+            f.seek(page.slot * disk.slot_bytes + offset % disk.slot_bytes)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
 
     @rule()
     def clear_everything(self):
