@@ -102,7 +102,8 @@ def sweep(matched: list[tuple[int, int]], goodput, p50: float, p99: float) -> di
     rows = [{"rate": float(i + 1), "cached_tokens": c, "prompt_tokens": p, "ttft_p50_s": 9.0, "ttft_p99_s": 9.0}
             for i, (c, p) in enumerate(matched)]
     rows[-1].update(ttft_p50_s=p50, ttft_p99_s=p99)
-    return {"rates": rows, "goodput_rps": goodput, "failed_requests": 0}
+    return {"rates": rows, "goodput_rps": goodput, "failed_requests": 0,
+            "goodput_by_tpot_times": {"2": goodput, "5": 2 * goodput if goodput else 0.5}}
 
 
 def test_figures_summary_and_ratios_on_canned_sweeps():
@@ -125,6 +126,7 @@ def test_figures_summary_and_ratios_on_canned_sweeps():
     assert mine["matched_share"] == pytest.approx(1 / 3)  # median of 2/3, 1/3, 0.3
     assert (mine["goodput_rps"], mine["ttft_p50_s"], mine["ttft_p99_s"]) == (2.0, 0.2, 0.5)
     assert summary["prefix-text"]["w"]["goodput_rps"] == 0.5  # None counts as 0: median of 0, 1, 0.5
+    assert summary["prefix-text"]["w"]["goodput_tpot5_rps"] == 1.0  # median of 0.5, 2, 1
     over = rep.ratios(figures)
     share = over["power-of-two"]["w"]["matched_share"]
     assert share["runs"] == pytest.approx([(2 / 3) / (1 / 6), 1.0, 3.0])
