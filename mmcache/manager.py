@@ -31,7 +31,11 @@ and disk instead of being lost. Admission walks the pool's index, then the tiers
 pages, reads their KV in (synchronously, under the lock), and puts them back in the index, held by the request
 as a pool hit is. A page is in one place: a page read in leaves its tier, and a page published while a tier
 holds its copy drops that copy. A read-in that fails (a damaged disk page, an exception) keeps what was read
-before it and returns every other page it took.
+before it and returns every other page it took. With ``admit(defer_read_in=True)`` the copy is the host's to
+run outside the lock (``read_pending``, on any thread) while the request waits: its pages are reserved and held
+by it (``AdmitResult.pending_tokens``), and ``complete_read_in`` puts what was read in the index and advances
+``seq_len``. Any other call on the request (and its end) first waits for the copy and completes it, and a copy
+not yet started is cancelled, so an aborted request returns every page.
 
 Modes: ``on`` (seed and store) and ``off`` (every page freed at teardown, no names). Mode ``shadow`` is not
 this class's: ``shadow.make_manager`` builds a ``ShadowedManager`` (a manager in mode ``off`` and its
@@ -47,7 +51,7 @@ apply to it and it counts what reuse would give.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -112,6 +116,7 @@ class AdmitResult:
     matched_tokens: int  # tokens seeded from the index; prefill starts here
     matched_pages: int
     forfeit_tokens: int  # tokens after the match that a live request held but had not published
+    pending_tokens: int = 0  # tokens after the match a deferred read-in brings in (``complete_read_in``)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,21 @@ class _NamesAhead:
     names: list  # names of the pages the commit completes, after the ``named`` ones
 
 
+@dataclass(eq=False)
+class _ReadIn:
+    """A deferred read-in: tier pages ``run`` (taken) for the request's pages ``first ..``, into pool pages
+    ``pages`` (held by the request, not yet in its page list). ``claim`` is taken by whoever runs the copy or
+    cancels it; ``seconds`` has one entry per page copied (None: damaged), ``read`` counts the good prefix."""
+
+    run: list
+    pages: np.ndarray
+    first: int
+    claim: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    seconds: list = field(default_factory=list)
+    read: int = 0
+
+
 @dataclass
 class _Window:
     """A windowed label's state: its protected prefix (never released, the only part its teardown stores) and
@@ -194,6 +214,7 @@ class _Request:
     # windowing, suspension, accounting
     window: _Window | None = None  # set by protect_prefix or the first release_oldest: the label is windowed
     suspended_ids: np.ndarray | None = None  # written ids while suspended
+    reading: _ReadIn | None = None  # a deferred read-in not completed yet
     lookup: _Lookup | None = None  # what its admission added to the metrics (None: nothing, or taken back)
 
     @property
@@ -330,7 +351,8 @@ class AllocationManager:
             return len(pages) * self.page_size
 
     def admit(self, request_id, prompt, media: Sequence[MediaItem] = (),
-              salt: bytes | str | None = b"", whole: bool = False, readmission: bool = False) -> AdmitResult:
+              salt: bytes | str | None = b"", whole: bool = False, readmission: bool = False,
+              defer_read_in: bool = False) -> AdmitResult:
         """Register a request and seed it from the index.
 
         ``prompt`` is a ``PreparedPrompt`` (names computed outside the lock) or token ids with ``media`` and
@@ -342,6 +364,9 @@ class AllocationManager:
         ``readmission=True`` says the host admits again a request it tore down earlier (a preemption): its
         lookup is counted, and also as a re-admission, which ``hit_share`` leaves out (it would mostly match
         the request's own pages) and ``per_request_matched`` does not list again.
+
+        ``defer_read_in=True`` leaves a tier hit's copy to the host (see the module docstring): the result's
+        ``pending_tokens`` are reserved, counted as hits, and join ``seq_len`` at ``complete_read_in``.
         """
         try:
             hash(request_id)
@@ -360,7 +385,7 @@ class AllocationManager:
             root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
             req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
                            prompt.names.tolist())
-            result = (self._seed(req, prompt.names, whole, readmission, prompt.root_material)
+            result = (self._seed(req, prompt.names, whole, readmission, prompt.root_material, defer_read_in)
                       if self.mode == "on" else AdmitResult(0, 0, 0))
             self._requests[request_id] = req
             if len(self.index.roots) > self._roots_limit:  # amortised: the limit doubles past what is in use
@@ -369,7 +394,7 @@ class AllocationManager:
         return result
 
     def _seed(self, req: _Request, names: np.ndarray, whole: bool, readmission: bool,
-              root_material: bytes) -> AdmitResult:
+              root_material: bytes, defer: bool = False) -> AdmitResult:
         p = self.page_size
         cap = self.match_cap(len(req.prompt), whole)
         pages = self.index.match(names[:cap], req.prompt, req.extras, req.root_parent)
@@ -378,63 +403,154 @@ class AllocationManager:
             self.pool.incref(pages)
             req.pages = pages.tolist()
             req.chain = pages.tolist()
+        pending = 0
         if self.tiers is not None and k < cap and self.tiers.has_name(req.names[k]):
             try:
-                k += self._read_in(req, root_material, k, cap)
+                if defer:
+                    run, taken = self._take_run(req, root_material, k, cap)
+                    if run:
+                        req.reading = _ReadIn(run, taken, k)
+                        pending = len(run)
+                else:
+                    k += self._read_in(req, root_material, k, cap)
             except BaseException:
                 self._release(req)
                 raise
         forfeit = 0
-        while k + forfeit < cap and self._inflight.get(req.names[k + forfeit], 0) > 0:
+        while k + pending + forfeit < cap and self._inflight.get(req.names[k + pending + forfeit], 0) > 0:
             forfeit += 1
         if k:
             self.index.touch(np.asarray(req.chain, dtype=np.int32))  # after a read-in: one run, tail first
             req.seq_len = req.matched_tokens = k * p
-        req.lookup = _Lookup(len(req.prompt), cap, k, forfeit, readmission)
+        req.lookup = _Lookup(len(req.prompt), cap, k + pending, forfeit, readmission)
         self._count_lookup(req.lookup, 1)
         if not readmission:
-            self.metrics.record_match(req.request_id, k * p)
-        return AdmitResult(k * p, k, forfeit * p)
+            self.metrics.record_match(req.request_id, (k + pending) * p)
+        return AdmitResult(k * p, k, forfeit * p, pending * p)
 
     def _read_in(self, req: _Request, root_material: bytes, k: int, cap: int) -> int:
-        """Under the lock: continue ``req``'s match of ``k`` pool pages through the tiers, up to ``cap`` pages.
-        The run found there leaves its tiers, takes fresh pool pages (evicting cold tails if needed: they move
-        down), has its KV and ids copied in, and enters the index under the request's chain, held by the
-        request and the index. Returns the pages read in. Pages the pool cannot take are given back to their
-        tier; a damaged page ends the run (it is discarded) and the pages after it are given back. On an
+        """Under the lock: continue ``req``'s match of ``k`` pool pages through the tiers, up to ``cap`` pages,
+        reading the run found there in now (``_take_run``, copies, ``_settle``). Returns the pages read in. On an
         exception every pool page taken here is returned and every page not yet read is given back."""
+        run, pages = self._take_run(req, root_material, k, cap)
+        read, seconds = 0, []
+        try:
+            for page, pg in zip(run, pages.tolist()):
+                seconds.append(self.tiers.copy_in(page, self._page_kv(pg)))
+                if seconds[-1] is None:
+                    break
+                read += 1
+        except BaseException:
+            read = 0
+            raise
+        finally:
+            self._settle(req, k, run, pages, read, seconds)
+        return read
+
+    def _take_run(self, req: _Request, root_material: bytes, k: int, cap: int) -> tuple[list, np.ndarray]:
+        """Under the lock: the run of tier pages after ``req``'s ``k`` pool pages (up to ``cap``), taken out of
+        its tiers, and as many fresh pool pages for it as the pool can give (evicting cold tails: they move
+        down); tier pages past those go back to their tier."""
         tiers, p = self.tiers, self.page_size
         digests = chain_digests(root_digest(root_material), req.prompt, req.extras, 0, cap, p)
         run = tiers.take_run(digests[k:], req.prompt[k * p:cap * p], req.extras, k)
-        pages = np.empty(0, dtype=np.int32)
-        done = settled = 0  # run[:done] read in; run[:settled] left their tier for good
         try:
             if len(run) > self.pool.num_free:
                 self._evict(len(run) - self.pool.num_free)
             pages = self.pool.take(min(len(run), self.pool.num_free))
-            for page, pg in zip(run, pages.tolist()):
-                ok = tiers.read_into(page, None if self.pool.kv is None else self.pool.kv[:, :, :, pg])
-                tiers.finish(page)
-                settled += 1
-                if not ok:
-                    break
-                self.pool.ids[pg] = page.ids
-                done += 1
         except BaseException:
-            done = 0
-            raise
-        finally:
-            for page in run[settled:]:
+            for page in run:
                 tiers.give_back(page)
-            self.pool.decref(pages[done:])
-        if done:
-            new = pages[:done]
+            raise
+        for page in run[len(pages):]:
+            tiers.give_back(page)
+        return run[:len(pages)], pages
+
+    def _settle(self, req: _Request, k: int, run: list, pages: np.ndarray, read: int, seconds: list) -> None:
+        """Under the lock: end a read-in of ``run`` into ``pages`` (for the request's pages ``k ..``) whose first
+        ``read`` pages were copied in (``seconds``: what ``copy_in`` gave for each page it was called for).
+        Those pages leave their tier and join the request and the index, as a pool hit's; a damaged page is
+        discarded; the pages after are given back to their tier and their pool pages freed."""
+        tiers = self.tiers
+        for i, (page, sec) in enumerate(zip(run, seconds)):
+            if i < read or sec is None:  # a page copied for a read-in that raised is not counted
+                tiers.count_read(page, sec)
+            tiers.finish(page)
+        for page in run[len(seconds):]:
+            tiers.give_back(page)
+        self.pool.decref(pages[read:])
+        if read:
+            new = pages[:read]
+            self.pool.ids[new] = np.stack([page.ids for page in run[:read]])
             self.pool.incref(new)  # the index's ownership, before the insert: the new tail is not index-only
-            self.index.insert_run(np.asarray(req.names[k:k + done], dtype=np.uint64), new, req.chain_parent,
-                                  [req.extras.get(i) for i in range(k, k + done)])
+            self.index.insert_run(np.asarray(req.names[k:k + read], dtype=np.uint64), new, req.chain_parent,
+                                  [req.extras.get(i) for i in range(k, k + read)])
             req.pages.extend(new.tolist())
             req.chain.extend(new.tolist())
-        return done
+
+    def _page_kv(self, page: int):
+        """The KV of pool page ``page`` as one tier page (a view), or None for a metadata-only pool."""
+        return None if self.pool.kv is None else self.pool.kv[:, :, :, page]
+
+    # ---- deferred read-in --------------------------------------------------------------------------
+    def read_pending(self, request_id) -> None:
+        """Copy a deferred read-in's KV into its pool pages (see the module docstring). Takes the lock only to
+        find it: call it from any thread, once; a read-in already completed or cancelled is left alone."""
+        with self._lock:
+            req = _lookup(self._requests, request_id)
+            job = None if req is None else req.reading
+        if job is None or not job.claim.acquire(blocking=False):
+            return
+        try:
+            for page, pg in zip(job.run, job.pages.tolist()):
+                job.seconds.append(self.tiers.copy_in(page, self._page_kv(pg)))
+                if job.seconds[-1] is None:
+                    break
+                job.read += 1
+        finally:
+            job.done.set()
+
+    def complete_read_in(self, request_id) -> int:
+        """Put what a deferred read-in copied into the index and the request's pages (waiting for the copy if it
+        runs; cancelling it if it has not started); returns the tokens it added to ``seq_len`` (0 without one)."""
+        with self._lock:
+            req = _lookup(self._requests, request_id)
+            if req is None:
+                raise UnknownRequest(request_id, "complete_read_in")
+            return self._complete_read_in(req)
+
+    def read_in_ready(self, request_id) -> bool:
+        """Whether the request has no deferred read-in, or its copy has ended."""
+        req = _lookup(self._requests, request_id)
+        job = None if req is None else req.reading
+        return job is None or job.done.is_set()
+
+    def _complete_read_in(self, req: _Request) -> int:
+        job = req.reading
+        if job is None:
+            return 0
+        if job.claim.acquire(blocking=False):  # never started: cancelled, nothing was copied
+            job.done.set()
+        job.done.wait()
+        req.reading = None
+        self._settle(req, job.first, job.run, job.pages, job.read, job.seconds)
+        missed = len(job.run) - job.read
+        if missed and req.lookup is not None:  # counted as hits at admission
+            self._count_lookup(req.lookup, -1)
+            req.lookup = replace(req.lookup, hit_pages=req.lookup.hit_pages - missed)
+            self._count_lookup(req.lookup, 1)
+            if not req.lookup.readmission:
+                self._fix_match_record(req.request_id, -missed * self.page_size)
+        req.seq_len += job.read * self.page_size
+        req.matched_tokens = req.seq_len
+        return job.read * self.page_size
+
+    def _fix_match_record(self, request_id, delta: int) -> None:
+        records = self.metrics.per_request_matched
+        for back, (rid, tokens) in enumerate(reversed(records)):
+            if rid == request_id:
+                records[len(records) - 1 - back] = (rid, tokens + delta)
+                break
 
     def _evict(self, pages_wanted: int) -> None:
         """Evict cold tails (down to the tiers when there are some) and count it."""
@@ -731,6 +847,7 @@ class AllocationManager:
         req = _lookup(self._requests, request_id)
         if req is None:
             raise UnknownRequest(request_id, op)
+        self._complete_read_in(req)
         if req.released_any:
             self._windowed -= 1
         return self._requests.pop(request_id)
@@ -870,6 +987,7 @@ class AllocationManager:
             raise UnknownRequest(request_id, op)
         if req.suspended_ids is not None:
             raise RequestStateError(f"{op} while suspended", request_id)
+        self._complete_read_in(req)
         return req
 
     def check_invariants(self) -> None:
@@ -881,7 +999,7 @@ class AllocationManager:
             p = self.page_size
             inflight: dict = {}
             for req in self._requests.values():
-                held = [pg for pg in req.pages if pg >= 0]
+                held = [pg for pg in req.pages if pg >= 0] + ([] if req.reading is None else req.reading.pages.tolist())
                 if len(set(held)) != len(held):
                     raise AssertionError(f"request {req.request_id!r} holds a page twice")
                 np.add.at(owners, np.asarray(held, dtype=np.int64), 1)

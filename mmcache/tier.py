@@ -428,8 +428,16 @@ class Tiers:
         return len(run) if read_s < compute_s else first_disk
 
     def read_into(self, page: TierPage, dst) -> bool:
-        """Copy a taken page's KV into ``dst`` (a tensor of ``page_shape``); False when a disk slot fails its
-        checks (the page is then discarded and counted). Counts the hit and the bytes and seconds it took."""
+        """Copy a taken page's KV into ``dst`` (a tensor of ``page_shape``) and count it (``copy_in``, then
+        ``count_read``); False when a disk slot fails its checks."""
+        seconds = self.copy_in(page, dst)
+        self.count_read(page, seconds)
+        return seconds is not None
+
+    def copy_in(self, page: TierPage, dst) -> float | None:
+        """Copy a taken page's KV into ``dst``; the seconds it took, or None when a disk slot fails its checks
+        (nothing is copied then). Changes nothing here: it may run without the owner's lock while the page is
+        taken (its slot is neither reused nor moved until ``finish`` or ``give_back``)."""
         lv = page.level
         t0 = time.perf_counter()
         if isinstance(lv, _HostLevel):
@@ -438,14 +446,20 @@ class Tiers:
         else:
             blob = lv.read(page)
             if blob is None:
-                lv.metrics.corrupt_pages += 1
-                return False
+                return None
             if dst is not None:
                 dst.copy_(self._tensor(blob))
-        lv.metrics.hits += 1
-        lv.metrics.read_in_bytes += self.page_bytes
-        lv.metrics.read_in_seconds += time.perf_counter() - t0
-        return True
+        return time.perf_counter() - t0
+
+    def count_read(self, page: TierPage, seconds: float | None) -> None:
+        """Count what ``copy_in`` gave for a taken page: a hit with its bytes and seconds, or a damaged page."""
+        m = page.level.metrics
+        if seconds is None:
+            m.corrupt_pages += 1
+            return
+        m.hits += 1
+        m.read_in_bytes += self.page_bytes
+        m.read_in_seconds += seconds
 
     def finish(self, page: TierPage) -> None:
         """Give up a taken page's slot: it was read in, or found damaged."""

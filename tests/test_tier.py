@@ -234,7 +234,7 @@ def test_a_read_in_that_raises_holds_nothing(tmp_path, monkeypatch):
     write(mgr, "x", a[:5])  # holds the first page from the pool, keeps it there
     mgr.clear_cache(demote=True)
     assert len(mgr.tiers) == 3
-    real = mgr.tiers.read_into
+    real = mgr.tiers.copy_in
     calls = []
 
     def failing(page, dst):
@@ -243,7 +243,7 @@ def test_a_read_in_that_raises_holds_nothing(tmp_path, monkeypatch):
             raise KeyboardInterrupt("the request went away mid read-in")
         return real(page, dst)
 
-    monkeypatch.setattr(mgr.tiers, "read_into", failing)
+    monkeypatch.setattr(mgr.tiers, "copy_in", failing)
     free_before = mgr.pool.num_free
     with pytest.raises(KeyboardInterrupt):
         mgr.admit("b", a)
@@ -252,7 +252,7 @@ def test_a_read_in_that_raises_holds_nothing(tmp_path, monkeypatch):
     # The page being read when it raised and the one after it went back; the one read before is lost.
     assert len(mgr.tiers) == 2 and mgr.tiers.level("host").taken == 0
     mgr.check_invariants()
-    monkeypatch.setattr(mgr.tiers, "read_into", real)
+    monkeypatch.setattr(mgr.tiers, "copy_in", real)
     res = mgr.admit("c", a)
     assert res.matched_tokens == 4  # the pool's page; the next was lost with the failed read-in
     mgr.check_invariants()

@@ -44,29 +44,41 @@ class TierMachine(RuleBasedStateMachine):
                                      KVSpec(1, 1, 1), tiers=tiers)
         self.live: dict[int, np.ndarray] = {}
         self.next_id = 0
+        self.hit_tokens = 0  # what the admissions were seeded with, read-ins included (the manager's hit_tokens)
 
     def teardown(self):
         self.mgr.tiers.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(5, 20), suffix=st.lists(st.integers(0, 4), max_size=3))
-    def admit(self, base, cut, suffix):
+    @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(5, 20), suffix=st.lists(st.integers(0, 4), max_size=3),
+          defer=st.booleans(), copy=st.booleans())
+    def admit(self, base, cut, suffix, defer, copy):
+        """Admit and write a prompt; with ``defer`` a tier hit is read in by ``read_pending`` (or, without
+        ``copy``, cancelled by the completion) before the KV check."""
         prompt = np.concatenate([BASES[base][:cut], np.asarray(suffix, dtype=np.int64)])
         rid = self.next_id
         self.next_id += 1
-        res = self.mgr.admit(rid, prompt)
+        res = self.mgr.admit(rid, prompt, defer_read_in=defer)
+        matched = res.matched_tokens
+        if res.pending_tokens:
+            self.mgr.check_invariants()  # the read-in's pages are held by the request meanwhile
+            if copy:
+                self.mgr.read_pending(rid)
+            matched += self.mgr.complete_read_in(rid)
+            assert matched == self.mgr.seq_len(rid) and (copy or matched == res.matched_tokens)
+        self.hit_tokens += matched
         pages = self.mgr.state(rid).page_indices
         kv = self.mgr.pool.kv
-        for pos in range(res.matched_tokens):  # seeded from the pool or a tier: the KV written for these ids
+        for pos in range(matched):  # seeded from the pool or a tier: the KV written for these ids
             assert torch.equal(kv[0, 0, 0, pages[pos // P], pos % P, 0], kv_value(prompt[pos], pos)), (rid, pos)
         try:
-            pages = self.mgr.reserve(rid, len(prompt) - res.matched_tokens)
+            pages = self.mgr.reserve(rid, len(prompt) - matched)
         except AllocationFailed:
             self.mgr.abort(rid)
             return
-        for pos in range(res.matched_tokens, len(prompt)):
+        for pos in range(matched, len(prompt)):
             kv[:, :, :, pages[pos // P], pos % P] = kv_value(prompt[pos], pos)
-        self.mgr.commit(rid, prompt[res.matched_tokens:])
+        self.mgr.commit(rid, prompt[matched:])
         self.live[rid] = prompt
 
     @precondition(lambda self: self.live)
@@ -102,6 +114,8 @@ class TierMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         mgr = self.mgr
         mgr.check_invariants()
+        assert mgr.metrics.hit_tokens == self.hit_tokens
+        assert sum(t for _, t in mgr.metrics.per_request_matched) == self.hit_tokens
         for level in mgr.tiers.levels:
             assert len(level.entries) <= level.capacity and level.taken == 0
         assert mgr.num_requests == len(self.live)

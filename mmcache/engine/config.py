@@ -19,7 +19,8 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   under ``"teardown"`` nothing a running request writes is visible before it ends, so nothing is deferred.
 * ``host_tier_bytes`` and ``disk_tier_bytes`` (0: none, the default) are the budgets of the second tier below
   the main label's pool (``mmcache.tier``): cached pages that eviction frees move to host memory, then to a file
-  in a private directory created under ``disk_tier_dir`` (required with a disk tier). Only mode ``on`` keeps
+  in a private directory created under ``disk_tier_dir`` (required with a disk tier). A tier hit is read back in
+  by a worker thread while its request waits behind the readiness gate (``scheduler``). Only mode ``on`` keeps
   one. A tier smaller than one page is none.
 * ``compute`` (``ComputeConfig``) holds the settings that only change speed (packed linears, the row and
   tile kernels, layer kernels, the allocator setting, whole hits); see ``compute``. ``ComputeConfig.aten()``

@@ -46,6 +46,7 @@ import traceback
 import threading
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -72,6 +73,8 @@ from .sequence import CFG, MAIN, LiveRequest
 
 
 _log = logging.getLogger("mmcache.engine")
+READ_IN_WAIT_S = 0.05
+"""How long a step with nothing to compute waits for a read-in before it returns (the caller steps again)."""
 _SETTING_UP = threading.Lock()
 """Held while an engine sets up its model (routes its attention, claims or replaces its modules, names its
 compute path), so engines built at once on one model object from several threads neither both replace the
@@ -123,6 +126,9 @@ class Engine:
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
                                                    config.defer_shared_prefill, self.whole_hits,
                                                    config.mixed_prefill_tokens))
+        if getattr(self.managers[MAIN], "tiers", None) is not None:  # the readiness gate (see scheduler)
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmcache-read-in")
+            self.scheduler.start_read_in = lambda manager, rid: self._reader.submit(manager.read_pending, rid)
         self.runner = ModelRunner(a, config.page_size, self.compute.decode_kernel)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
@@ -498,7 +504,10 @@ class Engine:
         for live, err in plan.failed:
             self._finish(live, "error", err, store=False)
         if not plan.works:
-            if self.scheduler.num_unfinished and not (plan.preempted or plan.failed):
+            reading = self.scheduler.pending_read_ins()
+            if reading:  # nothing else can run: wait behind the gate for a read-in (bounded), then step again
+                wait(reading, timeout=READ_IN_WAIT_S, return_when=FIRST_COMPLETED)
+            elif self.scheduler.num_unfinished and not (plan.preempted or plan.failed):
                 self._fail_stuck()
             return
         works = self.runner.order(plan.works)

@@ -36,6 +36,12 @@ prompt adds to each of its output tokens, while a step with nothing to decode pr
   (their pages appear only when the writer ends, after its whole generation). Only written pages are ever
   published: indexing a page when its chunk is scheduled (so a request admitted later in the same step
   could read it in the same forward, a step sooner) would leave pages of a failed forward in the index.
+* The readiness gate: where a pool has a second tier (``mmcache.tier``) and the host gave ``start_read_in``,
+  admission leaves a tier hit's copy to a worker (``AllocationManager.admit(defer_read_in=True)``): the request
+  is running and holds its pages, but none of its branches is scheduled until every read-in it started has
+  ended, and it is never scheduled in the step that admitted it. The first step after that completes the
+  read-in (its pages join the index and the branch's computed tokens) and schedules the rest as a hit's. Other
+  requests run meanwhile; a step with nothing else to do waits for a read-in (``pending_read_ins``).
 * ``schedule="serial"`` runs one request at a time (admitted when nothing else runs). With
   ``prefill_chunk_tokens == page_size`` this is the *exact* schedule: every prefill forward holds one page of
   one branch of one request (a CFG request's branches take turns), every decode forward one token per branch,
@@ -99,6 +105,9 @@ class Scheduler:
         self.running: list[LiveRequest] = []
         self.preemptions = 0
         self.deferrals = 0  # request-steps spent deferred (see the module docstring)
+        #: ``start_read_in(manager, request_id)`` runs ``manager.read_pending(request_id)`` on a worker and returns
+        #: its future (the readiness gate, see the module docstring); None: tier hits are read in at admission.
+        self.start_read_in = None
 
     def add(self, live: LiveRequest) -> None:
         self.waiting.append(live)
@@ -143,9 +152,30 @@ class Scheduler:
                 budget -= sum(w.end - w.start for w in works)
         return budget
 
+    def pending_read_ins(self) -> list:
+        """The futures of the read-ins running requests wait for (the readiness gate)."""
+        return [b.reading for r in self.running for b in r.branches.values() if b.reading is not None]
+
+    def _ready(self, live: LiveRequest) -> bool:
+        """Whether every read-in of ``live`` has ended; those that have are completed now."""
+        ready = True
+        for b in live.branches.values():
+            if b.reading is None:
+                continue
+            if not b.reading.done():
+                ready = False
+                continue
+            b.reading = None
+            b.computed = b.matched = b.matched + b.manager.complete_read_in(live.request_id)
+            if b.reading_first:
+                b.first_matched = b.matched
+        return ready
+
     def _chunks(self, live: LiveRequest, budget: int) -> list[tuple[Branch, int, int]]:
         p = self.limits.page_size
         out = []
+        if not self._ready(live):
+            return out
         for b in live.branches.values():
             if b.computed == len(b.tokens):  # matched whole: its last token again, for its logits only
                 if b.logits is None and budget >= 1:
@@ -218,7 +248,8 @@ class Scheduler:
             first_admission = self._admit_branches(live)
             del self.waiting[i]
             self.running.append(live)
-            works = self._reserve_admission(live, self._chunks(live, budget), plan, i)
+            reading = any(b.reading is not None for b in live.branches.values())  # never in the admitting step
+            works = self._reserve_admission(live, [] if reading else self._chunks(live, budget), plan, i)
             if works is None:
                 for b, first in zip(live.branches.values(), first_admission):
                     if first:
@@ -235,14 +266,18 @@ class Scheduler:
         returns, per branch, whether this was its first admission (not one after a preemption)."""
         first_admission = [b.first_matched is None for b in live.branches.values()]
         for b in live.branches.values():
+            defer = {"defer_read_in": True} if self.start_read_in and getattr(b.manager, "tiers", None) else {}
             res = b.manager.admit(live.request_id, b.prepared, whole=self.limits.whole_hits,
-                                  readmission=b.first_matched is not None)  # after a preemption
+                                  readmission=b.first_matched is not None, **defer)  # after a preemption
             b.names = b.prepared.names
             b.prepared = None
             b.admitted = True
             b.computed = b.matched = res.matched_tokens
+            b.reading_first = b.first_matched is None
             if b.first_matched is None:
                 b.first_matched = res.matched_tokens
+            if res.pending_tokens:
+                b.reading = self.start_read_in(b.manager, live.request_id)
         return first_admission
 
     def _unwritten_pages(self) -> dict[str, set]:
@@ -321,6 +356,7 @@ class Scheduler:
             b.admitted = False
             b.computed = 0
             b.logits = None
+            b.reading = None  # the manager completed or cancelled it when the request left
 
 
 def _new_tokens(branch: Branch, start: int, end: int) -> int:

@@ -51,6 +51,8 @@ class Branch:
     computed: int = 0
     matched: int = 0  # tokens seeded at the latest admission
     first_matched: int | None = None  # tokens seeded at the first admission
+    reading: object = None  # the future of a deferred read-in from the second tier, until it is completed
+    reading_first: bool = False  # that read-in belongs to the first admission (``first_matched`` grows with it)
     logits: torch.Tensor | None = None
 
     @property
