@@ -373,8 +373,9 @@ class AllocationManager:
         except TypeError:
             raise InvalidRequest(f"request_id must be hashable, got {type(request_id).__name__}") from None
         _check_whole(whole, request_id)
-        if not isinstance(readmission, bool):
-            raise InvalidRequest(f"readmission must be a bool, got {readmission!r}", request_id)
+        if not isinstance(readmission, bool) or not isinstance(defer_read_in, bool):
+            raise InvalidRequest(f"readmission and defer_read_in must be bools, got {readmission!r}, "
+                                 f"{defer_read_in!r}", request_id)
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, media, salt, request_id)
         elif self.mode == "on" and len(prompt.names) != len(prompt.ids) // self.page_size:

@@ -280,3 +280,28 @@ def test_a_damaged_disk_page_ends_the_hit_there(tmp_path):
     mgr.check_invariants()
     mgr.abort("b")
     mgr.check_invariants()
+
+
+def test_a_deferred_read_in_is_copied_outside_the_lock_and_completed(tmp_path):
+    import threading
+
+    mgr = make_manager(tmp_path, num_pages=8, host=4, disk=0)
+    a = list(range(80, 93))  # 3 full pages
+    write(mgr, "a", a)
+    mgr.teardown("a")
+    mgr.clear_cache(demote=True)
+    res = mgr.admit("b", a, defer_read_in=True)
+    assert (res.matched_tokens, res.pending_tokens) == (0, 12)
+    assert mgr.seq_len("b") == 0 and not mgr.read_in_ready("b")
+    assert mgr.pool.num_free == 8 - 3 and mgr.tiers.level("host").taken == 3  # reserved, and held in the tier
+    mgr.check_invariants()
+    worker = threading.Thread(target=mgr.read_pending, args=("b",))
+    worker.start()
+    worker.join()
+    assert mgr.read_in_ready("b") and mgr.complete_read_in("b") == 12
+    assert mgr.state("b").matched_tokens == 12 and torch.equal(held_kv(mgr, "b", 12), expected_kv(a, 12))
+    assert mgr.metrics.hit_tokens == 12 and mgr.tiers.metrics()["host"]["hits"] == 3
+    assert mgr.complete_read_in("b") == 0  # nothing left to complete
+    mgr.check_invariants()
+    with pytest.raises(InvalidRequest):
+        mgr.admit("c", a, defer_read_in=1)
