@@ -209,3 +209,4 @@ def test_replicas_without_ray_names_the_extra(monkeypatch, capsys):
     assert main(["serve", "--preset", "tiny", "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'mmcache[ray]'" in err
+

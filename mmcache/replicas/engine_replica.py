@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -88,8 +89,10 @@ class EngineReplica:
         """``replica`` pins the call to this replica (the routers read it); it is not used here."""
         self.host.abort(rid, reason)
 
-    def metrics_text(self, replica: str | None = None) -> tuple[str, bytes]:
-        return self.replica_id, self.metrics.render()
+    async def metrics_text(self, replica: str | None = None) -> tuple[str, bytes]:
+        """This replica's id and exposition, rendered off the event loop (reading the engine's counts waits for
+        the step under way, and the loop streams every request's events)."""
+        return self.replica_id, await asyncio.to_thread(self.metrics.render)
 
     def check_health(self) -> None:
         if not self.host.alive:

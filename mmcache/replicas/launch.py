@@ -4,7 +4,9 @@ reserved) and an engine deployment of N replicas, routed by the router ``--route
 ``start_replicas`` connects to the cluster at ``ray_address``, or starts a local Ray instance on this machine
 (stopped again when the block ends), starts Ray Serve's HTTP proxy on the config's host and port, deploys the
 application and waits until every replica is up. Leaving the block deletes the application: its replicas
-stop, and each engine replica's host aborts what it still holds.
+stop, and each engine replica's host aborts what it still holds. On a cluster where Ray Serve already runs, its
+proxies keep the address they were started with, and the application is served there (a log line says so); one
+cluster serves one mmcache application (a second deployment replaces the first).
 
 A local instance is told it has at least as many CPUs as the replicas ask for, so N replicas start on a
 machine with fewer cores (they then share them); on a cluster, each engine replica reserves ``replica_cpus``.
@@ -13,6 +15,7 @@ machine with fewer cores (they then share them); on a cluster, each engine repli
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 from contextlib import contextmanager
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 from ..server.config import ServerConfig, ServerConfigError
 
+_log = logging.getLogger("mmcache.replicas")
 APP_NAME = "mmcache"
 ENGINE_DEPLOYMENT = "Engine"
 INGRESS_DEPLOYMENT = "Ingress"
@@ -87,6 +91,15 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _proxy_address() -> tuple[str, int]:
+    """Where Ray Serve's HTTP proxies listen (its controller's settings: a Serve started earlier on the cluster
+    keeps them, whatever ``serve.start`` was asked)."""
+    from ray.serve.context import _get_global_client
+
+    http = _get_global_client().http_config
+    return http.host, http.port
+
+
 def _engine_config(config: ServerConfig):
     from ..server.config import serve_engine_config
 
@@ -143,8 +156,11 @@ def start_replicas(config: ServerConfig, options: ReplicaOptions, build):
     try:
         port = config.port or _free_port(config.host)
         serve.start(http_options={"host": config.host, "port": port})
+        host, port = _proxy_address()  # a cluster whose Serve already runs keeps its own proxy's address
+        if (host, port) != (config.host, port if not config.port else config.port):
+            _log.warning("Ray Serve already runs on this cluster: serving at its proxy's %s:%s", host, port)
         serve.run(build_application(config, options, build), name=APP_NAME, route_prefix="/")
-        shown = f"[{config.host}]" if ":" in config.host else config.host
+        shown = f"[{host}]" if ":" in host else host
         url = f"http://{shown}:{port}"
         try:
             yield RunningReplicas(url, url + "/v1", config, options)

@@ -40,7 +40,16 @@ def _seen(router, candidates) -> None:
     record_live(router._deployment_id.name, (r.replica_id.unique_id for r in candidates))
 
 
-class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+class _Recorded:
+    """Records the replica set whenever Ray Serve updates it (a replica started, stopped or died), so the
+    ingress's scrape asks the living replicas, not those the last routed request saw."""
+
+    def update_replicas(self, replicas):
+        super().update_replicas(replicas)
+        _seen(self, replicas)
+
+
+class PowerOfTwoRouter(_Recorded, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default router, with pinned calls."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -49,7 +58,7 @@ class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
                 or await super().choose_replicas(candidate_replicas, pending_request))
 
 
-class PrefixTextRouter(PrefixCacheAffinityRouter):
+class PrefixTextRouter(_Recorded, PrefixCacheAffinityRouter):
     """Ray Serve LLM's prefix-text router, with pinned calls (which never enter its tree)."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -65,7 +74,7 @@ class PrefixTextRouter(PrefixCacheAffinityRouter):
             super().on_request_routed(pending_request, replica_id, result)
 
 
-class MmcacheRouter(PowerOfTwoChoicesRequestRouter):
+class MmcacheRouter(_Recorded, PowerOfTwoChoicesRequestRouter):
     """mmcache's affinity: the replica ``ReplicaRouter.route_by_names`` picks from the call's routing and overflow
     names and the replicas' queue lengths (the preferred replica within the load threshold, past it the
     overflow's ranking); Ray's power-of-two choices as the later ranks (a replica whose queue is full), and for

@@ -39,7 +39,7 @@ from .routing import EngineCall, RoutingKey, live_replicas
 _log = logging.getLogger("mmcache.replicas")
 ENDED_KEPT = 4096
 """Ended requests whose replica ``headers`` can still name (their handlers ask right after the first event)."""
-SCRAPE_TIMEOUT_S = 5.0
+SCRAPE_TIMEOUT_S = 3.0
 """How long ``/metrics`` waits for one replica's registry before leaving it out."""
 
 
@@ -133,18 +133,18 @@ class RemoteHost:
     def _engine_call(self, request, owner, messages) -> EngineCall:
         arrival = getattr(request, "arrival_time", None)
         age = 0.0 if arrival is None else max(0.0, time.perf_counter() - arrival)
-        text_messages = prompt = None
+        text = None
         if self._decoder is not None:
-            text_messages = getattr(request, "messages", None)
-            if text_messages is None:
+            text = getattr(request, "messages", None)
+            if text is None:
                 ids = getattr(request, "prompt", None)
                 ids = ids if ids is not None else getattr(request, "token_ids", [])
-                prompt = ids if isinstance(ids, str) else self._decoder.decode(list(ids))
+                text = ids if isinstance(ids, str) else self._decoder.decode(list(ids))
         try:
             name, overflow = self.key.of(request, messages)
         except MmcacheError:  # a prompt the replica will refuse, with the error it answers: routed by load
             name = overflow = None
-        return EngineCall(request, owner, name, age, text_messages, prompt, overflow)
+        return EngineCall(request, owner, name, age, text, overflow)
 
     def abort(self, rid, reason: str | None = None) -> None:
         call = self._calls.get(rid)
@@ -241,16 +241,16 @@ class RemoteHost:
     # ---- metrics and shutdown ----------------------------------------------------------------------------
     async def merge_metrics(self, own: bytes) -> bytes:
         """The ingress's exposition ``own`` with every live replica's series added, labelled ``replica``."""
-        replicas = live_replicas(self.deployment)
-        results = await asyncio.gather(*(asyncio.wait_for(_settle(self.handle.metrics_text.remote(replica=r)),
-                                                          SCRAPE_TIMEOUT_S) for r in replicas),
-                                       return_exceptions=True)
         texts = {}
-        for replica, result in zip(replicas, results):
-            if isinstance(result, BaseException):
-                _log.warning("metrics of replica %s left out: %s", replica, type(result).__name__)
+        # One replica at a time: the calls one handler makes share Ray Serve's internal request id, and a router
+        # without Ray's FIFO matching (the prefix-text one) cannot tell two of them apart while both wait.
+        for replica in live_replicas(self.deployment):
+            try:
+                got_id, text = await asyncio.wait_for(_settle(self.handle.metrics_text.remote(replica=replica)),
+                                                      SCRAPE_TIMEOUT_S)
+            except Exception as e:  # a replica dying or too slow: left out of this scrape
+                _log.warning("metrics of replica %s left out: %s", replica, type(e).__name__)
                 continue
-            got_id, text = result
             texts[got_id] = text
         return merge_expositions(own, texts)
 

@@ -60,15 +60,14 @@ class EngineCall:
     """What the ingress sends an engine replica for one request: the engine request, its tenant, the routing
     key (``routing_name``) and the overflow's (``overflow_name``; both None when there is nothing to name), how
     long ago the request arrived (``age_s``: clocks of two machines do not compare, durations do), and the
-    prompt as text for ``PrefixTextRouter`` (``messages`` of a VLM chat, else ``prompt``; empty unless that
-    router runs)."""
+    prompt for ``PrefixTextRouter`` (``messages``: a VLM chat's messages, else the prompt's text; None unless
+    that router runs: it reads a call's ``messages`` whatever else the call holds)."""
 
     request: object
     owner: str | None
     routing_name: int | None
     age_s: float
-    messages: list | None = None
-    prompt: str | None = None
+    messages: list | str | None = None
     overflow_name: int | None = None  # where the overflow past the load threshold goes (``ReplicaRouter``)
 
 
