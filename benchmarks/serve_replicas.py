@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import logging
 import statistics
 
@@ -126,26 +125,9 @@ def settle_replicas(args) -> None:
 # ---- workloads -------------------------------------------------------------------------------------------
 def distinct_images(n: int, seed: int) -> list[bytes]:
     """``n`` distinct PNG images of ``IMAGE_SIDE`` pixels a side: seeded crops of the photos, scaled down."""
-    from PIL import Image
+    from .vlm import guard_images
 
-    from .vlm import DATA, IMAGES
-
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    sources = [Image.open(DATA / "images" / name).convert("RGB") for name in IMAGES]
-    out, seen = [], set()
-    while len(out) < n:
-        image = sources[len(out) % len(sources)]
-        w, h = image.size
-        cw, ch = int(rng.integers(w // 4, w + 1)), int(rng.integers(h // 4, h + 1))
-        x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-        buf = io.BytesIO()
-        image.crop((x, y, x + cw, y + ch)).resize((IMAGE_SIDE, IMAGE_SIDE)).save(buf, format="PNG")
-        if buf.getvalue() not in seen:
-            seen.add(buf.getvalue())
-            out.append(buf.getvalue())
-    return out
+    return guard_images(n, seed, least=4, side=IMAGE_SIDE)
 
 
 def image_chats(args, count: int, seed: int) -> list:

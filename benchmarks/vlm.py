@@ -165,8 +165,9 @@ def chats(shape: Shape) -> tuple[list[Chat], int]:
     return out, len(photos)
 
 
-def guard_images(n: int, seed: int) -> list[bytes]:
-    """``n`` distinct images: crops of the photos at seeded boxes (at least half of each side), as PNG."""
+def guard_images(n: int, seed: int, least: int = 2, side: int | None = None) -> list[bytes]:
+    """``n`` distinct images: crops of the photos at seeded boxes (at least 1/``least`` of each side), as PNG,
+    scaled to ``side`` pixels a side when given."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -175,10 +176,11 @@ def guard_images(n: int, seed: int) -> list[bytes]:
     while len(out) < n:
         image = sources[len(out) % len(sources)]
         w, h = image.size
-        cw, ch = int(rng.integers(w // 2, w + 1)), int(rng.integers(h // 2, h + 1))
+        cw, ch = int(rng.integers(w // least, w + 1)), int(rng.integers(h // least, h + 1))
         x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
         buf = io.BytesIO()
-        image.crop((x, y, x + cw, y + ch)).save(buf, format="PNG")
+        crop = image.crop((x, y, x + cw, y + ch))
+        (crop if side is None else crop.resize((side, side))).save(buf, format="PNG")
         if buf.getvalue() not in seen:
             seen.add(buf.getvalue())
             out.append(buf.getvalue())

@@ -23,6 +23,7 @@ def serve_replicas(args, config) -> int:
         print(f"mmcache serve: {e}", file=sys.stderr)
         return 2
     from ..presets.serving import build_models
+    from ..server.cli import wait_until_stopped
     from .launch import start_replicas
 
     stop = threading.Event()
@@ -31,12 +32,7 @@ def serve_replicas(args, config) -> int:
         with start_replicas(config, options, build_models) as srv:
             print(f"mmcache serve: {', '.join(config.model_names)} at {srv.url} (OpenAI API: {srv.base_url}), "
                   f"{options.replicas} engine replicas on Ray Serve, router {options.router}", flush=True)
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
-            print("mmcache serve: stopping", file=sys.stderr, flush=True)
+            wait_until_stopped(stop)
     except RuntimeError as e:  # Ray Serve could not deploy the application (a replica failed to start)
         print(f"mmcache serve: {e}", file=sys.stderr)
         return 1

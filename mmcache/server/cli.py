@@ -279,12 +279,7 @@ def serve_main(args: argparse.Namespace) -> int:
                   flush=True)
             for why in reuse_off_reasons(srv.host):
                 print(f"mmcache serve: the prefix cache is off: {why}", file=sys.stderr, flush=True)
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
-            print("mmcache serve: stopping", file=sys.stderr, flush=True)
+            wait_until_stopped(stop)
     except OSError as e:  # the address is taken or cannot be bound
         print(f"mmcache serve: cannot serve on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -294,6 +289,16 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def wait_until_stopped(stop: threading.Event) -> None:
+    """Serve until SIGTERM sets ``stop`` or Ctrl-C, then say so."""
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("mmcache serve: stopping", file=sys.stderr, flush=True)
 
 
 def reuse_off_reasons(host) -> list[str]:
