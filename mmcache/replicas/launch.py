@@ -145,6 +145,8 @@ def start_replicas(config: ServerConfig, options: ReplicaOptions, build):
     import ray
     from ray import serve
 
+    root = logging.getLogger()
+    kept = (root.level, list(root.handlers))  # Ray and Serve set the root logger to INFO on stderr: put back
     started_ray = False
     if not ray.is_initialized():
         if options.ray_address is None:
@@ -160,6 +162,8 @@ def start_replicas(config: ServerConfig, options: ReplicaOptions, build):
         if (host, port) != (config.host, port if not config.port else config.port):
             _log.warning("Ray Serve already runs on this cluster: serving at its proxy's %s:%s", host, port)
         serve.run(build_application(config, options, build), name=APP_NAME, route_prefix="/")
+        root.setLevel(kept[0])
+        root.handlers[:] = kept[1]
         shown = f"[{host}]" if ":" in host else host
         url = f"http://{shown}:{port}"
         try:
