@@ -1,12 +1,15 @@
 """``mmcache replay``: replay a trace through metadata-only pools and report what the cache would save.
 
-    mmcache replay TRACE [--format mooncake|sessions] [--pool-tokens N] [--page-size P] [--replicas R]
+    mmcache replay TRACE [--format mooncake|sessions|tracelab] [--pool-tokens N] [--host-tier-tokens N]
+                         [--page-size P] [--replicas R]
                          [--routing random|affinity] [--store-at teardown|prefill|both]
                          [--sweep [--sweep-pools N,N,...]] [--json PATH] [--plot PNG] [cost/router options]
 
-TRACE is a Mooncake JSONL trace, or for ``--format sessions`` the sessions generator's parameter file (the
-word ``default`` names the repository's ``datasets/sessions/agent_sessions.json``). Without ``--format``
-the format follows the extension: ``.jsonl`` is Mooncake, ``.json`` (or ``default``) is sessions.
+TRACE is a Mooncake JSONL trace, for ``--format sessions`` the sessions generator's parameter file (the
+word ``default`` names the repository's ``datasets/sessions/agent_sessions.json``), or for ``--format tracelab``
+a TraceLab session CSV, replayed closed-loop (``tracelab``). Without ``--format`` the format follows the
+extension: ``.jsonl`` is Mooncake, ``.json`` (or ``default``) is sessions, ``.csv`` is TraceLab.
+``--host-tier-tokens`` gives each replica's pool a second tier in host memory of that many tokens.
 
 The JSON holds the record of the run the options name (with ``--store-at both``, the teardown record, and
 both under ``by_store_at``) and, with ``--sweep``, a ``sweep`` list of records for every pool size, for
@@ -22,7 +25,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli import positive_int, writable, write_json
+from ..cli import count, positive_int, writable, write_json
 from ..errors import MmcacheError
 from ..manager import STORE_AT
 from ..router import FALLBACKS
@@ -32,6 +35,7 @@ from .plot import can_plot, plot_sweep, policy_label
 from .report import run_sweep, sweep_configs
 from .sessions import DEFAULT_PARAMS, AgentSessions, load_params
 from .simulate import ROUTINGS, ReplayConfig
+from .tracelab import TraceLabSessions
 
 DEFAULT_POOLS = (65_536, 131_072, 262_144, 524_288)
 
@@ -54,7 +58,8 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                        formatter_class=_Formatter)
     p.add_argument("trace", metavar="TRACE")
-    p.add_argument("--format", choices=("mooncake", "sessions"), help="from TRACE's extension when not given")
+    p.add_argument("--format", choices=("mooncake", "sessions", "tracelab"),
+                   help="from TRACE's extension when not given")
     _add_pool_options(p, d)
     _add_output_options(p)
     _add_cost_options(p, c)
@@ -68,6 +73,8 @@ def _add_pool_options(p: argparse.ArgumentParser, d: ReplayConfig) -> None:
     p.add_argument("--pool-tokens", type=positive_int, default=d.pool_tokens, help="pool per replica")
     p.add_argument("--page-size", type=positive_int, default=d.page_size, help="tokens per page")
     p.add_argument("--replicas", type=positive_int, default=d.replicas, help="data-parallel replicas")
+    p.add_argument("--host-tier-tokens", type=count(minimum=0), default=d.host_tier_tokens, metavar="N",
+                   help="a second tier in host memory below each replica's pool (0: none)")
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="replica choice when R > 1")
     p.add_argument("--store-at", choices=STORE_AT + ("both",), default="both",
                    help="when pages enter the index; both replays each setting")
@@ -115,9 +122,11 @@ def _is_sessions(trace: str) -> bool:
 
 def load_workload(trace: str, fmt: str | None, limit: int | None = None):
     if fmt is None:
-        fmt = "sessions" if _is_sessions(trace) else "mooncake"
+        fmt = "sessions" if _is_sessions(trace) else "tracelab" if trace.endswith(".csv") else "mooncake"
     if fmt == "mooncake":
         return MooncakeTrace(trace, limit=limit)
+    if fmt == "tracelab":
+        return TraceLabSessions(trace)
     path = DEFAULT_PARAMS if trace == "default" else Path(trace)
     return AgentSessions(load_params(path), source=path.name)
 
@@ -201,8 +210,10 @@ def _options_refused(args) -> bool:
 
 
 def _limit_refused(args) -> bool:
-    """True, said on stderr, where ``--limit`` is given for a sessions trace (it applies to Mooncake's)."""
-    if args.limit and (args.format == "sessions" or (args.format is None and _is_sessions(args.trace))):
+    """True, said on stderr, where ``--limit`` is given for a sessions or TraceLab trace (it applies to
+    Mooncake's)."""
+    guessed = args.format is None and (_is_sessions(args.trace) or args.trace.endswith(".csv"))
+    if args.limit and (args.format in ("sessions", "tracelab") or guessed):
         print("mmcache replay: --limit applies to Mooncake traces; set `sessions` in the parameter file",
               file=sys.stderr)
         return True
@@ -211,7 +222,8 @@ def _limit_refused(args) -> bool:
 
 def _base_config(args) -> ReplayConfig:
     """The replay the options name, before ``--store-at`` and the sweep vary it."""
-    return ReplayConfig(pool_tokens=args.pool_tokens, page_size=args.page_size, replicas=args.replicas,
+    return ReplayConfig(pool_tokens=args.pool_tokens, host_tier_tokens=args.host_tier_tokens,
+                        page_size=args.page_size, replicas=args.replicas,
                         routing=args.routing, route_depth_tokens=args.route_depth_tokens,
                         route_load_factor=args.route_load_factor, route_min_load=args.route_min_load,
                         route_fallback=args.route_fallback, seed=args.seed,

@@ -27,6 +27,10 @@ A request's life, at simulated times:
   head, only cached data can be in the way and ``ReplayStalled`` is raised rather than waiting forever.
 * end, ``CostModel`` seconds later: ``commit`` of the output ids, then ``teardown`` stores every full page.
 
+With ``host_tier_tokens`` each replica's manager has a metadata-only host tier (``mmcache.tier``): evicted
+cold tails move there and an admission that walks on into it is seeded from it, at no simulated cost, so the
+shares show what a second tier of that size recovers.
+
 Events at equal times are ordered ends first, then arrivals, then by creation, so a replay is deterministic.
 Prompt pages are committed at admission: the engine writes them in the request's first prefill steps, and
 from then on they count as in flight (a later request missing them in the index records a forfeit) or, with
@@ -47,6 +51,7 @@ from ..manager import STORE_AT, AdmitResult, AllocationManager, CacheConfig, Pre
 from ..names import Fingerprint
 from ..pool import MAX_PAGES
 from ..router import FALLBACKS, ReplicaRouter, RouterConfig
+from ..tier import TierConfig, Tiers
 from .costmodel import CostModel
 from .workload import RequestSpec, Workload
 
@@ -94,6 +99,7 @@ class ReplayConfig:
     seed: int = 0  # of the random routing draw, and of the affinity router's uniform draws
     cost: CostModel = CostModel()
     check_invariants: bool = False  # check every manager after every event (tests)
+    host_tier_tokens: int = 0  # per replica, a second tier in host memory below the pool (mmcache.tier); 0: none
 
     def __post_init__(self):
         for name in ("pool_tokens", "page_size", "replicas", "route_depth_tokens"):
@@ -107,6 +113,9 @@ class ReplayConfig:
         if self.num_pages > MAX_PAGES:
             raise InvalidRequest(f"pool of {self.pool_tokens} tokens is {self.num_pages} pages of {self.page_size}; "
                                  f"a pool holds at most {MAX_PAGES} pages (page ids are int32)")
+        tier = self.host_tier_tokens
+        if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
+            raise InvalidRequest(f"host_tier_tokens must be a non-negative int, got {tier!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRequest(f"seed must be a non-negative int, got {self.seed!r}")
         if self.routing not in ROUTINGS:
@@ -172,13 +181,20 @@ class _Replay:
                             store_at=config.store_at)
         self.workload = workload
         self.config = config
-        self.replicas = [_Replica(AllocationManager(cache, fp, None)) for _ in range(config.replicas)]
+        self.replicas = [_Replica(AllocationManager(cache, fp, None, tiers=self.tiers(config)))
+                         for _ in range(config.replicas)]
         self.namer = self.replicas[0].manager  # every replica shares the fingerprint, so one prepare serves all
         self.router = config.router()
         self.draw = np.random.default_rng(config.seed)
         self.log = RunLog(config, managers=[r.manager for r in self.replicas])
         self.events: list = []  # (time, _END or _ARRIVE, creation order, item): a heap, earliest first
         self.order = itertools.count()
+
+    @staticmethod
+    def tiers(config: ReplayConfig) -> Tiers | None:
+        """A replica's second tier: metadata only, like its pool (a hit there is read in at no simulated cost)."""
+        pages = config.host_tier_tokens // config.page_size
+        return Tiers(TierConfig(host_pages=pages), config.page_size) if pages else None
 
     def run(self) -> RunLog:
         """Process every event in heap order; every request must have ended when none is left."""
