@@ -231,3 +231,26 @@ def test_a_preempted_request_gets_its_pages_back_from_the_tier(tiny):
     assert plain["main"]["readmission_hit_tokens"] == 0
     assert tiered["main"]["readmission_hit_tokens"] >= 64 and tiered["main"]["tiers"]["host"]["hits"] >= 4
     assert tiered_ids == plain_ids
+
+
+def test_many_requests_through_small_tiers_give_the_tokens_of_cache_off(tiny, tmp_path):
+    """Continuous batching over a pool too small for the working set, with a small host tier and a disk tier
+    below it: pages move down and come back through the gate while others run; tokens equal cache off's."""
+    model, tok = tiny
+    rng = np.random.default_rng(11)
+    stems = [rng.integers(2, 512, size=48).tolist() for _ in range(6)]
+    prompts_ = [stems[i % 6] + rng.integers(2, 512, size=5 + i).tolist() for i in range(12)]
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cfg = dict(page_size=16, num_pages=14, max_num_seqs=3, prefill_chunk_tokens=32, max_tokens_per_step=64)
+    ref = Engine(model, tok, EngineConfig(cache_mode="off", **cfg))
+    eng = Engine(model, tok, EngineConfig(host_tier_bytes=4 * 8192, disk_tier_bytes=16 * 8192,
+                                          disk_tier_dir=str(tmp_path), **cfg))
+    assert eng.page_bytes == 8192
+    for round_ in range(2):
+        batch = [Request(p, sampling, request_id=f"{round_}-{i}") for i, p in enumerate(prompts_)]
+        got = eng.generate(batch)
+        want = ref.generate([Request(p, sampling) for p in prompts_])
+        assert [o.output_ids for o in got] == [o.output_ids for o in want]
+        eng.check_invariants()
+    tiers = eng.metrics()["main"]["tiers"]
+    assert tiers["host"]["hits"] + tiers["disk"]["hits"] > 0 and tiers["disk"]["stored_pages"] > 0
