@@ -254,3 +254,39 @@ def test_many_requests_through_small_tiers_give_the_tokens_of_cache_off(tiny, tm
         eng.check_invariants()
     tiers = eng.metrics()["main"]["tiers"]
     assert tiers["host"]["hits"] + tiers["disk"]["hits"] > 0 and tiers["disk"]["stored_pages"] > 0
+
+
+def test_vlm_pages_through_an_image_come_back_from_the_tier_only_for_that_image(datasets_dir):
+    """An image's page extras are in the chain digest: after the pages of a chat with one image moved down, the
+    same chat is read in through the image, and a chat with another image of equal placeholder ids stops at the
+    page of its first placeholder; outputs equal cache off's."""
+    from mmcache.hosts.vlm import VLMEngine, VLMRequest
+    from mmcache.presets.vlm import build_vlm
+    from mmcache.store import EncoderOutputStore
+
+    preset = build_vlm("tiny-llava")
+    folder = datasets_dir / "images"
+    coffee, chelsea = ((folder / f"{n}.png").read_bytes() for n in ("coffee", "chelsea"))
+
+    def chat(image):
+        return [{"role": "system", "content": "A chat about a photo."},
+                {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]}]
+
+    def front(**cfg):
+        config = EngineConfig.exact(page_size=16, num_pages=256, **cfg)
+        return VLMEngine(Engine(preset.model, None, config), preset.prompt_builder(EncoderOutputStore(1 << 24)))
+
+    tiered, off = front(host_tier_bytes=1 << 22), front(cache_mode="off")
+    first = tiered.generate([VLMRequest(chat(coffee), sampling=GREEDY)])[0]
+    with tiered.builder.from_messages(chat(coffee)) as prompt:
+        placeholder = prompt.embeds[0][0]
+    tiered.engine.clear_cache(demote=True)
+    other = tiered.generate([VLMRequest(chat(chelsea), sampling=GREEDY)])[0]
+    assert other.matched_tokens == placeholder // 16 * 16
+    tiered.engine.clear_cache(demote=True)
+    again = tiered.generate([VLMRequest(chat(coffee), sampling=GREEDY)])[0]
+    assert again.matched_tokens == (first.prompt_len - 1) // 16 * 16 > placeholder
+    assert tiered.engine.metrics()["main"]["tiers"]["host"]["hits"] > 0
+    want = [off.generate([VLMRequest(chat(img), sampling=GREEDY)])[0].output_ids for img in (coffee, chelsea, coffee)]
+    assert [first.output_ids, other.output_ids, again.output_ids] == want
+    tiered.check_invariants()
