@@ -259,6 +259,7 @@ class AllocationManager:
         self._requests: dict[object, _Request] = {}
         self._inflight: dict[int, int] = {}  # page name -> live requests holding it full and unpublished
         self._windowed = 0  # live requests with released pages: only they can strand index pages (eviction)
+        self._preempted: set = set()  # index pages a preempted request stored or held (``teardown``)
         if tiers is not None and (not isinstance(tiers, Tiers) or tiers.page_size != self.page_size):
             raise InvalidRequest("tiers must be a Tiers of this pool's page size")
         #: The levels below the pool (``tier``), or None; a manager whose mode is not ``on`` keeps none.
@@ -559,9 +560,16 @@ class AllocationManager:
                                on_evict=self._demote if self.tiers is not None else None)
         self.metrics.evicted_pages += freed
         self.metrics.eviction_batches += batches
+        self._forget_unindexed_marks()
+
+    def _forget_unindexed_marks(self) -> None:
+        """Drop the preempted marks of pages that left the index without moving down (a detachment, a clear)."""
+        if self._preempted:
+            self._preempted = {pg for pg in self._preempted if self.index.in_index[pg]}
 
     def _demote(self, batch: np.ndarray) -> None:
-        """Copy a cold tail (tail first, index pages held by the index alone) down to the tiers."""
+        """Copy a cold tail (tail first, index pages held by the index alone) down to the tiers, a preempted
+        request's pages into their share (``teardown``)."""
         digests = self._index_digests(batch[::-1].tolist())[::-1]
         kv = None
         if self.pool.kv is not None:
@@ -569,8 +577,14 @@ class AllocationManager:
 
             idx = torch.as_tensor(batch, dtype=torch.long, device=self.pool.kv.device)
             kv = self.pool.kv.index_select(3, idx).movedim(3, 0).cpu()
-        self.tiers.put([TierPage(int(self.index.name[pg]), d, self.pool.ids[pg].copy(), self.index.extras_of(pg))
-                        for pg, d in zip(batch.tolist(), digests)], kv)
+        pages = [TierPage(int(self.index.name[pg]), d, self.pool.ids[pg].copy(), self.index.extras_of(pg))
+                 for pg, d in zip(batch.tolist(), digests)]
+        marked = [pg in self._preempted for pg in batch.tolist()]
+        for preempted in (False, True):
+            rows = [i for i, m in enumerate(marked) if m == preempted]
+            if rows:
+                self.tiers.put([pages[i] for i in rows], None if kv is None else kv[rows], preempted=preempted)
+        self._preempted.difference_update(batch.tolist())
 
     def _index_digests(self, run: list) -> list:
         """Chain digests (``tier``) of ``run``, index pages head first, each the parent of the next: the chain
@@ -789,10 +803,17 @@ class AllocationManager:
             self._inflight[name] = c - 1
 
     # ---- release -----------------------------------------------------------------------------------
-    def teardown(self, request_id) -> int:
+    def teardown(self, request_id, preempted: bool = False) -> int:
         """End a request. In mode ``on`` every full written page moves to the index (an equal entry that
         already exists is kept and the request's copy released) and the tail is freed; a windowed label
-        stores only its protected-prefix run. Returns how many pages entered the index."""
+        stores only its protected-prefix run. Returns how many pages entered the index.
+
+        ``preempted=True`` says the host will admit the request again: with tiers, its stored run is marked so
+        that eviction moves it into the tiers' share for preempted requests (``tier``); the marks stay through
+        admissions given up for lack of pages (``abort(requeue=True)``) and go when a request holding the pages
+        ends otherwise."""
+        if not isinstance(preempted, bool):
+            raise InvalidRequest(f"preempted must be a bool, got {preempted!r}", request_id)
         with self._lock:
             req = self._pop(request_id, "teardown")
             before = self.metrics.stored_pages
@@ -809,6 +830,10 @@ class AllocationManager:
                                                  req.root_parent, first_page=lo, parent=req.chain_parent,
                                                  ids_from=lo).tolist()
                 self.index.touch(np.asarray(run, dtype=np.int32))
+                if preempted and self.tiers is not None:
+                    self._preempted.update(run)
+                elif self._preempted:  # the request is over: its pages are ordinary cached pages again
+                    self._preempted.difference_update(run)
             self._release(req, exclude=set(transferred))
             stored = self.metrics.stored_pages - before
         return stored
@@ -826,6 +851,8 @@ class AllocationManager:
             req = self._pop(request_id, "abort")
             if requeue:
                 self._uncount_lookup(req)
+            elif self._preempted:  # over for good: its pages stop counting as a preempted request's
+                self._preempted.difference_update(req.chain)
             self.index.touch(np.asarray(req.chain, dtype=np.int32))
             self._release(req)
 
@@ -977,6 +1004,7 @@ class AllocationManager:
                 freed, batches = evict(self.index, self.pool, self.pool.num_pages, detach=self._windowed > 0)
                 self.metrics.evicted_pages += freed
                 self.metrics.eviction_batches += batches
+                self._forget_unindexed_marks()
             else:
                 self._evict(self.pool.num_pages)
             return self.metrics.evicted_pages - before
@@ -1019,6 +1047,8 @@ class AllocationManager:
                 raise AssertionError(f"owner counts differ from owners on pages {bad[:10].tolist()}")
             if inflight != self._inflight:
                 raise AssertionError("in-flight table differs from the live requests' unpublished pages")
+            if self._preempted and not self.index.in_index[list(self._preempted)].all():
+                raise AssertionError("a page marked as a preempted request's is not in the index")
             if self.tiers is not None:
                 self.tiers.check_invariants()
                 if len(self.tiers):

@@ -23,6 +23,12 @@ whose part from its first disk page on would take longer to read (``disk_read_la
 ``disk_read_bytes_per_s``) than to recompute (its tokens at ``recompute_tokens_per_s``) stops before that page,
 so a small hit from disk is recomputed instead. The rule reads its constants from ``TierConfig``.
 
+The split of the offload budget: ``preempt_pages`` is host memory kept for the pages of preempted requests,
+beside the cache's ``host_pages``. The manager marks the pages a preempted request stored or held
+(``teardown(preempted=True)``); evicted while marked, they go into a ``preempted`` level above the host level, so
+cold cache pages cannot push them out before the request comes back; that level's least recent page joins the
+host level as any other page. Without it, preempted requests' pages share the host level's LRU with the cache.
+
 Invariants (``check_invariants``):
 
 * A page (its chain digest) is in one level at most; the manager checks that no pool index page is also in a
@@ -71,12 +77,13 @@ class TierConfig:
     host_pages: int = 0
     disk_pages: int = 0
     disk_dir: str | None = None
+    preempt_pages: int = 0  # host memory kept for the pages of preempted requests, beside host_pages
     disk_read_bytes_per_s: float = 1e9
     disk_read_latency_s: float = 1e-3
     recompute_tokens_per_s: float = 1e4
 
     def __post_init__(self):
-        for name in ("host_pages", "disk_pages"):
+        for name in ("host_pages", "disk_pages", "preempt_pages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidRequest(f"TierConfig.{name} must be a non-negative int, got {v!r}")
@@ -90,7 +97,7 @@ class TierConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.host_pages > 0 or self.disk_pages > 0
+        return self.host_pages > 0 or self.disk_pages > 0 or self.preempt_pages > 0
 
 
 @dataclass
@@ -191,8 +198,9 @@ class _Level:
 class _HostLevel(_Level):
     label = "host"
 
-    def __init__(self, capacity: int, page_shape: tuple | None, dtype, pin: bool):
+    def __init__(self, capacity: int, page_shape: tuple | None, dtype, pin: bool, label: str = "host"):
         super().__init__(capacity)
+        self.label = label
         self.kv = None
         if page_shape is not None:
             import torch
@@ -292,6 +300,9 @@ class Tiers:
         self.page_shape = page_shape
         self.dtype = dtype
         self.levels: list[_Level] = []
+        if config.preempt_pages:  # above the host level: its overflow goes on into it (the module docstring)
+            self.levels.append(_HostLevel(config.preempt_pages, page_shape, dtype, pin, label="preempted"))
+        self._entry = len(self.levels)  # where a page that no preempted request left comes in
         if config.host_pages:
             self.levels.append(_HostLevel(config.host_pages, page_shape, dtype, pin))
         if config.disk_pages:
@@ -323,15 +334,17 @@ class Tiers:
                                page_bytes=self.page_bytes) for lv in self.levels}
 
     # ---- putting -----------------------------------------------------------------------------------
-    def put(self, pages: list[TierPage], kv=None) -> None:
+    def put(self, pages: list[TierPage], kv=None, preempted: bool = False) -> None:
         """File ``pages`` (a run, tail first, so the head is the most recent) in the top level; ``kv`` holds
         their KV as ``(n, *page_shape)`` on the CPU (None for a metadata-only pool). A page whose digest is
-        already filed replaces nothing: the copy there is kept and made the most recent."""
+        already filed replaces nothing: the copy there is kept and made the most recent. ``preempted`` pages
+        (a preempted request's, which it will look up again) go into the ``preempted`` level where there is one."""
+        depth = 0 if preempted else self._entry
         for i, page in enumerate(pages):
             if self._find(page.digest) is not None:
                 continue
             self._names[page.name] = self._names.get(page.name, 0) + 1
-            self._file(0, page, None if kv is None else kv[i])
+            self._file(depth, page, None if kv is None else kv[i])
 
     def _find(self, digest: bytes) -> TierPage | None:
         for lv in self.levels:

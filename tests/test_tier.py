@@ -305,3 +305,26 @@ def test_a_deferred_read_in_is_copied_outside_the_lock_and_completed(tmp_path):
     mgr.check_invariants()
     with pytest.raises(InvalidRequest):
         mgr.admit("c", a, defer_read_in=1)
+
+
+@pytest.mark.parametrize("share", [0, 3])
+def test_a_preempted_requests_pages_keep_their_share_of_the_tier(tmp_path, share):
+    """With a share for preempted requests their pages, evicted, wait there while a flood of cold cache pages
+    churns the host level; without one the flood pushes them out first (they are the least recent)."""
+    spec = KVSpec(1, 1, 2)
+    tiers = Tiers(TierConfig(host_pages=2 + 3 - share, preempt_pages=share), P, (1, 2, 1, P, 2), torch.float32)
+    mgr = AllocationManager(CacheConfig(num_pages=6, page_size=P), Fingerprint.for_tests(P), spec, tiers=tiers)
+    a = list(range(100, 113))  # 3 full pages
+    write(mgr, "a", a)
+    mgr.teardown("a", preempted=True)
+    for i in range(6):  # the flood: 3 pages each, stored and later evicted
+        write(mgr, f"f{i}", [200 + 20 * i + j for j in range(13)])
+        mgr.teardown(f"f{i}")
+        mgr.check_invariants()
+    mgr.clear_cache(demote=True)
+    res = mgr.admit("a again", a)
+    assert res.matched_tokens == (12 if share else 0)
+    if share:
+        assert tiers.metrics()["preempted"]["hits"] == 3
+        assert torch.equal(held_kv(mgr, "a again", 12), expected_kv(a, 12))
+    mgr.check_invariants()

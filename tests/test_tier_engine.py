@@ -187,9 +187,11 @@ def test_serve_options_and_metrics(tiny, tmp_path):
     from mmcache.server.metrics import ServerMetrics
 
     args = build_parser().parse_args(["serve", "--preset", "tiny", "--host-tier-bytes", "1048576",
-                                      "--disk-tier-bytes", "2097152", "--disk-tier-dir", str(tmp_path)])
+                                      "--disk-tier-bytes", "2097152", "--disk-tier-dir", str(tmp_path),
+                                      "--preempt-tier-bytes", "65536"])
     config = config_from_args(args).engine_config
     assert (config.host_tier_bytes, config.disk_tier_bytes, config.disk_tier_dir) == (1 << 20, 2 << 20, str(tmp_path))
+    assert config.preempt_tier_bytes == 1 << 16
     assert config_from_args(build_parser().parse_args(["serve", "--preset", "tiny"])).engine_config.host_tier_bytes == 0
     with pytest.raises(ServerConfigError):  # a disk tier without a directory
         config_from_args(build_parser().parse_args(["serve", "--preset", "tiny", "--disk-tier-bytes", "1"]))
@@ -221,16 +223,20 @@ def test_a_preempted_request_gets_its_pages_back_from_the_tier(tiny):
     two = [rng.integers(2, 512, size=60).tolist() for _ in range(2)]
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     runs = {}
-    for tier in (0, 1 << 20):
-        eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=9, max_num_seqs=2, host_tier_bytes=tier))
+    for host, share in ((0, 0), (1 << 20, 0), (1 << 20, 1 << 20)):
+        eng = Engine(model, tok, EngineConfig(page_size=16, num_pages=9, max_num_seqs=2, host_tier_bytes=host,
+                                              preempt_tier_bytes=share))
         outs = eng.generate([Request(p, sampling, request_id=i) for i, p in enumerate(two)])
         eng.check_invariants()
-        runs[tier] = (eng.metrics(), [o.output_ids for o in outs])
-    (plain, plain_ids), (tiered, tiered_ids) = runs[0], runs[1 << 20]
+        runs[host, share] = (eng.metrics(), [o.output_ids for o in outs])
+    (plain, plain_ids), (tiered, tiered_ids) = runs[0, 0], runs[1 << 20, 0]
     assert plain["engine"]["preemptions"] == 1 and tiered["engine"]["preemptions"] >= 1
     assert plain["main"]["readmission_hit_tokens"] == 0
     assert tiered["main"]["readmission_hit_tokens"] >= 64 and tiered["main"]["tiers"]["host"]["hits"] >= 4
     assert tiered_ids == plain_ids
+    # With a share for preempted requests, their pages come back from it.
+    shared, shared_ids = runs[1 << 20, 1 << 20]
+    assert shared["main"]["tiers"]["preempted"]["hits"] >= 4 and shared_ids == plain_ids
 
 
 def test_many_requests_through_small_tiers_give_the_tokens_of_cache_off(tiny, tmp_path):

@@ -24,7 +24,7 @@ from mmcache.tier import TierConfig, Tiers
 
 P = 4
 NUM_PAGES = 12
-HOST, DISK = 2, 6
+HOST, DISK, PREEMPT = 2, 6, 2
 _rng = np.random.default_rng(11)
 BASES = [_rng.integers(0, 5, size=20) for _ in range(3)]
 
@@ -38,8 +38,8 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp()
         # recompute_tokens_per_s: slow, so the cost rule reads every disk hit in and disk pages take part
-        tiers = Tiers(TierConfig(host_pages=HOST, disk_pages=DISK, disk_dir=self.dir, recompute_tokens_per_s=10.0),
-                      P, (1, 2, 1, P, 1), torch.float32)
+        tiers = Tiers(TierConfig(host_pages=HOST, disk_pages=DISK, disk_dir=self.dir, preempt_pages=PREEMPT,
+                                 recompute_tokens_per_s=10.0), P, (1, 2, 1, P, 1), torch.float32)
         self.mgr = AllocationManager(CacheConfig(num_pages=NUM_PAGES, page_size=P), Fingerprint.for_tests(P),
                                      KVSpec(1, 1, 1), tiers=tiers)
         self.live: dict[int, np.ndarray] = {}
@@ -82,11 +82,14 @@ class TierMachine(RuleBasedStateMachine):
         self.live[rid] = prompt
 
     @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 10**6), store=st.booleans())
-    def end(self, pick, store):
+    @rule(pick=st.integers(0, 10**6), store=st.booleans(), preempted=st.booleans())
+    def end(self, pick, store, preempted):
         rid = sorted(self.live)[pick % len(self.live)]
         del self.live[rid]
-        (self.mgr.teardown if store else self.mgr.abort)(rid)
+        if store:
+            self.mgr.teardown(rid, preempted=preempted)
+        else:
+            self.mgr.abort(rid)
 
     @rule()
     def demote_everything(self):
@@ -118,6 +121,7 @@ class TierMachine(RuleBasedStateMachine):
         assert sum(t for _, t in mgr.metrics.per_request_matched) == self.hit_tokens
         for level in mgr.tiers.levels:
             assert len(level.entries) <= level.capacity and level.taken == 0
+        assert [lv.label for lv in mgr.tiers.levels] == ["preempted", "host", "disk"]
         assert mgr.num_requests == len(self.live)
         owned = mgr.pool.refcount > 0
         held = set()

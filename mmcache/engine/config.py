@@ -20,8 +20,10 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
 * ``host_tier_bytes`` and ``disk_tier_bytes`` (0: none, the default) are the budgets of the second tier below
   the main label's pool (``mmcache.tier``): cached pages that eviction frees move to host memory, then to a file
   in a private directory created under ``disk_tier_dir`` (required with a disk tier). A tier hit is read back in
-  by a worker thread while its request waits behind the readiness gate (``scheduler``). Only mode ``on`` keeps
-  one. A tier smaller than one page is none.
+  by a worker thread while its request waits behind the readiness gate (``scheduler``). ``preempt_tier_bytes``
+  is the offload budget's explicit share for preempted requests: host memory their stored pages move into when
+  evicted, which cold cache pages cannot take (``mmcache.tier``). Only mode ``on`` keeps a tier. A tier smaller
+  than one page is none.
 * ``compute`` (``ComputeConfig``) holds the settings that only change speed (packed linears, the row and
   tile kernels, layer kernels, the allocator setting, whole hits); see ``compute``. ``ComputeConfig.aten()``
   computes on plain ATen.
@@ -64,6 +66,7 @@ class EngineConfig:
     host_tier_bytes: int = 0  # second tier in host memory below the main pool; 0: none
     disk_tier_bytes: int = 0  # second tier on local disk below the host tier; 0: none
     disk_tier_dir: str | None = None  # where the disk tier's private directory is made
+    preempt_tier_bytes: int = 0  # host memory kept for preempted requests' pages, beside host_tier_bytes
     compute: ComputeConfig = field(default_factory=ComputeConfig)  # speed only: what the CPU computes with
 
     def __post_init__(self):
@@ -97,7 +100,7 @@ class EngineConfig:
               f"seed must be an int in [0, 2**63), got {self.seed!r}")
         check(isinstance(self.defer_shared_prefill, bool),
               f"defer_shared_prefill must be a bool, got {self.defer_shared_prefill!r}")
-        for name in ("host_tier_bytes", "disk_tier_bytes"):
+        for name in ("host_tier_bytes", "disk_tier_bytes", "preempt_tier_bytes"):
             v = getattr(self, name)
             check(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                   f"{name} must be a non-negative int, got {v!r}")

@@ -216,14 +216,16 @@ class Engine:
         """The second tier of the main pool (``EngineConfig.host_tier_bytes``, ``disk_tier_bytes``), or None."""
         c, a = self.config, self.adapter
         tier = TierConfig(host_pages=c.host_tier_bytes // self.page_bytes,
-                          disk_pages=c.disk_tier_bytes // self.page_bytes, disk_dir=c.disk_tier_dir)
+                          disk_pages=c.disk_tier_bytes // self.page_bytes, disk_dir=c.disk_tier_dir,
+                          preempt_pages=c.preempt_tier_bytes // self.page_bytes)
         if c.cache_mode != "on" or not tier.enabled:
             return None
-        if tier.host_pages and a.device.type == "cpu":
+        host = (tier.host_pages + tier.preempt_pages) * self.page_bytes
+        if host and a.device.type == "cpu":
             have = memory.available_bytes()
-            if have is not None and tier.host_pages * self.page_bytes > have:
-                raise EngineConfigError(f"a host tier of {size_text(tier.host_pages * self.page_bytes)} does not fit "
-                                        f"in the {size_text(have)} available; ask for less (host_tier_bytes)")
+            if have is not None and host > have:
+                raise EngineConfigError(f"a host tier of {size_text(host)} does not fit in the {size_text(have)} "
+                                        f"available; ask for less (host_tier_bytes, preempt_tier_bytes)")
         shape = (a.num_layers, 2, a.num_kv_heads, c.page_size, a.head_dim)
         return Tiers(tier, c.page_size, shape, a.dtype, pin=a.device.type == "cuda")
 

@@ -336,20 +336,24 @@ class Scheduler:
 
     # ---- release -----------------------------------------------------------------------------------
     def preempt(self, live: LiveRequest) -> None:
-        """Tear the request down (storing its full pages) and queue it first for re-admission."""
+        """Tear the request down (storing its full pages, marked as a preempted request's where its pool has
+        tiers: they then keep the tiers' share for preempted requests) and queue it first for re-admission."""
         self.running.remove(live)
-        self.release(live, store=True)
+        self.release(live, store=True, preempted=True)
         live.setbacks.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(live)
 
     @staticmethod
-    def release(live: LiveRequest, store: bool, requeue: bool = False) -> None:
+    def release(live: LiveRequest, store: bool, requeue: bool = False, preempted: bool = False) -> None:
         """Give back every admitted branch's pages (teardown stores full pages; abort stores nothing).
-        ``requeue``: the request is admitted again later, so its lookups are not counted twice."""
+        ``requeue``: the request is admitted again later, so its lookups are not counted twice; ``preempted``:
+        its stored pages are marked for the tiers' share of preempted requests (``AllocationManager.teardown``)."""
         for b in live.branches.values():
             if b.admitted:
-                if store:
+                if store and preempted and getattr(b.manager, "tiers", None) is not None:
+                    b.manager.teardown(live.request_id, preempted=True)
+                elif store:
                     b.manager.teardown(live.request_id)
                 else:
                     b.manager.abort(live.request_id, requeue=requeue)

@@ -6,7 +6,7 @@
                   [--max-waiting N] [--page-size N] [--num-pages N] [--max-num-seqs N] [--store-bytes N]
                   [--max-num-batched-tokens N] [--prefill-chunk-tokens N] [--mixed-prefill-tokens N]
                   [--dtype D] [--cache-mode on|off] [image, speech and video limits]
-                  [--host-tier-bytes N] [--disk-tier-bytes N --disk-tier-dir DIR]
+                  [--host-tier-bytes N] [--disk-tier-bytes N --disk-tier-dir DIR] [--preempt-tier-bytes N]
                   [--replicas N [--ray-address ADDR] [--router mmcache|power-of-two|prefix-text]
                    [--route-depth-tokens N] [--replica-cpus C]]
 
@@ -83,6 +83,9 @@ def _add_tiers(g) -> None:
     g.add_argument("--disk-tier-dir", default=None, metavar="DIR",
                    help="where the disk tier's file is kept, in a directory of its own that only this user can "
                         "read, removed at exit")
+    g.add_argument("--preempt-tier-bytes", type=count(minimum=0), default=0, metavar="N",
+                   help="host memory kept for the pages of preempted requests, which cached pages cannot take "
+                        "(default 0: they share --host-tier-bytes)")
 
 
 def _with_tiers(engine_config, args: argparse.Namespace):
@@ -91,7 +94,8 @@ def _with_tiers(engine_config, args: argparse.Namespace):
     from .config import tiered_engine_config
 
     try:
-        return tiered_engine_config(engine_config, args.host_tier_bytes, args.disk_tier_bytes, args.disk_tier_dir)
+        return tiered_engine_config(engine_config, args.host_tier_bytes, args.disk_tier_bytes, args.disk_tier_dir,
+                                    args.preempt_tier_bytes)
     except EngineConfigError as e:
         raise ServerConfigError(str(e)) from None
 

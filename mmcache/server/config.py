@@ -54,17 +54,17 @@ def serve_engine_config(**changes):
 
 
 def tiered_engine_config(config, host_tier_bytes: int = 0, disk_tier_bytes: int = 0,
-                         disk_tier_dir: str | None = None):
-    """``config`` (an ``EngineConfig``) with a second tier below its chat pool (``mmcache.tier``): host memory
-    and local disk budgets in bytes, 0 for none. A disk tier needs a directory that exists or can be made; a bad
-    value raises ``EngineConfigError``."""
+                         disk_tier_dir: str | None = None, preempt_tier_bytes: int = 0):
+    """``config`` (an ``EngineConfig``) with a second tier below its chat pool (``mmcache.tier``): host memory,
+    local disk and the host memory kept for preempted requests, budgets in bytes, 0 for none. A disk tier needs
+    a directory that exists or can be made; a bad value raises ``EngineConfigError``."""
     from ..engine.config import EngineConfigError
 
     if disk_tier_bytes and disk_tier_dir is not None and os.path.exists(disk_tier_dir) \
             and not os.path.isdir(disk_tier_dir):
         raise EngineConfigError(f"disk_tier_dir {disk_tier_dir!r} is not a directory")
     return dataclasses.replace(config, host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes,
-                               disk_tier_dir=disk_tier_dir)
+                               disk_tier_dir=disk_tier_dir, preempt_tier_bytes=preempt_tier_bytes)
 
 
 def source_name(source: str) -> str:
