@@ -6,7 +6,9 @@ them), over ``/v1/chat/completions``. A ``TokenSession`` is the same over ``/v1/
 prompts: its first turn is a whole prompt, each later turn the previous prompt, the answer's token ids (asked
 for with ``return_token_ids``) and the turn's own ids. Sessions arrive open-loop at Poisson times of a given
 rate (exponential gaps from a seeded generator, so a seed gives the same schedule every run) or at given
-offsets (a trace's own times); the turns of one session follow each other as soon as the previous answer ends.
+offsets (a trace's own times); the turns of one session follow each other as soon as the previous answer ends,
+or, where a ``TokenSession`` gives ``waits_s``, that many seconds after it (an agent's tool call: the closed-loop
+rule, so a slower server delays the session's later turns).
 Every turn is one streamed request through the async ``openai`` client (``stream_options.include_usage``),
 recorded as a ``Record``: when it was sent, when each content chunk came, when it ended, the usage the server reported
 (``prompt_tokens``, ``cached_tokens``) and, for a failure, the HTTP status and the error object's type.
@@ -34,7 +36,7 @@ import asyncio
 import copy
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,12 +125,22 @@ class TokenSession:
     """A session over ``/v1/completions``: ``turns[0]`` is the first prompt's token ids, ``turns[t]`` (t > 0)
     what turn ``t`` appends after the previous prompt and its answer's ids. ``options`` are the other fields of
     every request; ``max_tokens[t]``, when given, is turn ``t``'s; ``return_token_ids`` is asked for whenever a
-    later turn needs the answer."""
+    later turn needs the answer. ``waits_s[t]`` (t > 0), when given, is the pause in seconds between the end of turn
+    ``t - 1`` and the sending of turn ``t`` (``waits_s[0]`` is unused: the first turn goes at the arrival)."""
 
     turns: list[list[int]]
     options: dict
     api_key: str = "none"
     max_tokens: list[int] | None = None
+    waits_s: list[float] | None = None
+
+    def __post_init__(self):
+        for name in ("max_tokens", "waits_s"):
+            given = getattr(self, name)
+            if given is not None and len(given) != len(self.turns):
+                raise ValueError(f"{name} must give one value per turn: {len(given)} for {len(self.turns)} turns")
+        if self.waits_s is not None and any(not 0 <= w < float("inf") for w in self.waits_s):
+            raise ValueError("waits_s must be finite and non-negative")
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
@@ -257,12 +269,15 @@ class MissingTokenIds(RuntimeError):
 
 
 async def run_token_session(client, session: TokenSession, index: int, records: list[Record],
-                            tenant: str = "") -> None:
+                            tenant: str = "", sleep: Callable[[float], Awaitable] = asyncio.sleep) -> None:
     """``run_session`` for a ``TokenSession``: each turn's prompt is the previous prompt, its answer's ids and
-    the turn's own ids; stops at a turn not ``ok``. An answer without ids where a next turn needs them raises
+    the turn's own ids; a turn with a wait (``waits_s``) is sent ``await sleep(wait)`` after the previous turn
+    ended; stops at a turn not ``ok``. An answer without ids where a next turn needs them raises
     ``MissingTokenIds`` (the next prompt cannot be built)."""
     prompt: list[int] = []
     for t, own in enumerate(session.turns):
+        if t > 0 and session.waits_s is not None and session.waits_s[t] > 0:
+            await sleep(session.waits_s[t])
         prompt = prompt + list(own)
         record = Record(index, t, tenant, time.perf_counter())
         records.append(record)

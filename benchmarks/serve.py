@@ -2,7 +2,7 @@
 
     mmcache bench serve [--quick] [--peers [--peer-batched-tokens B]] [--rates R1,R2] [--duration S]
                         [--load-repeats N] [--near-line F1,F2] [--json PATH] [--plot PATH] [--workloads W1,W2]
-                        [--preset P] [--text-preset P] [--repeats N] [--soak [N]] ...
+                        [--preset P] [--text-preset P] [--repeats N] [--soak [N]] [--host-tier-bytes N] ...
     mmcache bench serve --tune-peer B1,B2,... [--rates R1,R2] [--workloads W]     (vLLM's step budget only)
     mmcache bench serve --replicas N [--routers R1,R2] [--route-depth-tokens N] [--ray-address ADDR] ...
                                                  (the open loop through replicas on Ray Serve, routers compared)
@@ -32,12 +32,14 @@ with it; the other parts run it in this process.
   from a seed, or the Mooncake trace's own times scaled to the rate; streaming, ``cache_salt`` per rate so each
   rate starts cold). Workloads: ``vlm_chat`` (the chats above, as sessions, each pass over them under its own
   salt; rate in sessions/s), ``multi_turn`` (vLLM's multi-turn shape; sessions/s), ``shared_prefix`` (SGLang's
-  generated-shared-prefix shape; requests/s) and ``mooncake`` (a slice of the Mooncake conversation trace, one
-  token run per hash block; requests/s), the text ones as token ids over ``/v1/completions``
+  generated-shared-prefix shape; requests/s), ``mooncake`` (a slice of the Mooncake conversation trace, one
+  token run per hash block; requests/s) and, named only, ``agent`` (the repository's agent sessions, each turn
+  sent its tool wait after the previous answer ended; sessions/s), the text ones as token ids over ``/v1/completions``
   (``benchmarks.serve_workloads``) to ``--text-preset`` written as a model folder (``benchmarks.serve_model``),
   ``vlm_chat`` as chat messages to ``--preset`` written as a model folder with its chat template (``mmcache
   export-model``). Engines: ``mmcache_nocache`` (no page reuse, every encoder output bypasses the store; its
-  unloaded latency in the first repeat sets each workload's SLOs), ``mmcache``, and with ``--peers`` vLLM's own
+  unloaded latency in the first repeat sets each workload's SLOs), ``mmcache``, with ``--host-tier-bytes N``
+  ``mmcache_tier`` (``mmcache`` with a host tier of N bytes below its pool), and with ``--peers`` vLLM's own
   OpenAI server on the same folders (the VLM's with ``--preset bench-llava``: vLLM takes no head size of 16, the
   tiny presets'), at its CPU server's defaults (``vllm_cpu``) and with ``--peer-batched-tokens``
   (``vllm_cpu_tuned``; ``benchmarks.serve_vllm``, whose ``--tune-peer`` sweep finds that value); both mmcache
@@ -95,6 +97,7 @@ DESCRIPTION = ("the OpenAI-compatible server from its clients: TTFT added by HTT
 PRESETS = ("tiny-llava", "bench-llava")
 STORE_BYTES = 256 * 2**20
 MAX_POOL_TOKENS = MAX_TOKENS
+MAX_HOST_TIER_BYTES = 2**40
 TTFT_FLOOR_S = 0.005  # the target: HTTP adds at most this or TTFT_SHARE of the in-process TTFT, the larger
 TTFT_SHARE = 0.05
 MAX_RATE = 1000.0
@@ -166,9 +169,10 @@ def duration_s(text: str) -> float:
 
 
 def workloads_list(text: str) -> list[str]:
-    """An argparse ``type``: comma-separated workload names, each one of ``serve_sweep.WORKLOADS`` or (with
-    ``--replicas``) ``serve_workloads.REPLICA_WORKLOADS``, no repeats."""
-    known = sweep.WORKLOADS + sw.REPLICA_WORKLOADS
+    """An argparse ``type``: comma-separated workload names, each one of ``serve_sweep.WORKLOADS``,
+    ``serve_workloads.OPT_IN_WORKLOADS`` or (with ``--replicas``) ``serve_workloads.REPLICA_WORKLOADS``, no
+    repeats."""
+    known = sweep.WORKLOADS + sw.OPT_IN_WORKLOADS + sw.REPLICA_WORKLOADS
     names = [w.strip() for w in text.split(",") if w.strip()]
     bad = [w for w in names if w not in known]
     if not names or bad or len(set(names)) != len(names):
@@ -202,6 +206,11 @@ def _server_options(p) -> None:
     p.add_argument("--mixed-prefill-tokens", type=count(MAX_POOL_TOKENS), default=None, metavar="N",
                    help="prompt tokens of a step that also decodes, a multiple of --page-size (default: the "
                         "server's, mmcache serve --mixed-prefill-tokens)")
+    p.add_argument("--host-tier-bytes", type=count(MAX_HOST_TIER_BYTES, minimum=0), default=0, metavar="N",
+                   help="the open loop also runs mmcache_tier: the mmcache engine with a host tier of N bytes below "
+                        "its pool (mmcache serve --host-tier-bytes), beside mmcache without one, on the same "
+                        "workloads and rates (default 0: no mmcache_tier); pair it with a --num-pages below the "
+                        "sessions' contexts so that evictions happen")
     p.add_argument("--threads", type=count(MAX_THREADS), default=1, help="torch CPU threads while measuring")
     p.add_argument("--seed", type=seed, default=0)
 
@@ -249,7 +258,8 @@ def _size_options(s) -> None:
 def _open_loop_options(s) -> None:
     """The open-loop part: its workloads, its rates and how long each rate sends; or none of it."""
     s.add_argument("--workloads", type=workloads_list, default=None, metavar="W1,W2",
-                   help=f"open-loop workloads (default all: {FULL['workloads']})")
+                   help=f"open-loop workloads (default: {FULL['workloads']}; also agent, the repository's agent "
+                        f"sessions scaled as multi_turn, each turn sent its tool wait after the previous answer)")
     s.add_argument("--rates", type=rates_list, default=None, metavar="R1,R2",
                    help=f"open-loop rates, sessions (chats) or requests (one-turn workloads) per second "
                         f"(default {FULL['rates']}, quick {QUICK['rates']})")
@@ -313,6 +323,12 @@ def settle(args) -> None:
     if args.tune_peer and not any(w in sw.TEXT_WORKLOADS for w in args.workloads):
         raise WorkloadShapeError(f"--tune-peer sweeps a text workload: --workloads {','.join(args.workloads)} "
                                  f"names none of {', '.join(sw.TEXT_WORKLOADS)}")
+    if args.host_tier_bytes:
+        moot = [o for o, v in (("--replicas", args.replicas), ("--tune-peer", args.tune_peer),
+                               ("--no-load", args.no_load)) if v]
+        if moot:
+            raise WorkloadShapeError(f"--host-tier-bytes adds mmcache_tier to the open loop, which {moot[0]} does "
+                                     f"not run: leave one of them out")
     if args.peers or args.tune_peer:
         from .peers.vllm_cpu import interpreter
 
@@ -365,13 +381,15 @@ def sessions(plan, options: dict) -> list[loadgen.Session]:
 
 
 # ---- engines ---------------------------------------------------------------------------------------------
-def engine_config(args, cache_mode: str = "on"):
-    """``mmcache serve``'s engine config (its schedule defaults) at this run's sizes."""
-    from mmcache.server.config import serve_engine_config
+def engine_config(args, cache_mode: str = "on", host_tier_bytes: int = 0):
+    """``mmcache serve``'s engine config (its schedule defaults) at this run's sizes, with a host tier of
+    ``host_tier_bytes`` below the pool (0: none; ``mmcache serve --host-tier-bytes``)."""
+    from mmcache.server.config import serve_engine_config, tiered_engine_config
 
-    return serve_engine_config(page_size=args.page_size, num_pages=args.num_pages, cache_mode=cache_mode,
-                               prefill_chunk_tokens=args.prefill_chunk_tokens,
-                               mixed_prefill_tokens=args.mixed_prefill_tokens)
+    config = serve_engine_config(page_size=args.page_size, num_pages=args.num_pages, cache_mode=cache_mode,
+                                 prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                 mixed_prefill_tokens=args.mixed_prefill_tokens)
+    return tiered_engine_config(config, host_tier_bytes) if host_tier_bytes else config
 
 
 def server_config(args, cache_mode: str = "on", **changes):
@@ -631,7 +649,7 @@ def run_config(args) -> dict:
                                             "text_preset", "text_dtype", "text_sessions", "text_requests",
                                             "text_turns",
                                             "text_max_tokens", "peers", "prefill_chunk_tokens",
-                                            "mixed_prefill_tokens", "load_repeats", "near_line",
+                                            "mixed_prefill_tokens", "load_repeats", "near_line", "host_tier_bytes",
                                             "peer_batched_tokens", "tune_peer", "vllm_client", "replicas",
                                             "routers", "route_depth_tokens", "ray_address", "replica_slo")}
     schedule = engine_config(args)  # what both mmcache servers ran with (None in the options: the server's)

@@ -2,7 +2,8 @@
 
 Rules:
 
-* A repeat runs every engine on every workload (``mmcache_nocache``, ``mmcache``, then with ``--peers`` vLLM at its
+* A repeat runs every engine on every workload (``mmcache_nocache``, ``mmcache``, with ``--host-tier-bytes N``
+  ``mmcache_tier`` (``mmcache`` with a host tier of N bytes below its pool), then with ``--peers`` vLLM at its
   defaults and tuned: ``benchmarks.serve_vllm``), each engine's server started afresh. Repeat k uses seed
   ``--seed + k`` for the text workloads' sessions, the arrival times and the salts (``serve_sweep`` salts by seed
   and rate), so no repeat reuses another's pages; the engines' order rotates by one per repeat, so drift in the
@@ -23,6 +24,8 @@ from . import serve_sweep as sweep
 from . import serve_workloads as sw
 from .kernel_harness import order
 from .options import MAX_REQUESTS
+
+MMCACHE_ENGINES = ("mmcache_nocache", "mmcache", "mmcache_tier")  # served by ``mmcache serve`` in this process
 
 
 def per_rate(args, rate: float, default: int) -> int:
@@ -59,7 +62,8 @@ def text_workloads(args, space, seed: int, names: list[str]) -> dict[str, sweep.
     from .serve import TEXT_SHAPES
 
     shape = TEXT_SHAPES["quick" if args.quick else "full"]
-    default = {"multi_turn": args.text_sessions, "shared_prefix": args.text_requests, "mooncake": args.text_requests}
+    default = {"multi_turn": args.text_sessions, "shared_prefix": args.text_requests, "mooncake": args.text_requests,
+               "agent": args.text_sessions}
     most = {w: max(per_rate(args, r, n) for r in args.rates) for w, n in default.items()}
     per_group = shape["sp_per_group"]
     builders = {
@@ -68,6 +72,7 @@ def text_workloads(args, space, seed: int, names: list[str]) -> dict[str, sweep.
                                                     shape["sp_question"], args.text_max_tokens),
         "mooncake": lambda n: sw.mooncake(space, shape["mc_start"], n, shape["mc_block"], args.text_max_tokens,
                                           shape["mc_prompt"]),
+        "agent": lambda n: sw.agent(space, seed, n, args.text_turns, shape["scale"], args.text_max_tokens),
     }
     out = {}
     for name in names:
@@ -101,12 +106,13 @@ def mmcache_target(srv, engine: str) -> sweep.Target:
     return sweep.Target(engine, srv.base_url, srv.config.model_name, after_rate)
 
 
-def text_server_config(args, folder, cache_mode: str):
+def text_server_config(args, folder, cache_mode: str, host_tier_bytes: int = 0):
     from mmcache.server import ServerConfig
 
     from .serve import MAX_WAITING, engine_config
 
-    return ServerConfig(model=str(folder), dtype=args.text_dtype, engine_config=engine_config(args, cache_mode),
+    return ServerConfig(model=str(folder), dtype=args.text_dtype,
+                        engine_config=engine_config(args, cache_mode, host_tier_bytes),
                         served_model_name=args.text_preset, max_waiting=MAX_WAITING)
 
 
@@ -121,13 +127,14 @@ def vlm_folder(args, tmp: str):
     return export_model(args.preset, Path(tmp) / args.preset, args.dtype)
 
 
-def vlm_server_config(args, folder, cache_mode: str):
+def vlm_server_config(args, folder, cache_mode: str, host_tier_bytes: int = 0):
     """The VLM server over ``folder``; cache ``off``: no page reuse and a store of one byte, which every encoder
     output bypasses (the vision tower runs for every image of every request)."""
     from .serve import MAX_WAITING, STORE_BYTES, engine_config
     from mmcache.server import ServerConfig
 
-    return ServerConfig(model=str(folder), dtype=args.dtype, engine_config=engine_config(args, cache_mode),
+    return ServerConfig(model=str(folder), dtype=args.dtype,
+                        engine_config=engine_config(args, cache_mode, host_tier_bytes),
                         store_bytes=STORE_BYTES if cache_mode == "on" else 1, max_waiting=MAX_WAITING)
 
 
@@ -170,7 +177,8 @@ def engine_names(args) -> list[str]:
     """The engines of a repeat, in the first repeat's order: cache off first (its unloaded run sets the SLOs)."""
     from .serve_vllm import peer_configs
 
-    return ["mmcache_nocache", "mmcache"] + ([c.engine for c in peer_configs(args)] if args.peers else [])
+    tier = ["mmcache_tier"] if args.host_tier_bytes else []
+    return ["mmcache_nocache", "mmcache"] + tier + ([c.engine for c in peer_configs(args)] if args.peers else [])
 
 
 def open_loop(args, plan) -> dict:
@@ -198,7 +206,7 @@ def open_loop(args, plan) -> dict:
             drive = vllm_client(args, clients, folder, tmp, seed)
             for engine in engines:
                 per = measured[engine] = {}
-                if engine in ("mmcache", "mmcache_nocache"):
+                if engine in MMCACHE_ENGINES:
                     sweep_mmcache(engine, works, texts, folders, args, slo, per, seed, drive)
                 else:
                     ran = _sweep_vllm(engine, args, folders, works, texts, plan, slo, per, seed, tmp, drive)
@@ -231,16 +239,18 @@ def _sweep_vllm(engine: str, args, folders: dict, works: dict, texts: list[str],
 
 def sweep_mmcache(engine: str, works: dict, texts: list[str], folders: dict, args, slo: dict, per: dict,
                   seed: int, drive=None) -> None:
-    """One mmcache engine (cache off for ``mmcache_nocache``) on every workload, into ``per``; ``drive`` (vLLM's
-    client) runs on the text server after its sweeps."""
+    """One mmcache engine (cache off for ``mmcache_nocache``, a host tier of ``--host-tier-bytes`` for
+    ``mmcache_tier``) on every workload, into ``per``; ``drive`` (vLLM's client) runs on the text server after its
+    sweeps."""
     from mmcache.presets import serve
 
     mode = "off" if engine == "mmcache_nocache" else "on"
+    tier = args.host_tier_bytes if engine == "mmcache_tier" else 0
     if "vlm_chat" in works:
-        with serve(vlm_server_config(args, folders["vlm"], mode)) as srv:
+        with serve(vlm_server_config(args, folders["vlm"], mode, tier)) as srv:
             per["vlm_chat"] = measure(mmcache_target(srv, engine), works["vlm_chat"], args, slo, seed)
     if texts:
-        with serve(text_server_config(args, folders["text"], mode)) as srv:
+        with serve(text_server_config(args, folders["text"], mode, tier)) as srv:
             for w in texts:
                 per[w] = measure(mmcache_target(srv, engine), works[w], args, slo, seed)
             if drive is not None:

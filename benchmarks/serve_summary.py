@@ -23,7 +23,8 @@ from .serve_sweep import THRESHOLD
 from .table import Row
 
 MARGIN = 0.05
-PEER_LABELS = {"mmcache_nocache": "cache off", "vllm_cpu": "vLLM at its defaults", "vllm_cpu_tuned": "vLLM tuned"}
+PEER_LABELS = {"mmcache_nocache": "cache off", "mmcache_tier": "mmcache with the host tier",
+               "vllm_cpu": "vLLM at its defaults", "vllm_cpu_tuned": "vLLM tuned"}
 
 
 def median_goodput(values: list[float | None]) -> float | None:
@@ -86,12 +87,12 @@ def ratios(per_repeat: list[dict], workload: str) -> dict:
     return out
 
 
-def attainment_by_rate(figures: dict) -> dict[float, float]:
-    """The median attainment at each rate over the repeats that swept it."""
+def attainment_by_rate(figures: dict, key: str = "attainment") -> dict[float, float]:
+    """The median attainment (or another figure of the rows, ``key``) at each rate over the repeats that swept it."""
     seen: dict[float, list[float]] = {}
     for row in figures["rates"]:
-        if row["attainment"] is not None:
-            seen.setdefault(row["rate"], []).append(row["attainment"])
+        if row.get(key) is not None:
+            seen.setdefault(row["rate"], []).append(row[key])
     return {rate: statistics.median(values) for rate, values in sorted(seen.items())}
 
 
@@ -121,6 +122,12 @@ def open_loop_rows(result: dict) -> list[Row]:
         for rate, value in attainment_by_rate(mine).items():
             rows.append(Row("serve", f"{w} at {rate:g} {unit}: SLO attainment", value, "", base_at.get(rate),
                             higher_is_better=True, target=">= 0.9 counts for goodput"))
+        tier = (engines.get("mmcache_tier") or {}).get(w)
+        if tier:  # the host tier's side: matched share (cached over prompt tokens) without it against with it
+            with_tier = attainment_by_rate(tier, "matched_share")
+            for rate, value in attainment_by_rate(mine, "matched_share").items():
+                rows.append(Row("serve", f"{w} at {rate:g} {unit}: matched share", value, "", with_tier.get(rate),
+                                versus="mmcache_tier", higher_is_better=True))
         for engine, summary in (over.get(w) or {}).items():
             theirs = engines[engine][w]["goodput_rps"] or 0.0
             paired = summary["median"] if summary["repeats"] > 1 else None
@@ -130,6 +137,8 @@ def open_loop_rows(result: dict) -> list[Row]:
             else:
                 metric = f"goodput, {w}, against {PEER_LABELS.get(engine, engine)}"
                 target = ">= 1.5x the better vLLM" if w in ("vlm_chat", "multi_turn") else ">= vLLM"
+                if engine == "mmcache_tier":
+                    target = ""
             rows.append(Row("serve", metric + _spread(summary), mine["goodput_rps"] or 0.0, unit, theirs,
                             versus=engine if engine != "mmcache_nocache" else "cache off", higher_is_better=True,
                             paired=paired, target=target))

@@ -13,9 +13,16 @@
 * ``hot_prefix`` (``mmcache bench serve --replicas`` only): a skew where most sessions (``hot_share``) open with
   one long system prompt and the rest with a system prompt of their own, each session then multi-turn, so that
   affinity routing meets one hot prefix and also has each chat's own turns to keep together.
+* ``agent`` (opt-in: ``--workloads agent``): the repository's agent sessions (``mmcache.replay.sessions`` on
+  ``datasets/sessions/agent_sessions.json``, its seed replaced by the run's), every length scaled by ``scale`` as
+  ``multi_turn``'s, turns cut to ``max_turns``. A session's first turn is its system prompt and task, each later
+  turn the previous tool result; the model's own answer stands where the generator's output stood. Each later
+  turn waits the generator's tool latency after the previous answer ended (``TokenSession.waits_s``: the
+  closed-loop rule, as ``mmcache replay`` replays sessions).
 
 Invariants: the same arguments give the same sessions (seeded ``random.Random`` and hash-keyed streams, no
-global state); every token id lies in the given ``TokenSpace``; a session's per-turn ``max_tokens`` is at least 1.
+global state); every token id lies in the given ``TokenSpace``; a session's per-turn ``max_tokens`` is at least 1;
+a wait is finite and non-negative.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from .text_workloads import TokenSpace, WorkloadShapeError
 
 MOONCAKE_TRACE = Path(__file__).resolve().parents[1] / "datasets" / "traces" / "conversation_trace.jsonl"
 TRACE_BLOCK = 512  # the trace's own block size: len(hash_ids) == ceil(input_length / 512)
-TEXT_WORKLOADS = ("multi_turn", "shared_prefix", "mooncake")
+TEXT_WORKLOADS = ("multi_turn", "shared_prefix", "mooncake", "agent")
+OPT_IN_WORKLOADS = ("agent",)  # named in --workloads only: not in the default run
 REPLICA_WORKLOADS = ("hot_prefix",)  # served only through replicas (``benchmarks.serve_replicas``)
 
 
@@ -48,13 +56,16 @@ class Plan:
     times_s: list[float] | None = None
     unit: str = "requests"  # what a rate counts per second: "sessions" or "requests"
     params: dict = field(default_factory=dict)
+    waits_s: list[list[float]] | None = None  # per session, per turn: the pause after the previous answer
 
     def sessions(self, options: dict, count: int | None = None) -> list[TokenSession]:
         """The first ``count`` sessions (all when None; the list again, in order, beyond its length) with
         ``options`` (model, salt, sampling ...) on every request."""
         n = len(self.turns) if count is None else count
+        waits = lambda j: None if self.waits_s is None else list(self.waits_s[j])
         return [TokenSession([list(t) for t in self.turns[i % len(self.turns)]], dict(options),
-                             max_tokens=list(self.max_tokens[i % len(self.turns)])) for i in range(n)]
+                             max_tokens=list(self.max_tokens[i % len(self.turns)]),
+                             waits_s=waits(i % len(self.turns))) for i in range(n)]
 
     def offsets(self, rate: float, count: int) -> list[float] | None:
         """Arrival offsets of the first ``count`` sessions at mean ``rate`` per second (None for Poisson)."""
@@ -91,6 +102,50 @@ def multi_turn(space: TokenSpace, seed: int, conversations: int, max_turns: int,
     params = dict(w.params, scale=scale, source="datasets/traces/vllm_generate_multi_turn.json",
                   submitted="open loop: sessions at the arrivals, each turn once the previous answer ended")
     return Plan("multi_turn", turns, answers, unit="sessions", params=params)
+
+
+def agent(space: TokenSpace, seed: int, sessions: int, max_turns: int, scale: float, max_answer: int,
+          path: Path | None = None) -> Plan:
+    """``sessions`` agent sessions of the parameter file ``path`` (default the repository's), drawn from ``seed``,
+    lengths times ``scale``, at most ``max_turns`` turns each, answers capped at ``max_answer`` tokens; turn ``k``
+    (k > 0) waits the session's tool latency ``k - 1`` after turn ``k - 1``'s answer ends."""
+    from mmcache.replay.sessions import DEFAULT_PARAMS, AgentSessions, load_params
+
+    if not 0 < scale <= 1 or sessions < 1 or max_turns < 1 or max_answer < 1:
+        raise WorkloadShapeError(f"agent: scale in (0, 1] and sessions, max_turns, max_answer >= 1, got {scale}, "
+                                 f"{sessions}, {max_turns}, {max_answer}")
+    source = Path(path or DEFAULT_PARAMS)
+    p = load_params(source)
+    shrink = lambda d: dataclasses.replace(d, mean=max(1.0, d.mean * scale), low=max(1.0, d.low * scale),
+                                           high=max(1.0, d.high * scale))
+    p = dataclasses.replace(p, seed=seed, sessions=sessions, media=None,
+                            system_prompt_tokens=max(1, round(p.system_prompt_tokens * scale)),
+                            task_tokens=shrink(p.task_tokens), output_tokens=shrink(p.output_tokens),
+                            tool_output_tokens=shrink(p.tool_output_tokens))
+    work = AgentSessions(p, source=source.name)
+    span = space.high - space.low
+    ids = lambda a: (np.asarray(a, dtype=np.int64) % span + space.low).tolist()
+    turns, answers, waits = [], [], []
+    for i, s in enumerate(work.sessions):
+        n = min(max_turns, len(s.outputs))
+        spec = [work.turn(i, k) for k in range(n)]
+        whole = work.prompt_ids(i, n - 1)
+        # turn k > 0 adds tool result k - 1: what lies between the end of answer k - 1 and prompt k's end
+        cuts = [(0, spec[0].prompt_len)] + [(spec[k - 1].prompt_len + spec[k - 1].output_len, spec[k].prompt_len)
+                                           for k in range(1, n)]
+        turns.append([ids(whole[a:b]) for a, b in cuts])
+        answers.append([max(1, min(t.output_len, max_answer)) for t in spec])
+        waits.append([0.0] + [float(x) for x in s.latency[:n - 1]])
+    params = {"sessions": sessions, "max_turns": max_turns, "scale": scale, "max_answer": max_answer,
+              "seed": seed, "system_prompt_tokens": p.system_prompt_tokens,
+              "turns": sum(len(t) for t in turns),
+              "mean_wait_s": float(np.mean([w for ws in waits for w in ws[1:]])) if any(len(w) > 1 for w in waits)
+              else 0.0,
+              "context_tokens_max": max(sum(map(len, t)) + sum(a[:-1]) for t, a in zip(turns, answers)),
+              "source": f"datasets/sessions/{source.name}" if path is None else source.name,
+              "submitted": "open loop: sessions at the arrivals, each turn its tool wait after the previous answer "
+                           "ended (closed loop within a session)"}
+    return Plan("agent", turns, answers, unit="sessions", params=params, waits_s=waits)
 
 
 def shared_prefix(space: TokenSpace, seed: int, groups: int, per_group: int, system_len: int, question_len: int,

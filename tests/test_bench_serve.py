@@ -402,7 +402,7 @@ def test_trace_offsets_with_equal_times_are_evenly_spaced():
 
 def test_rate_rows():
     from benchmarks import loadgen
-    from tests.test_loadgen import rec
+    from test_loadgen import rec
 
     records = [rec(0.0, first=0.1, step=0.02, tokens=4), rec(1.0, first=1.5, step=0.02, tokens=4),
                rec(2.0, outcome="timeout")]
@@ -419,7 +419,7 @@ def test_slos_come_from_the_unloaded_p50s():
     import httpx2
     import openai
 
-    from tests.test_loadgen import StubCompletions
+    from test_loadgen import StubCompletions
 
     app = StubCompletions(per_chunk=False)
     plan = serve.sw.shared_prefix(SPACE, 0, 1, 3, 4, 2, 3)
@@ -460,7 +460,7 @@ def test_the_ladders_foot_moves_down_until_an_engine_meets_the_slos_or_the_floor
     import httpx2
     import openai
 
-    from tests.test_loadgen import StubCompletions
+    from test_loadgen import StubCompletions
 
     app = StubCompletions(per_chunk=False)
     plan = serve.sw.shared_prefix(SPACE, 0, 1, 3, 4, 2, 3)
