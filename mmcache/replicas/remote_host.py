@@ -14,7 +14,10 @@ Rules and invariants:
 * A replica that dies or stops answering ends its requests: one with no event yet fails with a 503
   (``ReplicaLost``, raised from the handler as ``AddFailed``), one under way ends with an error event carrying
   ``ReplicaLost``, so a stream ends with a retryable error object. Nothing is held here after either.
-* ``merge_metrics`` adds every live replica's series, labelled ``replica``, to the ingress's own (``metrics``).
+* A replica's refusal of a request (its ``AddFailed``, the error carried as its response: ``errors.carry``)
+  arrives as the request's error end, so the handler answers it as one engine's refusal (400, 413, 503).
+* ``merge_metrics`` adds every live replica's series, labelled ``replica``, to the ingress's own (``metrics``);
+  ``headers`` names the replica that served a request (``x-mmcache-replica``).
 """
 
 from __future__ import annotations
