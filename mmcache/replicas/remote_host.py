@@ -6,8 +6,9 @@ Rules and invariants:
 * The waiting queue is bounded here, at the ingress, by the same ``WaitingQueue`` as one engine's host
   (``max_waiting``, each tenant's share), so a full deployment refuses before any prompt is built. A request
   counts as waiting until its first event arrives, then as running until its end.
-* ``submit`` computes the routing key (``routing.RoutingKey``), sends one ``EngineCall`` and returns the queue
-  the replica's events arrive on, each engine step's events in one go, as ``EngineHost`` posts them.
+* ``submit`` returns at once the queue the replica's events will arrive on (each engine step's events in one go,
+  as ``EngineHost`` posts them); the routing key (``routing.RoutingKey``) is computed on the host's own thread,
+  off the event loop, and then one ``EngineCall`` is sent.
 * ``abort`` is pinned to the replica that holds the request (``Served``); before that is known, the stream is
   cancelled, which the replica turns into an abort. Either way the request's end still arrives on its queue:
   the replica's own abort event, or one made here for a stream cancelled before its replica answered.
@@ -28,6 +29,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -75,6 +77,9 @@ class RemoteHost:
         self._lock = threading.Lock()  # the counts; every other state is the event loop's alone
         self._calls: dict[object, _Call] = {}
         self._tasks: set[asyncio.Task] = set()
+        # computes routing keys off the event loop (tokenizing, rendering, hashing images), one at a time: a
+        # Hugging Face tokenizer refuses two threads at once
+        self._keys = ThreadPoolExecutor(1, thread_name_prefix="mmcache-routing")
         # where requests that ended before their handler asked (``headers``) ran; the oldest are dropped
         self._ended: OrderedDict = OrderedDict()
         self.running = 0
@@ -122,13 +127,8 @@ class RemoteHost:
                 self._queue.count(owner, +1)
         call = _Call(asyncio.Queue(), owner)
         self._calls[rid] = call
-        try:
-            engine_call = self._engine_call(request, owner, getattr(source, "messages", None))
-        except BaseException:
-            self._end(rid, call)
-            raise
-        call.stream = self.handle.options(stream=True).generate.remote(engine_call)
-        task = asyncio.get_running_loop().create_task(self._pump(rid, call))
+        task = asyncio.get_running_loop().create_task(
+            self._pump(rid, call, request, getattr(source, "messages", None)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return call.queue
@@ -155,7 +155,8 @@ class RemoteHost:
             return
         call.cancelled, call.reason = True, reason
         if call.replica is None:
-            call.stream.cancel()
+            if call.stream is not None:  # not sent yet: the pump sees ``cancelled`` before sending
+                call.stream.cancel()
         else:
             self._abort_at_replica(rid, call)
 
@@ -166,11 +167,18 @@ class RemoteHost:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, rid, call: _Call) -> None:
+    async def _pump(self, rid, call: _Call, request, messages) -> None:
         from ray.serve.exceptions import RequestCancelledError
 
         ended = False
         try:
+            engine_call = await asyncio.get_running_loop().run_in_executor(
+                self._keys, self._engine_call, request, call.owner, messages)
+            if call.cancelled:  # aborted while its key was computed: never sent
+                self._finish(rid, call, "abort", None)
+                ended = True
+                return
+            call.stream = self.handle.options(stream=True).generate.remote(engine_call)
             async for items in call.stream:
                 if isinstance(items, Served):
                     call.replica = items.replica
@@ -181,7 +189,8 @@ class RemoteHost:
                 if ended:
                     break
         except asyncio.CancelledError:
-            call.stream.cancel()
+            if call.stream is not None:
+                call.stream.cancel()
             raise
         except RequestCancelledError:
             if not ended:
@@ -261,6 +270,7 @@ class RemoteHost:
         self._stopping = True
         for rid, call in list(self._calls.items()):
             self.abort(rid)
+        self._keys.shutdown(wait=False, cancel_futures=True)
 
 
 async def _settle(response):

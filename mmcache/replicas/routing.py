@@ -116,21 +116,22 @@ class RoutingKey:
         extras = page_extras(media, self.page_size)
         root = self.namer.root(salt)
         full = len(ids) // self.page_size
-        names = self.namer.names(ids, root, extras, num_pages=min(full, 2 * self.depth_pages))
         if first_turn is not None:
             end = min(first_turn, self.depth_pages * self.page_size, len(ids))
             if end <= 0:
                 return None, None
+            deeper = min(full, 2 * -(-end // self.page_size))
+            names = self.namer.names(ids, root, extras, num_pages=deeper)  # only the pages the two names need
             whole = end // self.page_size
             base = int(names[whole - 1]) if whole else root
             tail = ids[whole * self.page_size:end].tobytes()
             tail += b"".join(m.digest + int(m.position).to_bytes(8, "little") for m in media
                              if whole * self.page_size <= m.position < end)
             name = xxhash.xxh64_intdigest(tail, base) if tail else base
-            deeper = min(len(names), 2 * -(-end // self.page_size))
             return name, (int(names[deeper - 1]) if deeper else None)
         if full == 0:
             return None, None
+        names = self.namer.names(ids, root, extras, num_pages=min(full, 2 * self.depth_pages))
         page = self.depth_pages if full >= self.depth_pages else 1
         return int(names[page - 1]), int(names[len(names) - 1])
 

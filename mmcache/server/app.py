@@ -103,9 +103,8 @@ class _Api:
         if self.config.metrics_key is not None and not metrics_key_matches(request, self.config.metrics_key):
             raise unauthorized("/metrics needs the metrics key: send Authorization: Bearer KEY")
         text = self.metrics.render()
-        merge = getattr(self.host, "merge_metrics", None)  # a host of replicas adds each replica's series
-        if merge is not None:
-            text = await merge(text)
+        if self.host is not None:
+            text = await self.host.merge_metrics(text)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     def close(self) -> None:

@@ -239,6 +239,10 @@ class EngineHost:
         """Response headers that say where ``rid`` ran: none for one engine (a host of replicas names one)."""
         return {}
 
+    async def merge_metrics(self, text: bytes) -> bytes:
+        """The server's exposition as /metrics sends it: ``text`` itself (a host of replicas adds theirs)."""
+        return text
+
     def abort(self, rid, reason: str | None = None) -> None:
         """Ask the step thread to end ``rid``; ``reason`` ("stop": a stop string matched) is what the server
         records for it instead of ``abort``. Never waits; harmless for a request that has ended."""
