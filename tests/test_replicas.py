@@ -25,7 +25,8 @@ REPLICA = "x-mmcache-replica"
 
 @pytest.fixture(scope="module")
 def app():
-    config = ServerConfig(preset=MODEL, api_keys=KEYS, engine_config=EngineConfig(page_size=16, num_pages=512))
+    config = ServerConfig(preset=MODEL, api_keys=KEYS, engine_config=EngineConfig(page_size=16, num_pages=512),
+                          body_timeout_s=2.0)
     with start_replicas(config, ReplicaOptions(replicas=2), build_models) as srv:
         yield srv
 
@@ -134,6 +135,18 @@ def test_bad_input_gets_the_single_servers_error_through_a_replica(app, content,
                    timeout=60, json={"model": MODEL, "messages": bad_answer})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert metric(scrape(app.url), "mmcache:request_errors_total", error_type="internal_error") == 0
+
+
+def test_a_body_that_stalls_is_answered_not_held(app):
+    """Ray's proxy has no body deadline: the ingress gives up on a body that pauses past ``--body-timeout``."""
+    import socket
+
+    host, port = app.url.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 1000\r\n\r\n{")
+        answer = s.recv(200)  # a socket.timeout here (60 s) is the failure: the body held forever
+    assert answer.startswith(b"HTTP/1.1 4"), answer
 
 
 def test_a_stop_string_ends_the_request_on_its_replica(app):

@@ -7,6 +7,7 @@ single-process server (one copy: only the chat engine is replicated).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 
@@ -38,6 +39,7 @@ class Ingress:
                          copy.deepcopy(description.tokenizer), description.template)
         tenants = Tenants(config.api_keys, config.tenant_secret)
         share = config.max_waiting_per_tenant or tenants.share(config.max_waiting)
+        self.body_timeout_s = config.body_timeout_s
         self.host = RemoteHost(engine, description, options.deployment, config, key, share, options.text_prompts)
         models = None
         if config.diffusion or config.tts:
@@ -49,7 +51,7 @@ class Ingress:
         self.fastapi = build_app(self.host, config, tenants, self.metrics, routers, self.services.values())
 
     def __serve_build_asgi_app__(self):
-        return _DisconnectOnCancel(self.fastapi)
+        return _DisconnectOnCancel(self.fastapi, self.body_timeout_s)
 
     def __del__(self):
         for service in getattr(self, "services", {}).values():
@@ -61,18 +63,31 @@ class Ingress:
 
 class _DisconnectOnCancel:
     """The app with Ray Serve's cancellation of a request's receive (its client went away) read as the ASGI
-    disconnect message the app handles (a 499, the request aborted), not as a failure of the app."""
+    disconnect message the app handles (a 499, the request aborted), not as a failure of the app; and a body that
+    pauses longer than ``body_timeout_s`` between chunks read as a disconnect too, as the single server's
+    connection guard closes it (Ray's proxy has no such bound)."""
 
-    def __init__(self, app):
+    def __init__(self, app, body_timeout_s: float):
         self.app = app
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         from ray.exceptions import TaskCancelledError
 
+        body_done = scope.get("type") != "http"
+
         async def receive_or_disconnect():
+            nonlocal body_done
             try:
-                return await receive()
+                if body_done:
+                    return await receive()
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
             except TaskCancelledError:
                 return {"type": "http.disconnect"}
+            except asyncio.TimeoutError:
+                return {"type": "http.disconnect"}
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
 
         await self.app(scope, receive_or_disconnect, send)
