@@ -109,3 +109,9 @@ class TraceFormatError(MmcacheError, ValueError):
         self.path = path
         self.line = line
         self.reason = reason
+
+
+class GroupFailed(MmcacheError, RuntimeError):
+    """A tensor-parallel group could not complete a step together: a rank died, stopped answering within the
+    group's timeout, or answered what no rank may (``mmcache.agreement``). The group cannot go on; its requests
+    fail with this error and a server answers 503 and exits (a supervisor starts the group again)."""

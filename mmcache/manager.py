@@ -42,8 +42,10 @@ this class's: ``shadow.make_manager`` builds a ``ShadowedManager`` (a manager in
 metadata-only mirror) for it.
 
 Reuse gates: mode ``on`` runs as ``off`` (``reuse_off`` says why) where reuse could change outputs before the
-gate that covers it exists: a tensor-parallel fingerprint (``tp_size > 1``: ranks must agree on a matched
-length first) or a KV dtype outside ``REUSE_KV_DTYPES`` (the RFC's dtype scoping). A manager built with
+gate that covers it exists: a tensor-parallel fingerprint (``tp_size > 1``) without an ``agreement`` (the ranks'
+matched lengths must be equal: ``mmcache.agreement``; with one, every admission seeds the group's shortest match,
+trimmed before any page is counted, and the manager keeps no tiers) or a KV dtype outside ``REUSE_KV_DTYPES``
+(the RFC's dtype scoping). A manager built with
 ``reuse_gates=False`` holds no KV a forward reads (a measurement, such as a shadow's mirror), so the gates do not
 apply to it and it counts what reuse would give.
 """
@@ -56,7 +58,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import AllocationFailed, DuplicateRequest, InvalidRequest, RequestStateError, UnknownRequest
+from .errors import AllocationFailed, DuplicateRequest, GroupFailed, InvalidRequest, RequestStateError, UnknownRequest
 from .checks import positive_int
 from .eviction import evict
 from .index import PrefixIndex
@@ -109,6 +111,8 @@ class PreparedPrompt:
     extras: dict
     root: int
     root_material: bytes
+    media: tuple = ()  # what the names were computed from besides ``ids``, so that another rank of a
+    salt: bytes | str | None = b""  # tensor-parallel group can name the same prompt under its own fingerprint
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,8 @@ class AllocationManager:
     seeds and stores whatever the fingerprint (see the reuse gates above)."""
 
     def __init__(self, config: CacheConfig, fingerprint: Fingerprint, kv_spec: KVSpec | None = None,
-                 hash_fn: HashFn | None = None, *, reuse_gates: bool = True, tiers: Tiers | None = None):
+                 hash_fn: HashFn | None = None, *, reuse_gates: bool = True, tiers: Tiers | None = None,
+                 agreement: Callable[[int], int] | None = None):
         if not isinstance(config, CacheConfig) or not isinstance(fingerprint, Fingerprint):
             raise InvalidRequest(f"AllocationManager needs a CacheConfig and a Fingerprint, got "
                                  f"{type(config).__name__} and {type(fingerprint).__name__}")
@@ -246,8 +251,16 @@ class AllocationManager:
         if config.mode == "shadow":
             raise InvalidRequest("mode 'shadow' wraps two managers: build it with mmcache.shadow.make_manager")
         self.config = config
+        if agreement is not None and not callable(agreement):
+            raise InvalidRequest(f"agreement must be callable, got {type(agreement).__name__}")
+        if agreement is not None and tiers is not None:
+            raise InvalidRequest("a manager under a tensor-parallel agreement keeps no tiers (a tier hit would "
+                                 "lengthen one rank's match after the group agreed on it)")
+        #: ``agreement(pages) -> pages``: the tensor-parallel group's matched length (``mmcache.agreement``), or None.
+        self.agreement = agreement
         #: Why mode ``on`` runs as ``off`` here (see the module docstring's reuse gates), or None.
-        self.reuse_off = reuse_blocker(fingerprint, kv_spec) if config.mode == "on" and reuse_gates else None
+        self.reuse_off = (reuse_blocker(fingerprint, kv_spec, agreement is not None)
+                          if config.mode == "on" and reuse_gates else None)
         self.mode = "off" if self.reuse_off else config.mode
         self.page_size = config.page_size
         self.namer = Namer(fingerprint, hash_fn)
@@ -324,7 +337,7 @@ class AllocationManager:
             names = np.empty(0, dtype=np.uint64)
         else:
             names = self.namer.names(ids, root, extras)
-        return PreparedPrompt(ids, names, extras, root, material)
+        return PreparedPrompt(ids, names, extras, root, material, tuple(media), salt)
 
     # ---- admission ---------------------------------------------------------------------------------
     def match_cap(self, num_tokens: int, whole: bool = False) -> int:
@@ -400,6 +413,8 @@ class AllocationManager:
         p = self.page_size
         cap = self.match_cap(len(req.prompt), whole)
         pages = self.index.match(names[:cap], req.prompt, req.extras, req.root_parent)
+        if self.agreement is not None:  # before any page is counted: the group seeds the shortest match
+            pages = pages[:self._agreed(len(pages), req.request_id)]
         k = len(pages)
         if k:
             self.pool.incref(pages)
@@ -429,6 +444,13 @@ class AllocationManager:
         if not readmission:
             self.metrics.record_match(req.request_id, (k + pending) * p)
         return AdmitResult(k * p, k, forfeit * p, pending * p)
+
+    def _agreed(self, k: int, request_id) -> int:
+        agreed = self.agreement(k)
+        if isinstance(agreed, bool) or not isinstance(agreed, (int, np.integer)) or not 0 <= agreed <= k:
+            raise GroupFailed(f"request {request_id!r}: the tensor-parallel agreement answered {agreed!r} for a "
+                              f"match of {k} pages (it must be between 0 and the match)")
+        return int(agreed)
 
     def _read_in(self, req: _Request, root_material: bytes, k: int, cap: int) -> int:
         """Under the lock: continue ``req``'s match of ``k`` pool pages through the tiers, up to ``cap`` pages,
@@ -1080,11 +1102,12 @@ class AllocationManager:
         return self.pool.metadata_nbytes() + self.index.metadata_nbytes()
 
 
-def reuse_blocker(fingerprint: Fingerprint, kv_spec: KVSpec | None) -> str | None:
-    """Why reuse must stay off for this fingerprint and pool (see the module docstring), or None."""
-    if fingerprint.tp_size > 1:
-        return (f"tensor parallel (tp_size={fingerprint.tp_size}): ranks could match different lengths, and the "
-                "agreement on one matched length does not exist yet")
+def reuse_blocker(fingerprint: Fingerprint, kv_spec: KVSpec | None, agreed: bool = False) -> str | None:
+    """Why reuse must stay off for this fingerprint and pool (see the module docstring), or None. ``agreed``: the
+    manager takes its matched lengths from a tensor-parallel agreement."""
+    if fingerprint.tp_size > 1 and not agreed:
+        return (f"tensor parallel (tp_size={fingerprint.tp_size}) without an agreement on one matched length "
+                f"(mmcache.agreement): ranks could match different lengths")
     dtypes = [fingerprint.kv_dtype] if kv_spec is None else [fingerprint.kv_dtype, _dtype_name(kv_spec.dtype)]
     for dtype in dtypes:
         if dtype not in REUSE_KV_DTYPES and dtype != NO_KV:

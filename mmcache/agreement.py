@@ -1,0 +1,61 @@
+"""The tensor-parallel agreement on one matched length (the RFC's phase 4a).
+
+Under tensor parallelism every rank holds its own page pool and prefix index (its slice of the KV heads, under a
+fingerprint that names the slice), and every rank must run the step rank 0 planned. A rank's index can hold less
+than rank 0's (a page evicted on one rank only), so a match is used only after the group agrees on it: at an
+admission each rank matches on its own index, the group takes the minimum of the matched page counts, and each
+rank seeds exactly that many pages. ``AllocationManager(agreement=...)`` calls the agreement between its lookup
+and counting any page, so a rank that matched more never takes an owner count it would have to give back.
+
+Invariants:
+
+* ``GroupMinimum(k)`` returns the same value on every rank of the group, and it is at most ``k`` on each: one
+  all-reduce (MIN) over one 64-bit integer, on the group's backend (gloo on CPU, NCCL where the pools are on CUDA).
+* Every rank calls it once for every admission, in the same order (rank 0 announces each admission before its
+  own call: ``announce``); a rank that does not answer within the group's timeout, or dies, makes the call raise
+  ``GroupFailed`` on the others, never hang past the timeout.
+* ``calls`` and ``seconds`` count the agreements and the time spent in them on this rank (the announcement
+  included), for the cost per admission.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .errors import GroupFailed
+
+
+class GroupMinimum:
+    """``agreement(k) -> the group's minimum of k``; ``group`` is a ``torch.distributed`` process group (None: the
+    default group), ``announce(k)`` runs first on the rank that leads the step (rank 0 sends the admission it
+    matched ``k`` pages for, so that the other ranks join the same all-reduce)."""
+
+    def __init__(self, group=None, announce: Callable[[int], None] | None = None, device: str = "cpu"):
+        self.group = group
+        self.announce = announce
+        self.device = torch.device(device)
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, k: int) -> int:
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        try:
+            if self.announce is not None:
+                self.announce(k)
+            value = torch.tensor([k], dtype=torch.int64, device=self.device)
+            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+            agreed = int(value.item())
+        except GroupFailed:
+            raise
+        except Exception as e:  # gloo and NCCL raise RuntimeError (DistBackendError, timeouts) for a lost rank
+            raise GroupFailed(f"the tensor-parallel group did not agree on a matched length: "
+                              f"{type(e).__name__}: {e}") from e
+        finally:
+            self.calls += 1
+            self.seconds += time.perf_counter() - start
+        return agreed
