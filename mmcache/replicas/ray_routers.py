@@ -5,7 +5,10 @@ paths in ``ROUTER_CLASSES``.
 Ray's request-router API is alpha (Ray 2.49 and later); what is used of it: ``RequestRouter.choose_replicas``
 (candidates and the pending request's arguments), ``initialize_state`` (the router's keyword options),
 ``replica_queue_len_cache`` (queue lengths the router already holds), and the power-of-two and prefix-text
-routers' own ``choose_replicas`` and ``on_request_routed``.
+routers' own ``choose_replicas`` and ``on_request_routed``; of the prefix-text router also
+``_normalize_prompt_to_string``, the text its tree would match for a call: where that is empty (a chat of images
+alone, token ids outside the vocabulary) its ``choose_replicas`` divides by zero inside Ray's routing loop, which
+then never sends the request, so such a call goes by power-of-two choices and never enters its tree.
 """
 
 from __future__ import annotations
@@ -59,18 +62,24 @@ class PowerOfTwoRouter(_Recorded, PowerOfTwoChoicesRequestRouter):
 
 
 class PrefixTextRouter(_Recorded, PrefixCacheAffinityRouter):
-    """Ray Serve LLM's prefix-text router, with pinned calls (which never enter its tree)."""
+    """Ray Serve LLM's prefix-text router, with pinned calls; a call with no text for its tree (not an engine
+    call, or its text empty) goes by power-of-two choices and never enters the tree."""
+
+    def _matchable(self, pending) -> bool:
+        call = _call_of(pending)
+        return call is not None and call.messages is not None and bool(
+            self._normalize_prompt_to_string(call.messages))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         _seen(self, candidate_replicas)
         pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None or _call_of(pending_request) is None:  # its tree wants a prompt or messages
+        if pinned is not None or not self._matchable(pending_request):
             return pinned or await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas,
                                                                                    pending_request)
         return await super().choose_replicas(candidate_replicas, pending_request)
 
     def on_request_routed(self, pending_request, replica_id, result):
-        if _call_of(pending_request) is not None:
+        if self._matchable(pending_request):
             super().on_request_routed(pending_request, replica_id, result)
 
 

@@ -142,7 +142,10 @@ class RemoteHost:
             if text is None:
                 ids = getattr(request, "prompt", None)
                 ids = ids if ids is not None else getattr(request, "token_ids", [])
-                text = ids if isinstance(ids, str) else self._decoder.decode(list(ids))
+                try:
+                    text = ids if isinstance(ids, str) else self._decoder.decode(list(ids))
+                except (OverflowError, TypeError, ValueError):  # ids no tokenizer holds: the replica refuses them
+                    text = None
         try:
             name, overflow = self.key.of(request, messages)
         except MmcacheError:  # a prompt the replica will refuse, with the error it answers: routed by load

@@ -61,7 +61,8 @@ class EngineCall:
     key (``routing_name``) and the overflow's (``overflow_name``; both None when there is nothing to name), how
     long ago the request arrived (``age_s``: clocks of two machines do not compare, durations do), and the
     prompt for ``PrefixTextRouter`` (``messages``: a VLM chat's messages, else the prompt's text; None unless
-    that router runs: it reads a call's ``messages`` whatever else the call holds)."""
+    that router runs, or where the ids do not decode: it reads a call's ``messages`` whatever else the call holds,
+    and a call whose text is empty or None goes by power-of-two choices)."""
 
     request: object
     owner: str | None
