@@ -18,6 +18,12 @@ Rules:
   ``cached_tokens`` over the sum of prompt tokens, every rate's requests together), the goodput at the SLOs (and
   with a TPOT SLO of 5x the unloaded p50), and TTFT p50 and p99 at the top rate of the ladder (the loaded one). Over repeats each is the median; a ratio of
   mmcache's router over another is taken within each repeat, then its median and range.
+* Beside the measured figures, each text workload's bounds from its prompts' arithmetic (``affinity_bounds``,
+  per repeat as that repeat sends it, medians): the matched share of perfect affinity (every request on one
+  replica, no eviction), of each chat whole on one replica, and of random placement (a chat's next turn on its
+  replica half the time with two replicas), and so the largest ratio any router could show over a random one.
+* The prefix-text router runs with the installed Ray's settings, unless ``--prefix-text-imbalance N`` sets its
+  ``imbalanced_threshold`` (Ray 2.60's default is infinite: it then never spreads by load, whatever the rate).
 * ``vlm_chat`` here is not the single server's chats: every chat sends an image of its own (a crop of the photos)
   with no system prompt and the same questions, so chats differ only in their images. A router that reads text
   alone cannot tell them apart; mmcache's routing key carries the image's digest.
@@ -67,7 +73,7 @@ def routers_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .options import count
+    from .options import count, real
 
     g = p.add_argument_group("replicas (mmcache serve --replicas on Ray Serve, routers compared)")
     g.add_argument("--replicas", type=count(MAX_REPLICAS), default=None, metavar="N",
@@ -80,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --replicas, the server whose unloaded latency sets the SLOs: the replicas routed by "
                         "power-of-two choices (default), or the single-process cache-off server, as without "
                         "--replicas (its TPOT lies below what a stream through Ray Serve takes on a tiny model)")
+    g.add_argument("--prefix-text-imbalance", type=real(0.0), default=None, metavar="N",
+                   help="with --replicas, the prefix-text router's imbalanced_threshold: past this gap between "
+                        "the replicas' queues it routes by power-of-two choices (default: the installed Ray's, "
+                        "infinite in Ray 2.60: it never spreads by load; Ray's docs name 10)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --replicas, an existing Ray cluster (default: a local instance per router)")
 
@@ -91,7 +101,8 @@ def settle_replicas(args) -> None:
 
     if args.replicas is None:
         given = [o for o, v in (("--routers", args.routers), ("--route-depth-tokens", args.route_depth_tokens),
-                                ("--ray-address", args.ray_address), ("--replica-slo", args.replica_slo))
+                                ("--ray-address", args.ray_address), ("--replica-slo", args.replica_slo),
+                                ("--prefix-text-imbalance", args.prefix_text_imbalance))
                  if v is not None]
         if given:
             raise WorkloadShapeError(f"{', '.join(given)} sets the replicas run: give --replicas too")
@@ -107,6 +118,8 @@ def settle_replicas(args) -> None:
                                  f"does not apply")
     if args.routers is None:
         args.routers = ["mmcache", *BASELINES]
+    if args.prefix_text_imbalance is not None and "prefix-text" not in args.routers:
+        raise WorkloadShapeError("--prefix-text-imbalance sets the prefix-text router: give it in --routers")
     if args.replica_slo is None:
         args.replica_slo = SLO_SOURCES[0]
     if args.route_depth_tokens is None:
@@ -194,7 +207,7 @@ def run(args) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Ray's logging setup would print every request
     texts = [w for w in args.workloads if w != "vlm_chat"]
     slo: dict = {}
-    per_repeat, runs = [], []
+    per_repeat, runs, bounds = [], [], []
     with tempfile.TemporaryDirectory(prefix="mmcache-replicas-") as tmp:
         folder, space = ol.text_folder(args, tmp) if texts else (None, None)
         folders = {"text": folder, "vlm": ol.vlm_folder(args, tmp) if "vlm_chat" in args.workloads else None}
@@ -202,6 +215,8 @@ def run(args) -> dict:
         for k in range(args.load_repeats):
             seed = args.seed + k
             works = workloads(args, space, seed)
+            bounds.append({w: workload_bounds(works[w], args.rates, args.page_size, args.replicas, seed)
+                           for w in texts})
             routers = order(args.routers, k)
             sweep.progress(f"replicas, repeat {k + 1} of {args.load_repeats} (seed {seed}): {', '.join(routers)}")
             measured = {r: sweep_router(r, works, folders, args, slo, seed) for r in routers}
@@ -210,10 +225,13 @@ def run(args) -> dict:
     figures = [{r: {w: figures_of(s) for w, s in run.items()} for r, run in rep.items()} for rep in per_repeat]
     return {"replicas": {"slo": slo, "routers": per_repeat, "summary": summarise(figures),
                          "ratios": ratios(figures), "runs": runs,
+                         "bounds": {w: {m: _median([b[w][m] for b in bounds]) for m in bounds[0][w]}
+                                    for w in texts},
                          "workloads": {w: dict(works[w].params, unit=works[w].unit) for w in works},
                          "options": {"replicas": args.replicas, "routers": args.routers,
                                      "route_depth_tokens": args.route_depth_tokens, "ray_address": args.ray_address,
-                                     "slo_from": args.replica_slo, "hot_prefix": HOT_PREFIX}}}
+                                     "slo_from": args.replica_slo, "hot_prefix": HOT_PREFIX,
+                                     "prefix_text_imbalance": args.prefix_text_imbalance}}}
 
 
 def by_model(works: dict) -> dict[str, list[str]]:
@@ -256,7 +274,8 @@ def sweep_router(router: str, works: dict, folders: dict, args, slo: dict, seed:
     from mmcache.replicas.launch import ReplicaOptions, start_replicas
 
     options = ReplicaOptions(args.replicas, ray_address=args.ray_address, router=router,
-                             route_depth_tokens=args.route_depth_tokens)
+                             route_depth_tokens=args.route_depth_tokens,
+                             prefix_imbalance=args.prefix_text_imbalance if router == "prefix-text" else None)
     out = {}
     for kind, names in by_model(works).items():
         config = (ol.vlm_server_config if kind == "vlm" else ol.text_server_config)(args, folders[kind], "on")
@@ -384,6 +403,11 @@ def rows(result: dict) -> list[Row]:
                 out.append(Row("serve", f"replicas: {w} routed by {router}: {label}", figs[m] or 0.0,
                                unit if unit is not None else rep["workloads"][w]["unit"],
                                higher_is_better=HIGHER_IS_BETTER[m], versus=""))
+    for w, b in rep.get("bounds", {}).items():
+        if b.get("max_ratio") is not None:
+            out.append(Row("serve", f"replicas: {w}: the most any router's matched share could be over random "
+                                    f"placement's (one replica {b['one_replica']:.3f}, random {b['random']:.3f})",
+                           b["max_ratio"], "x", versus=""))
     if "mmcache" not in summary:
         return out
     mine = summary["mmcache"]
@@ -410,3 +434,80 @@ def _better_by(ratio: float | None, higher_is_better: bool) -> float | None:
     if higher_is_better:
         return ratio
     return 1 / ratio if ratio else None
+
+
+# ---- what any router could reach --------------------------------------------------------------------------
+def affinity_bounds(sessions: list[list[list[int]]], answers: list[list[int]], page_size: int, replicas: int,
+                    draws: int = 200, seed: int = 0, answers_cached: bool = True) -> dict:
+    """The matched share of a text workload's sessions (each its turns' token ids, as ``Plan.turns``; ``answers``:
+    each turn's answer length) under three placements, from the prompts' arithmetic: ``one_replica`` (every
+    request on one replica: perfect affinity, the shared prefixes computed once), ``chat_affinity`` (each chat
+    whole on one of ``replicas`` replicas, chats dealt in turn: a shared prefix computed once a replica), and
+    ``random`` (each request on a replica drawn uniformly, the mean over ``draws`` draws: with two replicas a
+    chat's next turn stays on its replica half the time, as power-of-two choices do at low load). No eviction.
+    A replica holds the full pages of every prompt it served (and of the prompt with its answer, when
+    ``answers_cached``); a prompt matches the full pages it holds (its leading ones: what a replica holds of
+    one chain is a prefix), so the share does not depend on the order the requests came in. Answers are tokens
+    of their session's own, which no other session sends."""
+    import random
+
+    if page_size < 1 or replicas < 1 or draws < 1:
+        raise WorkloadShapeError(f"affinity_bounds: page_size, replicas, draws >= 1, got {page_size}, {replicas}, "
+                                 f"{draws}")
+    requests = []  # per session, per turn: (prompt's page names, the page names its answer adds, prompt length)
+    for s, (turns, lengths) in enumerate(zip(sessions, answers)):
+        prompt: list = []
+        chat = []
+        for t, (ids, answer) in enumerate(zip(turns, lengths)):
+            prompt = prompt + list(ids)
+            whole = _page_names(prompt, page_size)
+            prompt = prompt + [("answer", s, t, i) for i in range(answer)]
+            after = _page_names(prompt, page_size) if answers_cached else whole
+            chat.append((whole, after[len(whole):], len(prompt) - answer))
+        requests.append(chat)
+    total = sum(n for chat in requests for _, _, n in chat)
+
+    def share(place) -> float:
+        held = [set() for _ in range(replicas)]
+        matched = 0
+        for s, chat in enumerate(requests):
+            for t, (names, added, _) in enumerate(chat):
+                pages = held[place(s, t)]
+                matched += page_size * sum(1 for n in names if n in pages)
+                pages.update(names)
+                pages.update(added)
+        return matched / total if total else 0.0
+
+    rng = random.Random(seed)
+    draws_of = [share(lambda s, t: rng.randrange(replicas)) for _ in range(draws)]
+    return {"one_replica": share(lambda s, t: 0), "chat_affinity": share(lambda s, t: s % replicas),
+            "random": sum(draws_of) / len(draws_of), "random_min": min(draws_of), "random_max": max(draws_of),
+            "prompt_tokens": total, "requests": sum(len(chat) for chat in requests)}
+
+
+def workload_bounds(work: sweep.Workload, rates, page_size: int, replicas: int, seed: int) -> dict:
+    """``affinity_bounds`` of a text workload as the sweep sends it: every rate's sessions (each rate under its
+    own salt, so each starts cold), their shares weighted by their prompt tokens; ``max_ratio``: perfect
+    affinity (one replica) over random placement, the most any router's matched share could show over a router
+    that keeps a chat's next turn on its replica no more often than a uniform draw does."""
+    sums: dict = {}
+    total = 0
+    for rate in rates:
+        sessions = work.make({}, work.count(rate))
+        b = affinity_bounds([x.turns for x in sessions], [x.max_tokens for x in sessions], page_size, replicas,
+                            draws=50, seed=seed)
+        for k in ("one_replica", "chat_affinity", "random"):
+            sums[k] = sums.get(k, 0.0) + b[k] * b["prompt_tokens"]
+        total += b["prompt_tokens"]
+    out = {k: v / total if total else 0.0 for k, v in sums.items()}
+    out["max_ratio"] = out["one_replica"] / out["random"] if out["random"] else None
+    return out
+
+
+def _page_names(ids: list, page_size: int) -> list:
+    """The names of ``ids``' full pages, each naming its page and every page before it."""
+    names, name = [], None
+    for k in range(len(ids) // page_size):
+        name = hash((name, tuple(ids[k * page_size:(k + 1) * page_size])))
+        names.append(name)
+    return names

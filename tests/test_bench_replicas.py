@@ -34,6 +34,8 @@ def test_replicas_take_their_own_sizes_and_options_win():
     assert (args.replicas, args.routers, args.workloads, args.load_repeats, args.rates, args.route_depth_tokens,
             args.replica_slo) == (3, ["power-of-two", "mmcache"], ["hot_prefix"], 3, [4.0], 64, "single")
     assert settled("--replicas", "2", "--quick").rates == [1.0]
+    assert settled("--replicas", "2").prefix_text_imbalance is None
+    assert settled("--replicas", "2", "--prefix-text-imbalance", "10").prefix_text_imbalance == 10.0
     assert serve.run_config(settled("--quick"))["replicas"] is None
 
 
@@ -42,6 +44,8 @@ def test_replicas_take_their_own_sizes_and_options_win():
                                   ["--replicas", "2", "--routers", ""],
                                   ["--replicas", "0"],
                                   ["--replicas", "2", "--replica-slo", "vllm"],
+                                  ["--replicas", "2", "--prefix-text-imbalance", "-1"],
+                                  ["--replicas", "2", "--prefix-text-imbalance", "inf"],
                                   ["--workloads", "hot_prefix,hot_prefix"]])
 def test_bad_values_are_refused_by_the_parser(argv):
     with pytest.raises(SystemExit):
@@ -53,6 +57,8 @@ def test_bad_values_are_refused_by_the_parser(argv):
     (["--route-depth-tokens", "64"], "--route-depth-tokens"),
     (["--ray-address", "auto"], "--ray-address"),
     (["--replica-slo", "single"], "--replica-slo"),
+    (["--prefix-text-imbalance", "10"], "--prefix-text-imbalance"),
+    (["--replicas", "2", "--routers", "mmcache", "--prefix-text-imbalance", "10"], "prefix-text"),
     (["--workloads", "hot_prefix"], "replicas only"),
     (["--replicas", "2", "--peers"], "--peers"),
     (["--replicas", "2", "--soak", "10"], "--soak"),
@@ -162,3 +168,38 @@ def test_the_busiest_replicas_share_counts_the_sweeps_own_requests():
     assert rep.busiest_share(swept) == pytest.approx(30 / 50)  # a served 30, b 10, c (new) 10
     del swept["before"]
     assert rep.busiest_share(swept) is None
+
+
+def test_affinity_bounds_from_the_prompts_arithmetic():
+    """One chat of two turns, pages of 2: turn 2 sends turn 1's 4 ids, its 2-token answer and 2 more (8 ids), of
+    which 6 (3 pages) were held after turn 1 on its replica, 4 without the answer's page."""
+    chat = [[[1, 2, 3, 4], [5, 6]]]
+    answers = [[2, 2]]
+    b = rep.affinity_bounds(chat, answers, page_size=2, replicas=2, draws=400)
+    assert b["prompt_tokens"] == 12 and b["requests"] == 2
+    assert b["one_replica"] == b["chat_affinity"] == 6 / 12
+    assert b["random_min"] == 0 and b["random_max"] == 6 / 12 and 0.2 < b["random"] < 0.3  # half the time
+    assert rep.affinity_bounds(chat, answers, 2, 2, answers_cached=False)["one_replica"] == 4 / 12
+    # two one-turn chats on one shared page: one replica computes it once, chats dealt to two replicas twice
+    shared = [[[7, 8, 1]], [[7, 8, 2]]]
+    b = rep.affinity_bounds(shared, [[1], [1]], page_size=2, replicas=2)
+    assert b["one_replica"] == 2 / 6 and b["chat_affinity"] == 0
+    with pytest.raises(serve.WorkloadShapeError):
+        rep.affinity_bounds(chat, answers, page_size=0, replicas=2)
+
+
+def test_workload_bounds_weigh_each_rates_cold_sessions_and_show_as_a_row():
+    from benchmarks.serve_sweep import Workload
+
+    plan = sw.hot_prefix(SPACE, 0, 8, 3, 64, 16, 4, 1.0)  # every session on one system prompt
+    work = Workload("hot_prefix", "sessions/s", plan.sessions, lambda rate: int(rate * 4), {})
+    b = rep.workload_bounds(work, [1.0, 2.0], page_size=16, replicas=2, seed=0)
+    one = rep.affinity_bounds(plan.turns[:4], plan.max_tokens[:4], 16, 2)
+    two = rep.affinity_bounds(plan.turns[:8], plan.max_tokens[:8], 16, 2)
+    assert b["one_replica"] == pytest.approx((one["one_replica"] * one["prompt_tokens"] + two["one_replica"]
+                                              * two["prompt_tokens"]) / (one["prompt_tokens"] + two["prompt_tokens"]))
+    assert b["one_replica"] >= b["chat_affinity"] > b["random"] and b["max_ratio"] == pytest.approx(
+        b["one_replica"] / b["random"])
+    result = {"replicas": {"summary": {}, "ratios": {}, "workloads": {}, "bounds": {"hot_prefix": b}}}
+    (row,) = rep.rows(result)
+    assert row.value == b["max_ratio"] and "hot_prefix" in row.metric

@@ -89,6 +89,19 @@ def test_a_depth_below_one_is_refused():
         RoutingKey("m", PAGE, 0)
 
 
+@pytest.mark.parametrize("kwargs", [dict(router="prefix-text", prefix_imbalance=-1),
+                                    dict(router="prefix-text", prefix_imbalance=True),
+                                    dict(router="prefix-text", prefix_imbalance="10"),
+                                    dict(router="mmcache", prefix_imbalance=10)])
+def test_the_prefix_text_threshold_is_a_number_for_that_router_only(kwargs):
+    from mmcache.replicas.launch import ReplicaOptions
+    from mmcache.server.config import ServerConfigError
+
+    with pytest.raises(ServerConfigError, match="prefix_imbalance"):
+        ReplicaOptions(2, **kwargs)
+    assert ReplicaOptions(2, router="prefix-text", prefix_imbalance=10).prefix_imbalance == 10
+
+
 def test_merged_metrics_label_each_replica_once_per_family():
     own = b'# HELP x_total errors\n# TYPE x_total counter\nx_total{model_name="m"} 2.0\n'
     rep = b'# HELP x_total errors\n# TYPE x_total counter\nx_total{model_name="m"} 5.0\n'

@@ -36,7 +36,10 @@ class ReplicaOptions:
     """``replicas``: engine replicas; ``ray_address``: an existing cluster (None: a local instance);
     ``router``: one of ``routing.ROUTERS``; ``route_depth_tokens``: where the routing key's page ends;
     ``load_factor``/``min_load``: mmcache's router's threshold (None: ``RouterConfig``'s defaults);
-    ``replica_cpus``: CPUs each engine replica reserves."""
+    ``replica_cpus``: CPUs each engine replica reserves; ``prefix_imbalance``: the prefix-text router's
+    ``imbalanced_threshold``, the gap between the longest and the shortest replica queue past which it routes by
+    power-of-two choices instead of by its tree (None: the installed Ray's default, which is infinite in Ray 2.60,
+    so it never does; Ray's docs name 10)."""
 
     replicas: int
     ray_address: str | None = None
@@ -45,6 +48,7 @@ class ReplicaOptions:
     load_factor: float | None = None
     min_load: float | None = None
     replica_cpus: float = 1.0
+    prefix_imbalance: float | None = None
 
     def __post_init__(self):
         from .routing import ROUTERS
@@ -58,6 +62,13 @@ class ReplicaOptions:
             raise ServerConfigError(f"route_depth_tokens must be a positive int, got {self.route_depth_tokens!r}")
         if not self.replica_cpus >= 0:
             raise ServerConfigError(f"replica_cpus must be >= 0, got {self.replica_cpus!r}")
+        if self.prefix_imbalance is not None:
+            if (isinstance(self.prefix_imbalance, bool) or not isinstance(self.prefix_imbalance, (int, float))
+                    or not self.prefix_imbalance >= 0):
+                raise ServerConfigError(f"prefix_imbalance must be a number >= 0, got {self.prefix_imbalance!r}")
+            if self.router != "prefix-text":
+                raise ServerConfigError(f"prefix_imbalance sets the prefix-text router's threshold, not "
+                                        f"{self.router}'s")
 
 
 @dataclass
@@ -121,6 +132,8 @@ def build_application(config: ServerConfig, options: ReplicaOptions, build):
     if options.router == "mmcache":
         given = {"load_factor": options.load_factor, "min_load": options.min_load}
         router_kwargs = {k: v for k, v in given.items() if v is not None}
+    elif options.router == "prefix-text" and options.prefix_imbalance is not None:
+        router_kwargs = {"imbalanced_threshold": float(options.prefix_imbalance)}
     engine = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
         # the ingress bounds the waiting queue; a replica takes what its router sends it
