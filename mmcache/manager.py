@@ -125,8 +125,9 @@ class AdmitResult:
 
 @dataclass(frozen=True)
 class ResumeResult:
-    restored_tokens: int  # tokens re-seeded from the index; seq_len is now this
+    restored_tokens: int  # tokens re-seeded from the index (and read in from the tiers); seq_len is now this
     pending_ids: np.ndarray  # written ids after that, which the host restores or recomputes
+    reading_tokens: int = 0  # of those, the first ones a deferred read-in brings in (``complete_read_in``)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,7 @@ class _Request:
     root: int
     root_parent: int
     names: list  # names of the leading full pages (Python ints), extended as pages fill
+    root_material: bytes = b""  # what ``root`` was computed from: the tiers' chain digests start there
     # its allocation (``RequestView``)
     pages: list = field(default_factory=list)  # page_indices; -1 where a windowed label released a page
     seq_len: int = 0
@@ -399,7 +401,7 @@ class AllocationManager:
                 raise DuplicateRequest(request_id)
             root_parent = self.index.root_parent(prompt.root_material) if self.mode == "on" else -1
             req = _Request(request_id, prompt.ids, prompt.extras, prompt.root, root_parent,
-                           prompt.names.tolist())
+                           prompt.names.tolist(), prompt.root_material)
             result = (self._seed(req, prompt.names, whole, readmission, prompt.root_material, defer_read_in)
                       if self.mode == "on" else AdmitResult(0, 0, 0))
             self._requests[request_id] = req
@@ -452,11 +454,11 @@ class AllocationManager:
                               f"match of {k} pages (it must be between 0 and the match)")
         return int(agreed)
 
-    def _read_in(self, req: _Request, root_material: bytes, k: int, cap: int) -> int:
+    def _read_in(self, req: _Request, root_material: bytes, k: int, cap: int, ids: np.ndarray | None = None) -> int:
         """Under the lock: continue ``req``'s match of ``k`` pool pages through the tiers, up to ``cap`` pages,
         reading the run found there in now (``_take_run``, copies, ``_settle``). Returns the pages read in. On an
         exception every pool page taken here is returned and every page not yet read is given back."""
-        run, pages = self._take_run(req, root_material, k, cap)
+        run, pages = self._take_run(req, root_material, k, cap, ids)
         read, seconds = 0, []
         try:
             for page, pg in zip(run, pages.tolist()):
@@ -471,13 +473,16 @@ class AllocationManager:
             self._settle(req, k, run, pages, read, seconds)
         return read
 
-    def _take_run(self, req: _Request, root_material: bytes, k: int, cap: int) -> tuple[list, np.ndarray]:
+    def _take_run(self, req: _Request, root_material: bytes, k: int, cap: int, ids: np.ndarray | None = None
+                  ) -> tuple[list, np.ndarray]:
         """Under the lock: the run of tier pages after ``req``'s ``k`` pool pages (up to ``cap``), taken out of
         its tiers, and as many fresh pool pages for it as the pool can give (evicting cold tails: they move
-        down); tier pages past those go back to their tier."""
+        down); tier pages past those go back to their tier. ``ids``: the sequence the pages hold (the prompt
+        unless given: a resumed request's written ids)."""
         tiers, p = self.tiers, self.page_size
-        digests = chain_digests(root_digest(root_material), req.prompt, req.extras, 0, cap, p)
-        run = tiers.take_run(digests[k:], req.prompt[k * p:cap * p], req.extras, k)
+        ids = req.prompt if ids is None else ids
+        digests = chain_digests(root_digest(root_material), ids, req.extras, 0, cap, p)
+        run = tiers.take_run(digests[k:], ids[k * p:cap * p], req.extras, k)
         try:
             if len(run) > self.pool.num_free:
                 self._evict(len(run) - self.pool.num_free)
@@ -838,6 +843,8 @@ class AllocationManager:
             raise InvalidRequest(f"preempted must be a bool, got {preempted!r}", request_id)
         with self._lock:
             req = self._pop(request_id, "teardown")
+            if req.suspended_ids is not None and self._preempted:  # over while suspended (it stores nothing)
+                self._preempted.difference_update(self._suspended_run(req))
             before = self.metrics.stored_pages
             transferred: list = []
             if self.mode == "on" and req.suspended_ids is None:
@@ -874,7 +881,7 @@ class AllocationManager:
             if requeue:
                 self._uncount_lookup(req)
             elif self._preempted:  # over for good: its pages stop counting as a preempted request's
-                self._preempted.difference_update(req.chain)
+                self._preempted.difference_update(req.chain if req.suspended_ids is None else self._suspended_run(req))
             self.index.touch(np.asarray(req.chain, dtype=np.int32))
             self._release(req)
 
@@ -915,7 +922,13 @@ class AllocationManager:
     def suspend(self, request_id, offload: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Offload a request: pages it owns alone are released (after ``offload(pages)`` copied them out,
         under the lock), pages it shares are decremented and stay resident. Returns the written ids, which
-        ``resume`` re-seeds from."""
+        ``resume`` re-seeds from.
+
+        With tiers the manager offloads too (``_offload_to_tiers``): the written full pages the request owns
+        alone (its generated pages, prompt pages not yet published) are copied into the tiers' share for
+        preempted requests (``tier``; the host level where that share is 0), and the index pages it held are
+        marked as a preempted request's, so that eviction moves them into that share. ``resume`` reads both
+        back. Without tiers the pages it owns alone are freed, and ``resume`` leaves them to recompute."""
         if offload is not None and not callable(offload):
             raise InvalidRequest(f"offload must be a callable or None, got {type(offload).__name__}", request_id)
         with self._lock:
@@ -925,6 +938,8 @@ class AllocationManager:
             p = self.page_size
             written_pages = -(-req.seq_len // p)
             ids = self.pool.ids[np.asarray(req.pages[:written_pages], dtype=np.int32)].reshape(-1)[:req.seq_len].copy()
+            if self.tiers is not None:
+                self._offload_to_tiers(req, ids)
             if offload is not None:
                 mine = np.asarray([pg for pg in req.pages if self.pool.refcount[pg] == 1], dtype=np.int32)
                 offload(mine)
@@ -934,30 +949,94 @@ class AllocationManager:
             req.publish_blocked = False
         return ids
 
-    def resume(self, request_id) -> ResumeResult:
-        """Re-seed a suspended request from the index over all its written full pages."""
+    def _offload_to_tiers(self, req: _Request, ids: np.ndarray) -> None:
+        """Under the lock, as ``req`` (written ids ``ids``) is suspended: copy its written full pages that neither
+        the index nor another request holds into the tiers' share for preempted requests, tail first (a chain's
+        tail leaves before its head), and mark the index pages it matches as a preempted request's. A page the
+        index already holds an equal copy of stays with the index (one place per page)."""
+        p = self.page_size
+        full = self._storable_pages(req)
+        self._name_pages(req, full)
+        lo = len(req.chain)
+        existing = np.empty(0, dtype=np.int32)
+        if full > lo:
+            existing = self.index.match(np.asarray(req.names[lo:full], dtype=np.uint64), ids[lo * p:full * p],
+                                        req.extras, req.root_parent, first_page=lo, parent=req.chain_parent,
+                                        ids_from=lo)
+        self._preempted.update(req.chain)
+        self._preempted.update(existing.tolist())
+        first = lo + len(existing)
+        if full <= first:
+            return
+        digests = chain_digests(root_digest(req.root_material), ids, req.extras, 0, full, p)
+        order = list(range(full - 1, first - 1, -1))  # tail first
+        rows = [req.pages[i] for i in order]
+        kv = None
+        if self.pool.kv is not None:
+            import torch
+
+            idx = torch.as_tensor(rows, dtype=torch.long, device=self.pool.kv.device)
+            kv = self.pool.kv.index_select(3, idx).movedim(3, 0).cpu()
+        pages = [TierPage(int(req.names[i]), digests[i], self.pool.ids[pg].copy(), req.extras.get(i) or None)
+                 for i, pg in zip(order, rows)]
+        self.tiers.put(pages, kv, preempted=True)
+
+    def resume(self, request_id, readmission: bool = False, defer_read_in: bool = False) -> ResumeResult:
+        """Re-seed a suspended request over all its written full pages: from the index, then, with tiers, from
+        the tiers as an admission walks them (what ``suspend`` offloaded, and its index pages evicted since).
+
+        ``readmission=True`` counts the re-seed as a re-admission's lookup (``admit``'s flag: the host resumes a
+        request it preempted). ``defer_read_in=True`` leaves the tier pages' copy to the host, as ``admit``
+        does: ``ResumeResult.reading_tokens`` of the pending ids are reserved and join ``seq_len`` at
+        ``complete_read_in``."""
+        if not isinstance(readmission, bool) or not isinstance(defer_read_in, bool):
+            raise InvalidRequest(f"readmission and defer_read_in must be bools, got {readmission!r}, "
+                                 f"{defer_read_in!r}", request_id)
         with self._lock:
             req = _lookup(self._requests, request_id)
             if req is None:
                 raise UnknownRequest(request_id, "resume")
             if req.suspended_ids is None:
                 raise RequestStateError("resume of a request that is not suspended", request_id)
-            ids = req.suspended_ids
-            k = 0
+            ids, p = req.suspended_ids, self.page_size
+            k = reading = 0
             if self.mode == "on":
-                full = len(ids) // self.page_size
+                full = min(len(ids) // p, len(req.names))
                 pages = self.index.match(np.asarray(req.names[:full], dtype=np.uint64), ids, req.extras,
                                          req.root_parent)
                 k = len(pages)
                 if k:
                     self.pool.incref(pages)
-                    self.index.touch(pages)
                     req.pages = pages.tolist()
                     req.chain = pages.tolist()
-            req.seq_len = k * self.page_size
+                if self.tiers is not None and k < full and self.tiers.has_name(req.names[k]):
+                    try:
+                        if defer_read_in:
+                            run, taken = self._take_run(req, req.root_material, k, full, ids)
+                            if run:
+                                req.reading = _ReadIn(run, taken, k)
+                                reading = len(run)
+                        else:
+                            k += self._read_in(req, req.root_material, k, full, ids)
+                    except BaseException:
+                        self._release(req)
+                        raise
+                if k:
+                    self.index.touch(np.asarray(req.chain, dtype=np.int32))
+                if readmission:
+                    req.lookup = _Lookup(len(ids), full, k + reading, 0, True)
+                    self._count_lookup(req.lookup, 1)
+            req.seq_len = req.matched_tokens = k * p
             req.suspended_ids = None
             pending = ids[req.seq_len:].copy()
-        return ResumeResult(req.seq_len, pending)
+        return ResumeResult(req.seq_len, pending, reading * p)
+
+    def _suspended_run(self, req: _Request) -> list:
+        """The index pages a suspended request would be re-seeded with now."""
+        ids = req.suspended_ids
+        full = min(len(ids) // self.page_size, len(req.names))
+        return self.index.match(np.asarray(req.names[:full], dtype=np.uint64), ids, req.extras,
+                                req.root_parent).tolist()
 
     # ---- windowed labels ---------------------------------------------------------------------------
     def protect_prefix(self, request_id, num_tokens: int) -> None:

@@ -24,10 +24,13 @@ whose part from its first disk page on would take longer to read (``disk_read_la
 so a small hit from disk is recomputed instead. The rule reads its constants from ``TierConfig``.
 
 The split of the offload budget: ``preempt_pages`` is host memory kept for the pages of preempted requests,
-beside the cache's ``host_pages``. The manager marks the pages a preempted request stored or held
-(``teardown(preempted=True)``); evicted while marked, they go into a ``preempted`` level above the host level, so
-cold cache pages cannot push them out before the request comes back; that level's least recent page joins the
-host level as any other page. Without it, preempted requests' pages share the host level's LRU with the cache.
+beside the cache's ``host_pages`` (the engine's ``preempt_tier_bytes`` and ``host_tier_bytes``). A suspended
+request's pages go there two ways (``AllocationManager.suspend``): the written pages it owns alone are copied
+into the ``preempted`` level at once (``put(preempted=True)``), and the index pages it held are marked (as are
+those a ``teardown(preempted=True)`` stored), so that eviction moves them into that level. The level sits above
+the host level, so cold cache pages cannot push them out before the request resumes; its least recent page
+joins the host level as any other page. Without it, preempted requests' pages share the host level's LRU with
+the cache.
 
 Invariants (``check_invariants``):
 

@@ -5,7 +5,9 @@ seeded with (from the pool or read in from a tier) hold exactly the KV written f
 positions. After every step: the manager's invariants (owner counts equal owners, and no page both in the
 pool's index and in a tier), each level within its budget and its LRU consistent, no page left taken by a
 read-in, and the pool's pages either free, cached or held by a live request. Disk pages are damaged at random
-(a flipped byte anywhere in their slot) and must never seed a request.
+(a flipped byte anywhere in their slot) and must never seed a request. Requests grow past their prompt (decoded
+pages), are suspended (their own pages offloaded to the tiers, a suspended request holding none) and resumed:
+the pages a resume seeds, from the pool or read back from a tier, hold the KV written there.
 """
 
 import shutil
@@ -42,9 +44,11 @@ class TierMachine(RuleBasedStateMachine):
                                  recompute_tokens_per_s=10.0), P, (1, 2, 1, P, 1), torch.float32)
         self.mgr = AllocationManager(CacheConfig(num_pages=NUM_PAGES, page_size=P), Fingerprint.for_tests(P),
                                      KVSpec(1, 1, 1), tiers=tiers)
-        self.live: dict[int, np.ndarray] = {}
+        self.live: dict[int, np.ndarray] = {}  # written ids of each running request
+        self.suspended: dict[int, np.ndarray] = {}
         self.next_id = 0
         self.hit_tokens = 0  # what the admissions were seeded with, read-ins included (the manager's hit_tokens)
+        self.resumed_tokens = 0  # what the resumes were seeded with (counted as re-admissions)
 
     def teardown(self):
         self.mgr.tiers.close()
@@ -67,25 +71,71 @@ class TierMachine(RuleBasedStateMachine):
             matched += self.mgr.complete_read_in(rid)
             assert matched == self.mgr.seq_len(rid) and (copy or matched == res.matched_tokens)
         self.hit_tokens += matched
+        self._check_seeded(rid, prompt, matched)
+        if self._write(rid, prompt, matched):
+            self.live[rid] = prompt
+
+    def _check_seeded(self, rid, ids, matched):
         pages = self.mgr.state(rid).page_indices
         kv = self.mgr.pool.kv
         for pos in range(matched):  # seeded from the pool or a tier: the KV written for these ids
-            assert torch.equal(kv[0, 0, 0, pages[pos // P], pos % P, 0], kv_value(prompt[pos], pos)), (rid, pos)
+            assert torch.equal(kv[0, 0, 0, pages[pos // P], pos % P, 0], kv_value(ids[pos], pos)), (rid, pos)
+
+    def _write(self, rid, ids, start) -> bool:
+        """Reserve, write and commit ``ids[start:]``; False (the request aborted) when the pool has no room."""
         try:
-            pages = self.mgr.reserve(rid, len(prompt) - matched)
+            pages = self.mgr.reserve(rid, len(ids) - start)
         except AllocationFailed:
             self.mgr.abort(rid)
-            return
-        for pos in range(matched, len(prompt)):
-            kv[:, :, :, pages[pos // P], pos % P] = kv_value(prompt[pos], pos)
-        self.mgr.commit(rid, prompt[matched:])
-        self.live[rid] = prompt
+            return False
+        kv = self.mgr.pool.kv
+        for pos in range(start, len(ids)):
+            kv[:, :, :, pages[pos // P], pos % P] = kv_value(ids[pos], pos)
+        self.mgr.commit(rid, ids[start:])
+        return True
 
     @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 10**6), more=st.lists(st.integers(0, 4), min_size=1, max_size=6))
+    def decode(self, pick, more):
+        rid = sorted(self.live)[pick % len(self.live)]
+        ids = np.concatenate([self.live.pop(rid), np.asarray(more, dtype=np.int64)])
+        if self._write(rid, ids, len(ids) - len(more)):
+            self.live[rid] = ids
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 10**6))
+    def suspend(self, pick):
+        rid = sorted(self.live)[pick % len(self.live)]
+        ids = self.mgr.suspend(rid)
+        assert np.array_equal(ids, self.live[rid]) and self.mgr.pages_held(rid) == 0
+        self.suspended[rid] = self.live.pop(rid)
+
+    @precondition(lambda self: self.suspended)
+    @rule(pick=st.integers(0, 10**6), defer=st.booleans(), copy=st.booleans())
+    def resume(self, pick, defer, copy):
+        rid = sorted(self.suspended)[pick % len(self.suspended)]
+        ids = self.suspended.pop(rid)
+        res = self.mgr.resume(rid, readmission=True, defer_read_in=defer)
+        assert np.array_equal(res.pending_ids, ids[res.restored_tokens:])
+        restored = res.restored_tokens
+        if res.reading_tokens:
+            self.mgr.check_invariants()
+            if copy:
+                self.mgr.read_pending(rid)
+            restored += self.mgr.complete_read_in(rid)
+        assert restored == self.mgr.seq_len(rid) and restored % P == 0
+        self.resumed_tokens += restored
+        self._check_seeded(rid, ids, restored)
+        if self._write(rid, ids, restored):
+            self.live[rid] = ids
+
+    @precondition(lambda self: self.live or self.suspended)
     @rule(pick=st.integers(0, 10**6), store=st.booleans(), preempted=st.booleans())
     def end(self, pick, store, preempted):
-        rid = sorted(self.live)[pick % len(self.live)]
-        del self.live[rid]
+        rids = sorted(self.live) + sorted(self.suspended)
+        rid = rids[pick % len(rids)]
+        self.live.pop(rid, None)
+        self.suspended.pop(rid, None)
         if store:
             self.mgr.teardown(rid, preempted=preempted)
         else:
@@ -117,12 +167,14 @@ class TierMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         mgr = self.mgr
         mgr.check_invariants()
-        assert mgr.metrics.hit_tokens == self.hit_tokens
+        assert mgr.metrics.hit_tokens == self.hit_tokens + self.resumed_tokens
+        assert mgr.metrics.readmission_hit_tokens == self.resumed_tokens
         assert sum(t for _, t in mgr.metrics.per_request_matched) == self.hit_tokens
         for level in mgr.tiers.levels:
             assert len(level.entries) <= level.capacity and level.taken == 0
         assert [lv.label for lv in mgr.tiers.levels] == ["preempted", "host", "disk"]
-        assert mgr.num_requests == len(self.live)
+        assert mgr.num_requests == len(self.live) + len(self.suspended)
+        assert all(mgr.pages_held(rid) == 0 for rid in self.suspended)
         owned = mgr.pool.refcount > 0
         held = set()
         for rid in self.live:

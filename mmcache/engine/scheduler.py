@@ -13,11 +13,21 @@ prompt adds to each of its output tokens, while a step with nothing to decode pr
   whole pages, a cache-off run and a cache-on run cut the tokens after the match at the same positions.
 * Before a forward every scheduled branch has reserved its pages. When a reservation fails after eviction
   (``AllocationFailed``) the newest running request not yet scheduled this step that holds pages of the
-  short pool (label) is preempted: its branches are torn down (full pages go to the index) and it waits at
-  the head of the queue, to be re-admitted with prompt + generated-so-far and re-seeded. A request with no
-  pages in that pool is never preempted for it (that frees nothing there). With no such request the requester
-  itself is preempted while another request holds pages of that pool (they are returned when it ends), and
-  otherwise it fails with the allocation error.
+  short pool (label) is preempted: each of its branches is suspended (``AllocationManager.suspend``) and it
+  waits at the head of the queue, still known to its managers. A request with no pages in that pool is never
+  preempted for it (that frees nothing there). With no such request the requester itself is preempted while
+  another request holds pages of that pool (they are returned when it ends), and otherwise it fails with the
+  allocation error. A step that preempted admits nothing: the room it made is the running requests' (the
+  preempted request, resumed at once, would take it back and be preempted again).
+* Suspension keeps shared pages: pages a suspended branch shares (with the index or another request) keep
+  their other owners, and pages it owns alone are freed, or, where the pool has tiers, copied into the tiers'
+  share for preempted requests first (``preempt_tier_bytes``, ``mmcache.tier``: the offload budget's part
+  that cold cache pages cannot take; ``host_tier_bytes`` is the cache's part). Its admission at the head of the
+  queue resumes it (``AllocationManager.resume``, counted as a re-admission's lookup): re-seeded from the index
+  over everything it had written, then from the tiers (read in behind the readiness gate), and the rest is
+  computed again from there (a resumed request whose first chunk finds no room is given back, as any
+  admission, and admitted afresh later). Every call on a manager without tiers is a plain method call with plain arguments
+  (``suspend(rid)``, ``resume(rid, readmission=True)``), which a tensor-parallel rank can replay by name.
 * A whole hit: with ``whole_hits`` (the engine sets it only where its forward gives each row the same bits in
   any company), admission may match a prompt that ends on a page boundary to its end. The branch then holds
   every prompt token's KV (``computed == len(tokens)``) but no logits; its next work computes the last token
@@ -59,6 +69,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import AllocationFailed, MmcacheError
+from ..shadow import ShadowedManager
 from .sequence import Branch, LiveRequest
 
 
@@ -104,6 +115,7 @@ class Scheduler:
         self.waiting: deque[LiveRequest] = deque()
         self.running: list[LiveRequest] = []
         self.preemptions = 0
+        self.suspended: set[LiveRequest] = set()  # preempted requests waiting to be resumed (see the docstring)
         self.deferrals = 0  # request-steps spent deferred (see the module docstring)
         #: ``start_read_in(manager, request_id)`` runs ``manager.read_pending(request_id)`` on a worker and returns
         #: its future (the readiness gate, see the module docstring); None: tier hits are read in at admission.
@@ -118,6 +130,7 @@ class Scheduler:
 
     def remove(self, live: LiveRequest) -> None:
         """Forget a request (finished, aborted or failed) without touching its pages."""
+        self.suspended.discard(live)
         if live in self.running:
             self.running.remove(live)
         elif live in self.waiting:
@@ -134,7 +147,8 @@ class Scheduler:
         if scheduled and self.limits.mixed_prefill_tokens is not None:
             budget = min(budget, self.limits.mixed_prefill_tokens)  # a mixed step (see the module docstring)
         budget = self._schedule_running(prefilling, budget, scheduled, plan)
-        self._admit(plan, budget, scheduled)
+        if not plan.preempted:  # a step that had to preempt has no room to admit (the module docstring)
+            self._admit(plan, budget, scheduled)
         return plan
 
     def _schedule_running(self, lives: list[LiveRequest], budget: int, scheduled: set, plan: StepPlan) -> int:
@@ -234,10 +248,11 @@ class Scheduler:
         while i < len(self.waiting) and len(self.running) + seats < lim.max_num_seqs \
                 and not (lim.serial and self.running):
             live = self.waiting[i]
+            resuming = live in self.suspended  # named already: its managers re-seed it from its written ids
             for b in live.branches.values():
-                if b.prepared is None:
+                if b.prepared is None and not resuming:
                     b.prepare(live.request_id)
-            if unwritten and self._deferred(live, unwritten):
+            if unwritten and not resuming and self._deferred(live, unwritten):
                 live.setbacks.deferrals += 1
                 self.deferrals += 1
                 seats += 1
@@ -245,7 +260,7 @@ class Scheduler:
                 continue
             if budget < lim.page_size and any(budget < len(b.tokens) for b in live.branches.values()):
                 return  # the first chunk might not fit; the next step has a full budget
-            first_admission = self._admit_branches(live)
+            first_admission = self._resume_branches(live) if resuming else self._admit_branches(live)
             del self.waiting[i]
             self.running.append(live)
             reading = any(b.reading is not None for b in live.branches.values())  # never in the admitting step
@@ -279,6 +294,22 @@ class Scheduler:
             if res.pending_tokens:
                 b.reading = self.start_read_in(b.manager, live.request_id)
         return first_admission
+
+    def _resume_branches(self, live: LiveRequest) -> list[bool]:
+        """Resumes each of a suspended request's branches (see the module docstring); as ``_admit_branches``,
+        returns whether each was a first admission (never). A shadowed pool's ``resume`` takes no flags: its
+        mirror does not count the resumed lookup as a re-admission."""
+        self.suspended.discard(live)
+        for b in live.branches.values():
+            kw = {} if isinstance(b.manager, ShadowedManager) else {"readmission": True}  # a shadow: see above
+            if self.start_read_in and getattr(b.manager, "tiers", None) is not None:
+                kw["defer_read_in"] = True
+            res = b.manager.resume(live.request_id, **kw)
+            b.computed = b.matched = res.restored_tokens
+            b.reading_first = False
+            if res.reading_tokens:
+                b.reading = self.start_read_in(b.manager, live.request_id)
+        return [False] * len(live.branches)
 
     def _unwritten_pages(self) -> dict[str, set]:
         """Per label, the names of prompt pages running requests have yet to write (see the docstring)."""
@@ -336,24 +367,28 @@ class Scheduler:
 
     # ---- release -----------------------------------------------------------------------------------
     def preempt(self, live: LiveRequest) -> None:
-        """Tear the request down (storing its full pages, marked as a preempted request's where its pool has
-        tiers: they then keep the tiers' share for preempted requests) and queue it first for re-admission."""
+        """Suspend every branch of a running request (see the module docstring) and queue it first, to be
+        resumed. Its branches stay admitted with nothing computed; where the pool has tiers the manager moves
+        the pages the branch owns alone into the tiers' share for preempted requests."""
         self.running.remove(live)
-        self.release(live, store=True, preempted=True)
+        for b in live.branches.values():
+            b.manager.suspend(live.request_id)  # a read-in in progress is completed first (the manager's rule)
+            b.computed = 0
+            b.logits = None
+            b.reading = None
+        self.suspended.add(live)
         live.setbacks.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(live)
 
     @staticmethod
-    def release(live: LiveRequest, store: bool, requeue: bool = False, preempted: bool = False) -> None:
-        """Give back every admitted branch's pages (teardown stores full pages; abort stores nothing).
-        ``requeue``: the request is admitted again later, so its lookups are not counted twice; ``preempted``:
-        its stored pages are marked for the tiers' share of preempted requests (``AllocationManager.teardown``)."""
+    def release(live: LiveRequest, store: bool, requeue: bool = False) -> None:
+        """Give back every admitted branch's pages (teardown stores full pages; abort stores nothing; a
+        suspended branch holds none and stores nothing). ``requeue``: the request is admitted again later, so
+        its lookups are not counted twice."""
         for b in live.branches.values():
             if b.admitted:
-                if store and preempted and getattr(b.manager, "tiers", None) is not None:
-                    b.manager.teardown(live.request_id, preempted=True)
-                elif store:
+                if store:
                     b.manager.teardown(live.request_id)
                 else:
                     b.manager.abort(live.request_id, requeue=requeue)
