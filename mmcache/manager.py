@@ -1004,6 +1004,8 @@ class AllocationManager:
                 full = min(len(ids) // p, len(req.names))
                 pages = self.index.match(np.asarray(req.names[:full], dtype=np.uint64), ids, req.extras,
                                          req.root_parent)
+                if self.agreement is not None:  # a re-seed is a match: the group agrees on it as on an admission
+                    pages = pages[:self._agreed(len(pages), request_id)]
                 k = len(pages)
                 if k:
                     self.pool.incref(pages)

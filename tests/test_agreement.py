@@ -79,3 +79,19 @@ def test_a_prepared_prompt_keeps_what_another_rank_names_it_from():
     assert prepared.salt == "tenant" and prepared.media == ()
     assert not np.array_equal(prepared.names, again.names)  # each rank names its own slice's pages
     assert np.array_equal(m1.prepare(prepared.ids, (), "tenant").names, again.names)
+
+
+def test_a_resume_re_seeds_the_agreed_length():
+    answers = iter([0, 0, 1])  # the admissions of "a" and "b" agree on none; the resume's match of 4 is cut to 1
+
+    m = AllocationManager(CacheConfig(num_pages=16, page_size=P), _fp(), agreement=lambda k: min(k, next(answers)))
+    ids = list(range(1, 19))
+    _stored(m, "a", ids)
+    m.admit("b", list(range(1, 19)))
+    m.reserve("b", 18 - m.seq_len("b"))
+    m.commit("b", ids[m.seq_len("b"):])
+    m.suspend("b")
+    res = m.resume("b")
+    assert res.restored_tokens == P and len(res.pending_ids) == 18 - P
+    m.abort("b")
+    m.check_invariants()

@@ -24,6 +24,9 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   is the offload budget's explicit share for preempted requests: host memory their stored pages move into when
   evicted, which cold cache pages cannot take (``mmcache.tier``). Only mode ``on`` keeps a tier. A tier smaller
   than one page is none.
+* ``tensor_parallel_size > 1`` runs the engine as one rank of a tensor-parallel group (``tp_group``): the
+  process group must exist (torchrun, or ``mmcache serve --tensor-parallel-size``), each rank keeps its slice of
+  the model and its own pools, and a collective not done within ``tensor_parallel_timeout_s`` fails the group.
 * ``compute`` (``ComputeConfig``) holds the settings that only change speed (packed linears, the row and
   tile kernels, layer kernels, the allocator setting, whole hits); see ``compute``. ``ComputeConfig.aten()``
   computes on plain ATen.
@@ -68,6 +71,8 @@ class EngineConfig:
     disk_tier_dir: str | None = None  # where the disk tier's private directory is made
     preempt_tier_bytes: int = 0  # host memory kept for preempted requests' pages, beside host_tier_bytes
     compute: ComputeConfig = field(default_factory=ComputeConfig)  # speed only: what the CPU computes with
+    tensor_parallel_size: int = 1  # ranks of the model's tensor-parallel group (torch.distributed's default group)
+    tensor_parallel_timeout_s: float = 60.0  # a collective of the group not done in this time fails the group
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -107,6 +112,11 @@ class EngineConfig:
         check(not self.disk_tier_bytes or isinstance(self.disk_tier_dir, str) and self.disk_tier_dir != "",
               f"disk_tier_bytes needs disk_tier_dir, got {self.disk_tier_dir!r}")
         check(isinstance(self.compute, ComputeConfig), f"compute must be a ComputeConfig, got {self.compute!r}")
+        check(positive_int(self.tensor_parallel_size),
+              f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+        t = self.tensor_parallel_timeout_s
+        check(isinstance(t, (int, float)) and not isinstance(t, bool) and 1 <= t <= 3600,
+              f"tensor_parallel_timeout_s must be between 1 and 3600 seconds, got {t!r}")
 
     @classmethod
     def exact(cls, page_size: int = 16, **kw) -> "EngineConfig":

@@ -37,6 +37,11 @@ requests. Invariants:
   live one, so two requests never share an id.
 * Decoding an output's text never prevents its finished event: a tokenizer whose ``decode`` raises leaves
   ``text`` None and logs why.
+* Tensor parallelism (``EngineConfig.tensor_parallel_size > 1``): the model is cut to this rank's slice
+  (``tensor_parallel``) before it is set up, the fingerprint names the slice, and every pool runs under the
+  group's agreement on matched lengths (``tp_group``). Rank 0's engine takes requests and plans every step;
+  another rank's engine only ``follow``s it. A collective that fails ends every live request with
+  ``GroupFailed``, and every later step does the same (``fatal``): the group cannot go on.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import DuplicateRequest, InvalidRequest, MmcacheError
+from ..agreement import GroupMinimum
+from ..errors import DuplicateRequest, GroupFailed, InvalidRequest, MmcacheError
 from ..manager import AllocationManager, CacheConfig
 from ..names import Fingerprint
 from ..pool import KVSpec
@@ -70,6 +76,7 @@ from .runner import ModelRunner
 from .sampling import greedy_picks, guided, sample
 from .scheduler import Scheduler, SchedulerLimits
 from .sequence import CFG, MAIN, LiveRequest
+from . import tensor_parallel, tp_group
 
 
 _log = logging.getLogger("mmcache.engine")
@@ -118,10 +125,14 @@ class Engine:
         self._lock = threading.Lock()  # held by the thread inside a change to the state (see _change)
         self.model = model
         self.tokenizer = tokenizer
+        #: This engine's place in a tensor-parallel group (``tp_group``), or None; rank 0 leads (``leader``).
+        self.group = tp_group.join(config.tensor_parallel_size, config.tensor_parallel_timeout_s) \
+            if config.tensor_parallel_size > 1 else None
+        self.leader = tp_group.Leader(self.group) if self.group is not None and self.group.leads else None
         with _SETTING_UP:  # see _SETTING_UP
             self._set_up_model(config, digest)
         a = self.adapter
-        self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(self.num_pages, self._tiers())}
+        self.managers: dict[str, AllocationManager] = {MAIN: self._new_manager(MAIN, self.num_pages, self._tiers())}
         self.scheduler = Scheduler(SchedulerLimits(config.page_size, config.max_num_seqs, config.max_tokens_per_step,
                                                    config.prefill_chunk_tokens, config.schedule == "serial",
                                                    config.defer_shared_prefill, self.whole_hits,
@@ -130,6 +141,8 @@ class Engine:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmcache-read-in")
             self.scheduler.start_read_in = lambda manager, rid: self._reader.submit(manager.read_pending, rid)
         self.runner = ModelRunner(a, config.page_size, self.compute.decode_kernel)
+        if self.leader is not None:
+            self.runner = self.leader.runner(self.runner)
         self.eos_ids = self._eos_ids()
         self.intake = Intake(a, tokenizer, self.max_model_len, config.page_size, self.num_pages, self.eos_ids,
                              self._manager, config.seed, config.cfg_num_pages)
@@ -147,6 +160,14 @@ class Engine:
     def _set_up_model(self, config: EngineConfig, digest: str | None) -> None:
         """Route the model's attention to the paged backend, size the KV pool, set up the compute path and name
         the fingerprint (under ``_SETTING_UP``)."""
+        g = self.group
+        head_slice = None
+        if g is not None:
+            if config.cache_mode == "shadow" or config.host_tier_bytes or config.disk_tier_bytes \
+                    or config.preempt_tier_bytes:
+                raise EngineConfigError("a tensor-parallel engine runs cache mode on or off, without a second tier")
+            digest = digest or model_digest(self.model)  # the whole model's; the fingerprint adds the slice
+            head_slice = tensor_parallel.shard(self.model, g.rank, g.size)
         self.adapter = a = adapter_for(self.model)
         a.attach()
         self.max_model_len = self._max_model_len(config.max_model_len)
@@ -162,7 +183,10 @@ class Engine:
         self.compute.set_up(self.page_bytes * self.num_pages)
         self.backend = self.compute.backend
         self.fingerprint = Fingerprint(model_digest=digest, kv_dtype=str(a.dtype).removeprefix("torch."),
-                                       attention_backend=self.backend, page_size=config.page_size)
+                                       attention_backend=self.backend, page_size=config.page_size,
+                                       tp_rank=g.rank if g else 0, tp_size=g.size if g else 1, head_slice=head_slice)
+        if g is not None:  # after the compute path replaced what it replaces: the sums go on the modules that run
+            tensor_parallel.install_reductions(self.model, g.group)
         #: Whether a prompt held whole in the cache is matched to its end and only its last token computed again
         #: (``ComputeConfig.whole_hits``, where this model's forward allows it; see ``scheduler``), and why not
         #: where it was asked for (``ComputePath.whole_hit_blocker``), or None.
@@ -203,11 +227,16 @@ class Engine:
             raise EngineConfigError(f"a KV pool of {num_pages} pages needs {size_text(pool)}, but only "
                                     f"{size_text(have)} is available; ask for fewer pages ({setting})")
 
-    def _new_manager(self, num_pages: int, tiers: Tiers | None = None) -> AllocationManager | ShadowedManager:
+    def _new_manager(self, label: str, num_pages: int, tiers: Tiers | None = None
+                     ) -> AllocationManager | ShadowedManager:
         a = self.adapter
         spec = KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, a.device)
         cache = CacheConfig(num_pages=num_pages, page_size=self.config.page_size, mode=self.config.cache_mode,
                             store_at=self.config.store_at)
+        if self.group is not None:  # each rank its own pool and index; the group agrees on every match
+            agreement = self.leader.agreement(label) if self.leader else GroupMinimum(self.group.group)
+            manager = AllocationManager(cache, self.fingerprint, spec, agreement=agreement)
+            return self.leader.wrap(manager, label) if self.leader else manager
         if tiers is not None:
             return AllocationManager(cache, self.fingerprint, spec, tiers=tiers)
         return make_manager(cache, self.fingerprint, kv_spec=spec)
@@ -235,7 +264,7 @@ class Engine:
             if label not in self.managers:
                 pages = self.config.cfg_num_pages or self.num_pages
                 self._check_pool_fits(pages, "cfg_num_pages")  # fails this request with the reason, not the engine
-                self.managers[label] = self._new_manager(pages)
+                self.managers[label] = self._new_manager(label, pages)
             return self.managers[label]
 
     def _eos_ids(self) -> frozenset:
@@ -453,6 +482,9 @@ class Engine:
 
     def _add(self, req: Request, sink: list, key: object = None) -> tuple[LiveRequest | None, object]:
         """Take ``req`` (its live state and its id), or refuse it with an error event in ``sink`` (None, its id)."""
+        if self.group is not None and not self.group.leads:
+            raise EngineConfigError(f"rank {self.group.rank} of a tensor-parallel group takes no requests: they go "
+                                    f"to rank 0")
         arrival = time.perf_counter()
         rid, named = req.request_id, req.request_id is None
         if named:
@@ -500,7 +532,38 @@ class Engine:
         return self._live.get(live.request_id) is live
 
     def _step(self) -> None:
-        """One scheduling step, inside a change: aborts re-entering during it are applied when the change ends."""
+        """One scheduling step, inside a change: aborts re-entering during it are applied when the change ends.
+        In a tensor-parallel group whose collective failed, every live request fails with the group's error."""
+        if self.group is not None and not self.group.leads:
+            raise EngineConfigError(f"rank {self.group.rank} of a tensor-parallel group follows rank 0 (follow); "
+                                    f"requests go to rank 0")
+        try:
+            if self.fatal is None:
+                self._step_once()
+        except GroupFailed as e:
+            self.leader.channel.fail(str(e))
+        if self.fatal is not None:
+            for live in list(self._live.values()):
+                self._finish(live, "error", self.fatal, store=False)
+
+    @property
+    def fatal(self) -> GroupFailed | None:
+        """Why this engine cannot serve any more (its tensor-parallel group failed), or None."""
+        return self.leader.broken if self.leader is not None else None
+
+    def follow(self) -> None:
+        """On a follower rank of a tensor-parallel group: replay what rank 0 does until rank 0 stops the group
+        (``stop_group``); raises ``GroupFailed`` when the group fails."""
+        if self.group is None or self.group.leads:
+            raise EngineConfigError("follow runs on the ranks after rank 0 of a tensor-parallel group")
+        tp_group.Follower(self, self.group).run()
+
+    def stop_group(self) -> None:
+        """On rank 0: end the followers' ``follow`` (once); nothing without a group."""
+        if self.leader is not None:
+            self.leader.stop()
+
+    def _step_once(self) -> None:
         self.counters["steps"] += 1
         plan = self.scheduler.schedule()
         for live, err in plan.failed:
@@ -516,6 +579,8 @@ class Engine:
         self._count_forward(works)
         try:
             logits = self.runner.run(works)
+        except GroupFailed:
+            raise
         except Exception as cause:  # any failure inside the model: its requests fail, the engine goes on
             self._fail_forward(works, cause)
             return

@@ -9,6 +9,7 @@
                   [--host-tier-bytes N] [--disk-tier-bytes N --disk-tier-dir DIR] [--preempt-tier-bytes N]
                   [--replicas N [--ray-address ADDR] [--router mmcache|power-of-two|prefix-text]
                    [--route-depth-tokens N] [--replica-cpus C]]
+                  [--tensor-parallel-size N [--tensor-parallel-timeout S]]
 
 At least one of ``--preset`` / ``--model`` (chat), ``--diffusion`` (images, videos) and ``--tts`` (speech) is
 given; every model shares one encoder-output store of ``--store-bytes``. The chat engine runs the server's
@@ -21,6 +22,11 @@ accepting, aborts what is still running and exits 0.
 With ``--replicas N`` the same API is served by a Ray Serve application (``mmcache.replicas``): an ingress and N
 engine replicas, on a local Ray instance the command starts and stops, or on the cluster at ``--ray-address``.
 Without Ray installed, ``--replicas`` fails with a message naming the ``ray`` extra.
+
+With ``--tensor-parallel-size N`` the chat model is split over N ranks (``mmcache.presets.ranks``): this process is
+rank 0 and serves HTTP; it starts ranks 1 .. N-1 as child processes on this machine, which follow its steps. When
+the group fails (a rank died or stopped answering for ``--tensor-parallel-timeout`` seconds) every request gets
+503 and the command exits 1, so that a supervisor starts the group again.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import sys
 import threading
 
 from ..cli import count
+from ..errors import MmcacheError
 from ..engine.models import DTYPES
 from ..presets.serving import DIFFUSION_PRESETS, TTS_PRESETS
 from ..presets.text import PRESETS
@@ -52,7 +59,27 @@ def register(sub) -> None:
     _add_generation_limits(p.add_argument_group("image, speech and video requests"))
     _add_replicas(p.add_argument_group("replicas on Ray Serve (the ray extra)"))
     _add_tiers(p.add_argument_group("a second tier for evicted KV pages (host memory, local disk)"))
+    _add_tensor_parallel(p.add_argument_group("tensor parallelism (torch.distributed, gloo)"))
     p.set_defaults(func=serve_main)
+
+
+def _add_tensor_parallel(g) -> None:
+    g.add_argument("--tensor-parallel-size", type=count(64), default=1, metavar="N",
+                   help="split the chat model's attention heads and MLP over N ranks, processes on this machine "
+                        "(default 1: no split)")
+    g.add_argument("--tensor-parallel-timeout", type=_seconds, default=60.0, metavar="S",
+                   help="a rank that does not answer within S seconds fails the group: requests get 503 and the "
+                        "command exits 1 (default 60)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 3600 seconds, got {text}")
+    return value
 
 
 def _add_replicas(g) -> None:
@@ -240,7 +267,9 @@ def config_from_args(args: argparse.Namespace):
                                             max_tokens_per_step=args.max_num_batched_tokens,
                                             prefill_chunk_tokens=args.prefill_chunk_tokens,
                                             mixed_prefill_tokens=args.mixed_prefill_tokens,
-                                            cache_mode=args.cache_mode)
+                                            cache_mode=args.cache_mode,
+                                            tensor_parallel_size=args.tensor_parallel_size,
+                                            tensor_parallel_timeout_s=args.tensor_parallel_timeout)
     except EngineConfigError as e:
         raise ServerConfigError(str(e)) from None
     engine_config = _with_tiers(engine_config, args)
@@ -272,37 +301,75 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"mmcache serve: {e}", file=sys.stderr)
         return 2
     if args.replicas is not None:
+        if args.tensor_parallel_size > 1:
+            print("mmcache serve: --replicas with --tensor-parallel-size is not supported (each replica is one "
+                  "process)", file=sys.stderr)
+            return 2
         from ..replicas.cli import serve_replicas
 
         return serve_replicas(args, config)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    group = None
     try:
+        if args.tensor_parallel_size > 1:
+            group = _start_ranks(config, args)
+            if group is None:
+                return 1
         with serve(config) as srv:
             print(f"mmcache serve: {', '.join(config.model_names)} at {srv.url} (OpenAI API: {srv.base_url})",
                   flush=True)
             for why in reuse_off_reasons(srv.host):
                 print(f"mmcache serve: the prefix cache is off: {why}", file=sys.stderr, flush=True)
-            wait_until_stopped(stop)
+            core = srv.host.core if srv.host is not None else None
+            failed = wait_until_stopped(stop, lambda: getattr(core, "fatal", None))
+        if group is not None:  # after the server stopped: no step is left to send
+            group.close(core)
+            group = None
+        if failed is not None:
+            print(f"mmcache serve: the tensor-parallel group failed: {failed}", file=sys.stderr, flush=True)
+            return 1
     except OSError as e:  # the address is taken or cannot be bound
         print(f"mmcache serve: cannot serve on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     except ServerConfigError as e:  # a pipeline the server cannot serve (a folder of another kind, a bad size)
         print(f"mmcache serve: {e}", file=sys.stderr)
         return 2
+    except MmcacheError as e:  # a model the group cannot split (UnsupportedModel), a bad engine setting
+        if group is None and args.tensor_parallel_size == 1:
+            raise
+        print(f"mmcache serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     finally:
+        if group is not None:  # the server did not start, or stopped on an error: the followers go too
+            group.close()
         signal.signal(signal.SIGTERM, previous)
     return 0
 
 
-def wait_until_stopped(stop: threading.Event) -> None:
-    """Serve until SIGTERM sets ``stop`` or Ctrl-C, then say so."""
+def _start_ranks(config, args):
+    """Ranks 1 .. N-1 of the tensor-parallel group, joined (``presets.ranks``); None after saying why not."""
+    from ..presets.ranks import start_group
+
+    try:
+        return start_group(config, args.tensor_parallel_size, args.tensor_parallel_timeout)
+    except RuntimeError as e:
+        print(f"mmcache serve: {e}", file=sys.stderr)
+        return None
+
+
+def wait_until_stopped(stop: threading.Event, failed=None):
+    """Serve until SIGTERM sets ``stop``, Ctrl-C, or ``failed()`` gives a reason (returned), then say so."""
+    reason = None
     try:
         while not stop.wait(0.5):
-            pass
+            reason = failed() if failed is not None else None
+            if reason is not None:
+                break
     except KeyboardInterrupt:
         pass
     print("mmcache serve: stopping", file=sys.stderr, flush=True)
+    return reason
 
 
 def reuse_off_reasons(host) -> list[str]:

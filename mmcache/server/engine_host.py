@@ -120,7 +120,9 @@ class EngineHost:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        """The step loop runs and the engine can serve (its tensor-parallel group, where it has one, has not
+        failed)."""
+        return self._thread.is_alive() and not self._stopping and getattr(self.core, "fatal", None) is None
 
     def start(self) -> "EngineHost":
         self._thread.start()

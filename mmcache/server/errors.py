@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import AllocationFailed, InvalidRequest, MediaDecodeError, MmcacheError
+from ..errors import AllocationFailed, GroupFailed, InvalidRequest, MediaDecodeError, MmcacheError
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -108,6 +108,9 @@ def from_engine_error(err: BaseException | None, param: str | None = None) -> AP
         if beyond_limits(err):
             return too_large(f"image beyond the limits: {err}", param)
         return bad_request(f"bad image: {err}", param, "invalid_image")
+    if isinstance(err, GroupFailed):
+        return APIError(503, f"the tensor-parallel group failed: {err}", "service_unavailable", None,
+                        "tensor_parallel_group_failed", {"Retry-After": "5"})
     if isinstance(err, AllocationFailed):
         return APIError(503, f"not enough KV pages: {err}", "service_unavailable", None, "out_of_pages",
                         {"Retry-After": "1"})
