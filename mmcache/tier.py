@@ -74,8 +74,8 @@ _HEADER_BYTES = 128  # header, checksum and padding: ids and KV start here
 @dataclass(frozen=True)
 class TierConfig:
     """Budgets in pages (the engine converts its byte budgets) and the read-in cost rule's constants (see the
-    module docstring). ``disk_dir`` is where the private directory holding the disk file is created; a disk
-    tier needs a KV pool (metadata-only pools keep a host tier only)."""
+    module docstring). ``disk_dir`` is where the private directory holding the disk file is created: a disk
+    tier below a KV pool needs one; below a metadata-only pool (replay) the disk level keeps no file."""
 
     host_pages: int = 0
     disk_pages: int = 0
@@ -90,8 +90,6 @@ class TierConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidRequest(f"TierConfig.{name} must be a non-negative int, got {v!r}")
-        if self.disk_pages and not self.disk_dir:
-            raise InvalidRequest("a disk tier needs disk_dir")
         for name in ("disk_read_bytes_per_s", "recompute_tokens_per_s"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"TierConfig.{name} must be positive, got {getattr(self, name)!r}")
@@ -216,10 +214,16 @@ class _HostLevel(_Level):
 
 
 class _DiskLevel(_Level):
+    """The disk level; with no ``page_shape`` (a metadata-only pool) it keeps no file: its pages are names, ids
+    and digests in memory, as the host level's are, and read back as empty KV."""
+
     label = "disk"
 
-    def __init__(self, capacity: int, directory: str, page_shape: tuple, dtype, page_size: int):
+    def __init__(self, capacity: int, directory: str | None, page_shape: tuple | None, dtype, page_size: int):
         super().__init__(capacity)
+        self.fd = None
+        if page_shape is None:
+            return
         import torch
 
         self.dtype = dtype
@@ -236,13 +240,18 @@ class _DiskLevel(_Level):
         self._closer = weakref.finalize(self, _remove_file, self.fd, self.directory)
 
     def close(self) -> None:
-        self._closer()
+        if self.fd is not None:
+            self._closer()
 
     def _header(self, page: TierPage) -> bytes:
         return _HEADER.pack(_MAGIC, self.token, page.generation, page.slot, page.digest, page.name)
 
-    def write(self, page: TierPage, kv_bytes: bytes) -> None:
-        """Write the page whole into its slot: header, checksum, ids and KV in one ``pwrite``."""
+    def write(self, page: TierPage, kv) -> None:
+        """Write the page whole into its slot: header, checksum, ids and KV (a tensor or bytes) in one ``pwrite``;
+        nothing without a file."""
+        if self.fd is None:
+            return
+        kv_bytes = kv if isinstance(kv, (bytes, bytearray)) else _tensor_bytes(kv)
         self.generations[page.slot] += 1
         page.generation = int(self.generations[page.slot])
         header = self._header(page)
@@ -258,7 +267,9 @@ class _DiskLevel(_Level):
 
     def read(self, page: TierPage) -> bytes | None:
         """The page's KV bytes, or None when the slot does not hold what was written there (see the module
-        docstring): torn, truncated, overwritten or from another file."""
+        docstring): torn, truncated, overwritten or from another file. Without a file: empty bytes."""
+        if self.fd is None:
+            return b""
         try:
             blob = os.pread(self.fd, self.slot_bytes, page.slot * self.slot_bytes)
         except OSError:
@@ -296,8 +307,8 @@ class Tiers:
                  pin: bool = False):
         if not isinstance(config, TierConfig):
             raise InvalidRequest(f"Tiers needs a TierConfig, got {type(config).__name__}")
-        if config.disk_pages and page_shape is None:
-            raise InvalidRequest("a disk tier needs a KV pool (a metadata-only pool keeps a host tier only)")
+        if config.disk_pages and page_shape is not None and not config.disk_dir:
+            raise InvalidRequest("a disk tier below a KV pool needs TierConfig.disk_dir")
         self.config = config
         self.page_size = page_size
         self.page_shape = page_shape
@@ -380,7 +391,7 @@ class Tiers:
                 lv.kv[page.slot].copy_(self._tensor(kv) if isinstance(kv, (bytes, bytearray)) else kv)
         else:
             try:
-                lv.write(page, kv if isinstance(kv, (bytes, bytearray)) else _tensor_bytes(kv))
+                lv.write(page, kv)
             except OSError:  # a full or failing disk: the page is lost, as without a tier
                 lv.release_slot(page)
                 lv.metrics.dropped_pages += 1

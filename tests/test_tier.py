@@ -155,11 +155,27 @@ def test_cost_rule_recomputes_a_small_hit_from_disk(tmp_path):
 
 def test_config_refusals(tmp_path):
     with pytest.raises(InvalidRequest):
-        TierConfig(disk_pages=2)  # no directory
-    with pytest.raises(InvalidRequest):
         TierConfig(host_pages=-1)
     with pytest.raises(InvalidRequest):
-        Tiers(TierConfig(disk_pages=2, disk_dir=str(tmp_path)), P)  # a disk tier needs KV
+        Tiers(TierConfig(disk_pages=2), P, (1, 2, 1, P, 2), torch.float32)  # KV on disk needs a directory
+
+
+def test_a_metadata_only_disk_level_keeps_no_file_and_takes_the_host_levels_overflow(tmp_path):
+    tiers = Tiers(TierConfig(host_pages=1, disk_pages=2, disk_dir=str(tmp_path), recompute_tokens_per_s=100.0), P)
+    assert tiers.level("disk").fd is None and not list(tmp_path.iterdir())
+    ids = np.arange(3 * P).reshape(3, P)
+    digests = chain_digests(root_digest(b"r"), ids.reshape(-1), {}, 0, 3, P)
+    tiers.put([TierPage(10 + i, digests[i], ids[i], None) for i in (2, 1, 0)])  # tail first: page 0 leaves last
+    assert [tiers.where(d) for d in digests] == ["host", "disk", "disk"]
+    tiers.put([TierPage(20, root_digest(b"other"), ids[0], None)])  # page 0 goes down, the disk's oldest out
+    assert [tiers.where(d) for d in digests] == ["disk", "disk", None]
+    assert tiers.level("disk").metrics.dropped_pages == 1
+    run = tiers.take_run(digests, ids.reshape(-1), {}, 0)
+    assert [p.name for p in run] == [10, 11] and all(tiers.read_into(p, None) for p in run)
+    for p in run:
+        tiers.finish(p)
+    assert tiers.level("disk").metrics.hits == 2
+    tiers.check_invariants()
 
 
 # ---- under the manager -------------------------------------------------------------------------------------

@@ -4,14 +4,18 @@
   cost model's times; each round's prompt begins with the session's context up to ``prefix_len``.
 * A malformed CSV is refused with the line named.
 * With a host tier as large as the working set, a pool too small for the sessions realizes the ceiling; without
-  it, evictions lose part of it.
+  it, evictions lose part of it. A disk level below a small host tier takes what the host tier gives up and
+  recovers the rest (``--disk-tier-tokens``).
 """
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from mmcache.cli import main as cli_main
+from mmcache.errors import InvalidRequest
 from mmcache.replay.cli import load_workload
 from mmcache.replay.costmodel import CostModel
 from mmcache.replay.report import replay
@@ -81,3 +85,25 @@ def test_a_host_tier_recovers_what_a_small_pool_evicts(sessions):
     assert plain["evictions"] > 0 and plain["realized_share"] < plain["ceiling_share"]
     assert tiered["tier_hit_pages"] > 0 and tiered["host_tier_tokens"] == 4096
     assert tiered["realized_share"] == pytest.approx(tiered["ceiling_share"])
+
+
+def test_a_disk_level_below_a_small_host_tier_recovers_what_the_host_tier_gives_up(sessions):
+    wl = TraceLabSessions(sessions)
+    base = ReplayConfig(pool_tokens=1024, page_size=16, cost=CostModel(1000.0, 100.0), check_invariants=True,
+                        host_tier_tokens=256)
+    host, both = (replay(wl, replace(base, disk_tier_tokens=d)) for d in (0, 4096))
+    assert host["disk_tier_hit_pages"] == 0 and host["realized_share"] < host["ceiling_share"]
+    assert both["disk_tier_hit_pages"] > 0 and both["disk_tier_tokens"] == 4096
+    assert both["tier_hit_pages"] == host["tier_hit_pages"]  # the host level gives back what it did alone
+    assert both["realized_share"] == pytest.approx(both["ceiling_share"])
+    with pytest.raises(InvalidRequest):
+        ReplayConfig(disk_tier_tokens=-1)
+
+
+def test_the_cli_replays_with_host_and_disk_tiers(sessions, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", str(sessions), "--pool-tokens", "1024", "--page-size", "16", "--host-tier-tokens",
+                     "256", "--disk-tier-tokens", "4096", "--store-at", "teardown", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert (record["host_tier_tokens"], record["disk_tier_tokens"]) == (256, 4096)
+    assert record["disk_tier_hit_pages"] > 0

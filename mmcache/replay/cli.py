@@ -1,6 +1,7 @@
 """``mmcache replay``: replay a trace through metadata-only pools and report what the cache would save.
 
     mmcache replay TRACE [--format mooncake|sessions|tracelab] [--pool-tokens N] [--host-tier-tokens N]
+                         [--disk-tier-tokens N]
                          [--page-size P] [--replicas R]
                          [--routing random|affinity] [--store-at teardown|prefill|both]
                          [--sweep [--sweep-pools N,N,...]] [--json PATH] [--plot PNG] [cost/router options]
@@ -9,7 +10,9 @@ TRACE is a Mooncake JSONL trace, for ``--format sessions`` the sessions generato
 word ``default`` names the repository's ``datasets/sessions/agent_sessions.json``), or for ``--format tracelab``
 a TraceLab session CSV, replayed closed-loop (``tracelab``). Without ``--format`` the format follows the
 extension: ``.jsonl`` is Mooncake, ``.json`` (or ``default``) is sessions, ``.csv`` is TraceLab.
-``--host-tier-tokens`` gives each replica's pool a second tier in host memory of that many tokens.
+``--host-tier-tokens`` gives each replica's pool a second tier in host memory of that many tokens, and
+``--disk-tier-tokens`` a disk level of that many below it (metadata only, as the pool: what the host level gives
+up goes there instead of being lost).
 
 The JSON holds the record of the run the options name (with ``--store-at both``, the teardown record, and
 both under ``by_store_at``) and, with ``--sweep``, a ``sweep`` list of records for every pool size, for
@@ -75,6 +78,8 @@ def _add_pool_options(p: argparse.ArgumentParser, d: ReplayConfig) -> None:
     p.add_argument("--replicas", type=positive_int, default=d.replicas, help="data-parallel replicas")
     p.add_argument("--host-tier-tokens", type=count(minimum=0), default=d.host_tier_tokens, metavar="N",
                    help="a second tier in host memory below each replica's pool (0: none)")
+    p.add_argument("--disk-tier-tokens", type=count(minimum=0), default=d.disk_tier_tokens, metavar="N",
+                   help="a disk level below the host tier of each replica (metadata only; 0: none)")
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="replica choice when R > 1")
     p.add_argument("--store-at", choices=STORE_AT + ("both",), default="both",
                    help="when pages enter the index; both replays each setting")
@@ -223,6 +228,7 @@ def _limit_refused(args) -> bool:
 def _base_config(args) -> ReplayConfig:
     """The replay the options name, before ``--store-at`` and the sweep vary it."""
     return ReplayConfig(pool_tokens=args.pool_tokens, host_tier_tokens=args.host_tier_tokens,
+                        disk_tier_tokens=args.disk_tier_tokens,
                         page_size=args.page_size, replicas=args.replicas,
                         routing=args.routing, route_depth_tokens=args.route_depth_tokens,
                         route_load_factor=args.route_load_factor, route_min_load=args.route_min_load,

@@ -82,7 +82,8 @@ def build_record(log: RunLog, ceiling: np.ndarray, workload: str) -> dict:
     shares = [r["realized_share"] for r in per_replica if r["requests"]]
     return {
         "workload": workload,
-        "pool_tokens": cfg.pool_tokens, "host_tier_tokens": cfg.host_tier_tokens, "page_size": cfg.page_size,
+        "pool_tokens": cfg.pool_tokens, "host_tier_tokens": cfg.host_tier_tokens,
+        "disk_tier_tokens": cfg.disk_tier_tokens, "page_size": cfg.page_size,
         "num_replicas": cfg.replicas,
         "routing": cfg.routing if cfg.replicas > 1 else "single", "store_at": cfg.store_at,
         "requests": len(log.specs), "rejected": int(rejected.sum()), "prompt_tokens": total,
@@ -116,13 +117,20 @@ def _pool_events(log: RunLog, waited: np.ndarray, wait: np.ndarray) -> dict:
     managers = log.managers
     return {
         "evictions": sum(m.metrics.evicted_pages for m in managers),
-        "tier_hit_pages": sum(m.tiers.metrics()["host"]["hits"] for m in managers if m.tiers is not None),
+        "tier_hit_pages": _tier_hits(managers, "host"),
+        "disk_tier_hit_pages": _tier_hits(managers, "disk"),
         "eviction_batches": sum(m.metrics.eviction_batches for m in managers),
         "stalls": sum(m.metrics.alloc_failures_cache_held for m in managers),
         "queue": {"waited_requests": int(waited.sum()),
                   "failed_admissions": sum(m.metrics.alloc_failures_uncached for m in managers),
                   "wait_s": _stats(wait)},
     }
+
+
+def _tier_hits(managers: list, level: str) -> int:
+    """Pages the replicas' tier ``level`` gave back to their pools."""
+    return sum(m.tiers.metrics()[level]["hits"] for m in managers
+               if m.tiers is not None and m.tiers.level(level) is not None)
 
 
 def _per_replica(log: RunLog, prompt: np.ndarray, matched: np.ndarray, forfeit: np.ndarray, replica: np.ndarray,

@@ -29,7 +29,9 @@ A request's life, at simulated times:
 
 With ``host_tier_tokens`` each replica's manager has a metadata-only host tier (``mmcache.tier``): evicted
 cold tails move there and an admission that walks on into it is seeded from it, at no simulated cost, so the
-shares show what a second tier of that size recovers.
+shares show what a second tier of that size recovers. ``disk_tier_tokens`` adds a metadata-only disk level below
+it (or alone), which takes what the host level gives up, as the engine's disk file does; its hits are not
+charged either (the tier's cost rule reads every disk run of 128-token pages in).
 
 Events at equal times are ordered ends first, then arrivals, then by creation, so a replay is deterministic.
 Prompt pages are committed at admission: the engine writes them in the request's first prefill steps, and
@@ -100,6 +102,7 @@ class ReplayConfig:
     cost: CostModel = CostModel()
     check_invariants: bool = False  # check every manager after every event (tests)
     host_tier_tokens: int = 0  # per replica, a second tier in host memory below the pool (mmcache.tier); 0: none
+    disk_tier_tokens: int = 0  # per replica, a disk level below the host level (metadata only); 0: none
 
     def __post_init__(self):
         for name in ("pool_tokens", "page_size", "replicas", "route_depth_tokens"):
@@ -113,9 +116,10 @@ class ReplayConfig:
         if self.num_pages > MAX_PAGES:
             raise InvalidRequest(f"pool of {self.pool_tokens} tokens is {self.num_pages} pages of {self.page_size}; "
                                  f"a pool holds at most {MAX_PAGES} pages (page ids are int32)")
-        tier = self.host_tier_tokens
-        if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
-            raise InvalidRequest(f"host_tier_tokens must be a non-negative int, got {tier!r}")
+        for name in ("host_tier_tokens", "disk_tier_tokens"):
+            tier = getattr(self, name)
+            if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
+                raise InvalidRequest(f"{name} must be a non-negative int, got {tier!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRequest(f"seed must be a non-negative int, got {self.seed!r}")
         if self.routing not in ROUTINGS:
@@ -193,8 +197,9 @@ class _Replay:
     @staticmethod
     def tiers(config: ReplayConfig) -> Tiers | None:
         """A replica's second tier: metadata only, like its pool (a hit there is read in at no simulated cost)."""
-        pages = config.host_tier_tokens // config.page_size
-        return Tiers(TierConfig(host_pages=pages), config.page_size) if pages else None
+        tier = TierConfig(host_pages=config.host_tier_tokens // config.page_size,
+                          disk_pages=config.disk_tier_tokens // config.page_size)
+        return Tiers(tier, config.page_size) if tier.enabled else None
 
     def run(self) -> RunLog:
         """Process every event in heap order; every request must have ended when none is left."""
