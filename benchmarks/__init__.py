@@ -17,4 +17,5 @@ REGISTRY = {
     "voice": "benchmarks.voice",
     "sampling": "benchmarks.sampling",
     "serve": "benchmarks.serve",
+    "tp": "benchmarks.tp",
 }

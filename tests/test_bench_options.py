@@ -23,7 +23,8 @@ COUNTS = {"core": ["--repeats"], "prefix": ["--page-size"],  # core's --tokens s
           "sampling": ["--repeats", "--batch", "--tokens"],
           "voice": ["--rounds", "--runs", "--frames", "--threads"],
           "serve": ["--repeats", "--sessions", "--turns", "--max-tokens", "--num-pages", "--threads", "--text-sessions",
-                    "--text-requests", "--text-turns", "--text-max-tokens"]}
+                    "--text-requests", "--text-turns", "--text-max-tokens"],
+          "tp": ["--prompt-tokens", "--repeats", "--page-size"]}
 
 
 def test_positive_int():

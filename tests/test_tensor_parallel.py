@@ -75,7 +75,7 @@ def test_cache_on_and_off_give_bit_identical_logits_on_every_rank(engine_run):
 def test_each_admission_agrees_once_on_every_rank(engine_run):
     calls = [engine_run["on"]["agreements"][r]["main"][0] for r in range(2)]
     assert calls == [2, 2]
-    assert engine_run["off"]["agreements"] == [{"main": [0, 0.0]}, {"main": [0, 0.0]}]
+    assert engine_run["off"]["agreements"] == [{"main": [0, 0.0, 0.0]}, {"main": [0, 0.0, 0.0]}]
 
 
 def test_a_page_missing_on_one_rank_agrees_on_the_shorter_match(engine_run):
@@ -118,6 +118,7 @@ def test_a_rank_killed_or_stopped_mid_step_fails_the_request_instead_of_hanging(
     assert got["reason"] == "error" and got["error"] == "GroupFailed", got
     assert got["after"] == ["error", "GroupFailed"] and got["fatal"] == "GroupFailed"
     assert got["tokens"] < 100000
+    assert got["held"] == {"main": 0} and got["free"] == 64  # rank 0 holds no page for the failed request
     if how == "SIGSTOP":  # nothing closed a connection: the group's timeout (5 s) ended the wait
         assert "timeout" in got["message"].lower() or "timed out" in got["message"].lower(), got["message"]
 

@@ -57,7 +57,7 @@ def engine_scenario(out: Path) -> dict:
         first, second = e.generate([pr["p1"]], GREEDY)[0], e.generate([pr["p1"]], GREEDY)[0]
         got[name] = {"tokens": [first.output_ids, second.output_ids], "matched": second.matched_tokens,
                      "digests": e.leader.query("logits_digest"), "agreements": e.leader.query("agreements")}
-        got[name]["agreements"][0] = {k: (a.calls, a.seconds) for k, a in e.leader.agreements.items()}
+        got[name]["agreements"][0] = {k: (a.calls, a.seconds, a.reduce_seconds) for k, a in e.leader.agreements.items()}
         e.stop_group()
     # Phase 3: rank 1 alone drops its cached pages, then learns two pages of p1 back from p2.
     e = _engine(PHASES[2])
@@ -114,7 +114,9 @@ def kill_scenario(out: Path) -> dict:
     ended = time.monotonic()
     done = [ev for ev in events if ev.finished and ev.request_id == rid][0]
     after = e.generate([[1, 2, 3]], GREEDY)[0]
-    return {"reason": done.output.finish_reason, "error": type(done.output.error).__name__,
+    e.check_invariants()
+    return {"held": {label: m.num_requests for label, m in e.managers.items()},
+            "free": e.managers["main"].pool.num_free + e.managers["main"].index.size,"reason": done.output.finish_reason, "error": type(done.output.error).__name__,
             "message": str(done.output.error), "seconds_after_kill": ended - killed_at,
             "tokens": len(done.output.output_ids), "after": [after.finish_reason, type(after.error).__name__],
             "fatal": type(e.fatal).__name__}

@@ -234,7 +234,8 @@ class Engine:
         cache = CacheConfig(num_pages=num_pages, page_size=self.config.page_size, mode=self.config.cache_mode,
                             store_at=self.config.store_at)
         if self.group is not None:  # each rank its own pool and index; the group agrees on every match
-            agreement = self.leader.agreement(label) if self.leader else GroupMinimum(self.group.group)
+            agreement = (self.leader.agreement(label, a.device) if self.leader
+                         else GroupMinimum(self.group.group, device=a.device))
             manager = AllocationManager(cache, self.fingerprint, spec, agreement=agreement)
             return self.leader.wrap(manager, label) if self.leader else manager
         if tiers is not None:

@@ -148,8 +148,9 @@ class Leader:
         return self.channel.broken
 
     # ---- what the engine wires in ------------------------------------------------------------------
-    def agreement(self, label: str) -> GroupMinimum:
-        agree = GroupMinimum(self.info.group, announce=lambda k, label=label: self._announce(label, k))
+    def agreement(self, label: str, device) -> GroupMinimum:
+        agree = GroupMinimum(self.info.group, announce=lambda k, label=label: self._announce(label, k),
+                             device=device)
         self.agreements[label] = agree
         return agree
 
@@ -378,7 +379,8 @@ class Follower:
             answer = {label: {"requests": m.num_requests, "free_pages": int(m.pool.num_free),
                               "cached_pages": int(m.index.in_index.sum())} for label, m in e.managers.items()}
         elif what == "agreements":
-            answer = {label: (m.agreement.calls, m.agreement.seconds) for label, m in e.managers.items()
+            answer = {label: (m.agreement.calls, m.agreement.seconds, m.agreement.reduce_seconds)
+                      for label, m in e.managers.items()
                       if getattr(m, "agreement", None) is not None}
         elif what == "record_logits":
             self.logits = xxhash.xxh3_128()
