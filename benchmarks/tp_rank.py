@@ -13,7 +13,7 @@ What rank 0 measures (each figure's definition is in ``benchmarks.tp``):
   of the logits it computed equal on and off;
 * the probe: per repeat a fresh prompt of T tokens served cold, then again (a hit of every full page but the
   last token's), one output token each; TTFTs and matched tokens;
-* the agreement: its calls and seconds on every rank, over the probe's admissions after the warm-up round.
+* the agreement: its calls, seconds and median per call on every rank, over the probe's admissions.
 """
 
 from __future__ import annotations
@@ -88,16 +88,8 @@ def main(argv=None) -> int:
 
     e = engine(**probe)
 
-    def agreements() -> list:  # (calls, seconds, all-reduce seconds) of this engine's agreements, per rank
-        if e.leader is None:
-            return []
-        own = e.leader.agreements["main"]
-        return [(own.calls, own.seconds, own.reduce_seconds)] + [a["main"] for a in e.leader.query("agreements")[1:]]
-
-    cold, hit, matched, first_tokens, warm = [], [], [], [], []
+    cold, hit, matched, first_tokens = [], [], [], []
     for r in range(args.repeats + 1):  # the first round warms the model up (and the group) and is not counted
-        if r == 1:
-            warm = agreements()
         prompt = _draw(rng, args.prompt_tokens, vocab)
         c = e.generate([Request(prompt, ONE, request_id=f"cold-{r}")])[0]
         h = e.generate([Request(prompt, ONE, request_id=f"hit-{r}")])[0]
@@ -109,7 +101,9 @@ def main(argv=None) -> int:
             matched.append(h.matched_tokens)
             first_tokens.append([c.output_ids[0], h.output_ids[0]])
         e.clear_cache()
-    agreement = [[b - a for a, b in zip(before, after)] for before, after in zip(warm, agreements())]
+    agreement = []  # the probe engine's agreements on each rank (``GroupMinimum.summary``)
+    if e.leader is not None:
+        agreement = [e.leader.agreements["main"].summary()] + [a["main"] for a in e.leader.query("agreements")[1:]]
     e.stop_group()
     result = {
         "tp": size, "preset": args.preset, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,

@@ -16,17 +16,22 @@ Invariants:
   ``GroupFailed`` on the others, never hang past the timeout.
 * ``calls`` and ``seconds`` count the agreements and the time spent in them on this rank (the announcement
   included); ``reduce_seconds`` the all-reduce alone, which is all the agreement adds where the matched length
-  travels with a message the step sends anyway.
+  travels with a message the step sends anyway; ``summary()`` adds their medians over the last ``RECENT`` calls
+  (a busy machine's scheduling makes the mean a poor summary).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import Callable
 
 import torch
 
 from .errors import GroupFailed
+
+RECENT = 1024  # calls whose durations ``summary`` takes the medians of
 
 
 class GroupMinimum:
@@ -41,11 +46,12 @@ class GroupMinimum:
         self.calls = 0
         self.seconds = 0.0
         self.reduce_seconds = 0.0
+        self._recent: deque = deque(maxlen=RECENT)  # (seconds, all-reduce seconds) of the latest calls
 
     def __call__(self, k: int) -> int:
         import torch.distributed as dist
 
-        start = time.perf_counter()
+        start = reducing = time.perf_counter()
         try:
             if self.announce is not None:
                 self.announce(k)
@@ -60,6 +66,15 @@ class GroupMinimum:
             raise GroupFailed(f"the tensor-parallel group did not agree on a matched length: "
                               f"{type(e).__name__}: {e}") from e
         finally:
+            end = time.perf_counter()
             self.calls += 1
-            self.seconds += time.perf_counter() - start
+            self.seconds += end - start
+            self._recent.append((end - start, end - reducing))
         return agreed
+
+    def summary(self) -> dict:
+        """Calls, total seconds (``seconds``, ``reduce_seconds``) and the medians of the latest calls in ms."""
+        recent = list(self._recent)
+        return {"calls": self.calls, "seconds": self.seconds, "reduce_seconds": self.reduce_seconds,
+                "median_ms": 1e3 * statistics.median(r[0] for r in recent) if recent else None,
+                "median_reduce_ms": 1e3 * statistics.median(r[1] for r in recent) if recent else None}

@@ -16,7 +16,7 @@ def test_bench_tp_quick_runs_both_sizes_bit_exact_with_every_hit():
         assert e["matched_on"] == [0, 80, 32]
         assert s["matched_tokens"] == [48]  # every full page but the one holding the last token
     two = result["sizes"]["2"]["agreement_per_rank"]
-    assert [r[0] for r in two] == [2, 2]  # one agreement per admission (cold and hit) on each rank
+    assert [r["calls"] for r in two] == [4, 4]  # one agreement per admission (cold and hit, two rounds) per rank
     assert all(ms is not None and ms > 0 for ms in result["agreement_ms_per_admission"])
     rows = tp.table_rows(result)
     assert len(rows) == 3 and "bit-exact on/off: yes" in rows[1].metric

@@ -73,9 +73,10 @@ def test_cache_on_and_off_give_bit_identical_logits_on_every_rank(engine_run):
 
 
 def test_each_admission_agrees_once_on_every_rank(engine_run):
-    calls = [engine_run["on"]["agreements"][r]["main"][0] for r in range(2)]
+    calls = [engine_run["on"]["agreements"][r]["main"]["calls"] for r in range(2)]
     assert calls == [2, 2]
-    assert engine_run["off"]["agreements"] == [{"main": [0, 0.0, 0.0]}, {"main": [0, 0.0, 0.0]}]
+    assert all(engine_run["on"]["agreements"][r]["main"]["median_ms"] > 0 for r in range(2))
+    assert [engine_run["off"]["agreements"][r]["main"]["calls"] for r in range(2)] == [0, 0]
 
 
 def test_a_page_missing_on_one_rank_agrees_on_the_shorter_match(engine_run):

@@ -57,7 +57,7 @@ def engine_scenario(out: Path) -> dict:
         first, second = e.generate([pr["p1"]], GREEDY)[0], e.generate([pr["p1"]], GREEDY)[0]
         got[name] = {"tokens": [first.output_ids, second.output_ids], "matched": second.matched_tokens,
                      "digests": e.leader.query("logits_digest"), "agreements": e.leader.query("agreements")}
-        got[name]["agreements"][0] = {k: (a.calls, a.seconds, a.reduce_seconds) for k, a in e.leader.agreements.items()}
+        got[name]["agreements"][0] = {k: a.summary() for k, a in e.leader.agreements.items()}
         e.stop_group()
     # Phase 3: rank 1 alone drops its cached pages, then learns two pages of p1 back from p2.
     e = _engine(PHASES[2])

@@ -379,8 +379,7 @@ class Follower:
             answer = {label: {"requests": m.num_requests, "free_pages": int(m.pool.num_free),
                               "cached_pages": int(m.index.in_index.sum())} for label, m in e.managers.items()}
         elif what == "agreements":
-            answer = {label: (m.agreement.calls, m.agreement.seconds, m.agreement.reduce_seconds)
-                      for label, m in e.managers.items()
+            answer = {label: m.agreement.summary() for label, m in e.managers.items()
                       if getattr(m, "agreement", None) is not None}
         elif what == "record_logits":
             self.logits = xxhash.xxh3_128()
