@@ -67,19 +67,23 @@ def _add_tensor_parallel(g) -> None:
     g.add_argument("--tensor-parallel-size", type=count(64), default=1, metavar="N",
                    help="split the chat model's attention heads and MLP over N ranks, processes on this machine "
                         "(default 1: no split)")
-    g.add_argument("--tensor-parallel-timeout", type=_seconds, default=60.0, metavar="S",
+    g.add_argument("--tensor-parallel-timeout", type=_between(1, 3600, " seconds"), default=60.0, metavar="S",
                    help="a rank that does not answer within S seconds fails the group: requests get 503 and the "
                         "command exits 1 (default 60)")
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 3600 seconds, got {text}")
-    return value
+def _between(low: float, high: float, unit: str = ""):
+    """An argparse type: a number from ``low`` to ``high``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}{unit}, got {text}")
+        return value
+
+    return parse
 
 
 def _add_replicas(g) -> None:
@@ -96,7 +100,7 @@ def _add_replicas(g) -> None:
     g.add_argument("--route-depth-tokens", type=count(), default=2048, metavar="N",
                    help="mmcache's router keys on the page ending at this token (a shorter prompt: its first "
                         "page; default 2048)")
-    g.add_argument("--replica-cpus", type=_cpus, default=1.0, metavar="C",
+    g.add_argument("--replica-cpus", type=_between(0, 1024), default=1.0, metavar="C",
                    help="CPUs each engine replica reserves in Ray (default 1)")
 
 
@@ -125,16 +129,6 @@ def _with_tiers(engine_config, args: argparse.Namespace):
                                     args.preempt_tier_bytes)
     except EngineConfigError as e:
         raise ServerConfigError(str(e)) from None
-
-
-def _cpus(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1024, got {text}")
-    return value
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
