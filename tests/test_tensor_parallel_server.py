@@ -82,6 +82,9 @@ def test_two_ranks_answer_a_chat_with_an_image_as_one_process_does_and_reuse_its
             [e["choices"][0]["message"]["content"] for e in expected]
         assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert got[1]["usage"] == expected[1]["usage"]
+        text = httpx.get(url + "/metrics").text
+        assert 'mmcache:tensor_parallel_size{model_name="demo"} 2.0' in text
+        assert re.search(r'mmcache:tensor_parallel_agreements_total\{model_name="demo"\} [1-9]', text), text[-2000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10

@@ -370,6 +370,10 @@ class Engine:
                 d["shadow_failures"] = m.shadow_failures
             out[label] = d
         out["engine"] = dict(self.counters, preemptions=self.scheduler.preemptions, deferrals=self.scheduler.deferrals)
+        if self.leader is not None:
+            agreements = [a.summary() for a in self.leader.agreements.values()]
+            out["tensor_parallel"] = {"size": self.group.size, "agreements": sum(a["calls"] for a in agreements),
+                                      "agreement_seconds": sum(a["seconds"] for a in agreements)}
         return out
 
     def clear_cache(self, demote: bool = False) -> int:

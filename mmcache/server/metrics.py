@@ -36,7 +36,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 18))
 _STORE_KIND_LABELS = {"output": "vision", "position_bias": "position_bias", "text_encoder": "text_encoder",
                       "negative_prompt": "negative_prompt", "codec": "codec"}
-ENGINE_SECTIONS = ("engine", "encoder")  # entries of engine.metrics() that are not page-pool labels
+ENGINE_SECTIONS = ("engine", "encoder", "tensor_parallel")  # entries of engine.metrics() that are not pool labels
 
 
 class ServerMetrics:
@@ -168,6 +168,13 @@ class _EngineCollector:
         yield gauge("mmcache:kv_cache_usage_perc", "Share of KV pages held by live requests (0 to 1).",
                     live / num if num else 0.0)
         yield from _tiers(pools, name)
+        tp = stats.get("tensor_parallel")
+        if tp is not None:
+            yield gauge("mmcache:tensor_parallel_size", "Ranks of the chat model's tensor-parallel group.", tp["size"])
+            yield counter("mmcache:tensor_parallel_agreements", "Admissions whose matched length the ranks agreed "
+                          "on (rank 0's count).", tp["agreements"])
+            yield counter("mmcache:tensor_parallel_agreement_seconds", "Seconds rank 0 spent announcing admissions "
+                          "and agreeing on their matched lengths.", tp["agreement_seconds"])
         yield gauge("mmcache:num_requests_running", "Requests with an output token and not yet finished.",
                     host.running)
         yield gauge("mmcache:num_requests_waiting", "Requests accepted that have no output yet.", host.waiting)
