@@ -305,6 +305,22 @@ class LeaderRunner:
                 b.prompt_len, mm)
 
 
+class _Placed:
+    """The token ids of one work at their positions ``start ..``, in a sequence of ``length`` tokens: all that a
+    forward reads of a branch's tokens (its slice and its length), without the tokens before ``start``."""
+
+    def __init__(self, start: int, ids: list, length: int):
+        self.start, self.ids, self.length = start, ids, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> list:
+        if not isinstance(key, slice) or key.step is not None or key.start < self.start:
+            raise IndexError(f"a follower's work holds tokens from {self.start} on only, not {key!r}")
+        return self.ids[key.start - self.start: key.stop - self.start]
+
+
 class Follower:
     """A follower rank's loop over its engine (``Engine.follow``): replay what rank 0 sends until it says stop."""
 
@@ -357,9 +373,9 @@ class Follower:
             manager = self.engine._manager(label)
             if mm is not None:
                 self._mm[(rid, label)] = mm
-            branch = Branch(label, manager, [0] * start + list(ids), prompt_len, mm=self._mm.get((rid, label)))
-            if not (wants_logits and self.logits is not None):
-                branch.tokens.append(0)  # a token past ``end``: the work wants no logits here
+            wanted = wants_logits and self.logits is not None  # else a token past ``end``: no logits here
+            tokens = _Placed(start, ids, end if wanted else end + 1)
+            branch = Branch(label, manager, tokens, prompt_len, mm=self._mm.get((rid, label)))
             works.append(Work(None, branch, start, end, manager.page_table(rid), write))
         logits = self.engine.runner.run(works)
         if self.logits is not None and len(logits):
