@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmcache.engine import EngineConfig, SamplingParams
+from mmcache.engine import EngineConfig, SamplingParams, tp_group
 from mmcache.errors import GroupFailed
 from mmcache.presets.text import engine_from_preset
 
@@ -134,6 +134,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timeout)
     if scenario == "engine":
+        tp_group.Channel.FRAME = 256  # most messages then take a second broadcast for what the frame leaves out
         if rank:
             follow_all(len(PHASES))
         else:

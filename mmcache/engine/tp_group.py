@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pickle
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -46,6 +47,7 @@ from .scheduler import Work
 from .sequence import Branch
 
 _log = logging.getLogger("mmcache.engine")
+_LENGTH = 8  # bytes of a message's length at the head of its frame
 
 RECORDED = ("reserve", "commit", "teardown", "abort", "suspend", "release_oldest", "protect_prefix", "clear_cache")
 """The manager calls rank 0 records and the followers replay (every call that changes a pool; an admission and a
@@ -90,33 +92,58 @@ def join(size: int, timeout_s: float) -> GroupInfo:
 
 
 class Channel:
-    """Rank 0's messages to the followers, one broadcast each, under one lock (``lock``: a sender that needs the
-    group for more than the message, an agreement or a forward, holds it across both)."""
+    """Rank 0's messages to the followers under one lock (``lock``: a sender that needs the group for more than the
+    message, an agreement or a forward, holds it across both). A message is pickled into a frame of ``FRAME``
+    bytes (its length first) and sent in one broadcast; one longer than the frame sends the rest in a second."""
+
+    FRAME = 1 << 16
 
     def __init__(self, info: GroupInfo):
+        import torch
+        import torch.distributed as dist
+
         self.info = info
         self.lock = threading.RLock()
         self.broken: GroupFailed | None = None
         self.last_sent = time.monotonic()
         self.messages = 0
+        nccl = dist.get_backend(info.group) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._frame = torch.empty(self.FRAME, dtype=torch.uint8, device=self._device)
 
     def send(self, message: list) -> None:
-        self._broadcast([message])
+        import torch
+
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        head = len(data).to_bytes(_LENGTH, "little") + data[: self.FRAME - _LENGTH]
+        self._frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self._device)
+        self._broadcast(self._frame)
+        rest = data[self.FRAME - _LENGTH:]
+        if rest:
+            self._broadcast(torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(self._device))
         self.last_sent = time.monotonic()
         self.messages += 1
 
     def receive(self) -> list:
-        box = [None]
-        self._broadcast(box)
-        return box[0]
+        import torch
 
-    def _broadcast(self, box: list) -> None:
+        self._broadcast(self._frame)
+        frame = self._frame.cpu().numpy().tobytes()
+        n = int.from_bytes(frame[:_LENGTH], "little")
+        data = frame[_LENGTH: _LENGTH + n]
+        if n > self.FRAME - _LENGTH:
+            rest = torch.empty(n - (self.FRAME - _LENGTH), dtype=torch.uint8, device=self._device)
+            self._broadcast(rest)
+            data += rest.cpu().numpy().tobytes()
+        return pickle.loads(data)  # from rank 0 of this program's own group
+
+    def _broadcast(self, tensor) -> None:
         import torch.distributed as dist
 
         if self.broken is not None:
             raise self.broken
         try:
-            dist.broadcast_object_list(box, src=0, group=self.info.group)
+            dist.broadcast(tensor, src=0, group=self.info.group)
         except Exception as e:
             raise self.fail(f"a message to the tensor-parallel group failed: {type(e).__name__}: {e}") from e
 
