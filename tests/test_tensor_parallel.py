@@ -72,6 +72,12 @@ def test_cache_on_and_off_give_bit_identical_logits_on_every_rank(engine_run):
     assert on["digests"][0] == on["digests"][1]  # and the ranks computed the same logits
 
 
+def test_each_rank_names_its_slice_in_its_fingerprint(engine_run):
+    (r0, n0, s0, d0), (r1, n1, s1, d1) = engine_run["fingerprints"]
+    assert (r0, n0, list(s0)) == (0, 2, [0, 2]) and (r1, n1, list(s1)) == (1, 2, [2, 4])
+    assert d0 == d1  # the whole model's digest: one model, two slices
+
+
 def test_each_admission_agrees_once_on_every_rank(engine_run):
     calls = [engine_run["on"]["agreements"][r]["main"]["calls"] for r in range(2)]
     assert calls == [2, 2]

@@ -53,6 +53,9 @@ def engine_scenario(out: Path) -> dict:
     # Phases 1 and 2: the same requests with the cache on and off, every rank keeping a digest of its logits.
     for name, phase in (("on", PHASES[0]), ("off", PHASES[1])):
         e = _engine(phase)
+        f = e.fingerprint
+        got.setdefault("fingerprints", [(f.tp_rank, f.tp_size, f.head_slice, f.model_digest)] +
+                       e.leader.query("fingerprint")[1:])
         e.leader.query("record_logits")
         first, second = e.generate([pr["p1"]], GREEDY)[0], e.generate([pr["p1"]], GREEDY)[0]
         got[name] = {"tokens": [first.output_ids, second.output_ids], "matched": second.matched_tokens,

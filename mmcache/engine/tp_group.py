@@ -424,6 +424,9 @@ class Follower:
         elif what == "agreements":
             answer = {label: m.agreement.summary() for label, m in e.managers.items()
                       if getattr(m, "agreement", None) is not None}
+        elif what == "fingerprint":
+            f = e.fingerprint
+            answer = (f.tp_rank, f.tp_size, f.head_slice, f.model_digest)
         elif what == "record_logits":
             self.logits = xxhash.xxh3_128()
             answer = None
