@@ -125,10 +125,12 @@ def test_a_lost_rank_ends_the_stream_with_503_and_the_server_exits_non_zero():
     (["--tensor-parallel-size", "4"], "do not split over 4"),
     (["--tensor-parallel-size", "2", "--replicas", "2"], "not supported"),
     (["--tensor-parallel-size", "0"], "at least 1"),
+    (["--tensor-parallel-size", "2", "--diffusion", "tiny-sd3"], "splits a chat model"),
     (["--tensor-parallel-size", "2", "--tensor-parallel-timeout", "0.5"], "between 1 and 3600 seconds"),
 ])
 def test_a_group_that_cannot_be_formed_is_refused_with_a_reason(args, message):
-    proc = subprocess.run([sys.executable, "-m", "mmcache.cli", "serve", "--preset", "tiny-llava", "--port", "0",
-                           *args], capture_output=True, text=True, env=ENV, timeout=120)
+    model = [] if "--diffusion" in args else ["--preset", "tiny-llava"]
+    proc = subprocess.run([sys.executable, "-m", "mmcache.cli", "serve", *model, "--port", "0", *args],
+                          capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr

@@ -294,6 +294,10 @@ def serve_main(args: argparse.Namespace) -> int:
     except ServerConfigError as e:
         print(f"mmcache serve: {e}", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size > 1 and not config.serves_chat:
+        print("mmcache serve: --tensor-parallel-size splits a chat model: give --preset or --model",
+              file=sys.stderr)
+        return 2
     if args.replicas is not None:
         if args.tensor_parallel_size > 1:
             print("mmcache serve: --replicas with --tensor-parallel-size is not supported (each replica is one "
