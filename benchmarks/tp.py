@@ -13,7 +13,8 @@ benchmarks.tp_rank``), one process a rank over gloo, the ranks splitting the mac
   token's (``matched_tokens``);
 * the agreement: per admission (the median over the probe's admissions), the time rank 0 spends announcing it
   and in the all-reduce, and the all-reduce alone, on every rank; the all-reduce on rank 0 includes waiting for
-  the followers to replay the pool changes sent with the announcement and match the prompt on their indexes.
+  the followers to replay the pool changes sent with the announcement and match the prompt on their indexes,
+  which each follower reports (``follower_catchup_ms``: from the message's arrival to its own agreement).
 Across sizes: tp=2's output tokens equal tp=1's (greedy). On a 2-core machine tensor parallelism brings no speed
 (the ranks share the cores); the figures show that the agreement keeps every hit and costs little.
 ``--quick``: the tiny preset, 256-token prompts, 2 repeats.
@@ -70,6 +71,7 @@ def run(args) -> dict:
         and one["first_tokens"] == two["first_tokens"],
         "agreement_ms_per_admission": [r["median_ms"] for r in ranks],  # medians over the probe's admissions
         "reduce_ms_per_admission": [r["median_reduce_ms"] for r in ranks],
+        "follower_catchup_ms": [r.get("catchup_median_ms") for r in ranks[1:]],
     }
 
 

@@ -103,7 +103,8 @@ def main(argv=None) -> int:
         e.clear_cache()
     agreement = []  # the probe engine's agreements on each rank (``GroupMinimum.summary``)
     if e.leader is not None:
-        agreement = [e.leader.agreements["main"].summary()] + [a["main"] for a in e.leader.query("agreements")[1:]]
+        agreement = [e.leader.agreements["main"].summary()] + [
+            dict(a["main"], catchup_median_ms=a.get("catchup_median_ms")) for a in e.leader.query("agreements")[1:]]
     e.stop_group()
     result = {
         "tp": size, "preset": args.preset, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,

@@ -36,8 +36,8 @@ RECENT = 1024  # calls whose durations ``summary`` takes the medians of
 
 class GroupMinimum:
     """``agreement(k) -> the group's minimum of k``; ``group`` is a ``torch.distributed`` process group (None: the
-    default group), ``announce(k)`` runs first on the rank that leads the step (rank 0 sends the admission it
-    matched ``k`` pages for, so that the other ranks join the same all-reduce)."""
+    default group); ``announce(k)`` runs first: on the rank that leads the step it sends the admission it matched
+    ``k`` pages for, so that the other ranks join the same all-reduce (another rank may note its arrival)."""
 
     def __init__(self, group=None, announce: Callable[[int], None] | None = None, device="cpu"):
         self.group = group

@@ -18,5 +18,6 @@ def test_bench_tp_quick_runs_both_sizes_bit_exact_with_every_hit():
     two = result["sizes"]["2"]["agreement_per_rank"]
     assert [r["calls"] for r in two] == [4, 4]  # one agreement per admission (cold and hit, two rounds) per rank
     assert all(ms is not None and ms > 0 for ms in result["agreement_ms_per_admission"])
+    assert result["follower_catchup_ms"][0] > 0
     rows = tp.table_rows(result)
     assert len(rows) == 3 and "bit-exact on/off: yes" in rows[1].metric

@@ -82,6 +82,7 @@ def test_each_admission_agrees_once_on_every_rank(engine_run):
     calls = [engine_run["on"]["agreements"][r]["main"]["calls"] for r in range(2)]
     assert calls == [2, 2]
     assert all(engine_run["on"]["agreements"][r]["main"]["median_ms"] > 0 for r in range(2))
+    assert engine_run["on"]["agreements"][1]["catchup_median_ms"] > 0  # the follower's way to its agreement
     assert [engine_run["off"]["agreements"][r]["main"]["calls"] for r in range(2)] == [0, 0]
 
 

@@ -129,6 +129,7 @@ class Engine:
         self.group = tp_group.join(config.tensor_parallel_size, config.tensor_parallel_timeout_s) \
             if config.tensor_parallel_size > 1 else None
         self.leader = tp_group.Leader(self.group) if self.group is not None and self.group.leads else None
+        self._follower = tp_group.Follower(self, self.group) if self.group is not None and not self.leader else None
         with _SETTING_UP:  # see _SETTING_UP
             self._set_up_model(config, digest)
         a = self.adapter
@@ -235,7 +236,7 @@ class Engine:
                             store_at=self.config.store_at)
         if self.group is not None:  # each rank its own pool and index; the group agrees on every match
             agreement = (self.leader.agreement(label, a.device) if self.leader
-                         else GroupMinimum(self.group.group, device=a.device))
+                         else GroupMinimum(self.group.group, announce=self._follower.mark, device=a.device))
             manager = AllocationManager(cache, self.fingerprint, spec, agreement=agreement)
             return self.leader.wrap(manager, label) if self.leader else manager
         if tiers is not None:
@@ -561,7 +562,7 @@ class Engine:
         (``stop_group``); raises ``GroupFailed`` when the group fails."""
         if self.group is None or self.group.leads:
             raise EngineConfigError("follow runs on the ranks after rank 0 of a tensor-parallel group")
-        tp_group.Follower(self, self.group).run()
+        self._follower.run()
 
     def stop_group(self) -> None:
         """On rank 0: end the followers' ``follow`` (once); nothing without a group."""

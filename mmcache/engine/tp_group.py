@@ -34,8 +34,10 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -356,13 +358,22 @@ class Follower:
         self.info = info
         self.channel = Channel(info)
         self._mm: dict = {}
+        self._received = time.perf_counter()
+        self.catchup: deque = deque(maxlen=1024)  # seconds from a message to this rank's agreement (``mark``)
         #: A digest of every logits row this rank computed, once rank 0 asked for them (the ``record_logits``
         #: query: a check that every rank computes what rank 0 does); None: followers compute no logits.
         self.logits = None
 
+    def mark(self, _k: int) -> None:
+        """The agreement's first act on a follower (``GroupMinimum.announce``): note how long after the message
+        arrived this rank reached it (replaying the changes sent with it, naming and matching the prompt)."""
+        self.catchup.append(time.perf_counter() - self._received)
+
     def run(self) -> None:
         while True:
-            for op in self.channel.receive():
+            message = self.channel.receive()
+            self._received = time.perf_counter()
+            for op in message:
                 if op[0] == "stop":
                     return
                 self._apply(op)
@@ -424,6 +435,8 @@ class Follower:
         elif what == "agreements":
             answer = {label: m.agreement.summary() for label, m in e.managers.items()
                       if getattr(m, "agreement", None) is not None}
+            if self.catchup:
+                answer["catchup_median_ms"] = 1e3 * statistics.median(self.catchup)
         elif what == "fingerprint":
             f = e.fingerprint
             answer = (f.tp_rank, f.tp_size, f.head_slice, f.model_digest)
