@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import xxhash
 
 from ..agreement import GroupMinimum
-from ..errors import GroupFailed, MmcacheError
+from ..errors import GroupFailed
 from .request import MultimodalInput
 from .scheduler import Work
 from .sequence import Branch
@@ -401,7 +401,7 @@ class Follower:
                 raise GroupFailed(f"rank {self.info.rank} got an operation it does not know: {kind!r}")
         except GroupFailed:
             raise
-        except MmcacheError as e:
+        except Exception as e:  # a pool that cannot do what rank 0's did, a forward or collective that failed
             raise GroupFailed(f"rank {self.info.rank} could not follow rank 0 ({kind}): {type(e).__name__}: {e}") \
                 from e
 
@@ -423,9 +423,10 @@ class Follower:
         import torch.distributed as dist
 
         e = self.engine
-        if what == "invariants":
+        if what == "invariants":  # the pools' own (a follower's engine holds no live requests to compare with)
             try:
-                e.check_invariants()
+                for m in e.managers.values():
+                    m.check_invariants()
                 answer = None
             except AssertionError as err:
                 answer = f"{type(err).__name__}: {err}"
