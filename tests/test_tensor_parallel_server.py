@@ -121,16 +121,32 @@ def test_a_lost_rank_ends_the_stream_with_503_and_the_server_exits_non_zero():
         _stop(proc)
 
 
+def test_a_model_that_does_not_split_fails_the_start_with_a_reason():
+    proc = subprocess.run([sys.executable, "-m", "mmcache.cli", "serve", "--preset", "tiny-llava", "--port", "0",
+                           "--tensor-parallel-size", "3"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "do not split over 3" in proc.stderr
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--tensor-parallel-size", "4"], "do not split over 4"),
-    (["--tensor-parallel-size", "2", "--replicas", "2"], "not supported"),
+    (["--preset", "tiny-llava", "--tensor-parallel-size", "2", "--replicas", "2"], "not supported"),
+    (["--diffusion", "tiny-sd3", "--tensor-parallel-size", "2"], "splits a chat model"),
+])
+def test_a_group_that_cannot_serve_is_refused_before_anything_starts(args, message, capsys):
+    from mmcache.cli import build_parser
+    from mmcache.server.cli import serve_main
+
+    assert serve_main(build_parser().parse_args(["serve", "--port", "0", *args])) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
     (["--tensor-parallel-size", "0"], "at least 1"),
-    (["--tensor-parallel-size", "2", "--diffusion", "tiny-sd3"], "splits a chat model"),
     (["--tensor-parallel-size", "2", "--tensor-parallel-timeout", "0.5"], "between 1 and 3600 seconds"),
 ])
-def test_a_group_that_cannot_be_formed_is_refused_with_a_reason(args, message):
-    model = [] if "--diffusion" in args else ["--preset", "tiny-llava"]
-    proc = subprocess.run([sys.executable, "-m", "mmcache.cli", "serve", *model, "--port", "0", *args],
-                          capture_output=True, text=True, env=ENV, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert message in proc.stderr
+def test_tensor_parallel_options_are_bounded(args, message, capsys):
+    from mmcache.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--preset", "tiny", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

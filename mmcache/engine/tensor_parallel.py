@@ -37,19 +37,24 @@ def head_slice(num_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 def check_shardable(model: nn.Module, size: int) -> None:
     """Raise ``UnsupportedModel`` where ``shard`` cannot cut ``model`` over ``size`` ranks."""
-    tc = model.config.get_text_config()
     name = type(model).__name__
-    heads, kv = int(tc.num_attention_heads), int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
-    for what, n in (("attention heads", heads), ("KV heads", kv), ("MLP width (intermediate_size)",
-                                                                     int(getattr(tc, "intermediate_size", 0) or 0))):
-        if n <= 0 or n % size:
-            raise UnsupportedModel(f"{name}: its {n} {what} do not split over {size} tensor-parallel ranks")
+    check_splits(model.config.get_text_config(), size, name)
     for i, layer in enumerate(_layers(model)):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in _ATTENTION) \
                 or not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in _MLP):
             raise UnsupportedModel(f"{name}: decoder layer {i} is not an attention layer with q/k/v/o projections "
                                    f"and a gated MLP (gate/up/down), which tensor parallelism splits")
+
+
+def check_splits(tc, size: int, name: str) -> None:
+    """Raise ``UnsupportedModel`` where a text config's head counts or MLP width do not divide by ``size`` (what a
+    launcher can check before it builds any rank's model)."""
+    heads, kv = int(tc.num_attention_heads), int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
+    for what, n in (("attention heads", heads), ("KV heads", kv), ("MLP width (intermediate_size)",
+                                                                     int(getattr(tc, "intermediate_size", 0) or 0))):
+        if n <= 0 or n % size:
+            raise UnsupportedModel(f"{name}: its {n} {what} do not split over {size} tensor-parallel ranks")
 
 
 def shard(model: nn.Module, rank: int, size: int) -> tuple[int, int]:

@@ -47,11 +47,36 @@ class FollowerGroup:
         return codes
 
 
+def check_splits(config, size: int) -> None:
+    """``UnsupportedModel`` where the chat model ``config`` names cannot be split over ``size`` ranks, from its
+    config (a text preset's or a folder's; a VLM preset is built, as the tiny ones are quick to), before any rank
+    starts."""
+    from transformers import AutoConfig
+
+    from ..engine.models import ModelLoadError
+    from ..engine.tensor_parallel import check_splits as check
+    from .text import PRESETS, get_preset, preset_config
+    from .vlm import build_vlm
+
+    if config.preset in PRESETS:
+        model_config, name = preset_config(get_preset(config.preset)), config.preset
+    elif config.preset is not None:
+        model_config, name = build_vlm(config.preset).model.config, config.preset
+    else:
+        try:
+            model_config, name = AutoConfig.from_pretrained(config.model), str(config.model)
+        except Exception as e:  # no config.json, a damaged one, an unknown model type
+            raise ModelLoadError(f"cannot read the config of {config.model}: {type(e).__name__}: {e}") from e
+    check(model_config.get_text_config(), size, name)
+
+
 def start_group(config, size: int, timeout_s: float) -> FollowerGroup:
     """Start ranks 1 .. ``size - 1`` for ``config`` (a ``ServerConfig``) and join them as rank 0 (this process's
-    default ``torch.distributed`` group). ``RuntimeError`` when a rank exits or the group does not form in time."""
+    default ``torch.distributed`` group). ``UnsupportedModel`` before any rank starts where the model cannot be
+    split (``check_splits``); ``RuntimeError`` when a rank exits or the group does not form in time."""
     import torch.distributed as dist
 
+    check_splits(config, size)
     with socket.socket() as s:
         s.bind((_ADDRESS, 0))
         port = s.getsockname()[1]
