@@ -2,7 +2,8 @@
 
 Every ```python block of README.md is run in one fresh interpreter (each block in its own namespace, in order;
 one interpreter so that torch and transformers are imported once). A ``print(...)  # VALUE: why`` line states
-the line it prints: the k-th print of a block writes the k-th line of that block's output.
+the line it prints: the k-th print of a block writes the k-th line of that block's output. A block that says it
+runs under ``torchrun --nproc-per-node N`` runs so instead, on its own.
 """
 
 import re
@@ -20,10 +21,13 @@ for source in sys.argv[1:]:
     sys.stdout.flush()
 """
 _STATED = re.compile(r"^\s*print\(.*\)\s+#\s*([^:#]+?)\s*:")
+_TORCHRUN = re.compile(r"torchrun --nproc-per-node (\d+)")
 
 
-def readme_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+def readme_blocks(torchrun: bool = False) -> list[str]:
+    """The README's Python blocks: those for one interpreter, or (``torchrun``) those run under torchrun."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+    return [b for b in blocks if bool(_TORCHRUN.search(b)) == torchrun]
 
 
 def stated_lines(block: str) -> list[str | None]:
@@ -38,6 +42,22 @@ def test_the_readme_statements_are_read_as_intended():
     assert stated_lines("x = 1\nprint(a.b)   # 1920: every full page\nprint(c)\nprint(d, e)  # 1 1: once") \
         == ["1920", None, "1 1"]
     assert sum(s is not None for b in blocks for s in stated_lines(b)) >= 3
+
+
+def test_the_readme_torchrun_examples_run_on_their_ranks(tmp_path):
+    blocks = readme_blocks(torchrun=True)
+    assert blocks  # the tensor-parallel example
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(block)
+        ranks = _TORCHRUN.search(block).group(1)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={ranks}", str(script)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        printed = run.stdout.splitlines()
+        assert len(printed) == len(stated_lines(block)), run.stdout  # rank 0 prints; the others follow
+        assert all(want is None or got == want for want, got in zip(stated_lines(block), printed)), run.stdout
 
 
 def test_the_readme_examples_run_and_print_what_they_state():
