@@ -144,8 +144,8 @@ class ShadowedManager:
         self._drain()
         return ids
 
-    def resume(self, request_id) -> ResumeResult:
-        return self._call(request_id, lambda m: m.resume(request_id))
+    def resume(self, request_id, readmission: bool = False) -> ResumeResult:
+        return self._call(request_id, lambda m: m.resume(request_id, readmission=readmission))
 
     def protect_prefix(self, request_id, num_tokens: int) -> None:
         self._call(request_id, lambda m: m.protect_prefix(request_id, num_tokens))

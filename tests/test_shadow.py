@@ -94,3 +94,19 @@ def test_a_prepared_prompt_named_for_another_mode_is_refused_before_the_real_cal
     assert "a" not in mgr and "a" not in mgr.shadow
     named = mgr.prepare(np.arange(1, 18))
     assert len(named.names) == 4 and mgr.peek(named) == 0  # peek answers for the real pages: mode off
+
+
+def test_a_resume_as_readmission_is_counted_so_by_the_mirror_too():
+    from mmcache.manager import CacheConfig
+    from mmcache.names import Fingerprint
+    from mmcache.shadow import make_manager
+
+    m = make_manager(CacheConfig(num_pages=16, page_size=4, mode="shadow"), Fingerprint.for_tests(page_size=4))
+    ids = list(range(1, 12))
+    m.admit("r", ids)
+    m.reserve("r", len(ids))
+    m.commit("r", ids)
+    m.suspend("r")
+    m.resume("r", readmission=True)
+    assert m.shadow.metrics.readmissions == 1
+    m.abort("r")

@@ -21,8 +21,9 @@ Invariants (checked at construction, ``EngineConfigError`` otherwise):
   the main label's pool (``mmcache.tier``): cached pages that eviction frees move to host memory, then to a file
   in a private directory created under ``disk_tier_dir`` (required with a disk tier). A tier hit is read back in
   by a worker thread while its request waits behind the readiness gate (``scheduler``). ``preempt_tier_bytes``
-  is the offload budget's explicit share for preempted requests: host memory their stored pages move into when
-  evicted, which cold cache pages cannot take (``mmcache.tier``). Only mode ``on`` keeps a tier. A tier smaller
+  is the offload budget's explicit share for preempted requests: host memory that a suspended request's own
+  pages are copied into, and its cached pages move into when evicted, which cold cache pages cannot take
+  (``mmcache.tier``). Only mode ``on`` keeps a tier. A tier smaller
   than one page is none.
 * ``tensor_parallel_size > 1`` runs the engine as one rank of a tensor-parallel group (``tp_group``): the
   process group must exist (torchrun, or ``mmcache serve --tensor-parallel-size``), each rank keeps its slice of

@@ -69,7 +69,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import AllocationFailed, MmcacheError
-from ..shadow import ShadowedManager
 from .sequence import Branch, LiveRequest
 
 
@@ -297,11 +296,10 @@ class Scheduler:
 
     def _resume_branches(self, live: LiveRequest) -> list[bool]:
         """Resumes each of a suspended request's branches (see the module docstring); as ``_admit_branches``,
-        returns whether each was a first admission (never). A shadowed pool's ``resume`` takes no flags: its
-        mirror does not count the resumed lookup as a re-admission."""
+        returns whether each was a first admission (never)."""
         self.suspended.discard(live)
         for b in live.branches.values():
-            kw = {} if isinstance(b.manager, ShadowedManager) else {"readmission": True}  # a shadow: see above
+            kw = {"readmission": True}
             if self.start_read_in and getattr(b.manager, "tiers", None) is not None:
                 kw["defer_read_in"] = True
             res = b.manager.resume(live.request_id, **kw)

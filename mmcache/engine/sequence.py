@@ -11,8 +11,9 @@ A live request has one ``Branch`` per label: ``main`` (the prompt) and, for clas
   has ``computed == len(tokens)`` and no logits until its last token is computed again (without a write).
 * ``branch.logits`` holds the branch's logits at its last token once it was computed and until the next
   token is sampled; a token is sampled when every branch holds logits.
-* A preempted request is back in the queue with ``admitted == False`` and ``computed == 0`` on every branch;
-  its next admission re-seeds from the index over prompt + generated-so-far.
+* A preempted request is back at the head of the queue suspended (``Scheduler.suspended``): its branches stay
+  admitted with ``computed == 0`` while the managers keep the pages it shares; resuming it re-seeds each branch
+  from the index (then the tiers) over prompt + generated-so-far.
 * ``branch.names`` are the names of the full pages of ``tokens`` as of the latest admission (from its
   ``PreparedPrompt``): while the branch is admitted, the pages from ``computed // page_size`` on are the ones
   it has yet to write, which the scheduler's deferral compares waiting requests against.
