@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mmcache.engine import EngineConfig, Request, SamplingParams
+from mmcache.engine.tp_group import leave
 from mmcache.engine.inspect import record_logits, rows_equal
 from mmcache.presets.text import engine_from_preset, get_preset, preset_config
 
@@ -120,4 +121,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        leave()
+    sys.exit(code)

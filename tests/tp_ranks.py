@@ -149,8 +149,7 @@ def main() -> None:
             (out / "result.json").write_text(json.dumps(kill_scenario(out)))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    if scenario != "kill":
-        dist.destroy_process_group()
+    tp_group.leave()
 
 
 if __name__ == "__main__":

@@ -617,6 +617,9 @@ class Engine:
         row, greedy_rows = 0, {}
         for w in works:
             live_now = self._is_live(w.live)
+            if not live_now and w.write and self.leader is not None:  # the followers commit every written work
+                raise GroupFailed(f"request {w.live.request_id!r} ended inside its forward; the followers committed "
+                                  f"its work")
             if live_now and w.write:  # a whole hit's last token (no write) has its KV in the matched pages
                 w.branch.manager.commit(w.live.request_id, w.branch.tokens[w.start:w.end])
                 w.branch.computed = w.end

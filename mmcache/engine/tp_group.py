@@ -7,9 +7,11 @@ pickled list of operations); the group's backend (gloo on CPU, NCCL on CUDA) car
 
 Invariants:
 
-* Rank 0's managers are wrapped (``RecordedManager``): every call that changes a pool (reserve, commit, teardown,
-  abort, suspend, resume, release and clear) is recorded after it succeeded, and the followers replay the
-  records in order, on the manager of the same label, before anything that depends on them. A follower's pools
+* Rank 0's managers are wrapped (``RecordedManager``): every call that changes a pool (reserve, teardown, abort,
+  suspend, release and clear) is recorded after it succeeded, and the followers replay the records in order, on
+  the manager of the same label, before anything that depends on them. A forward's commits are not sent: rank 0
+  commits every work that writes KV (its requests stay live through the step: aborts wait for its end), and each
+  follower commits the same works right after its forward, at the same time as rank 0. A follower's pools
   therefore hold the same requests with the same lengths as rank 0's.
 * Admission: rank 0's lookup announces the request (ids, media, salt) and then joins the agreement
   (``mmcache.agreement.GroupMinimum``) with its matched page count; each follower admits the same request on its
@@ -51,9 +53,10 @@ from .sequence import Branch
 _log = logging.getLogger("mmcache.engine")
 _LENGTH = 8  # bytes of a message's length at the head of its frame
 
-RECORDED = ("reserve", "commit", "teardown", "abort", "suspend", "release_oldest", "protect_prefix", "clear_cache")
+RECORDED = ("reserve", "teardown", "abort", "suspend", "release_oldest", "protect_prefix", "clear_cache")
 """The manager calls rank 0 records and the followers replay (every call that changes a pool; an admission and a
-resume, which match on the index, are the agreement's own messages)."""
+resume, which match on the index, are the agreement's own messages, and a forward's commits each follower makes
+itself, right after the forward)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,19 @@ def join(size: int, timeout_s: float) -> GroupInfo:
     # they create their groups in the same order, as torch.distributed requires.
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
     return GroupInfo(dist.get_rank(), size, timeout_s, group)
+
+
+def leave() -> None:
+    """Tear down this process's ``torch.distributed`` groups before it exits: a process that exits with its gloo
+    groups alive can abort in their destructors ("terminate called without an active exception"), whatever it
+    returned. Nothing when there are none; a group that cannot be torn down is left."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group: the process is on its way out anyway
+            _log.debug("tearing the process group down raised", exc_info=True)
 
 
 class Channel:
@@ -418,6 +434,9 @@ class Follower:
         logits = self.engine.runner.run(works)
         if self.logits is not None and len(logits):
             self.logits.update(logits.contiguous().numpy().tobytes())
+        for w, (rid, *_rest) in zip(works, described):  # as rank 0's Engine._commit, in the same order
+            if w.write:
+                w.branch.manager.commit(rid, w.branch.tokens[w.start:w.end])
 
     def _answer(self, what: str) -> None:
         import torch.distributed as dist

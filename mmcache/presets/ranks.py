@@ -126,19 +126,22 @@ def follower_main(argv: list[str]) -> int:
     """A follower rank: join the group, build the chat engine ``config`` names, follow rank 0."""
     import torch.distributed as dist
 
+    from ..engine.tp_group import leave
     from .serving import build_engine
 
     rank, size, port, timeout_s = int(argv[0]), int(argv[1]), int(argv[2]), float(argv[3])
     config = pickle.loads(sys.stdin.buffer.read())  # from the parent process that started this one
     dist.init_process_group("gloo", init_method=f"tcp://{_ADDRESS}:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    engine = build_engine(config)
-    engine = getattr(engine, "engine", engine)  # a VLM front end's own engine (the tower runs on rank 0)
     try:
+        engine = build_engine(config)
+        engine = getattr(engine, "engine", engine)  # a VLM front end's own engine (the tower runs on rank 0)
         engine.follow()
     except GroupFailed as e:
         print(f"mmcache serve: tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        leave()
     return 0
 
 

@@ -324,6 +324,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if group is not None:  # after the server stopped: no step is left to send
             group.close(core)
             group = None
+            _leave_group()
         if failed is not None:
             print(f"mmcache serve: the tensor-parallel group failed: {failed}", file=sys.stderr, flush=True)
             return 1
@@ -341,8 +342,15 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         if group is not None:  # the server did not start, or stopped on an error: the followers go too
             group.close()
+            _leave_group()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _leave_group() -> None:
+    from ..engine.tp_group import leave
+
+    leave()
 
 
 def _start_ranks(config, args):
