@@ -98,10 +98,15 @@ def join(size: int, timeout_s: float) -> GroupInfo:
 
 def leave() -> None:
     """Tear down this process's ``torch.distributed`` groups before it exits: a process that exits with its gloo
-    groups alive can abort in their destructors ("terminate called without an active exception"), whatever it
-    returned. Nothing when there are none; a group that cannot be torn down is left."""
+    groups alive, or with an engine of the group still alive, can abort at exit ("terminate called without an
+    active exception"), whatever it returned. Drop every reference to the engines first: this collects them (an
+    engine and its leader or follower refer to each other, which only the collector frees), then tears the groups
+    down. Nothing when there are none; a group that cannot be torn down is left."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -134,15 +134,17 @@ def follower_main(argv: list[str]) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{_ADDRESS}:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        engine = build_engine(config)
-        engine = getattr(engine, "engine", engine)  # a VLM front end's own engine (the tower runs on rank 0)
-        engine.follow()
+        _follow(build_engine(config))
     except GroupFailed as e:
         print(f"mmcache serve: tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        leave()
+        leave()  # the engine is gone by now (``_follow``'s frame holds it)
     return 0
+
+
+def _follow(engine) -> None:
+    getattr(engine, "engine", engine).follow()  # a VLM front end's own engine (the tower runs on rank 0)
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def serve_main(args: argparse.Namespace) -> int:
             failed = wait_until_stopped(stop, lambda: getattr(core, "fatal", None))
         if group is not None:  # after the server stopped: no step is left to send
             group.close(core)
-            group = None
+            group = core = srv = None  # the engine goes before the group (``tp_group.leave``)
             _leave_group()
         if failed is not None:
             print(f"mmcache serve: the tensor-parallel group failed: {failed}", file=sys.stderr, flush=True)
